@@ -1,0 +1,117 @@
+"""Moshi (Kyutai): the contract of Mimi and the Moshi LM with its depformer.
+
+Every attention cache is the vendor's preallocated `RingCache`, written in place at a device-side
+offset, so shapes never change: the derived catalog width is 1 for every operator.
+"""
+
+from __future__ import annotations
+
+from cadence_fx.contract import (
+    Admission,
+    Clock,
+    ClockKind,
+    Contract,
+    Effect,
+    Interactivity,
+    Lifetime,
+    Operator,
+    Rate,
+    Region,
+    RingCache,
+)
+
+__all__ = ["moshi_contract"]
+
+
+def moshi_contract(
+    *,
+    mimi_context: int = 250,
+    lm_context: int = 3000,
+    codebooks: int = 8,
+    mimi_layers: int = 8,
+    lm_layers: int = 32,
+    lm_heads: int = 32,
+    lm_dim: int = 4096,
+    depformer_layers: int = 6,
+    depformer_heads: int = 16,
+    depformer_dim: int = 1024,
+) -> Contract:
+    """The full-size Moshi 7B configuration by default (bf16 LM, fp32 Mimi)."""
+    return Contract(
+        family="moshi",
+        clocks=(
+            Clock("frame", ClockKind.FRAMES),
+            Clock("mimi_step", ClockKind.FRAMES),
+            Clock("sample", ClockKind.SAMPLES),
+            Clock("codebook", ClockKind.CODEBOOKS),
+            Clock("text_token", ClockKind.TOKENS),
+            Clock("turn", ClockKind.TURNS),
+        ),
+        rates=(
+            Rate("sample", "frame", 1920, name="samples_per_frame"),
+            Rate("mimi_step", "frame", 2, name="mimi_steps_per_frame"),
+            Rate("codebook", "frame", codebooks, name="codebooks"),
+            Rate("text_token", "frame", 1),
+        ),
+        quantities={
+            "mimi_layers": mimi_layers,
+            "mimi_heads": 8,
+            "mimi_head_dim": 64,
+            "lm_layers": lm_layers,
+            "lm_heads": lm_heads,
+            "lm_head_dim": lm_dim // lm_heads,
+            "depformer_layers": depformer_layers,
+            "depformer_heads": depformer_heads,
+            "depformer_head_dim": depformer_dim // depformer_heads,
+        },
+        regions=(
+            Region(
+                "mimi_encoder_kv",
+                dims=("mimi_layers", 2, 1, "mimi_heads", "mimi_step", "mimi_head_dim"),
+                axis=4,
+                clock="mimi_step",
+                stride=2,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=RingCache(mimi_context),
+            ),
+            Region(
+                "mimi_decoder_kv",
+                dims=("mimi_layers", 2, 1, "mimi_heads", "mimi_step", "mimi_head_dim"),
+                axis=4,
+                clock="mimi_step",
+                stride=2,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=RingCache(mimi_context),
+            ),
+            Region(
+                "lm_kv",
+                dims=("lm_layers", 2, 1, "lm_heads", "frame", "lm_head_dim"),
+                axis=4,
+                clock="frame",
+                stride=1,
+                dtype="bfloat16",
+                lifetime=Lifetime.PER_STREAM,
+                retention=RingCache(lm_context),
+            ),
+            Region(
+                "depformer_kv",
+                dims=("depformer_layers", 2, 1, "depformer_heads", "codebook", "depformer_head_dim"),
+                axis=4,
+                clock="codebook",
+                stride=1,
+                dtype="bfloat16",
+                lifetime=Lifetime.PER_STREAM,
+                retention=RingCache(codebooks),
+            ),
+        ),
+        operators=(
+            Operator("mimi_encode", "mimi_encoder_kv", steady=2),
+            Operator("lm_step", "lm_kv", steady=1, effect=Effect.DEVICE_RNG),
+            Operator("depformer_step", "depformer_kv", steady=1, effect=Effect.DEVICE_RNG),
+            Operator("mimi_decode", "mimi_decoder_kv", steady=2),
+        ),
+        admission=Admission("frame", max_per_call=1),
+        interactivity=Interactivity(stages=("mimi.encode", "lm.step", "lm.depformer", "mimi.decode")),
+    )
