@@ -1,8 +1,10 @@
 """cadence-fx: lossless compiler passes for full-duplex speech models.
 
-Public API: declare a family's `Contract`, derive its `Catalog` before any traffic.
+Public API: declare a family's `Contract`, derive its `Catalog` before any traffic, `transform`
+a model under it (state rule, carry, shadow audit), replay hot operators with `ExactShapeReplay`.
 """
 
+from .audit import AuditMismatch, ShadowAuditor
 from .catalog import Catalog, CatalogClass, OperatorCatalog, RegionDerivation, derive
 from .contract import (
     Admission,
@@ -21,8 +23,18 @@ from .contract import (
     RingCache,
     SlidingWindow,
 )
+from .replay import Certificate, ExactShapeReplay, ShapeClass, Signature
+from .transform import TransformReport, transform
 
 __all__ = [
+    "AuditMismatch",
+    "Certificate",
+    "ExactShapeReplay",
+    "ShapeClass",
+    "Signature",
+    "ShadowAuditor",
+    "TransformReport",
+    "transform",
     "Admission",
     "Catalog",
     "CatalogClass",

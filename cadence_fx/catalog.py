@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from .contract import DTYPES, Contract, Operator, PromptPlusHistory, Region, RingCache, SlidingWindow
+from .contract import DTYPES, Contract, Operator, PromptPlusHistory, Region, RingCache, SlidingWindow, rate_between
 
 __all__ = [
     "Catalog",
@@ -52,9 +52,13 @@ def retained_extent(region: Region) -> sympy.Expr:
 
 
 def call_units(contract: Contract, region: Region) -> int:
-    """The most units one call appends to the region (steady or flush), over its operators."""
+    """The most units one call appends to the region: over its operators (steady or flush), or,
+    with no operator declared on it, the most the admission predicate lets a call bring."""
     sizes = [units for op in contract.operators if op.region == region.name for units in (op.steady, *op.flush)]
-    return max(sizes, default=region.stride)
+    if sizes:
+        return max(sizes)
+    admission = contract.admission
+    return math.floor(rate_between(contract, admission.clock, region.clock) * admission.max_per_call)
 
 
 def live_extent(contract: Contract, region: Region) -> sympy.Expr:

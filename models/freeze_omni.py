@@ -31,7 +31,7 @@ def freeze_omni_contract(
     blocks: int = 24,
     d_model: int = 1024,
     heads: int = 16,
-    lorder: int = 14,
+    lorder: int = 2,
 ) -> Contract:
     """`chunk_frames` is the chunk in encoder frames (16 fbank frames through 4x subsampling)."""
     return Contract(

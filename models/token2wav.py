@@ -39,7 +39,8 @@ def token2wav_contract(
     """The primary operating point by default: a 302-frame prompt plus 100 retained frames,
     50-frame chunks, a 56-frame final chunk, 10 solver steps per chunk."""
     flush = (f_call,) if f_call != f_chunk else ()
-    stock_steps, stock_frames = 16, 1000  # the vendor's att_cache_buffer / cnn_cache_buffer
+    # The vendor's buffers have 16 solver-step slots, 16 block slots whatever the depth, 1000 frames.
+    stock_steps, stock_slots, stock_frames = 16, 16, 1000
     return Contract(
         family="token2wav",
         clocks=(
@@ -75,7 +76,7 @@ def token2wav_contract(
                 dtype="float32",
                 lifetime=Lifetime.PER_TURN,
                 retention=PromptPlusHistory(prompt=f_prompt, history=f_retained),
-                stock_dims=(stock_steps, dit_depth, 2, 8, stock_frames, 128),
+                stock_dims=(stock_steps, stock_slots, 2, 8, stock_frames, 128),
             ),
             Region(
                 "estimator_cnn_cache",
@@ -87,9 +88,33 @@ def token2wav_contract(
                 lifetime=Lifetime.PER_TURN,
                 retention=SlidingWindow(window=2, initial=2),
                 holds_call=False,
-                stock_dims=(stock_steps, dit_depth, 2, 1024, 2),
+                stock_dims=(stock_steps, stock_slots, 2, 1024, 2),
             ),
             Region(
+                "dit_block_att_cache",
+                dims=("depth", "cfg_batch", "heads", "mel_frame", "kv_width"),
+                axis=3,
+                clock="mel_frame",
+                stride=f_chunk,
+                dtype="float32",
+                lifetime=Lifetime.PER_TURN,
+                retention=PromptPlusHistory(prompt=f_prompt, history=f_retained),
+                stock_dims=(stock_slots, 2, 8, stock_frames, 128),
+            ),
+            Region(
+                "dit_block_cnn_cache",
+                dims=("depth", "cfg_batch", "dit_channels", "mel_frame"),
+                axis=3,
+                clock="mel_frame",
+                stride=f_chunk,
+                dtype="float32",
+                lifetime=Lifetime.PER_TURN,
+                retention=SlidingWindow(window=2, initial=2),
+                holds_call=False,
+                stock_dims=(stock_slots, 2, 1024, 2),
+            ),
+            Region(
+                # The encoder concatenates inside the call; the carry holds what the trim keeps.
                 "conformer_att_cache",
                 dims=("conformer_blocks", 1, "heads", "mel_frame", "kv_width"),
                 axis=3,
@@ -98,6 +123,7 @@ def token2wav_contract(
                 dtype="float32",
                 lifetime=Lifetime.PER_TURN,
                 retention=PromptPlusHistory(prompt=f_prompt, history=f_retained),
+                holds_call=False,
             ),
             Region(
                 "hift_mel_cache",

@@ -98,7 +98,7 @@ def test_freeze_omni_chunk_policy_has_width_two():
     op = catalog.operator("encoder_chunk")
     assert op.width == 2
     assert [c.call + c.extent for c in op.classes] == [4, 8]  # one chunk, then two
-    assert catalog.region("conv_left_context").bound == 14
+    assert catalog.region("conv_left_context").bound == 2
 
 
 def test_llm_backbone_is_outside_lossless_scope():

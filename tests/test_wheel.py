@@ -35,7 +35,7 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     (venv_site / "borrowed.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     probe = (
         "import importlib.util, cadence_fx, cadence_fx.models, cadence_fx.passes, cadence_fx.serve\n"
-        "from cadence_fx import derive, Contract, ContractError\n"
+        "from cadence_fx import transform, derive, Contract, ContractError, ExactShapeReplay\n"
         "assert cadence_fx.__file__.startswith(%r), cadence_fx.__file__\n"
         "assert all(importlib.util.find_spec(n) is None for n in ('models', 'serve', 'passes'))\n"
         "print(derive(cadence_fx.models.family_contract('token2wav')).operator('cfm_loop').width)\n"

@@ -1,0 +1,123 @@
+"""`transform(model, contract)`: the entry point, and the report it returns.
+
+The family's adapter (registered by `cadence_fx.models`) knows where the model keeps each region;
+the passes do the rewriting; this module derives the catalog, dispatches and reports.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from .audit import ShadowAuditor
+from .catalog import DEFAULT_BUDGET, Catalog, derive
+from .contract import Contract
+from .report import format_bytes, format_table
+
+__all__ = ["Adapter", "TransformReport", "register_adapter", "transform"]
+
+
+@dataclass
+class TransformReport:
+    """What a transform did and why: sites, resized regions, carries, audit counters, stamps."""
+
+    family: str
+    catalog: Catalog
+    sites: list = field(default_factory=list)  # passes.carry.RetentionSite
+    resizes: list = field(default_factory=list)  # passes.state.Resize
+    carries: dict = field(default_factory=dict)  # region -> passes.carry.Carry
+    stamps: list[str] = field(default_factory=list)
+    auditor: ShadowAuditor | None = None
+    graphs: dict = field(default_factory=dict)  # name -> (before GraphModule, after GraphModule)
+
+    def managed_bytes(self) -> dict[str, tuple[int, int]]:
+        """Bytes of contract-managed state per region: (stock, after the transform)."""
+        return {r.region: (r.stock_bytes, r.demand_bytes) for r in self.resizes}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "family": self.family,
+            "sites": [dataclasses.asdict(s) for s in self.sites],
+            "resizes": [dataclasses.asdict(r) for r in self.resizes],
+            "carries": {name: {"shape": list(c.buffer.shape), "address": c.address} for name, c in self.carries.items()},
+            "stamps": list(self.stamps),
+            "audit": None if self.auditor is None else self.auditor.counters(),
+        }
+
+    def __str__(self) -> str:
+        sites = format_table(
+            ["graph", "node", "region", "axis", "kind", "rewritten", "why"],
+            [[s.graph, s.node, s.region, str(s.axis), s.kind, "yes" if s.rewritten else "no", s.reason] for s in self.sites],
+        )
+        resizes = format_table(
+            ["buffer", "region", "stock shape", "stock", "demand shape", "demand"],
+            [
+                [
+                    r.path,
+                    r.region,
+                    "x".join(map(str, r.stock_shape)),
+                    format_bytes(r.stock_bytes),
+                    "x".join(map(str, r.demand_shape)),
+                    format_bytes(r.demand_bytes),
+                ]
+                for r in self.resizes
+            ],
+        )
+        before = sum(r.stock_bytes for r in self.resizes)
+        after = sum(r.demand_bytes for r in self.resizes)
+        lines = [
+            f"transform of {self.family}",
+            *(f"  {stamp}" for stamp in self.stamps),
+            "",
+            "retention sites",
+            sites,
+            "",
+            "state rule",
+            resizes,
+            f"contract-managed envelopes: {format_bytes(before)} -> {format_bytes(after)}",
+        ]
+        if self.auditor is not None:
+            lines += ["", f"shadow audit: {self.auditor.counters()}"]
+        return "\n".join(lines)
+
+
+class Adapter(abc.ABC):
+    """Where one family keeps its regions, and how its transform is assembled from the passes."""
+
+    family: str
+
+    @abc.abstractmethod
+    def transform(
+        self, model: Any, contract: Contract, catalog: Catalog, *, audit: bool, capture: bool
+    ) -> tuple[Any, TransformReport]:
+        """Return the transformed model (the input left untouched) and the report."""
+
+
+_ADAPTERS: dict[str, Adapter] = {}
+
+
+def register_adapter(adapter: Adapter) -> Adapter:
+    _ADAPTERS[adapter.family] = adapter
+    return adapter
+
+
+def transform(model: Any, contract: Contract, *, audit: bool = False, capture: bool = True, budget: int = DEFAULT_BUDGET):
+    """Transform `model` under `contract`: returns (transformed model, TransformReport).
+
+    The input model is left untouched. With `audit=True` a shadow auditor evaluates the stock
+    retention beside every carry write and raises `AuditMismatch` on the first difference.
+    `capture=False` skips exporting the hot operators (their sites and graphs are then not in the
+    report), which saves the export time when only the rewritten model is wanted.
+    """
+    if not isinstance(contract, Contract):
+        raise TypeError(f"contract must be a cadence_fx.Contract, got {type(contract).__name__}")
+    catalog = derive(contract, budget=budget)
+    if contract.family not in _ADAPTERS:
+        importlib.import_module("cadence_fx.models")  # adapters register themselves on import
+    adapter = _ADAPTERS.get(contract.family)
+    if adapter is None:
+        raise ValueError(f"no adapter for family {contract.family!r}; adapters: {sorted(_ADAPTERS)}")
+    return adapter.transform(model, contract, catalog, audit=audit, capture=capture)

@@ -1,0 +1,260 @@
+"""Token2Wav under the state rule and the carry: the adapter behind `transform(flow, contract)`.
+
+Where the regions live in the vendor flow (minicpmo-utils 1.0.6):
+
+* the CFM's ``att_cache_buffer`` / ``cnn_cache_buffer`` and the DiT's block buffers are stock
+  envelopes (16 steps x 16 blocks x 1000 frames); the state rule resizes them to demand. The CFM
+  writes each step's [new | cached] keys into its buffer and returns a view of it, so once resized
+  that buffer is the estimator cache's carry: the vendor code itself writes into it, in place;
+* the caller's per-chunk trim (token2wav.py:192-204, ``cat([c[..., :P], c[..., -100:]])``) is
+  rewritten by the carry pass into in-place compaction within the carry (estimator) or writes of
+  the kept units into a demand-sized carry (conformer, whose encoder concatenates internally);
+* the DiT prepends (``cat([k, k_cache])``) and the conformer appends (``cat([key_cache, k])``):
+  both are found on their exported graphs and reported.
+
+A turn reset writes the prompt state, kept once and shared by every turn (copy-on-write: it is
+only ever read), into the carries in place.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from cadence_fx.audit import ShadowAuditor
+from cadence_fx.capture import capture as export_operator
+from cadence_fx.catalog import Catalog
+from cadence_fx.contract import Contract
+from cadence_fx.passes.carry import Carry, find_retention_sites, rewrite_trims, stock_trim, trace_trim
+from cadence_fx.passes.state import Envelope, apply_state_rule, shed_envelopes
+from cadence_fx.transform import Adapter, TransformReport, register_adapter
+
+from .token2wav_stream import Prompt, StockStream
+
+__all__ = ["ENVELOPES", "GLUE_TRIMS", "CarryStream", "Token2WavAdapter", "TransformedFlow"]
+
+ENVELOPES = (
+    Envelope("decoder.att_cache_buffer", "estimator_att_cache"),
+    Envelope("decoder.cnn_cache_buffer", "estimator_cnn_cache"),
+    Envelope("decoder.estimator.att_cache_buffer", "dit_block_att_cache"),
+    Envelope("decoder.estimator.cnn_cache_buffer", "dit_block_cnn_cache"),
+)
+
+
+@dataclass(frozen=True)
+class GlueTrim:
+    """A retention in the caller's Python glue, declared by the adapter: cache key, region, axis."""
+
+    key: str
+    region: str
+    axis: int
+
+
+GLUE_TRIMS = (
+    GlueTrim("estimator_att_cache", "estimator_att_cache", 4),
+    GlueTrim("conformer_att_cache", "conformer_att_cache", 3),
+)
+
+
+class TransformedFlow:
+    """The flow with its envelopes at demand and its glue trims running on carries."""
+
+    def __init__(self, flow: torch.nn.Module, contract: Contract, catalog: Catalog, report: TransformReport):
+        self.flow = flow
+        self.contract = contract
+        self.report = report
+        self.auditor = report.auditor
+        self.carries = report.carries
+        retention = contract.region("estimator_att_cache").retention
+        self.prompt_frames, self.history = retention.prompt, retention.history
+        self.trims = {}
+        for glue in GLUE_TRIMS:
+            before = trace_trim(glue.axis, self.prompt_frames, self.history)
+            after, sites, stamp = rewrite_trims(before, {"cache": glue.region}, self.carries, graph=f"{glue.key}_trim")
+            self.trims[glue.key] = after
+            report.sites.extend(sites)
+            report.stamps.append(stamp)
+            report.graphs[f"{glue.key}_trim"] = (before, after)
+        self.base: dict[str, torch.Tensor] | None = None
+        self.chunk = 0
+
+    def setup_cache(self, tokens: torch.Tensor, mels: torch.Tensor, spk: torch.Tensor, n_timesteps: int) -> dict:
+        """The vendor's setup, with the prompt state adopted by the carries and kept once."""
+        cache = self.flow.setup_cache(tokens, mels, spk, n_timesteps=n_timesteps)
+        if cache["estimator_att_cache"].shape[4] != self.prompt_frames:
+            raise ValueError(
+                f"the prompt has {cache['estimator_att_cache'].shape[4]} mel frames, the contract declares "
+                f"f_prompt={self.prompt_frames}: build the contract for this prompt"
+            )
+        for glue in GLUE_TRIMS:
+            cache[glue.key] = self.carries[glue.region].adopt(cache[glue.key])
+        self.base = {key: value.clone() for key, value in cache.items()}
+        self.chunk = 0
+        return cache
+
+    def reset_turn(self) -> dict:
+        """A turn boundary: the prompt state written into the carries and buffers in place."""
+        if self.base is None:
+            raise RuntimeError("reset_turn before setup_cache: there is no prompt state to return to")
+        cache = {}
+        for glue in GLUE_TRIMS:
+            cache[glue.key] = self.carries[glue.region].reset(self.base[glue.key])
+        estimator_cnn = self.flow.decoder.cnn_cache_buffer
+        estimator_cnn.copy_(self.base["estimator_cnn_cache"])
+        cache["estimator_cnn_cache"] = estimator_cnn
+        cache["conformer_cnn_cache"] = self.base["conformer_cnn_cache"]  # read-only: shared
+        self.chunk = 0
+        return cache
+
+    def retain(self, cache: dict) -> dict:
+        """The caller's trim on the carries; audited against the stock trim when asked."""
+        self.chunk += 1
+        limit = self.prompt_frames + self.history
+        for glue in GLUE_TRIMS:
+            full = cache[glue.key]
+            carry = self.carries[glue.region]
+            evicts = full.shape[glue.axis] > limit
+            expected = None
+            if self.auditor is not None:
+                expected = stock_trim(full, glue.axis, self.prompt_frames, self.history) if evicts else full.clone()
+            cache[glue.key] = self.trims[glue.key](full) if evicts else carry.adopt(full)
+            if expected is not None:
+                self.auditor.check(
+                    glue.key, self.chunk, expected, cache[glue.key], evicted=evicts, address=carry.address
+                )
+        return cache
+
+
+class CarryStream(StockStream):
+    """The vendor's streaming loop on a transformed flow: same steps, carries for the caches."""
+
+    def __init__(self, transformed: TransformedFlow, hift: torch.nn.Module | None, prompt: Prompt, **kwargs):
+        super().__init__(transformed.flow, hift, prompt, **kwargs)
+        self.transformed = transformed
+
+    def setup_cache(self, tokens: torch.Tensor, mels: torch.Tensor, spk: torch.Tensor) -> dict:
+        return self.transformed.setup_cache(tokens, mels, spk, self.n_timesteps)
+
+    def reset_turn(self) -> None:
+        self.stream_cache = self.transformed.reset_turn()
+        self.reset_vocoder()
+
+    def retain(self, cache: dict) -> dict:
+        return self.transformed.retain(cache)
+
+
+class _EstimatorStep(torch.nn.Module):
+    """One DiT estimator call as the CFM makes it (flow_matching.py:152)."""
+
+    def __init__(self, estimator: torch.nn.Module):
+        super().__init__()
+        self.estimator = estimator
+
+    def forward(self, x, mu, t, spks, cond, cnn_cache, att_cache):
+        return self.estimator.forward_chunk(x=x, mu=mu, t=t, spks=spks, cond=cond, cnn_cache=cnn_cache, att_cache=att_cache)
+
+
+class _EncoderStep(torch.nn.Module):
+    """One conformer encoder call as the flow makes it (flow.py:201)."""
+
+    def __init__(self, encoder: torch.nn.Module):
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, xs, cnn_cache, att_cache):
+        return self.encoder.forward_chunk(xs=xs, last_chunk=False, cnn_cache=cnn_cache, att_cache=att_cache)
+
+
+def capture_hot_operators(flow: torch.nn.Module, contract: Contract) -> dict:
+    """Export the DiT estimator and the conformer encoder at the first steady catalog class."""
+    retention = contract.region("estimator_att_cache").retention
+    extent, f = retention.prompt, contract.region("estimator_att_cache").stride
+    depth = len(flow.decoder.estimator.blocks)
+    blocks = len(flow.encoder.encoders) + len(flow.encoder.up_encoders)
+    g = torch.Generator().manual_seed(0)
+    dit_args = (
+        torch.randn(2, 80, f, generator=g),
+        torch.randn(2, 80, f, generator=g),
+        torch.rand(2, generator=g),
+        torch.randn(2, 80, generator=g),
+        torch.randn(2, 80, f, generator=g),
+        torch.randn(depth, 2, 1024, 2, generator=g),
+        torch.randn(depth, 2, 8, extent, 128, generator=g),
+    )
+    encoder_args = (
+        torch.randn(1, f // 2 + 3, 512, generator=g),
+        torch.randn(1, 512, 6, generator=g),
+        torch.randn(blocks, 1, 8, extent, 128, generator=g),
+    )
+    bound = retention.prompt + retention.history
+    return {
+        "dit_estimator": export_operator("dit_estimator", _EstimatorStep(flow.decoder.estimator), dit_args,
+                                 clocks={"att_cache": {3: "mel_frame"}}, max_extent=bound),
+        "conformer": export_operator("conformer", _EncoderStep(flow.encoder), encoder_args,
+                             clocks={"att_cache": {3: "mel_frame"}}, max_extent=bound),
+    }
+
+
+def _check_model(flow: torch.nn.Module, contract: Contract) -> None:
+    """The contract must describe this flow: fail before touching anything if it does not."""
+    symbols = contract.symbols()
+    found = {
+        "depth": len(flow.decoder.estimator.blocks),
+        "conformer_blocks": len(flow.encoder.encoders) + len(flow.encoder.up_encoders),
+    }
+    for name, actual in found.items():
+        if symbols[name] != actual:
+            raise ValueError(f"contract quantity {name}={symbols[name]} but the flow has {actual}: declare {name}={actual}")
+
+
+class Token2WavAdapter(Adapter):
+    family = "token2wav"
+
+    def transform(self, model, contract, catalog, *, audit, capture):
+        _check_model(model, contract)
+        flow = copy.deepcopy(model, shed_envelopes(model, ENVELOPES))
+        report = TransformReport(family=self.family, catalog=catalog, auditor=ShadowAuditor() if audit else None)
+        device = model.decoder.att_cache_buffer.device
+        resizes, stamp = apply_state_rule(flow, ENVELOPES, catalog, device=device)
+        report.resizes.extend(resizes)
+        report.stamps.append(stamp)
+        conformer = catalog.region("conformer_att_cache")
+        report.carries["estimator_att_cache"] = Carry("estimator_att_cache", flow.decoder.att_cache_buffer, axis=4)
+        report.carries["conformer_att_cache"] = Carry(
+            "conformer_att_cache",
+            torch.zeros(conformer.shape, dtype=flow.decoder.att_cache_buffer.dtype, device=flow.decoder.att_cache_buffer.device),
+            axis=3,
+        )
+        regions = {"dit_estimator": "estimator_att_cache", "conformer": "conformer_att_cache"}
+        if capture:
+            before = capture_hot_operators(model, contract)
+            after = capture_hot_operators(flow, contract)
+            for name, captured in after.items():
+                report.stamps.append(captured.stamp)
+                report.sites.extend(find_retention_sites(captured.graph_module, {"att_cache": regions[name]}, graph=name))
+                report.graphs[name] = (before[name].graph_module, captured.graph_module)
+        return TransformedFlow(flow, contract, catalog, report), report
+
+
+register_adapter(Token2WavAdapter())
+
+
+def reference_flow(depth: str = "reduced", *, prompt_tokens: int | None = None):
+    """The real vendor flow with random weights and its contract, for the CLI and the demo.
+
+    `depth` is "reduced" (1 + 1 conformer blocks, 2 DiT blocks; a 51-token prompt, fast on a
+    CPU) or "full" (the MiniCPM-o 4.5 configuration and its 151-token prompt).
+    """
+    from .token2wav import token2wav_contract
+    from .token2wav_stream import FULL_DEPTH, PROMPT_TOKENS, REDUCED_DEPTH, build_flow
+
+    if depth not in ("reduced", "full"):
+        raise ValueError(f"depth must be 'reduced' or 'full', got {depth!r}")
+    layout = REDUCED_DEPTH if depth == "reduced" else FULL_DEPTH
+    tokens = prompt_tokens or (51 if depth == "reduced" else PROMPT_TOKENS)
+    contract = token2wav_contract(
+        f_prompt=2 * tokens, dit_depth=layout.dit_blocks, conformer_blocks=layout.encoder_blocks + layout.up_blocks
+    )
+    return build_flow(layout), contract, tokens

@@ -1,0 +1,289 @@
+"""The carry pass: concat-based retention rewritten into in-place writes to a fixed-address carry.
+
+Stock streaming code retains a cache by concatenating and slicing, which allocates a new tensor
+at a new address every call. A `Carry` is one buffer allocated once at the region's declared
+bound; every retention writes the kept units into it in place, in the stock code's physical order
+(reductions over the cache then see the same operands in the same order, so no bit changes).
+
+Two kinds of site:
+
+* a **trim** (``cat([c[..., :head], c[..., -tail:]])``, the prompt-head plus recent-tail trim) is
+  rewritten on its FX graph: the `cat` and its slices become one `carry_keep` call that compacts
+  the kept units into the carry;
+* an **operand concat** (``cat([new, cache])`` prepending, or ``cat([cache, new])`` appending,
+  inside an attention) is found and reported with its ordering; it builds the attention's operand,
+  so it stays as it is and its result reaches the carry through the stock code's own buffer write.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+__all__ = [
+    "Carry",
+    "CarryError",
+    "RetentionSite",
+    "carry_keep",
+    "find_retention_sites",
+    "rewrite_trims",
+    "stock_trim",
+    "trace_trim",
+]
+
+
+class CarryError(RuntimeError):
+    """A write the carry cannot take without changing results (overflow, foreign aliasing)."""
+
+
+class Carry(torch.nn.Module):
+    """One region's state at one physical address for the life of a stream.
+
+    `extent` is the number of units currently retained along `axis`; `view()` is the retained
+    state, a view of the buffer starting at offset 0. A module, so graphs can own it.
+    """
+
+    def __init__(self, region: str, buffer: torch.Tensor, axis: int):
+        super().__init__()
+        self.region = region
+        self.register_buffer("buffer", buffer, persistent=False)
+        self.axis = axis
+        self.extent = 0
+        self.writes = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.buffer.shape[self.axis]
+
+    @property
+    def address(self) -> int:
+        return self.buffer.data_ptr()
+
+    def view(self, extent: int | None = None) -> torch.Tensor:
+        return self.buffer.narrow(self.axis, 0, self.extent if extent is None else extent)
+
+    def _aliases(self, full: torch.Tensor) -> bool:
+        return full.data_ptr() == self.buffer.data_ptr() and full.stride() == self.buffer.stride()
+
+    def adopt(self, full: torch.Tensor) -> torch.Tensor:
+        """Take `full` as the retained state: a view of the carry is adopted as is, anything else
+        is copied in. Used when the stock code keeps the whole tensor."""
+        return self.keep(full, ((0, full.shape[self.axis]),))
+
+    def keep(self, full: torch.Tensor, segments: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """Write the `segments` (start, stop) of `full` along the axis, in order, to the carry's
+        front, in place; return the retained view.
+
+        `full` is either a view of the carry at offset 0 (the stock code wrote into the carry
+        itself: the kept units are compacted leftwards, piece by piece so no copy overlaps) or a
+        tensor outside the carry (copied in).
+        """
+        n = full.shape[self.axis]
+        spans = [(start % n if start < 0 else start, n if stop is None else stop % (n + 1)) for start, stop in segments]
+        total = sum(stop - start for start, stop in spans)
+        if total > self.capacity:
+            raise CarryError(f"{self.region}: {total} units exceed the carry's bound {self.capacity}")
+        aliased = self._aliases(full)
+        storage = self.buffer.untyped_storage().data_ptr()
+        if not aliased and full.untyped_storage().data_ptr() == storage:
+            raise CarryError(f"{self.region}: the input aliases the carry at another offset or stride")
+        dst = 0
+        previous_stop = 0
+        for start, stop in spans:
+            if start < previous_stop or stop < start:
+                raise CarryError(f"{self.region}: segments {spans} are not ordered and disjoint")
+            length = stop - start
+            if aliased:
+                self._move_left(start, dst, length)
+            else:
+                self.buffer.narrow(self.axis, dst, length).copy_(full.narrow(self.axis, start, length))
+            dst += length
+            previous_stop = stop
+        self.extent = dst
+        self.writes += 1
+        return self.view()
+
+    def _move_left(self, src: int, dst: int, length: int) -> None:
+        if src == dst or length == 0:
+            return
+        step = src - dst  # pieces no longer than the shift never overlap their destination
+        for offset in range(0, length, step):
+            piece = min(step, length - offset)
+            self.buffer.narrow(self.axis, dst + offset, piece).copy_(self.buffer.narrow(self.axis, src + offset, piece))
+
+    def reset(self, base: torch.Tensor) -> torch.Tensor:
+        """Turn reset: write the base state into the carry in place."""
+        return self.adopt(base)
+
+
+def stock_trim(cache: torch.Tensor, axis: int, head: int, tail: int) -> torch.Tensor:
+    """The stock prompt-head plus recent-tail trim: the first `head` and last `tail` units."""
+    prefix = (slice(None),) * axis
+    return torch.cat([cache[prefix + (slice(None, head),)], cache[prefix + (slice(-tail, None),)]], dim=axis)
+
+
+class _Trim(torch.nn.Module):
+    def __init__(self, axis: int, head: int, tail: int):
+        super().__init__()
+        self.axis, self.head, self.tail = axis, head, tail
+
+    def forward(self, cache: torch.Tensor) -> torch.Tensor:
+        return stock_trim(cache, self.axis, self.head, self.tail)
+
+
+def trace_trim(axis: int, head: int, tail: int) -> torch.fx.GraphModule:
+    """The FX graph of a declared trim, as the stock code computes it."""
+    return torch.fx.symbolic_trace(_Trim(axis, head, tail))
+
+
+def carry_keep(carry: Carry, full: torch.Tensor, segments: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    return carry.keep(full, segments)
+
+
+torch.fx.wrap("carry_keep")
+
+
+@dataclass(frozen=True)
+class RetentionSite:
+    graph: str
+    node: str
+    region: str
+    axis: int
+    kind: str  # "trim", "prepend" or "append"
+    rewritten: bool
+    reason: str
+
+
+_CATS = {torch.cat, torch.ops.aten.cat.default, torch.concat}
+_VIEWS = {
+    operator.getitem,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.select.int,
+    torch.ops.aten.split.Tensor,
+    torch.ops.aten.split_with_sizes.default,
+    torch.ops.aten.chunk.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.squeeze.dim,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.narrow.default,
+    torch.narrow,
+}
+
+
+def _cat_parts(node: torch.fx.Node) -> tuple[list[torch.fx.Node], int] | None:
+    if node.op != "call_function" or node.target not in _CATS:
+        return None
+    tensors = node.args[0] if node.args else node.kwargs["tensors"]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    return list(tensors), dim
+
+
+def _source(node, inputs: dict[str, str]) -> str | None:
+    """The region whose input `node` is a view of, following view-like ops back to a placeholder."""
+    while isinstance(node, torch.fx.Node):
+        if node.op == "placeholder":
+            return inputs.get(node.name)
+        if node.op == "call_function" and node.target in _VIEWS:
+            node = node.args[0]
+            continue
+        if node.op == "call_method" and node.target in {"chunk", "split", "narrow", "view", "__getitem__"}:
+            node = node.args[0]
+            continue
+        return None
+    return None
+
+
+def _rank(node: torch.fx.Node) -> int | None:
+    value = node.meta.get("val", node.meta.get("example_value"))
+    return value.dim() if isinstance(value, torch.Tensor) else None
+
+
+def _slice_span(node: torch.fx.Node, axis: int) -> tuple[int, int | None] | None:
+    """The (start, stop) a getitem-of-slices takes along `axis`, or None if it is not one."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return None
+    index = node.args[1]
+    if not isinstance(index, tuple) or len(index) != axis + 1:
+        return None
+    if any(s != slice(None) for s in index[:axis]) or not isinstance(index[axis], slice) or index[axis].step:
+        return None
+    return (index[axis].start or 0, index[axis].stop)
+
+
+def find_retention_sites(gm: torch.fx.GraphModule, inputs: dict[str, str], *, graph: str) -> list[RetentionSite]:
+    """Every concat along a cache axis in `gm`. `inputs` maps placeholder names to regions."""
+    sites = []
+    for node in gm.graph.nodes:
+        parts = _cat_parts(node)
+        if parts is None:
+            continue
+        tensors, dim = parts
+        sources = [_source(t, inputs) for t in tensors]
+        regions = {s for s in sources if s}
+        if not regions:
+            continue
+        if len(regions) > 1:
+            sites.append(RetentionSite(graph, node.name, ",".join(sorted(regions)), dim, "mixed", False,
+                                       "left in place: concatenates two regions"))
+            continue
+        (region,) = regions
+        rank = _rank(tensors[0])
+        axis = dim % rank if rank else dim
+        if all(sources):
+            kind, reason = "trim", "trim of one region"
+        elif sources[-1] and not sources[0]:
+            kind = "prepend"
+            reason = "left in place: builds the attention operand [new | cache]; the stock buffer write carries it"
+        elif sources[0] and not sources[-1]:
+            kind = "append"
+            reason = "left in place: builds the attention operand [cache | new]; the stock buffer write carries it"
+        else:
+            kind, reason = "mixed", "left in place: the cache sits between new units"
+        sites.append(RetentionSite(graph, node.name, region, axis, kind, False, reason))
+    return sites
+
+
+def rewrite_trims(gm: torch.fx.GraphModule, inputs: dict[str, str], carries: dict[str, Carry], *, graph: str):
+    """Rewrite every trim of a carried region in `gm` into one in-place `carry_keep`.
+
+    Returns the rewritten GraphModule (a new one; `gm` is left as it was), the sites with what
+    happened to each, and the pass's provenance stamp.
+    """
+    started = time.perf_counter()
+    gm = copy.deepcopy(gm)
+    sites = []
+    for site in find_retention_sites(gm, inputs, graph=graph):
+        node = next(n for n in gm.graph.nodes if n.name == site.node)
+        tensors, _ = _cat_parts(node)
+        spans = [_slice_span(t, site.axis) for t in tensors]
+        if site.kind != "trim" or site.region not in carries or None in spans:
+            reason = site.reason if site.kind != "trim" else (
+                f"left in place: region {site.region!r} has no carry" if site.region not in carries
+                else "left in place: an operand is not a plain slice along the axis"
+            )
+            sites.append(RetentionSite(graph, site.node, site.region, site.axis, site.kind, False, reason))
+            continue
+        source = tensors[0].args[0]
+        attr = f"carry_{site.region}"
+        gm.add_submodule(attr, carries[site.region])
+        with gm.graph.inserting_before(node):
+            carry_node = gm.graph.get_attr(attr)
+            keep = gm.graph.call_function(carry_keep, (carry_node, source, tuple(spans)))
+        node.replace_all_uses_with(keep)
+        gm.graph.erase_node(node)
+        for t in tensors:
+            if not t.users:
+                gm.graph.erase_node(t)
+        sites.append(RetentionSite(graph, site.node, site.region, site.axis, "trim", True,
+                                   f"rewritten: in-place writes of {tuple(spans)} into the carry"))
+    gm.graph.lint()
+    gm.recompile()
+    took = (time.perf_counter() - started) * 1e3
+    stamp = f"carry pass on {graph}: {sum(s.rewritten for s in sites)} of {len(sites)} sites rewritten, took {took:.1f} ms"
+    return gm, sites, stamp

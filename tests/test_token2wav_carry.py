@@ -1,0 +1,184 @@
+"""The state rule and the carry on the real MiniCPM-o Token2Wav flow (reduced depth, CPU)."""
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from cadence_fx import AuditMismatch, transform
+from cadence_fx.diff import diff_graphs, render_html, render_text
+from cadence_fx.models.token2wav import token2wav_contract
+from cadence_fx.models.token2wav_carry import ENVELOPES, CarryStream, reference_flow
+from cadence_fx.models.token2wav_stream import StockStream, random_chunks, random_prompt
+from cadence_fx.passes.carry import rewrite_trims, trace_trim
+
+pytestmark = pytest.mark.slow
+
+BLOCKS, CHUNKS = 8, 6
+
+
+@dataclass
+class Run:
+    mel_equal: list = field(default_factory=list)
+    cache_equal: list = field(default_factory=list)
+    addresses: dict = field(default_factory=dict)
+
+
+def live(stock: torch.Tensor, carried: torch.Tensor) -> torch.Tensor:
+    """The stock envelope's slots that hold the live state (10 of 16 steps, the real depth)."""
+    return stock[tuple(slice(0, d) for d in carried.shape)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    flow, contract, prompt_tokens = reference_flow("reduced")
+    return flow, contract, random_prompt(0, n_tokens=prompt_tokens)
+
+
+@pytest.fixture(scope="module")
+def streamed(reference):
+    flow, contract, prompt = reference
+    transformed, report = transform(flow, contract, audit=True)
+    stock, carried = StockStream(flow, None, prompt), CarryStream(transformed, None, prompt)
+    run = Run()
+    for block in range(BLOCKS):
+        for stream in (stock, carried):
+            stream.setup() if block == 0 else stream.reset_turn()
+        chunks = random_chunks(100 + block, CHUNKS)
+        for i, tokens in enumerate(chunks):
+            last = i == CHUNKS - 1
+            mel_stock, mel_carried = stock.flow_chunk(tokens, last), carried.flow_chunk(tokens, last)
+            run.mel_equal.append(torch.equal(mel_stock, mel_carried))
+            run.cache_equal.append(
+                {k: torch.equal(live(stock.stream_cache[k], v), v) for k, v in carried.stream_cache.items()}
+            )
+            for key in ("estimator_att_cache", "conformer_att_cache"):
+                run.addresses.setdefault(key, set()).add(carried.stream_cache[key].data_ptr())
+    return run, report
+
+
+def test_mel_is_bit_identical_to_the_vendor_stream_across_turns(streamed):
+    run, _ = streamed
+    assert len(run.mel_equal) == BLOCKS * CHUNKS
+    assert all(run.mel_equal)
+
+
+def test_every_cache_is_bit_identical_after_every_chunk(streamed):
+    run, _ = streamed
+    assert all(all(chunk.values()) for chunk in run.cache_equal)
+    assert set(run.cache_equal[0]) == {"conformer_cnn_cache", "conformer_att_cache", "estimator_cnn_cache", "estimator_att_cache"}
+
+
+def test_each_carry_keeps_one_address_for_the_whole_stream(streamed):
+    run, report = streamed
+    assert run.addresses == {
+        "estimator_att_cache": {report.carries["estimator_att_cache"].address},
+        "conformer_att_cache": {report.carries["conformer_att_cache"].address},
+    }
+
+
+def test_the_auditor_counts_every_retention_and_finds_no_mismatch(streamed):
+    _, report = streamed
+    # Per turn: chunks 1-2 keep everything (102 + 50, 102 + 100 <= 202); chunks 3-6 evict.
+    assert report.auditor.counters() == {
+        "retentions": 2 * BLOCKS * CHUNKS,
+        "applications": 2 * BLOCKS * (CHUNKS - 2),
+        "mismatches": 0,
+        "distinct_carry_addresses": {"conformer_att_cache": 1, "estimator_att_cache": 1},
+    }
+
+
+def test_the_auditor_catches_a_carry_that_keeps_the_prompt_whole(reference):
+    """A carry that evicts by the prompt-plus-history policy (newest history, whole prompt, as
+    an ordering-aware carry would) instead of the vendor's [:P] + [-100:] trim on the prepend-
+    ordered DiT cache: caught at chunk 3, the first chunk whose eviction reaches the prompt."""
+    flow, contract, prompt = reference
+    transformed, report = transform(flow, contract, audit=True, capture=False)
+    planted, _, _ = rewrite_trims(
+        trace_trim(4, head=100, tail=102), {"cache": "estimator_att_cache"}, report.carries, graph="planted"
+    )
+    transformed.trims["estimator_att_cache"] = planted
+    stream = CarryStream(transformed, None, prompt)
+    stream.setup()
+    chunks = random_chunks(7, 3)
+    stream.flow_chunk(chunks[0])
+    stream.flow_chunk(chunks[1])
+    with pytest.raises(AuditMismatch) as caught:
+        stream.flow_chunk(chunks[2])
+    assert (caught.value.site, caught.value.chunk) == ("estimator_att_cache", 3)
+    assert caught.value.index is not None
+    assert report.auditor.mismatches == 1
+
+
+def test_demand_sizing_measured_on_the_buffers(reference, streamed):
+    flow, _, _ = reference
+    _, report = streamed
+    stock = {e.region: flow.get_buffer(e.path).nbytes for e in ENVELOPES}
+    assert stock == {
+        "estimator_att_cache": 16 * 16 * 2 * 8 * 1000 * 128 * 4,
+        "estimator_cnn_cache": 16 * 16 * 2 * 1024 * 2 * 4,
+        "dit_block_att_cache": 16 * 2 * 8 * 1000 * 128 * 4,
+        "dit_block_cnn_cache": 16 * 2 * 1024 * 2 * 4,
+    }
+    carried = {r.region: r.demand_bytes for r in report.resizes}
+    # 10 solver steps, 2 DiT blocks, 102 prompt + 100 retained + 56 frames of the final chunk.
+    assert carried == {
+        "estimator_att_cache": 10 * 2 * 2 * 8 * 258 * 128 * 4,
+        "estimator_cnn_cache": 10 * 2 * 2 * 1024 * 2 * 4,
+        "dit_block_att_cache": 2 * 2 * 8 * 258 * 128 * 4,
+        "dit_block_cnn_cache": 2 * 2 * 1024 * 2 * 4,
+    }
+    assert report.managed_bytes() == {region: (stock[region], carried[region]) for region in stock}
+
+
+def test_the_input_model_is_left_untouched(reference, streamed):
+    flow, _, _ = reference
+    assert flow.decoder.att_cache_buffer.shape == (16, 16, 2, 8, 1000, 128)
+
+
+def test_report_names_every_site_with_its_ordering(streamed):
+    _, report = streamed
+    kinds = sorted({(s.graph, s.kind, s.rewritten) for s in report.sites})
+    assert kinds == [
+        ("conformer", "append", False),
+        ("conformer_att_cache_trim", "trim", True),
+        ("dit_estimator", "prepend", False),
+        ("estimator_att_cache_trim", "trim", True),
+    ]
+    # Two concats (keys and values) per attention block: 2 DiT blocks, 2 conformer blocks.
+    assert sum(s.kind == "prepend" for s in report.sites) == 4
+    assert sum(s.kind == "append" for s in report.sites) == 4
+
+
+def test_the_diff_report_shows_every_rewritten_site(streamed, tmp_path):
+    _, report = streamed
+    diffs = {name: diff_graphs(name, before, after) for name, (before, after) in report.graphs.items()}
+    for name in ("estimator_att_cache_trim", "conformer_att_cache_trim"):
+        assert dict(diffs[name].removed) == {"cat": 1, "getitem": 2}
+        assert dict(diffs[name].added) == {"attr carry_" + name.removesuffix("_trim"): 1, "carry_keep": 1}
+    text = render_text(list(diffs.values()))
+    assert text.count("+carry_keep = carry_keep(") == 2
+    assert "-cat = cat([getitem, getitem_1], dim=4)" in text
+    assert "-cat = cat([getitem, getitem_1], dim=3)" in text
+    page = render_html(list(diffs.values()), "token2wav")
+    assert page.startswith("<!DOCTYPE html>") and "carry_keep" in page
+
+
+def test_a_contract_for_another_depth_is_refused(reference):
+    flow, _, _ = reference
+    with pytest.raises(ValueError, match="contract quantity depth=16 but the flow has 2"):
+        transform(flow, token2wav_contract(f_prompt=102), capture=False)
+
+
+def test_a_prompt_the_contract_does_not_declare_is_refused(reference):
+    flow, contract, _ = reference
+    transformed, _ = transform(flow, contract, capture=False)
+    stream = CarryStream(transformed, None, random_prompt(0, n_tokens=60))
+    with pytest.raises(ValueError, match="the prompt has 120 mel frames, the contract declares f_prompt=102"):
+        stream.setup()
+
+
+def test_transform_rejects_what_is_not_a_contract(reference):
+    flow, _, _ = reference
+    with pytest.raises(TypeError, match="contract must be a cadence_fx.Contract, got dict"):
+        transform(flow, {"family": "token2wav"})
