@@ -1,0 +1,29 @@
+"""The Realtime wire: typed commands/events, the codec, session config and audio formats.
+
+This layer imports no engine, model or web framework (tests/serve/test_import_boundary.py).
+"""
+
+from . import events
+from .audio import PCM24K, PCMA, PCMU, AudioFormat, StreamResampler, parse_format
+from .codec import decode_command, decode_event, encode_command, encode_event, event_to_dict
+from .config import SessionConfig, TurnDetection
+from .errors import ERROR_CODES, ProtocolError
+
+__all__ = [
+    "ERROR_CODES",
+    "PCM24K",
+    "PCMA",
+    "PCMU",
+    "AudioFormat",
+    "ProtocolError",
+    "SessionConfig",
+    "StreamResampler",
+    "TurnDetection",
+    "decode_command",
+    "decode_event",
+    "encode_command",
+    "encode_event",
+    "event_to_dict",
+    "events",
+    "parse_format",
+]

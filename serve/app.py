@@ -1,0 +1,231 @@
+"""The FastAPI app: OpenAI Realtime over WebSocket, served by uvicorn.
+
+Routes: ``/v1/realtime`` (WebSocket; Tier 1 only, or the duplex extensions with ``?duplex=1``),
+``/v1/duplex`` (WebSocket, always duplex), ``/v1/models``, ``/health``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI, WebSocket
+from starlette.websockets import WebSocketDisconnect
+
+from .plugins import ModelPlugin, load_plugin
+from .session import Connection, Limits, SessionManager, Transport
+
+log = logging.getLogger("cadence_fx.serve")
+
+CLOSE_SLOW_CONSUMER = 4008
+
+
+class WebSocketTransport(Transport):
+    """Outbound queue drained by one writer task, so the session never waits on the network."""
+
+    def __init__(self, ws: WebSocket, max_queued: int) -> None:
+        self._ws = ws
+        self._max_queued = max_queued
+        self._queue: asyncio.Queue[str | tuple[int, str]] = asyncio.Queue()
+        self._closing = False
+
+    def deliver(self, text: str) -> None:
+        if self._closing:
+            return
+        if self._queue.qsize() >= self._max_queued:
+            # A duplex client resumes and replays from the journal; nothing is lost to it.
+            self.close(CLOSE_SLOW_CONSUMER, "client reads too slowly")
+            return
+        self._queue.put_nowait(text)
+
+    def close(self, code: int, reason: str) -> None:
+        if not self._closing:
+            self._closing = True
+            self._queue.put_nowait((code, reason))
+
+    async def run(self) -> None:
+        try:
+            while True:
+                item = await self._queue.get()
+                if isinstance(item, tuple):
+                    await self._ws.close(*item)
+                    return
+                await self._ws.send_text(item)
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            self._closing = True  # the peer is gone; the reader sees the disconnect too
+
+
+def create_app(plugin_factory: Callable[[], ModelPlugin], limits: Limits | None = None) -> FastAPI:
+    """The service app. ``plugin_factory`` builds the model plugin once, at startup."""
+    limits = limits or Limits()
+    state: dict[str, object] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        plugin = plugin_factory()
+        manager = SessionManager(plugin, limits)
+        await manager.start()
+        state["plugin"], state["manager"] = plugin, manager
+        app.state.manager = manager
+        app.state.loop = asyncio.get_running_loop()
+        try:
+            yield
+        finally:
+            await manager.stop()
+            plugin.close()
+
+    app = FastAPI(title="cadence-fx duplex service", lifespan=lifespan)
+
+    async def serve_socket(ws: WebSocket, duplex: bool, session_id: str | None) -> None:
+        manager: SessionManager = state["manager"]  # type: ignore[assignment]
+        await ws.accept()
+        transport = WebSocketTransport(ws, limits.max_outbound_events)
+        writer = asyncio.create_task(transport.run())
+        connection = Connection(manager, transport, duplex)
+        try:
+            if connection.open(resume=session_id is not None):
+                while True:
+                    message = await ws.receive()
+                    if message["type"] == "websocket.disconnect":
+                        break
+                    frame = message.get("text")
+                    await connection.receive(frame if frame is not None else message.get("bytes") or b"")
+        except (WebSocketDisconnect, RuntimeError):
+            pass
+        finally:
+            connection.closed()
+            transport.close(1000, "")
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer, timeout=5.0)
+
+    @app.websocket("/v1/realtime")
+    async def realtime(ws: WebSocket, duplex: str = "0", session_id: str | None = None) -> None:
+        await serve_socket(ws, duplex.lower() in ("1", "true", "yes", "on"), session_id)
+
+    @app.websocket("/v1/duplex")
+    async def duplex_alias(ws: WebSocket, session_id: str | None = None) -> None:
+        await serve_socket(ws, True, session_id)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        info = state["plugin"].info  # type: ignore[attr-defined]
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": info.name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "cadence-fx",
+                    "input_rate": info.input_rate,
+                    "output_rate": info.output_rate,
+                    "frame_samples": info.frame_samples,
+                    "description": info.description,
+                }
+            ],
+        }
+
+    @app.get("/health")
+    async def health() -> dict:
+        manager: SessionManager = state["manager"]  # type: ignore[assignment]
+        return {
+            "status": "ok",
+            "model": manager.plugin.info.name,
+            "sessions": len(manager.sessions),
+            "max_sessions": limits.max_sessions,
+            "sessions_ended": manager.ended,
+        }
+
+    return app
+
+
+def uvicorn_config(app: FastAPI, host: str, port: int, limits: Limits) -> uvicorn.Config:
+    # uvicorn drops frames over ws_max_size without a word; leave room above max_frame_bytes so
+    # oversize frames reach the app and get a typed ``frame_too_large``.
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        ws="websockets-sansio",
+        ws_max_size=4 * limits.max_frame_bytes + (1 << 16),
+        log_level="warning",
+        lifespan="on",
+    )
+
+
+def run_server(host: str, port: int, plugin_name: str, limits: Limits | None = None) -> None:
+    """Serve until interrupted (``cadence-fx serve``)."""
+    limits = limits or Limits()
+    app = create_app(lambda: load_plugin(plugin_name), limits)
+    uvicorn.Server(uvicorn_config(app, host, port, limits)).run()
+
+
+@dataclass
+class BackgroundServer:
+    """A uvicorn server on a loopback port in a thread (tests and benchmarks)."""
+
+    server: uvicorn.Server
+    thread: threading.Thread
+    host: str
+    port: int
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://{self.host}:{self.port}"
+
+    @property
+    def manager(self) -> SessionManager:
+        return self.server.config.app.state.manager  # type: ignore[union-attr]
+
+    def call(self, fn: Callable[[], object], timeout: float = 5.0) -> object:
+        """Run ``fn`` on the server's event loop (where session state lives) and return its result."""
+
+        async def run() -> object:
+            return fn()
+
+        loop = self.server.config.app.state.loop  # type: ignore[union-attr]
+        return asyncio.run_coroutine_threadsafe(run(), loop).result(timeout)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def background_server(
+    plugin_factory: Callable[[], ModelPlugin], limits: Limits | None = None, host: str = "127.0.0.1"
+) -> Iterator[BackgroundServer]:
+    limits = limits or Limits()
+    port = free_port(host)
+    server = uvicorn.Server(uvicorn_config(create_app(plugin_factory, limits), host, port, limits))
+    thread = threading.Thread(target=server.run, name=f"uvicorn:{port}", daemon=True)
+    thread.start()
+    for _ in range(500):
+        if server.started:
+            break
+        if not thread.is_alive():
+            raise RuntimeError("uvicorn failed to start")
+        threading.Event().wait(0.01)
+    else:
+        raise RuntimeError("uvicorn did not start within 5 s")
+    handle = BackgroundServer(server, thread, host, port)
+    try:
+        yield handle
+    finally:
+        handle.stop()

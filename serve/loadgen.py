@@ -1,0 +1,146 @@
+"""Load generator: many concurrent sessions streaming audio in real time, with wire-level
+accounting of every input byte and every output sample (bench/serve_load.py, tests).
+
+Each session turns server VAD on (barge-in off, so turns never race their replies), streams its
+audio in fixed chunks at real-time pace, commits whatever is left at the end, and closes. From
+the events alone it checks that every appended byte was committed and that every response's
+audio arrived contiguous, in order, and as long as ``response.done`` says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .client import RealtimeSocket
+from .protocol import PCM24K
+from .protocol import audio as wire_audio
+
+
+@dataclass
+class Reply:
+    response_id: str
+    turn_bytes: int  # input bytes of the turn it answers
+    audio: bytearray = field(default_factory=bytearray)
+    offsets_contiguous: bool = True
+    done_samples: int | None = None
+    status: str | None = None
+
+
+@dataclass
+class SessionLoad:
+    session_id: str = ""
+    appended_bytes: int = 0
+    committed_bytes: int = 0
+    replies: list[Reply] = field(default_factory=list)
+    latencies_s: list[float] = field(default_factory=list)  # append that ended a turn -> first delta
+    errors: list[dict] = field(default_factory=list)
+
+    @property
+    def accounted(self) -> bool:
+        return self.appended_bytes == self.committed_bytes and all(
+            r.offsets_contiguous and r.status == "completed" and r.done_samples == len(r.audio) // 2
+            for r in self.replies
+        )
+
+
+def speech_pattern(seconds: float, burst_s: float = 0.8, gap_s: float = 0.7) -> bytes:
+    """Deterministic 24 kHz PCM: tone bursts (speech to an energy VAD) separated by silence."""
+    rate = PCM24K.rate
+    t = np.arange(int(seconds * rate)) / rate
+    on = (t % (burst_s + gap_s)) < burst_s
+    return wire_audio.encode_samples((0.1 * np.sin(2 * np.pi * 220 * t) * on).astype(np.float32), PCM24K)
+
+
+async def drive_session(url: str, pcm: bytes, chunk_ms: int = 200, realtime: bool = True) -> SessionLoad:
+    result = SessionLoad()
+    step = PCM24K.rate * chunk_ms // 1000 * 2
+    sent_at: list[tuple[int, float]] = []  # (end ms of the append, when it was sent)
+    active: dict[str, Reply] = {}
+    pending_turns: list[int] = []
+    finished = asyncio.Event()
+    synced = asyncio.Event()
+
+    sock = await RealtimeSocket.connect(url)
+    created = await sock.recv()
+    result.session_id = created["session"]["id"]
+    await sock.send(
+        {
+            "type": "session.update",
+            "session": {
+                "type": "realtime",
+                "audio": {"input": {"turn_detection": {"type": "server_vad", "interrupt_response": False}}},
+            },
+        }
+    )
+
+    async def send() -> None:
+        start = time.monotonic()
+        for offset in range(0, len(pcm), step):
+            chunk = pcm[offset : offset + step]
+            sent_at.append(((offset + len(chunk)) * 1000 // (2 * PCM24K.rate), time.monotonic()))
+            await sock.send({"type": "input_audio_buffer.append", "audio": wire_audio.b64encode(chunk)})
+            result.appended_bytes += len(chunk)
+            if realtime:
+                await asyncio.sleep(max(0.0, start + (offset + step) / (2 * PCM24K.rate) - time.monotonic()))
+
+    async def receive() -> None:
+        turn_ended_at = 0.0
+        while True:
+            event = await sock.recv(timeout=30)
+            kind = event["type"]
+            if kind == "input_audio_buffer.speech_stopped":
+                turn_ended_at = next(t for end_ms, t in sent_at if end_ms >= event["audio_end_ms"])
+            elif kind == "input_audio_buffer.committed":
+                result.committed_bytes += event["audio_bytes"]
+                pending_turns.append(event["audio_bytes"])
+            elif kind == "response.created":
+                reply = Reply(event["response"]["id"], pending_turns[-1] if pending_turns else 0)
+                active[reply.response_id] = reply
+                result.replies.append(reply)
+            elif kind == "response.output_audio.delta":
+                reply = active[event["response_id"]]
+                if not reply.audio:
+                    result.latencies_s.append(time.monotonic() - turn_ended_at)
+                reply.offsets_contiguous &= event["audio_offset"] == len(reply.audio) // 2
+                reply.audio += wire_audio.b64decode(event["delta"])
+            elif kind == "response.done":
+                reply = active.pop(event["response"]["id"])
+                reply.status = event["response"]["status"]
+                reply.done_samples = event["playback"]["audio_samples"]
+            elif kind == "error":
+                result.errors.append(event["error"])
+            elif kind == "session.updated" and event["session"]["instructions"] == "sync":
+                synced.set()
+            elif kind == "session.closed":
+                finished.set()
+                return
+
+    async def barrier() -> None:
+        """Returns once the server has handled everything sent so far (its mailbox is ordered)."""
+        synced.clear()
+        await sock.send({"type": "session.update", "session": {"type": "realtime", "instructions": "sync"}})
+        await asyncio.wait_for(synced.wait(), 30)
+
+    receiver = asyncio.create_task(receive())
+    try:
+        await send()
+        await barrier()
+        while active:
+            await asyncio.sleep(0.02)
+        if result.appended_bytes > result.committed_bytes:  # trailing silence after the last turn
+            await sock.send({"type": "input_audio_buffer.commit"})
+            await barrier()
+        await sock.send({"type": "session.close"})
+        await asyncio.wait_for(finished.wait(), 30)
+    finally:
+        receiver.cancel()
+        await sock.close()
+    return result
+
+
+async def run_load(url: str, pcm: bytes, sessions: int, realtime: bool = True) -> list[SessionLoad]:
+    return list(await asyncio.gather(*(drive_session(url, pcm, realtime=realtime) for _ in range(sessions))))

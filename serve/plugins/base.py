@@ -1,0 +1,65 @@
+"""The seam between the session layer and a model.
+
+A ``ModelPlugin`` is built once per server and holds what sessions share (weights, captured
+graph bindings). Each session opens its own ``ModelStream``, which holds only that session's
+lightweight state (carry, counters, RNG offsets) and advances on the model's native clock: it is fed
+whole native input frames and produces output one native chunk at a time, so a cancel takes effect
+at the next chunk boundary.
+
+Stream methods block and run in a worker thread; the session guarantees that no two calls on one
+stream overlap and that they arrive in session order.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    name: str
+    input_rate: int  # Hz of the float32 frames ``feed`` takes
+    output_rate: int  # Hz of the float32 chunks ``step`` returns
+    frame_samples: int  # native input frame, in input-rate samples
+    description: str
+
+
+class ModelStream(ABC):
+    """One session's running model."""
+
+    @abstractmethod
+    def feed(self, frame: np.ndarray) -> None:
+        """Take one native frame of user audio: float32, exactly ``frame_samples`` long."""
+
+    @abstractmethod
+    def clear_input(self) -> None:
+        """Forget the input fed since the last ``begin_response`` (the client cleared its buffer)."""
+
+    @abstractmethod
+    def begin_response(self) -> None:
+        """The user's turn is over (everything fed since the last call): prepare its reply."""
+
+    @abstractmethod
+    def step(self) -> np.ndarray | None:
+        """The reply's next chunk (float32 at ``output_rate``), or None once the reply is over."""
+
+    @abstractmethod
+    def cancel(self) -> None:
+        """Drop the reply in progress; the next ``step`` returns None. Fed input is kept."""
+
+    def close(self) -> None:
+        """Release per-session state."""
+
+
+class ModelPlugin(ABC):
+    info: PluginInfo
+
+    @abstractmethod
+    def open_stream(self) -> ModelStream:
+        """A fresh stream for one session; called on the event loop, must be cheap."""
+
+    def close(self) -> None:
+        """Release shared state at server shutdown."""

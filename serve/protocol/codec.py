@@ -1,0 +1,141 @@
+"""The one codec between typed commands/events and Realtime JSON.
+
+``decode_command`` is total: any text either becomes a well-typed ``ClientCommand`` or raises a
+``ProtocolError`` naming the code and the offending field, never anything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import types
+import typing
+from typing import Any
+
+from .errors import ProtocolError
+from .events import COMMANDS, EVENTS, ClientCommand, ServerEvent
+
+_ITEM_TYPES = {"message", "function_call", "function_call_output"}
+_ROLES = {"user", "system", "assistant"}
+
+
+@functools.cache
+def _field_specs(cls: type) -> tuple[tuple[str, tuple[type, ...], bool, bool], ...]:
+    """(name, accepted python types, optional, required) for every dataclass field of ``cls``."""
+    hints = typing.get_type_hints(cls)
+    specs = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        optional = type(None) in args
+        kinds = tuple(a for a in args if a is not type(None))
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        specs.append((f.name, kinds, optional, required))
+    return tuple(specs)
+
+
+def _check(value: Any, kinds: tuple[type, ...], optional: bool, param: str) -> None:
+    if value is None:
+        if not optional:
+            raise ProtocolError("invalid_value", f"{param} must not be null", param)
+        return
+    if isinstance(value, bool) and bool not in kinds:
+        raise ProtocolError("invalid_value", f"{param} must be of type {kinds[0].__name__}", param)
+    if not isinstance(value, kinds):
+        raise ProtocolError("invalid_value", f"{param} must be of type {kinds[0].__name__}", param)
+    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        raise ProtocolError("invalid_value", f"{param} must not be negative", param)
+
+
+def _parse_object(text: str | bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError("invalid_json", f"frame is not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("invalid_json", "frame must be a JSON object")
+    return obj
+
+
+def decode_command(text: str | bytes) -> ClientCommand:
+    obj = _parse_object(text)
+    client_event_id = obj.get("event_id") if isinstance(obj.get("event_id"), str) else None
+    try:
+        kind = obj.get("type")
+        if kind is None:
+            raise ProtocolError("missing_field", "missing required field 'type'", "type")
+        if not isinstance(kind, str):
+            raise ProtocolError("invalid_value", "type must be a string", "type")
+        cls = COMMANDS.get(kind)
+        if cls is None:
+            raise ProtocolError("unknown_event_type", f"unknown event type {kind[:100]!r}", "type")
+        values = {}
+        for name, kinds, optional, required in _field_specs(cls):
+            if name not in obj:
+                if required:
+                    raise ProtocolError("missing_field", f"{kind} requires field {name!r}", name)
+                continue
+            _check(obj[name], kinds, optional, name)
+            values[name] = obj[name]
+        if cls.TYPE == "conversation.item.create":
+            _check_item(values["item"])
+        return cls(**values)
+    except ProtocolError as err:
+        err.event_id = client_event_id
+        raise
+
+
+def _check_item(item: dict[str, Any]) -> None:
+    kind = item.get("type")
+    if kind not in _ITEM_TYPES:
+        raise ProtocolError("invalid_value", f"item.type must be one of {sorted(_ITEM_TYPES)}", "item.type")
+    if kind == "message":
+        if item.get("role") not in _ROLES:
+            raise ProtocolError("invalid_value", f"item.role must be one of {sorted(_ROLES)}", "item.role")
+        content = item.get("content")
+        if not isinstance(content, list) or not all(isinstance(c, dict) for c in content):
+            raise ProtocolError("invalid_value", "item.content must be a list of objects", "item.content")
+    if "id" in item and not isinstance(item["id"], str):
+        raise ProtocolError("invalid_value", "item.id must be a string", "item.id")
+
+
+def event_to_dict(event: ServerEvent, *, duplex: bool) -> dict[str, Any]:
+    """The JSON object of ``event``: Tier 2 fields only on duplex connections, never as null."""
+    if event.TIER == 3 and not duplex:
+        raise ValueError(f"{event.TYPE} is a duplex-only (Tier 3) event")
+    out: dict[str, Any] = {"type": event.TYPE, "event_id": event.event_id}
+    for f in dataclasses.fields(event):
+        if f.name == "event_id":
+            continue
+        value = getattr(event, f.name)
+        if f.metadata.get("tier") == 2 and (not duplex or value is None):
+            continue
+        out[f.name] = value
+    return out
+
+
+def encode_event(event: ServerEvent, *, duplex: bool) -> str:
+    return json.dumps(event_to_dict(event, duplex=duplex), separators=(",", ":"))
+
+
+def decode_event(text: str | bytes) -> ServerEvent:
+    """A server event from JSON (for clients); unknown extra fields are ignored."""
+    obj = _parse_object(text)
+    cls = EVENTS.get(obj.get("type"))  # type: ignore[arg-type]
+    if cls is None:
+        raise ProtocolError("unknown_event_type", f"unknown event type {obj.get('type')!r}", "type")
+    names = {f.name for f in dataclasses.fields(cls)}
+    try:
+        return cls(**{k: v for k, v in obj.items() if k in names})
+    except TypeError as exc:
+        raise ProtocolError("missing_field", str(exc)) from None
+
+
+def encode_command(command: ClientCommand) -> str:
+    out: dict[str, Any] = {"type": command.TYPE}
+    for f in dataclasses.fields(command):
+        value = getattr(command, f.name)
+        if value is not None:
+            out[f.name] = value
+    return json.dumps(out, separators=(",", ":"))

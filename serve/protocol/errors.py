@@ -1,0 +1,46 @@
+"""The one exception the protocol layer raises: it becomes a Realtime ``error`` event."""
+
+from __future__ import annotations
+
+# Every code the service sends, so clients and tests can match on them exactly.
+ERROR_CODES = frozenset(
+    {
+        "invalid_json",
+        "frame_too_large",
+        "unknown_event_type",
+        "missing_field",
+        "invalid_value",
+        "invalid_base64",
+        "invalid_audio_length",
+        "unsupported_audio_format",
+        "unsupported_in_realtime_mode",
+        "session_not_found",
+        "session_mismatch",
+        "session_not_bound",
+        "invalid_resume_token",
+        "generation_mismatch",
+        "resource_exhausted",
+        "input_backpressure",
+        "input_audio_buffer_commit_empty",
+        "conversation_already_has_active_response",
+        "response_cancel_not_active",
+        "item_not_found",
+        "server_error",
+    }
+)
+
+
+class ProtocolError(Exception):
+    """A client error with a stable ``code`` and the offending ``param`` (a dotted path)."""
+
+    def __init__(self, code: str, message: str, param: str | None = None, event_id: str | None = None) -> None:
+        assert code in ERROR_CODES, code
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+        self.event_id = event_id
+
+    @property
+    def type(self) -> str:
+        return "server_error" if self.code == "server_error" else "invalid_request_error"

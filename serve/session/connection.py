@@ -1,0 +1,88 @@
+"""One client connection: frames in, commands routed to the session the connection holds.
+
+A connection normally opens by creating a session. A duplex connection opened with a
+``session_id`` creates none (so a client at the admission limit can still come back): it is
+unbound until its ``session.resume`` succeeds.
+"""
+
+from __future__ import annotations
+
+from ..protocol import ProtocolError, decode_command, encode_event
+from ..protocol import events as ev
+from .manager import SessionManager
+from .session import CLOSE_TRY_AGAIN, Session, _error_event
+from .transport import Transport
+
+
+class Connection:
+    def __init__(self, manager: SessionManager, transport: Transport, duplex: bool) -> None:
+        self.manager = manager
+        self.transport = transport
+        self.duplex = duplex
+        self.session: Session | None = None
+        self._errors = 0
+
+    def open(self, resume: bool = False) -> bool:
+        """Create this connection's session (unless resuming); False if admission refused it."""
+        if resume and self.duplex:
+            return True
+        try:
+            self.session = self.manager.create(self.transport, self.duplex)
+        except ProtocolError as err:
+            self._send_unbound(err)
+            self.transport.close(CLOSE_TRY_AGAIN, "resource exhausted")
+            return False
+        return True
+
+    async def receive(self, frame: str | bytes) -> None:
+        if len(frame) > self.manager.limits.max_frame_bytes:
+            size = len(frame)
+            self._fail(
+                ProtocolError("frame_too_large", f"frame of {size} bytes exceeds {self.manager.limits.max_frame_bytes}")
+            )
+            return
+        try:
+            command = decode_command(frame)
+        except ProtocolError as err:
+            self._fail(err)
+            return
+        try:
+            await self._route(command)
+        except ProtocolError as err:
+            err.event_id = err.event_id or command.event_id
+            self._fail(err)
+
+    def closed(self) -> None:
+        if self.session is not None:
+            self.session.detach(self.transport)
+
+    async def _route(self, command: ev.ClientCommand) -> None:
+        if command.TIER == 3 and not self.duplex:
+            raise ProtocolError(
+                "unsupported_in_realtime_mode", f"{command.TYPE} needs a duplex connection (?duplex=1)", "type"
+            )
+        if isinstance(command, ev.SessionResume):
+            target = await self.manager.resume(command, self.transport)
+            if self.session is not None and self.session is not target:
+                self.session.release(self.transport)
+            self.session = target
+            return
+        if self.session is None:
+            raise ProtocolError("session_not_bound", "send session.resume first", "type")
+        if command.session_id is not None and command.session_id != self.session.id:
+            raise ProtocolError(
+                "session_mismatch", "command names a session this connection does not hold", "session_id"
+            )
+        self.session.submit(command, self.transport)
+
+    def _fail(self, err: ProtocolError) -> None:
+        if self.session is None:
+            self._send_unbound(err)
+        else:
+            self.session.reject(err, self.transport)
+
+    def _send_unbound(self, err: ProtocolError) -> None:
+        self._errors += 1
+        event = _error_event(err)
+        event.event_id = f"event_unbound{self._errors:06d}"
+        self.transport.deliver(encode_event(event, duplex=self.duplex))

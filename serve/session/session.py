@@ -1,0 +1,853 @@
+"""One session: its owner task, mailbox, fence, ledgers, lease and journal.
+
+Everything that changes session state runs in the owner task, one mailbox message at a time, so
+commands take effect in arrival order. Slow work (base64, G.711, resampling, VAD energy, model
+calls) runs on the shared executor; model calls go through a ``ModelPort`` that keeps them in
+session order and never lets two of them overlap.
+
+Fence: every response belongs to the epoch in force when it was created. Cancel and barge-in
+advance the epoch and emit the response's terminal events at once; chunks of an older epoch that
+arrive later are dropped and counted, never emitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..plugins import ModelPlugin
+from ..protocol import ProtocolError, SessionConfig, StreamResampler, encode_event
+from ..protocol import audio as wire_audio
+from ..protocol import events as ev
+from .journal import Journal
+from .ledger import Ledgers
+from .lease import Lease
+from .limits import Limits
+from .transport import Transport
+from .vad import EnergyVad
+
+if TYPE_CHECKING:
+    from .manager import SessionManager
+
+log = logging.getLogger("cadence_fx.serve")
+
+CLOSE_NORMAL = 1000
+CLOSE_TRY_AGAIN = 1013
+CLOSE_EXPIRED = 4001
+CLOSE_REPLACED = 4002
+
+
+def b64_decoded_len(text: str) -> int:
+    """Exact decoded length of valid base64 (an estimate for invalid input)."""
+    pad = 2 if text.endswith("==") else 1 if text.endswith("=") else 0
+    return max(0, len(text) * 3 // 4 - pad)
+
+
+class ModelPort:
+    """Runs one stream's blocking calls on the executor, in call order, one at a time."""
+
+    def __init__(self, executor: Executor) -> None:
+        self._executor = executor
+        self._lock = asyncio.Lock()
+
+    async def call(self, fn: Callable[..., Any], *args: Any, guard: Callable[[], bool] | None = None) -> Any:
+        async with self._lock:
+            if guard is not None and not guard():
+                return None
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+
+# Mailbox messages.
+@dataclass
+class _Inbound:
+    command: ev.ClientCommand
+    transport: Transport
+    pending_bytes: int = 0
+
+
+@dataclass
+class _Reject:
+    error: ProtocolError
+    transport: Transport
+
+
+@dataclass
+class _Chunk:
+    epoch: int
+    response_id: str
+    model_samples: int
+    data: bytes
+
+
+@dataclass
+class _ReplyEnd:
+    epoch: int
+    response_id: str
+    error: str | None
+
+
+@dataclass
+class _Resume:
+    command: ev.SessionResume
+    transport: Transport
+    future: asyncio.Future
+
+
+@dataclass
+class _Detach:
+    transport: Transport
+
+
+@dataclass
+class _Release:
+    transport: Transport
+
+
+@dataclass
+class _Tick:
+    pass
+
+
+@dataclass
+class _Stop:
+    reason: str
+
+
+@dataclass
+class _Response:
+    id: str
+    item_id: str
+    epoch: int
+    turn_id: int
+    output_format: wire_audio.AudioFormat
+    previous_item_id: str | None
+    out_samples: int = 0  # delivered, in output-format samples
+    acked_ms: int = 0
+
+
+class Session:
+    def __init__(
+        self,
+        manager: SessionManager,
+        session_id: str,
+        plugin: ModelPlugin,
+        limits: Limits,
+        executor: Executor,
+        duplex: bool,
+    ) -> None:
+        self.manager = manager
+        self.id = session_id
+        self.plugin = plugin
+        self.limits = limits
+        self.executor = executor
+        self.duplex = duplex
+        self.config = SessionConfig(model=plugin.info.name)
+        self.conversation_id = "conv_" + session_id.removeprefix("sess_")
+        self.stream = plugin.open_stream()
+        self.port = ModelPort(executor)
+        self.mailbox: asyncio.Queue[Any] = asyncio.Queue()
+        self.journal = Journal(limits.journal_max_events, limits.journal_max_bytes) if duplex else None
+        now = time.monotonic()
+        self.lease = Lease(now, limits.idle_ttl_s, limits.grace_s, limits.max_session_s)
+        self.expires_at = int(time.time() + limits.max_session_s)
+        self.ledgers = Ledgers()
+        self.epoch = 0
+        self.turn_id = 0
+        self.active: _Response | None = None
+        self.responses: dict[str, _Response] = {}
+        self.last_response_id: str | None = None
+        self.history: list[dict] = []
+        self._user_audio: dict[str, bytes] = {}
+        self._buffer = bytearray()  # uncommitted input, in the input format
+        self._frame = np.zeros(0, dtype=np.float32)  # partial model frame
+        self._resampler = StreamResampler(self.config.input_format.rate, plugin.info.input_rate)
+        self._vad = self._new_vad(0)
+        self._vad_item_id: str | None = None
+        self.pending_input_bytes = 0
+        self.transport: Transport | None = None
+        self.closed = False
+        self._events = 0
+        self._tick_queued = False
+        self._last_heartbeat = now
+        self._runner: asyncio.Task | None = None
+        self._task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self, transport: Transport) -> None:
+        self.transport = transport
+        self.lease.attach(time.monotonic())
+        token = self.lease.issue_token() if self.duplex else None
+        self.emit(
+            ev.SessionCreated(
+                session=self._session_wire(),
+                resume_token=token,
+                generation=self.lease.generation if self.duplex else None,
+            )
+        )
+        self._task = asyncio.get_running_loop().create_task(self._own(), name=f"session {self.id}")
+
+    async def _own(self) -> None:
+        try:
+            while not self.closed:
+                msg = await self.mailbox.get()
+                try:
+                    await self._handle(msg)
+                except ProtocolError as err:
+                    self.emit(_error_event(err))
+                except Exception as exc:  # a bug must not take the session down: report it typed
+                    log.exception("session %s failed on %s", self.id, type(msg).__name__)
+                    self.emit(_error_event(ProtocolError("server_error", f"internal error: {type(exc).__name__}")))
+        finally:
+            if not self.closed:
+                await self._shutdown(None, "owner_failed", CLOSE_NORMAL)
+            while not self.mailbox.empty():
+                msg = self.mailbox.get_nowait()
+                if isinstance(msg, _Resume) and not msg.future.done():
+                    msg.future.set_exception(ProtocolError("session_not_found", "session has ended", "session_id"))
+
+    async def _shutdown(self, event: ev.ServerEvent | None, reason: str, code: int) -> None:
+        self.closed = True
+        if self.transport is not None:
+            if event is not None and self.duplex:
+                self._deliver_direct(event)
+            self.transport.close(code, reason)
+            self.transport = None
+        self.epoch += 1
+        self.active = None
+        if self._runner is not None:
+            # Not cancelled: that would free the port while its worker thread still steps. The
+            # runner's guard sees ``closed`` and ends at the next chunk boundary.
+            await self._runner
+        try:
+            await self.port.call(self.stream.close)
+        finally:
+            self.manager.forget(self)
+            log.info("session %s ended: %s", self.id, reason)
+
+    # ------------------------------------------------------------ called by connections (on the loop)
+
+    def submit(self, command: ev.ClientCommand, transport: Transport) -> None:
+        """Queue a decoded command; refuses at once (typed error) when the session is saturated."""
+        self.lease.touch(time.monotonic())
+        if self.mailbox.qsize() >= self.limits.max_pending_commands:
+            self._refuse(command, "too many queued commands")
+            return
+        pending = 0
+        if isinstance(command, ev.InputAudioBufferAppend):
+            pending = b64_decoded_len(command.audio)
+            if self.pending_input_bytes + pending > self.limits.max_pending_input_bytes:
+                self._refuse(command, f"{self.pending_input_bytes} bytes of input audio are still queued")
+                return
+            self.pending_input_bytes += pending
+        self.mailbox.put_nowait(_Inbound(command, transport, pending))
+
+    def reject(self, error: ProtocolError, transport: Transport) -> None:
+        """Answer a frame that did not decode, in order with the commands before it."""
+        self.lease.touch(time.monotonic())
+        self.mailbox.put_nowait(_Reject(error, transport))
+
+    async def resume(self, command: ev.SessionResume, transport: Transport) -> None:
+        future = asyncio.get_running_loop().create_future()
+        self.mailbox.put_nowait(_Resume(command, transport, future))
+        await future
+
+    def detach(self, transport: Transport) -> None:
+        if not self.closed:
+            self.mailbox.put_nowait(_Detach(transport))
+
+    def release(self, transport: Transport) -> None:
+        """The connection moved to another session: end this one without telling it anything."""
+        if not self.closed:
+            self.mailbox.put_nowait(_Release(transport))
+
+    async def stop(self, reason: str) -> None:
+        """End the session (server shutdown), telling its client with ``session.closed``."""
+        if not self.closed:
+            self.mailbox.put_nowait(_Stop(reason))
+        if self._task is not None:
+            await self._task
+
+    def tick(self) -> None:
+        if not self.closed and not self._tick_queued:
+            self._tick_queued = True
+            self.mailbox.put_nowait(_Tick())
+
+    def _refuse(self, command: ev.ClientCommand, why: str) -> None:
+        if isinstance(command, ev.InputAudioBufferAppend):
+            self.ledgers.input.rejected_appends += 1
+            self.ledgers.input.rejected_bytes += b64_decoded_len(command.audio)
+        self.emit(_error_event(ProtocolError("input_backpressure", why, None, command.event_id)))
+
+    # ------------------------------------------------------------ emission
+
+    def emit(self, event: ev.ServerEvent) -> None:
+        self._stamp(event)
+        if self.journal is not None and event.JOURNALED:
+            event.server_event_seq = self.journal.next_seq()
+            text = encode_event(event, duplex=True)
+            self.journal.append(event.server_event_seq, text)
+        else:
+            text = encode_event(event, duplex=self.duplex)
+        if self.transport is not None:
+            self.transport.deliver(text)
+
+    def _deliver_direct(self, event: ev.ServerEvent, transport: Transport | None = None) -> None:
+        """A connection-level event: not journaled, only to this transport."""
+        self._stamp(event)
+        (transport or self.transport).deliver(encode_event(event, duplex=self.duplex))  # type: ignore[union-attr]
+
+    def _stamp(self, event: ev.ServerEvent) -> None:
+        self._events += 1
+        event.event_id = f"event_{self.id[5:13]}{self._events:06d}"
+
+    # ------------------------------------------------------------ the owner's dispatch
+
+    async def _handle(self, msg: Any) -> None:
+        if isinstance(msg, _Inbound):
+            if msg.transport is not self.transport:  # sent by a connection that has been replaced
+                self.pending_input_bytes -= msg.pending_bytes
+                return
+            handler = self._HANDLERS[type(msg.command)]
+            try:
+                await handler(self, msg.command)
+            except ProtocolError as err:
+                err.event_id = err.event_id or msg.command.event_id
+                raise
+            finally:
+                self.pending_input_bytes -= msg.pending_bytes
+        elif isinstance(msg, _Reject):
+            if msg.transport is self.transport:
+                self.emit(_error_event(msg.error))
+        elif isinstance(msg, _Chunk):
+            self._on_chunk(msg)
+        elif isinstance(msg, _ReplyEnd):
+            self._on_reply_end(msg)
+        elif isinstance(msg, _Resume):
+            self._on_resume(msg)
+        elif isinstance(msg, _Detach):
+            await self._on_detach(msg.transport)
+        elif isinstance(msg, _Release):
+            if msg.transport is self.transport:
+                self.transport = None
+                await self._shutdown(None, "superseded", CLOSE_NORMAL)
+        elif isinstance(msg, _Stop):
+            await self._shutdown(ev.SessionClosed(session_id=self.id, reason=msg.reason), msg.reason, CLOSE_NORMAL)
+        elif isinstance(msg, _Tick):
+            self._tick_queued = False
+            await self._on_tick()
+
+    # ------------------------------------------------------------ commands
+
+    async def _session_update(self, cmd: ev.SessionUpdate) -> None:
+        config = self.config.apply(cmd.session)
+        if config.input_format != self.config.input_format:
+            self._resampler = StreamResampler(config.input_format.rate, self.plugin.info.input_rate)
+        self.config = config
+        self._vad = self._new_vad(self._vad.samples if self._vad is not None else 0)
+        self._vad_item_id = None
+        self.emit(ev.SessionUpdated(session=self._session_wire()))
+
+    async def _append(self, cmd: ev.InputAudioBufferAppend) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            data, frames, edges, resampled = await loop.run_in_executor(self.executor, self._ingest, cmd.audio)
+        except ProtocolError as err:
+            self.ledgers.input.rejected_appends += 1
+            self.ledgers.input.rejected_bytes += getattr(err, "audio_bytes", 0)
+            raise
+        led = self.ledgers.input
+        led.received_bytes += len(data)
+        led.resampled_samples += resampled
+        self._buffer += data
+        if frames:
+            await self.port.call(self._feed, frames)
+        led.fed_samples += len(frames) * self.plugin.info.frame_samples
+        led.pending_samples = len(self._frame)
+        for edge in edges:
+            await self._on_vad_edge(edge)
+
+    def _ingest(self, text: str) -> tuple[bytes, list[np.ndarray], list, int]:
+        """Worker thread: decode, run VAD, resample and cut into native frames."""
+        data = wire_audio.b64decode(text)
+        try:
+            x = wire_audio.decode_samples(data, self.config.input_format)
+        except ProtocolError as err:
+            err.audio_bytes = len(data)  # type: ignore[attr-defined]
+            raise
+        edges = self._vad.process(x) if self._vad is not None else []
+        y = self._resampler.process(x)
+        pending = np.concatenate([self._frame, y])
+        size = self.plugin.info.frame_samples
+        n = len(pending) // size
+        frames = [pending[i * size : (i + 1) * size] for i in range(n)]
+        self._frame = pending[n * size :]
+        return data, frames, edges, len(y)
+
+    def _feed(self, frames: list[np.ndarray]) -> None:
+        for frame in frames:
+            self.stream.feed(frame)
+
+    async def _flush_frame(self) -> None:
+        """Close the turn on a whole native frame: zero-pad the partial one and feed it."""
+        if len(self._frame) == 0:
+            return
+        size = self.plugin.info.frame_samples
+        pad = size - len(self._frame)
+        frame = np.concatenate([self._frame, np.zeros(pad, dtype=np.float32)])
+        self._frame = np.zeros(0, dtype=np.float32)
+        await self.port.call(self._feed, [frame])
+        led = self.ledgers.input
+        led.padded_samples += pad
+        led.fed_samples += size
+        led.pending_samples = 0
+
+    async def _commit(self, cmd: ev.InputAudioBufferCommit | None = None) -> str:
+        if not self._buffer:
+            raise ProtocolError("input_audio_buffer_commit_empty", "the input audio buffer is empty")
+        await self._flush_frame()
+        item_id = self._vad_item_id or _new_id("item")
+        self._vad_item_id = None
+        self.turn_id += 1
+        data = bytes(self._buffer)
+        self._buffer.clear()
+        self.ledgers.input.committed_bytes += len(data)
+        previous = self.history[-1]["id"] if self.history else None
+        item = {
+            "id": item_id,
+            "object": "realtime.item",
+            "type": "message",
+            "role": "user",
+            "status": "completed",
+            "content": [{"type": "input_audio", "transcript": None}],
+        }
+        self._user_audio[item_id] = data
+        self.emit(
+            ev.InputAudioBufferCommitted(
+                item_id=item_id, previous_item_id=previous, turn_id=self.turn_id, audio_bytes=len(data)
+            )
+        )
+        self._add_item(item, previous)
+        return item_id
+
+    async def _clear(self, cmd: ev.InputAudioBufferClear) -> None:
+        cleared = len(self._buffer)
+        self._buffer.clear()
+        led = self.ledgers.input
+        led.cleared_bytes += cleared
+        led.discarded_samples += len(self._frame)
+        led.pending_samples = 0
+        self._frame = np.zeros(0, dtype=np.float32)
+        await self.port.call(self.stream.clear_input)
+        if self._vad is not None:
+            self._vad = self._new_vad(self._vad.samples)
+        self._vad_item_id = None
+        self.emit(ev.InputAudioBufferCleared(audio_bytes=cleared))
+
+    async def _item_create(self, cmd: ev.ConversationItemCreate) -> None:
+        item = dict(cmd.item)
+        if any(i["id"] == item.get("id") for i in self.history):
+            raise ProtocolError("invalid_value", f"item id {item['id']!r} already exists", "item.id")
+        previous = cmd.previous_item_id
+        if previous is not None and self._find(previous) is None:
+            raise ProtocolError("item_not_found", f"no item {previous!r}", "previous_item_id")
+        item.setdefault("id", _new_id("item"))
+        item["object"] = "realtime.item"
+        item.setdefault("status", "completed")
+        self._add_item(item, previous if previous is not None else (self.history[-1]["id"] if self.history else None))
+
+    async def _item_retrieve(self, cmd: ev.ConversationItemRetrieve) -> None:
+        item = self._require_item(cmd.item_id)
+        if cmd.item_id in self._user_audio:
+            audio = wire_audio.b64encode(self._user_audio[cmd.item_id])
+            item = {**item, "content": [{"type": "input_audio", "transcript": None, "audio": audio}]}
+        self.emit(ev.ConversationItemRetrieved(item=item))
+
+    async def _item_truncate(self, cmd: ev.ConversationItemTruncate) -> None:
+        self._require_item(cmd.item_id)
+        response = next((r for r in self.responses.values() if r.item_id == cmd.item_id), None)
+        if response is None:
+            raise ProtocolError("invalid_value", "only assistant audio items can be truncated", "item_id")
+        if cmd.content_index != 0:
+            raise ProtocolError("invalid_value", "assistant audio items have one content part", "content_index")
+        played_ms = response.output_format.ms(response.out_samples)
+        if cmd.audio_end_ms > played_ms:
+            raise ProtocolError(
+                "invalid_value", f"audio_end_ms {cmd.audio_end_ms} is past the item's {played_ms} ms", "audio_end_ms"
+            )
+        self.ledgers.playback.truncated_ms += played_ms - cmd.audio_end_ms
+        self.emit(ev.ConversationItemTruncated(item_id=cmd.item_id, content_index=0, audio_end_ms=cmd.audio_end_ms))
+
+    async def _item_delete(self, cmd: ev.ConversationItemDelete) -> None:
+        item = self._require_item(cmd.item_id)
+        self.history.remove(item)
+        self._user_audio.pop(cmd.item_id, None)
+        self.ledgers.history_items = len(self.history)
+        self.emit(ev.ConversationItemDeleted(item_id=cmd.item_id))
+
+    async def _response_create(self, cmd: ev.ResponseCreate | None = None) -> None:
+        if self.active is not None:
+            raise ProtocolError(
+                "conversation_already_has_active_response", f"response {self.active.id} is still in progress"
+            )
+        await self._flush_frame()
+        await self.port.call(self.stream.begin_response)
+        item_id = _new_id("item")
+        previous = self.history[-1]["id"] if self.history else None
+        resp = _Response(
+            id=_new_id("resp"),
+            item_id=item_id,
+            epoch=self.epoch,
+            turn_id=self.turn_id,
+            output_format=self.config.output_format,
+            previous_item_id=previous,
+        )
+        self.active = resp
+        self.responses[resp.id] = resp
+        self.last_response_id = resp.id
+        self.ledgers.responses.created += 1
+        self.emit(
+            ev.ResponseCreated(
+                response=self._response_wire(resp, "in_progress", []), epoch=resp.epoch, turn_id=resp.turn_id
+            )
+        )
+        item = _assistant_item(item_id, "in_progress", [])
+        self.emit(ev.ResponseOutputItemAdded(response_id=resp.id, output_index=0, item=item))
+        self._add_item(item, previous, done=False)
+        self.emit(
+            ev.ResponseContentPartAdded(
+                response_id=resp.id,
+                item_id=item_id,
+                output_index=0,
+                content_index=0,
+                part={"type": "audio", "transcript": ""},
+            )
+        )
+        self._runner = asyncio.get_running_loop().create_task(self._run_reply(resp), name=f"reply {resp.id}")
+
+    async def _response_cancel(self, cmd: ev.ResponseCancel) -> None:
+        if self.active is None or (cmd.response_id is not None and cmd.response_id != self.active.id):
+            raise ProtocolError("response_cancel_not_active", "no such response is in progress", "response_id")
+        await self._cancel("client_cancelled")
+
+    async def _output_clear(self, cmd: ev.OutputAudioBufferClear) -> None:
+        if self.active is not None:
+            response_id = self.active.id
+            await self._cancel("client_cancelled")
+        elif self.last_response_id is not None:
+            response_id = self.last_response_id
+        else:
+            raise ProtocolError("response_cancel_not_active", "no response has produced audio")
+        self.emit(ev.OutputAudioBufferCleared(response_id=response_id))
+
+    async def _event_ack(self, cmd: ev.SessionEventAck) -> None:
+        assert self.journal is not None
+        self.journal.ack(cmd.server_event_seq)
+
+    async def _playback_ack(self, cmd: ev.PlaybackAck) -> None:
+        response = self.responses.get(cmd.response_id)
+        if response is None:
+            raise ProtocolError("invalid_value", f"no response {cmd.response_id!r}", "response_id")
+        played = min(cmd.audio_end_ms, response.output_format.ms(response.out_samples))
+        if played > response.acked_ms:
+            self.ledgers.playback.acked_ms += played - response.acked_ms
+            response.acked_ms = played
+
+    async def _heartbeat(self, cmd: ev.SessionHeartbeat) -> None:
+        """A client heartbeat only renews the lease (``submit`` already touched it)."""
+
+    async def _close(self, cmd: ev.SessionClose) -> None:
+        await self._shutdown(
+            ev.SessionClosed(session_id=self.id, reason="client_closed"), "client_closed", CLOSE_NORMAL
+        )
+
+    _HANDLERS: dict[type, Callable[..., Any]] = {
+        ev.SessionUpdate: _session_update,
+        ev.InputAudioBufferAppend: _append,
+        ev.InputAudioBufferCommit: _commit,
+        ev.InputAudioBufferClear: _clear,
+        ev.ConversationItemCreate: _item_create,
+        ev.ConversationItemRetrieve: _item_retrieve,
+        ev.ConversationItemTruncate: _item_truncate,
+        ev.ConversationItemDelete: _item_delete,
+        ev.ResponseCreate: _response_create,
+        ev.ResponseCancel: _response_cancel,
+        ev.OutputAudioBufferClear: _output_clear,
+        ev.SessionEventAck: _event_ack,
+        ev.PlaybackAck: _playback_ack,
+        ev.SessionHeartbeat: _heartbeat,
+        ev.SessionClose: _close,
+    }
+
+    # ------------------------------------------------------------ VAD
+
+    def _new_vad(self, start_sample: int) -> EnergyVad | None:
+        td = self.config.turn_detection
+        return None if td is None else EnergyVad(self.config.input_format.rate, td, start_sample)
+
+    async def _on_vad_edge(self, edge: Any) -> None:
+        td = self.config.turn_detection
+        if td is None:
+            return
+        if edge.kind == "started":
+            self._vad_item_id = _new_id("item")
+            self.emit(ev.InputAudioBufferSpeechStarted(audio_start_ms=edge.ms, item_id=self._vad_item_id))
+            if self.active is not None and td.interrupt_response:
+                if self.duplex:
+                    self.emit(ev.BargeIn(response_id=self.active.id, audio_start_ms=edge.ms, epoch=self.epoch + 1))
+                await self._cancel("turn_detected")
+        else:
+            item_id = self._vad_item_id or _new_id("item")
+            self._vad_item_id = item_id
+            self.emit(ev.InputAudioBufferSpeechStopped(audio_end_ms=edge.ms, item_id=item_id))
+            await self._commit()
+            if td.create_response and self.active is None:
+                await self._response_create()
+
+    # ------------------------------------------------------------ responses
+
+    async def _run_reply(self, resp: _Response) -> None:
+        resampler = StreamResampler(self.plugin.info.output_rate, resp.output_format.rate)
+
+        def current() -> bool:
+            return self.epoch == resp.epoch and not self.closed
+
+        try:
+            while True:
+                rendered = await self.port.call(self._render, resampler, resp.output_format, guard=current)
+                if rendered is None:
+                    break
+                self.mailbox.put_nowait(_Chunk(resp.epoch, resp.id, *rendered))
+            self.mailbox.put_nowait(_ReplyEnd(resp.epoch, resp.id, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("model failed in response %s", resp.id)
+            self.mailbox.put_nowait(_ReplyEnd(resp.epoch, resp.id, f"{type(exc).__name__}: {exc}"))
+
+    def _render(self, resampler: StreamResampler, fmt: wire_audio.AudioFormat) -> tuple[int, bytes] | None:
+        """Worker thread: one native chunk, converted to the output format."""
+        chunk = self.stream.step()
+        if chunk is None:
+            return None
+        return len(chunk), wire_audio.encode_samples(resampler.process(chunk), fmt)
+
+    def _on_chunk(self, msg: _Chunk) -> None:
+        playback = self.ledgers.playback
+        playback.generated_samples += msg.model_samples
+        resp = self.active
+        if resp is None or msg.epoch != self.epoch or resp.id != msg.response_id:
+            playback.dropped_samples += msg.model_samples
+            return
+        playback.delivered_samples += msg.model_samples
+        playback.delivered_bytes += len(msg.data)
+        offset = resp.out_samples
+        resp.out_samples += resp.output_format.samples(len(msg.data))
+        self.emit(
+            ev.ResponseOutputAudioDelta(
+                response_id=resp.id,
+                item_id=resp.item_id,
+                output_index=0,
+                content_index=0,
+                delta=wire_audio.b64encode(msg.data),
+                epoch=resp.epoch,
+                turn_id=resp.turn_id,
+                audio_offset=offset,
+            )
+        )
+
+    def _on_reply_end(self, msg: _ReplyEnd) -> None:
+        resp = self.active
+        if resp is None or msg.epoch != self.epoch or resp.id != msg.response_id:
+            return
+        self.active = None
+        if msg.error is None:
+            self._finish(resp, "completed", None)
+        else:
+            details = {
+                "type": "failed",
+                "error": {"type": "server_error", "code": "server_error", "message": msg.error},
+            }
+            self._finish(resp, "failed", details)
+
+    async def _cancel(self, reason: str) -> None:
+        resp = self.active
+        assert resp is not None
+        self.active = None
+        self.epoch += 1
+        self._finish(resp, "cancelled", {"type": "cancelled", "reason": reason})
+        await self.port.call(self.stream.cancel)
+
+    def _finish(self, resp: _Response, status: str, details: dict | None) -> None:
+        """The terminal events of ``resp``; after these nothing of its epoch is emitted."""
+        counts = self.ledgers.responses
+        setattr(counts, status, getattr(counts, status) + 1)
+        item_status = "completed" if status == "completed" else "incomplete"
+        item = _assistant_item(resp.item_id, item_status, [{"type": "output_audio", "transcript": ""}])
+        stored = self._find(resp.item_id)
+        if stored is not None:
+            stored.update(item)
+        common = {"response_id": resp.id, "item_id": resp.item_id, "output_index": 0, "content_index": 0}
+        self.emit(ev.ResponseOutputAudioDone(**common, epoch=resp.epoch))
+        self.emit(ev.ResponseContentPartDone(**common, part={"type": "audio", "transcript": ""}))
+        self.emit(ev.ResponseOutputItemDone(response_id=resp.id, output_index=0, item=item))
+        self.emit(ev.ConversationItemDone(item=item, previous_item_id=resp.previous_item_id))
+        playback = {
+            "audio_samples": resp.out_samples,
+            "audio_ms": resp.output_format.ms(resp.out_samples),
+            "format": resp.output_format.to_wire(),
+        }
+        self.emit(
+            ev.ResponseDone(
+                response=self._response_wire(resp, status, [item], details),
+                epoch=resp.epoch,
+                turn_id=resp.turn_id,
+                playback=playback,
+            )
+        )
+
+    # ------------------------------------------------------------ lease, resume, detach
+
+    def _on_resume(self, msg: _Resume) -> None:
+        cmd, transport = msg.command, msg.transport
+        assert self.journal is not None
+        if not self.lease.token_matches(cmd.resume_token):
+            msg.future.set_exception(
+                ProtocolError("invalid_resume_token", "resume token does not match", "resume_token")
+            )
+            return
+        if cmd.generation is not None and cmd.generation != self.lease.generation:
+            msg.future.set_exception(
+                ProtocolError(
+                    "generation_mismatch",
+                    f"session is at generation {self.lease.generation}, not {cmd.generation}",
+                    "generation",
+                )
+            )
+            return
+        old = self.transport
+        if old is not None and old is not transport:
+            self._deliver_direct(ev.SessionReplaced(session_id=self.id))
+            old.close(CLOSE_REPLACED, "session replaced")
+        self.transport = transport
+        self.lease.attach(time.monotonic())
+        token = self.lease.issue_token()
+        replay = self.journal.since(cmd.last_server_event_seq)
+        self._deliver_direct(
+            ev.SessionResumed(
+                session_id=self.id,
+                resume_token=token,
+                generation=self.lease.generation,
+                last_server_event_seq=self.journal.last_seq,
+                replayed=0 if replay is None else len(replay),
+            )
+        )
+        if replay is None:
+            self._deliver_direct(
+                ev.SessionResyncRequired(
+                    session_id=self.id,
+                    requested_seq=cmd.last_server_event_seq,
+                    oldest_available_seq=self.journal.oldest_seq,
+                    last_server_event_seq=self.journal.last_seq,
+                    session=self._session_wire(),
+                    item_ids=[item["id"] for item in self.history],
+                    active_response_id=None if self.active is None else self.active.id,
+                )
+            )
+        else:
+            for text in replay:
+                transport.deliver(text)
+        msg.future.set_result(None)
+
+    async def _on_detach(self, transport: Transport) -> None:
+        if transport is not self.transport:
+            return
+        self.transport = None
+        if self.duplex:
+            self.lease.detach(time.monotonic())
+        else:
+            await self._shutdown(None, "disconnected", CLOSE_NORMAL)
+
+    async def _on_tick(self) -> None:
+        now = time.monotonic()
+        reason = self.lease.expiry(now, busy=self.active is not None)
+        if reason is not None:
+            await self._shutdown(
+                ev.SessionExpired(session_id=self.id, reason=reason), f"expired: {reason}", CLOSE_EXPIRED
+            )
+            return
+        beat = self.limits.heartbeat_s
+        if beat and self.duplex and self.transport is not None and now - self._last_heartbeat >= beat:
+            self._last_heartbeat = now
+            assert self.journal is not None
+            self._deliver_direct(
+                ev.SessionHeartbeatEvent(
+                    last_server_event_seq=self.journal.last_seq, server_time_ms=int(time.time() * 1000)
+                )
+            )
+
+    # ------------------------------------------------------------ wire helpers
+
+    def _session_wire(self) -> dict:
+        return self.config.to_wire(self.id, self.expires_at)
+
+    def _response_wire(self, resp: _Response, status: str, output: list, details: dict | None = None) -> dict:
+        return {
+            "id": resp.id,
+            "object": "realtime.response",
+            "status": status,
+            "status_details": details,
+            "output": output,
+            "conversation_id": self.conversation_id,
+            "output_modalities": ["audio"],
+            "max_output_tokens": "inf",
+            "audio": {"output": {"format": resp.output_format.to_wire(), "voice": self.config.voice}},
+            "usage": None,
+            "metadata": None,
+        }
+
+    def _add_item(self, item: dict, previous: str | None, done: bool = True) -> None:
+        index = 0 if previous is None else self.history.index(self._find(previous)) + 1  # type: ignore[arg-type]
+        self.history.insert(index, item)
+        self.ledgers.history_items = len(self.history)
+        self.emit(ev.ConversationItemAdded(item=item, previous_item_id=previous))
+        if done:
+            self.emit(ev.ConversationItemDone(item=item, previous_item_id=previous))
+
+    def _find(self, item_id: str) -> dict | None:
+        return next((item for item in self.history if item["id"] == item_id), None)
+
+    def _require_item(self, item_id: str) -> dict:
+        item = self._find(item_id)
+        if item is None:
+            raise ProtocolError("item_not_found", f"no item {item_id!r}", "item_id")
+        return item
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(8)}"
+
+
+def _assistant_item(item_id: str, status: str, content: list) -> dict:
+    return {
+        "id": item_id,
+        "object": "realtime.item",
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": content,
+    }
+
+
+def _error_event(err: ProtocolError) -> ev.Error:
+    return ev.Error(
+        error={"type": err.type, "code": err.code, "message": err.message, "param": err.param, "event_id": err.event_id}
+    )

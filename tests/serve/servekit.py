@@ -1,0 +1,157 @@
+"""Helpers for the duplex service tests: real uvicorn servers on loopback, and a client socket
+that checks every event it receives against OpenAI's published GA schema."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pydantic
+from openai.types.realtime import RealtimeServerEvent
+
+from cadence_fx.serve.app import background_server
+from cadence_fx.serve.client import RealtimeSocket, read_wav
+from cadence_fx.serve.plugins import ToneModel, tone
+from cadence_fx.serve.protocol import PCM24K, decode_event
+from cadence_fx.serve.protocol import audio as wire_audio
+from cadence_fx.serve.protocol import events as ev
+from cadence_fx.serve.session import Limits
+
+AUDIO = Path(__file__).resolve().parents[2].parent / "shared" / "audio"
+GA_SCHEMA = pydantic.TypeAdapter(RealtimeServerEvent)
+TIER3 = {cls.TYPE for cls in ev.EVENTS.values() if cls.TIER == 3}
+
+
+def check_event(event: dict, duplex: bool) -> None:
+    """Tier 1/2 events validate against the GA schema (Tier 1 connections: no extra fields at all);
+    Tier 3 events decode with our codec and appear only on duplex connections."""
+    if event["type"] in TIER3:
+        assert duplex, f"Tier 3 event on a Realtime connection: {event['type']}"
+        decode_event(json.dumps(event))
+        return
+    model = GA_SCHEMA.validate_python(event)
+    if not duplex:
+        assert not model.model_extra, f"{event['type']} has non-GA fields {sorted(model.model_extra)}"
+
+
+class CheckedSocket(RealtimeSocket):
+    """A RealtimeSocket that validates every event it receives and remembers it."""
+
+    duplex = True
+
+    def __init__(self, ws, duplex: bool) -> None:
+        super().__init__(ws)
+        self.duplex = duplex
+        self.received: list[dict] = []
+
+    async def recv(self, timeout: float = 5.0) -> dict:
+        event = await super().recv(timeout)
+        check_event(event, self.duplex)
+        self.received.append(event)
+        return event
+
+    async def recv_all(self, quiet_s: float = 0.3) -> list[dict]:
+        """Everything until the server has been quiet for ``quiet_s``."""
+        out = []
+        with contextlib.suppress(asyncio.TimeoutError):
+            while True:
+                out.append(await self.recv(quiet_s))
+        return out
+
+    async def update(self, session: dict) -> dict:
+        await self.send({"type": "session.update", "session": {"type": "realtime", **session}})
+        return (await self.recv_until("session.updated"))[-1]
+
+    async def no_vad(self) -> dict:
+        return await self.update({"audio": {"input": {"turn_detection": None}}})
+
+    async def append(self, pcm: bytes, chunk_bytes: int = 9600) -> None:
+        for i in range(0, len(pcm), chunk_bytes):
+            await self.send(
+                {"type": "input_audio_buffer.append", "audio": wire_audio.b64encode(pcm[i : i + chunk_bytes])}
+            )
+
+
+class Server:
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    async def connect(self, path: str = "/v1/duplex", created: bool = True) -> CheckedSocket:
+        plain = await RealtimeSocket.connect(self.handle.ws_url + path)
+        sock = CheckedSocket(plain.ws, duplex="duplex" in path)
+        if created:
+            first = await sock.recv()
+            assert first["type"] == "session.created", first
+            sock.session_id = first["session"]["id"]
+            sock.resume_token = first.get("resume_token")
+        return sock
+
+    def session(self, session_id: str):
+        return self.handle.manager.sessions.get(session_id)
+
+    def on_loop(self, fn):
+        return self.handle.call(fn)
+
+    def eventually(self, predicate, timeout: float = 3.0) -> bool:
+        """Poll ``predicate`` on the server's loop until it holds (True) or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while not self.on_loop(predicate):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+
+@contextlib.contextmanager
+def running(limits: Limits | None = None, **tone_options):
+    with background_server(lambda: ToneModel(**tone_options), limits or Limits(max_sessions=64)) as handle:
+        yield Server(handle)
+
+
+def wav_pcm(name: str) -> bytes:
+    samples, _ = read_wav(AUDIO / name)
+    return wire_audio.encode_samples(samples, PCM24K)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def deltas_of(events: list[dict], response_id: str | None = None) -> bytes:
+    return b"".join(
+        wire_audio.b64decode(e["delta"])
+        for e in events
+        if e["type"] == "response.output_audio.delta" and response_id in (None, e["response_id"])
+    )
+
+
+def tone_reply_pcm(chunks: int) -> bytes:
+    return wire_audio.encode_samples(tone.render(chunks), PCM24K)
+
+
+RESPONSE_HEAD = [
+    "response.created",
+    "response.output_item.added",
+    "conversation.item.added",
+    "response.content_part.added",
+]
+RESPONSE_TAIL = [
+    "response.output_audio.done",
+    "response.content_part.done",
+    "response.output_item.done",
+    "conversation.item.done",
+    "response.done",
+]
+COMMIT = ["input_audio_buffer.committed", "conversation.item.added", "conversation.item.done"]
+
+
+def types_of(events: list[dict], skip_deltas: bool = True) -> list[str]:
+    return [e["type"] for e in events if not (skip_deltas and e["type"] == "response.output_audio.delta")]
+
+
+def silence(ms: int, rate: int = 24_000) -> bytes:
+    return np.zeros(rate * ms // 1000, dtype="<i2").tobytes()

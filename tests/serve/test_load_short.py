@@ -1,0 +1,39 @@
+"""A short load run (8 sessions x 3 s, real time): every input byte and output sample accounted.
+The 8 x 60 s run with latency percentiles is bench/serve_load.py."""
+
+from __future__ import annotations
+
+from servekit import run, running, tone_reply_pcm
+
+from cadence_fx.serve.loadgen import run_load, speech_pattern
+from cadence_fx.serve.plugins import tone
+from cadence_fx.serve.session import Limits
+
+
+def test_eight_sessions_for_three_seconds_lose_nothing():
+    pcm = speech_pattern(3.0)  # bursts at 0-0.8 s and 1.5-2.3 s; VAD ends them at 1.3 s and 2.8 s
+
+    with running(Limits(max_sessions=8)) as server:
+        results = run(run_load(server.handle.ws_url + "/v1/duplex", pcm, sessions=8))
+        assert server.eventually(lambda: not server.handle.manager.sessions)
+        ledgers = server.on_loop(lambda: dict(server.handle.manager.ended_ledgers))
+    for result in results:
+        ledger = ledgers[result.session_id]
+        ledger.check()
+        assert (ledger.input.received_bytes, ledger.input.committed_bytes, ledger.input.rejected_bytes) == (
+            144_000,
+            144_000,
+            0,
+        )
+        # 3 s at 16 kHz is exactly 150 frames; nothing padded, nothing dropped.
+        assert (ledger.input.fed_samples, ledger.input.padded_samples, ledger.input.discarded_samples) == (48_000, 0, 0)
+        assert (ledger.playback.generated_samples, ledger.playback.delivered_samples) == (2 * 18 * 960, 2 * 18 * 960)
+        assert (ledger.playback.dropped_samples, ledger.responses.completed, ledger.responses.cancelled) == (0, 2, 0)
+        assert result.errors == []
+        assert result.accounted
+        assert result.appended_bytes == result.committed_bytes == len(pcm) == 144_000
+        # 200 ms appends: turns are committed at 1.4 s and 2.8 s, the last 0.2 s at the end.
+        assert [r.turn_bytes for r in result.replies] == [67_200, 67_200]
+        for reply in result.replies:
+            chunks = tone.reply_chunks(reply.turn_bytes // 2 * 2 // 3)
+            assert bytes(reply.audio) == tone_reply_pcm(chunks) and chunks == 18

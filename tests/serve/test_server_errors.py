@@ -1,0 +1,216 @@
+"""Bad input: each frame gets exactly one typed ``error`` event and the session carries on."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import websockets.sync.client
+from cadence_fx.serve.protocol import ERROR_CODES
+from cadence_fx.serve.protocol import events as ev
+from cadence_fx.serve.session import Limits
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from servekit import check_event, run, running
+
+MAX_FRAME = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def strict_server():
+    with running(Limits(max_sessions=64, max_frame_bytes=MAX_FRAME)) as srv:
+        yield srv
+
+
+async def _answer(sock, frame) -> tuple[dict, dict]:
+    """The error for ``frame``, then proof of life: the next command still works."""
+    await sock.send(frame)
+    error = await sock.recv()
+    await sock.send({"type": "session.update", "session": {"type": "realtime", "instructions": "still here"}})
+    alive = await sock.recv()
+    return error, alive
+
+
+BAD_FRAMES = [
+    ("{oops", "invalid_json", None),
+    (b"\x00\x9f binary", "invalid_json", None),
+    ("[]", "invalid_json", None),
+    ('{"type": "input_audio_buffer.append", "audio": "' + "A" * MAX_FRAME + '"}', "frame_too_large", None),
+    ('{"type": "input_audio_buffer.explode"}', "unknown_event_type", "type"),
+    ('{"type": "input_audio_buffer.append", "event_id": "c7"}', "missing_field", "audio"),
+    ('{"type": "conversation.item.truncate", "item_id": "x", "audio_end_ms": 1}', "missing_field", "content_index"),
+    ('{"type": "input_audio_buffer.append", "audio": "not base64!"}', "invalid_base64", "audio"),
+    ('{"type": "input_audio_buffer.append", "audio": "AAAA"}', "invalid_audio_length", "audio"),
+    (
+        json.dumps(
+            {"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 8}}}}}
+        ),
+        "unsupported_audio_format",
+        "session.audio.input.format.rate",
+    ),
+    (
+        json.dumps({"type": "session.update", "session": {"audio": {"output": {"format": {"type": "audio/flac"}}}}}),
+        "unsupported_audio_format",
+        "session.audio.output.format.type",
+    ),
+    ('{"type": "input_audio_buffer.commit", "session_id": "sess_not_mine"}', "session_mismatch", "session_id"),
+    (
+        '{"type": "session.resume", "session_id": "sess_unknown", "resume_token": "t", "last_server_event_seq": 0}',
+        "session_not_found",
+        "session_id",
+    ),
+    ('{"type": "conversation.item.retrieve", "item_id": "item_nope"}', "item_not_found", "item_id"),
+    ('{"type": "input_audio_buffer.commit"}', "input_audio_buffer_commit_empty", None),
+    ('{"type": "response.cancel"}', "response_cancel_not_active", "response_id"),
+]
+
+
+@pytest.mark.parametrize(("frame", "code", "param"), BAD_FRAMES, ids=[c for _, c, _ in BAD_FRAMES])
+def test_bad_input_gets_a_typed_error_and_the_session_survives(strict_server, frame, code, param):
+    async def scenario():
+        sock = await strict_server.connect("/v1/duplex")
+        answer = await _answer(sock, frame)
+        await sock.close()
+        return answer
+
+    error, alive = run(scenario())
+    assert error["type"] == "error"
+    assert (error["error"]["type"], error["error"]["code"], error["error"]["param"]) == (
+        "invalid_request_error",
+        code,
+        param,
+    )
+    assert alive["type"] == "session.updated" and alive["session"]["instructions"] == "still here"
+
+
+def test_error_echoes_the_client_event_id(strict_server):
+    async def scenario():
+        sock = await strict_server.connect("/v1/duplex")
+        error, _ = await _answer(sock, '{"type": "input_audio_buffer.append", "event_id": "c7"}')
+        await sock.close()
+        return error
+
+    assert run(scenario())["error"]["event_id"] == "c7"
+
+
+def test_another_clients_session_cannot_be_taken_with_a_wrong_token(strict_server):
+    async def scenario():
+        owner = await strict_server.connect("/v1/duplex")
+        intruder = await strict_server.connect("/v1/duplex")
+        resume = {
+            "type": "session.resume",
+            "session_id": owner.session_id,
+            "resume_token": "guess",
+            "last_server_event_seq": 0,
+        }
+        error, alive = await _answer(intruder, resume)
+        owner_alive = await owner.update({"instructions": "mine"})
+        named = {"type": "input_audio_buffer.clear", "session_id": owner.session_id}
+        mismatch, _ = await _answer(intruder, named)
+        quiet = await owner.recv_all()
+        await owner.close()
+        await intruder.close()
+        return error, alive, owner_alive, mismatch, quiet
+
+    error, alive, owner_alive, mismatch, quiet = run(scenario())
+    assert (error["error"]["code"], error["error"]["param"]) == ("invalid_resume_token", "resume_token")
+    assert alive["type"] == owner_alive["type"] == "session.updated"
+    assert mismatch["error"]["code"] == "session_mismatch" and quiet == []
+
+
+# ---------------------------------------------------------------- fuzz
+
+_JSON_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False), st.text(max_size=8)
+)
+_JSON = st.recursive(
+    _JSON_SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+# Command types whose required fields, when broken, make the frame invalid.
+_REQUIRED = {
+    t: [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    for t, cls in ev.COMMANDS.items()
+}
+_WITH_REQUIRED = sorted(t for t, names in _REQUIRED.items() if names)
+
+
+def _is_json_object(text: str | bytes) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
+@st.composite
+def _broken_command(draw) -> str:
+    kind = draw(st.sampled_from(_WITH_REQUIRED))
+    frame = {"type": kind, **{name: "x" for name in _REQUIRED[kind]}}
+    victim = draw(st.sampled_from(_REQUIRED[kind]))
+    if draw(st.booleans()):
+        del frame[victim]
+    else:  # a value of the wrong type for the field (every required field is a str, int or dict)
+        frame[victim] = draw(st.one_of(st.none(), st.lists(st.integers(), max_size=2), st.floats(allow_nan=False)))
+    return json.dumps(frame)
+
+
+_MALFORMED = st.one_of(
+    st.text(max_size=40).filter(lambda t: not _is_json_object(t)),
+    st.binary(max_size=40).filter(lambda b: not _is_json_object(b)),
+    _JSON.filter(lambda v: not isinstance(v, dict)).map(json.dumps),
+    st.dictionaries(st.text(max_size=6), _JSON, max_size=4)
+    .filter(lambda d: not (isinstance(d.get("type"), str) and d["type"] in ev.COMMANDS))
+    .map(json.dumps),
+    st.text(max_size=30).filter(lambda t: t not in ev.COMMANDS).map(lambda t: json.dumps({"type": t, "audio": "AAAA"})),
+    _broken_command(),
+    st.text(alphabet="!@#$%^&*()~ ", min_size=1, max_size=12).map(
+        lambda t: json.dumps({"type": "input_audio_buffer.append", "audio": t})
+    ),
+    st.text(max_size=12).map(lambda s: json.dumps({"type": "input_audio_buffer.clear", "session_id": "sess_x" + s})),
+    st.text(max_size=12).map(lambda s: json.dumps({"type": "conversation.item.delete", "item_id": "nope" + s})),
+    st.just(json.dumps({"type": "response.cancel"})),
+    st.just(json.dumps({"type": "input_audio_buffer.commit"})),
+    st.just(
+        json.dumps({"type": "session.resume", "session_id": "sess_x", "resume_token": "t", "last_server_event_seq": 1})
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def fuzz_socket(strict_server):
+    with websockets.sync.client.connect(strict_server.handle.ws_url + "/v1/duplex", max_size=None) as ws:
+        assert json.loads(ws.recv(timeout=5))["type"] == "session.created"
+        ws.counter = ws.frames = 0
+        yield ws
+        assert ws.frames >= 2_000, ws.frames  # thousands of malformed frames, one session
+
+
+@settings(max_examples=200, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@given(frames=st.lists(_MALFORMED, min_size=10, max_size=60))  # ~3,000 frames in all
+def test_fuzz_every_malformed_frame_gets_exactly_one_typed_error(fuzz_socket, frames):
+    ws = fuzz_socket
+    for frame in frames:
+        ws.send(frame)
+    ws.counter += 1
+    ws.frames += len(frames)
+    marker = f"alive {ws.counter}"
+    ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime", "instructions": marker}}))
+    answers = []
+    while True:
+        event = json.loads(ws.recv(timeout=10))
+        if event["type"] == "session.updated":
+            break
+        answers.append(event)
+    assert event["session"]["instructions"] == marker
+    assert len(answers) == len(frames)
+    assert all(a["type"] == "error" for a in answers)
+    for answer in answers:
+        check_event(answer, duplex=True)
+    codes = {a["error"]["code"] for a in answers}
+    assert codes <= ERROR_CODES - {"server_error"}, codes

@@ -1,0 +1,364 @@
+"""Sessions over a real uvicorn server on loopback: exact event sequences, bytes and samples.
+Every event received is checked against OpenAI's GA schema by CheckedSocket."""
+
+from __future__ import annotations
+
+
+import httpx
+from servekit import (
+    COMMIT,
+    RESPONSE_HEAD,
+    RESPONSE_TAIL,
+    deltas_of,
+    run,
+    running,
+    silence,
+    tone_reply_pcm,
+    types_of,
+    wav_pcm,
+)
+
+from cadence_fx.serve.protocol import PCM24K, PCMA, PCMU, StreamResampler
+from cadence_fx.serve.protocol import audio as wire_audio
+from cadence_fx.serve.session import Limits
+
+QUESTION_BYTES = 212_658  # question_24k.wav: 106,329 samples
+QUESTION_REPLY_CHUNKS = 56  # 70,886 samples at 16 kHz -> 222 frames -> 53,280 reply samples -> 56 chunks
+
+
+def test_manual_turn_gives_the_exact_ga_event_sequence(server, question_pcm):
+    async def scenario():
+        sock = await server.connect("/v1/duplex")
+        updated = await sock.no_vad()
+        await sock.append(question_pcm)
+        await sock.send({"type": "input_audio_buffer.commit"})
+        await sock.send({"type": "response.create"})
+        events = await sock.recv_until("response.done")
+        session = server.on_loop(lambda: server.session(sock.session_id).ledgers.to_dict())
+        await sock.close()
+        return updated, events, session
+
+    updated, events, ledgers = run(scenario())
+    assert types_of(events, skip_deltas=False) == (
+        COMMIT + RESPONSE_HEAD + ["response.output_audio.delta"] * QUESTION_REPLY_CHUNKS + RESPONSE_TAIL
+    )
+    assert [e["server_event_seq"] for e in [updated, *events]] == list(range(1, len(events) + 2))
+    assert events[0]["audio_bytes"] == QUESTION_BYTES and events[0]["turn_id"] == 1
+    assert deltas_of(events) == tone_reply_pcm(QUESTION_REPLY_CHUNKS)
+    deltas = [e for e in events if e["type"] == "response.output_audio.delta"]
+    assert [d["audio_offset"] for d in deltas] == list(range(0, 960 * QUESTION_REPLY_CHUNKS, 960))
+    done = events[-1]
+    assert (done["response"]["status"], done["epoch"], done["turn_id"]) == ("completed", 0, 1)
+    assert done["playback"] == {
+        "audio_samples": 53_760,
+        "audio_ms": 2_240,
+        "format": {"type": "audio/pcm", "rate": 24000},
+    }
+    assert ledgers["input"] == {
+        "received_bytes": QUESTION_BYTES,
+        "committed_bytes": QUESTION_BYTES,
+        "cleared_bytes": 0,
+        "rejected_bytes": 0,
+        "rejected_appends": 0,
+        "resampled_samples": 70_886,
+        "fed_samples": 71_040,
+        "padded_samples": 154,
+        "discarded_samples": 0,
+        "pending_samples": 0,
+        "buffered_bytes": 0,
+    }
+    assert ledgers["playback"]["delivered_samples"] == ledgers["playback"]["generated_samples"] == 53_760
+
+
+def test_realtime_route_speaks_tier1_only(server, question_pcm):
+    async def scenario():
+        sock = await server.connect("/v1/realtime")
+        await sock.no_vad()
+        await sock.append(question_pcm)
+        await sock.send({"type": "input_audio_buffer.commit"})
+        await sock.send({"type": "response.create"})
+        events = await sock.recv_until("response.done")
+        await sock.send({"type": "session.heartbeat"})
+        refused = await sock.recv()
+        await sock.close()
+        return sock.received, events, refused
+
+    received, events, refused = run(scenario())
+    # CheckedSocket(duplex=False) already failed on any non-GA field; no seq, no Tier 3 event.
+    assert all("server_event_seq" not in e for e in received)
+    assert deltas_of(events) == tone_reply_pcm(QUESTION_REPLY_CHUNKS)
+    assert refused["error"]["code"] == "unsupported_in_realtime_mode"
+
+
+def test_duplex_query_flag_on_the_realtime_route(server):
+    async def scenario():
+        sock = await server.connect("/v1/realtime?duplex=1")
+        updated = await sock.no_vad()
+        await sock.close()
+        return updated
+
+    assert run(scenario())["server_event_seq"] == 1
+
+
+def test_server_vad_cuts_the_recording_into_two_turns(server):
+    turns = wav_pcm("turns_24k.wav")
+    split = 6_600 * 48  # bytes: the first turn ends (VAD) at 6,050 ms
+
+    async def scenario():
+        sock = await server.connect("/v1/duplex")
+        await sock.append(turns[:split])
+        first = await sock.recv_until("response.done")
+        await sock.append(turns[split:])
+        second = await sock.recv_until("response.done")
+        tail = await sock.recv_all()
+        await sock.close()
+        return first, second, tail
+
+    first, second, tail = run(scenario())
+    vad_turn = [
+        "input_audio_buffer.speech_started",
+        "input_audio_buffer.speech_stopped",
+        *COMMIT,
+        *RESPONSE_HEAD,
+        *RESPONSE_TAIL,
+    ]
+    assert types_of(first) == vad_turn and types_of(second) == vad_turn and tail == []
+    assert [(e["audio_start_ms"], e["item_id"]) for e in (first[0], second[0])] == [
+        (1210, first[2]["item_id"]),
+        (7130, second[2]["item_id"]),
+    ]
+    assert [e["audio_end_ms"] for e in (first[1], second[1])] == [6050, 11330]
+    # Appends are 200 ms, so each turn is committed at the end of the append where speech stopped.
+    assert [e["audio_bytes"] for e in (first[2], second[2])] == [6_200 * 48, 5_200 * 48]
+    # 6.2 s -> 99,200 samples at 16 kHz -> 74,400 reply samples -> 78 chunks; 5.2 s -> 65 chunks.
+    assert deltas_of(first) == tone_reply_pcm(78) and deltas_of(second) == tone_reply_pcm(65)
+
+
+def test_barge_in_cancels_the_response_and_fences_its_epoch(question_pcm):
+    interrupt = wav_pcm("interrupt_24k.wav")
+
+    async def scenario(server):
+        sock = await server.connect("/v1/duplex")
+        await sock.append(question_pcm + silence(600))
+        before = await sock.recv_until("response.output_audio.delta")
+        await sock.append(interrupt[:9600])
+        during = await sock.recv_until("response.done")
+        await sock.append(interrupt[9600:] + silence(600))
+        after = await sock.recv_until("response.done")
+        tail = await sock.recv_all()
+        await sock.close()
+        return before, during, after, tail
+
+    with running(step_delay_s=0.05) as server:
+        before, during, after, tail = run(scenario(server))
+    old = before[-1]["response_id"]
+    assert types_of(during) == ["input_audio_buffer.speech_started", "barge_in", *RESPONSE_TAIL]
+    barge, done = during[-6], during[-1]
+    # Speech begins where the interrupt starts, 4,430 + 600 ms in, less 300 ms of prefix padding.
+    assert (barge["response_id"], barge["epoch"], barge["audio_start_ms"]) == (old, 1, 4730)
+    assert done["response"]["status_details"] == {"type": "cancelled", "reason": "turn_detected"}
+    assert (done["response"]["status"], done["epoch"]) == ("cancelled", 0)
+    assert types_of(after) == ["input_audio_buffer.speech_stopped", *COMMIT, *RESPONSE_HEAD, *RESPONSE_TAIL]
+    assert after[4]["epoch"] == 1 and after[-1]["response"]["status"] == "completed"
+    assert all(e.get("response_id") != old for e in after + tail)
+
+
+def test_response_cancel_stops_at_a_chunk_boundary(question_pcm):
+    async def scenario(server):
+        sock = await server.connect("/v1/duplex")
+        await sock.no_vad()
+        await sock.append(question_pcm)
+        await sock.send({"type": "input_audio_buffer.commit"})
+        await sock.send({"type": "response.create"})
+        head = await sock.recv_until("response.output_audio.delta")
+        await sock.send({"type": "response.cancel", "response_id": head[-1]["response_id"]})
+        rest = await sock.recv_until("response.done")
+        tail = await sock.recv_all(0.5)
+        await sock.send({"type": "response.cancel"})
+        again = await sock.recv()
+        ledgers = server.on_loop(lambda: server.session(sock.session_id).ledgers)
+        await sock.close()
+        return head, rest, tail, again, ledgers
+
+    with running(step_delay_s=0.05) as server:
+        head, rest, tail, again, ledgers = run(scenario(server))
+    assert types_of(rest) == RESPONSE_TAIL and tail == []
+    assert rest[-1]["response"]["status_details"]["reason"] == "client_cancelled"
+    delivered = deltas_of(head + rest)
+    assert delivered == tone_reply_pcm(QUESTION_REPLY_CHUNKS)[: len(delivered)]
+    assert rest[-1]["playback"]["audio_samples"] * 2 == len(delivered)
+    playback = ledgers.playback
+    assert playback.delivered_bytes == len(delivered)
+    assert playback.generated_samples == playback.delivered_samples + playback.dropped_samples
+    assert (ledgers.responses.cancelled, again["error"]["code"]) == (1, "response_cancel_not_active")
+
+
+def test_g711_in_and_out_with_exact_byte_counts(server, question_pcm):
+    samples = wire_audio.decode_samples(question_pcm, PCM24K)
+    pcmu = wire_audio.encode_samples(StreamResampler(24_000, 8_000).process(samples), PCMU)
+
+    async def scenario():
+        sock = await server.connect("/v1/duplex")
+        updated = await sock.update(
+            {
+                "audio": {
+                    "input": {"format": {"type": "audio/pcmu"}, "turn_detection": None},
+                    "output": {"format": {"type": "audio/pcma"}},
+                }
+            }
+        )
+        await sock.append(pcmu, chunk_bytes=1600)
+        await sock.send({"type": "input_audio_buffer.commit"})
+        await sock.send({"type": "response.create"})
+        events = await sock.recv_until("response.done")
+        await sock.close()
+        return updated, events
+
+    updated, events = run(scenario())
+    assert updated["session"]["audio"]["output"]["format"] == {"type": "audio/pcma"}
+    assert events[0]["audio_bytes"] == len(pcmu) == 35_443
+    # 35,443 samples at 8 kHz -> 70,886 at 16 kHz: the same 56-chunk reply, sent at 8 kHz A-law.
+    expected = wire_audio.encode_samples(
+        StreamResampler(24_000, 8_000).process(wire_audio.decode_samples(tone_reply_pcm(56), PCM24K)), PCMA
+    )
+    assert deltas_of(events) == expected and len(expected) == 56 * 320
+    assert events[-1]["playback"] == {"audio_samples": 17_920, "audio_ms": 2_240, "format": {"type": "audio/pcma"}}
+
+
+def test_conversation_items_create_retrieve_truncate_delete(server, question_pcm):
+    async def scenario():
+        sock = await server.connect("/v1/duplex")
+        await sock.no_vad()
+        await sock.send(
+            {
+                "type": "conversation.item.create",
+                "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+            }
+        )
+        created = await sock.recv_until("conversation.item.done")
+        await sock.append(question_pcm[:48_000])
+        await sock.send({"type": "input_audio_buffer.commit"})
+        await sock.send({"type": "response.create"})
+        turn = await sock.recv_until("response.done")
+        user_id, assistant_id = turn[0]["item_id"], turn[-1]["response"]["output"][0]["id"]
+        await sock.send({"type": "conversation.item.retrieve", "item_id": user_id})
+        retrieved = await sock.recv()
+        await sock.send(
+            {"type": "conversation.item.truncate", "item_id": assistant_id, "content_index": 0, "audio_end_ms": 200}
+        )
+        truncated = await sock.recv()
+        await sock.send(
+            {"type": "conversation.item.truncate", "item_id": assistant_id, "content_index": 0, "audio_end_ms": 60_000}
+        )
+        too_far = await sock.recv()
+        await sock.send({"type": "conversation.item.delete", "item_id": user_id})
+        deleted = await sock.recv()
+        await sock.send({"type": "conversation.item.delete", "item_id": user_id})
+        missing = await sock.recv()
+        await sock.close()
+        return created, turn, retrieved, truncated, too_far, deleted, missing
+
+    created, turn, retrieved, truncated, too_far, deleted, missing = run(scenario())
+    assert types_of(created) == ["conversation.item.added", "conversation.item.done"]
+    text_id = created[0]["item"]["id"]
+    assert turn[0]["previous_item_id"] == text_id
+    assert retrieved["item"]["content"][0]["audio"] == wire_audio.b64encode(question_pcm[:48_000])
+    assert (truncated["type"], truncated["audio_end_ms"]) == ("conversation.item.truncated", 200)
+    assert (too_far["error"]["code"], too_far["error"]["param"]) == ("invalid_value", "audio_end_ms")
+    assert (deleted["type"], deleted["item_id"]) == ("conversation.item.deleted", turn[0]["item_id"])
+    assert missing["error"]["code"] == "item_not_found"
+
+
+def test_clear_discards_the_buffer_and_is_accounted(server, question_pcm):
+    async def scenario():
+        sock = await server.connect("/v1/duplex")
+        await sock.no_vad()
+        await sock.append(question_pcm[: 10_001 * 2])
+        await sock.send({"type": "input_audio_buffer.clear"})
+        cleared = await sock.recv()
+        await sock.send({"type": "input_audio_buffer.commit"})
+        empty = await sock.recv()
+        await sock.send({"type": "response.create"})
+        events = await sock.recv_until("response.done")
+        ledgers = server.on_loop(lambda: server.session(sock.session_id).ledgers.to_dict()["input"])
+        await sock.close()
+        return cleared, empty, events, ledgers
+
+    cleared, empty, events, ledgers = run(scenario())
+    assert cleared["audio_bytes"] == 20_002 and empty["error"]["code"] == "input_audio_buffer_commit_empty"
+    assert deltas_of(events) == tone_reply_pcm(1)  # the cleared turn left nothing: minimal reply
+    # 10,001 samples -> 6,668 at 16 kHz: 20 frames fed, 268 pending dropped by the clear.
+    assert (ledgers["cleared_bytes"], ledgers["fed_samples"], ledgers["discarded_samples"]) == (20_002, 6_400, 268)
+
+
+def test_models_and_health_routes(server):
+    with httpx.Client(base_url=server.handle.http_url) as http:
+        models = http.get("/v1/models").json()
+        health = http.get("/health").json()
+    assert [m["id"] for m in models["data"]] == ["tone"]
+    assert models["data"][0]["description"].startswith("test double")
+    assert (health["status"], health["model"], health["max_sessions"]) == ("ok", "tone", 64)
+
+
+def test_admission_limit_refuses_with_resource_exhausted():
+    async def scenario(server):
+        held = [await server.connect("/v1/duplex") for _ in range(2)]
+        refused = await server.connect("/v1/duplex", created=False)
+        error = await refused.recv()
+        await refused.ws.wait_closed()
+        await held[0].send({"type": "session.close"})
+        await held[0].recv_until("session.closed")
+        admitted = await server.connect("/v1/duplex")
+        return error, refused.ws.close_code, admitted.session_id
+
+    with running(Limits(max_sessions=2)) as server:
+        error, code, admitted = run(scenario(server))
+    assert (error["error"]["code"], code) == ("resource_exhausted", 1013)
+    assert admitted.startswith("sess_")
+
+
+def test_input_backpressure_refuses_appends_beyond_the_bound_and_accounts_them(question_pcm):
+    async def scenario(server):
+        sock = await server.connect("/v1/duplex")
+        await sock.no_vad()
+        await sock.append(question_pcm[: 10 * 9600])
+        errors = [await sock.recv() for _ in range(8)]
+        await sock.send({"type": "input_audio_buffer.commit"})
+        committed = await sock.recv_until("input_audio_buffer.committed")
+        ledgers = server.on_loop(lambda: server.session(sock.session_id).ledgers.input)
+        await sock.close()
+        return errors, committed, ledgers
+
+    # Each 200 ms append takes 10 frames x 50 ms = 0.5 s to feed: two fit under 20,000 bytes.
+    with running(Limits(max_pending_input_bytes=20_000), feed_delay_s=0.05) as server:
+        errors, committed, ledgers = run(scenario(server))
+    assert [e["error"]["code"] for e in errors] == ["input_backpressure"] * 8
+    assert committed[-1]["audio_bytes"] == 2 * 9600
+    assert (ledgers.received_bytes, ledgers.rejected_bytes, ledgers.rejected_appends) == (19_200, 76_800, 8)
+
+
+def test_output_audio_buffer_clear_cuts_the_reply_and_acks_are_ledgered(question_pcm):
+    async def scenario(server):
+        sock = await server.connect("/v1/duplex")
+        await sock.no_vad()
+        await sock.append(question_pcm)
+        await sock.send({"type": "input_audio_buffer.commit"})
+        await sock.send({"type": "response.create"})
+        head = await sock.recv_until("response.output_audio.delta")
+        response_id = head[-1]["response_id"]
+        await sock.send({"type": "output_audio_buffer.clear"})
+        rest = await sock.recv_until("output_audio_buffer.cleared")
+        played = rest[-2]["playback"]["audio_ms"]
+        await sock.send({"type": "playback.ack", "response_id": response_id, "audio_end_ms": 20})
+        await sock.send({"type": "playback.ack", "response_id": response_id, "audio_end_ms": 10})  # never goes back
+        await sock.send({"type": "playback.ack", "response_id": response_id, "audio_end_ms": 60_000})  # capped
+        await sock.update({})
+        acked = server.on_loop(lambda: server.session(sock.session_id).ledgers.playback.acked_ms)
+        await sock.close()
+        return rest, played, acked
+
+    with running(step_delay_s=0.05) as server:
+        rest, played, acked = run(scenario(server))
+    assert types_of(rest) == [*RESPONSE_TAIL, "output_audio_buffer.cleared"]
+    assert rest[-2]["response"]["status"] == "cancelled"
+    assert acked == played and played % 40 == 0 and played > 0
