@@ -57,7 +57,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     flow, transformed, report, prompt_tokens = _transform_reference("token2wav", args.depth, audit=True)
     prompt = random_prompt(0, n_tokens=prompt_tokens)
-    stock, carried = StockStream(flow, None, prompt), CarryStream(transformed, None, prompt)
+    stock, carried = StockStream(flow, None, prompt), CarryStream(transformed, prompt)
     exact = True
     for block in range(args.blocks):
         for stream in (stock, carried):

@@ -142,7 +142,7 @@ class TensorSpec:
 
     def key(self) -> tuple:
         shape = tuple(int(s) for s in self.shape)
-        stride = tuple(self.stride) if self.stride is not None else _contiguous_strides(shape)
+        stride = _layout_strides(shape, tuple(self.stride)) if self.stride is not None else _contiguous_strides(shape)
         fmt = "contiguous" if stride == _contiguous_strides(shape) else "strided"
         return (_T, shape, stride, self.dtype, torch.device(self.device), self.requires_grad, fmt)
 
@@ -175,11 +175,19 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+def _layout_strides(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...]:
+    """Strides with those of size-1 dimensions canonicalised: a size-1 dimension is never stepped
+    over, so its stride addresses nothing (``x[..., -n:].clone()`` keeps arbitrary ones)."""
+    contiguous = _contiguous_strides(shape)
+    return tuple(c if n == 1 else st for n, st, c in zip(shape, stride, contiguous))
+
+
 def _leaf_key(x: Any) -> tuple | None:
     if isinstance(x, torch.Tensor):
         if type(x) not in _PLAIN_TENSORS or x.layout is not torch.strided:
             return None
-        return (_T, tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad, _memory_format(x))
+        shape = tuple(x.shape)
+        return (_T, shape, _layout_strides(shape, x.stride()), x.dtype, x.device, x.requires_grad, _memory_format(x))
     if isinstance(x, _SCALAR_TYPES):
         return (_S, type(x), x)
     if isinstance(x, TensorSpec):

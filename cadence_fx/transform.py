@@ -32,6 +32,8 @@ class TransformReport:
     stamps: list[str] = field(default_factory=list)
     auditor: ShadowAuditor | None = None
     graphs: dict = field(default_factory=dict)  # name -> (before GraphModule, after GraphModule)
+    replays: dict = field(default_factory=dict)  # operator -> replay.ExactShapeReplay
+    determinism: dict = field(default_factory=dict)  # the kernel switches pinned for the run
 
     def managed_bytes(self) -> dict[str, tuple[int, int]]:
         """Bytes of contract-managed state per region: (stock, after the transform)."""
@@ -45,6 +47,8 @@ class TransformReport:
             "carries": {name: {"shape": list(c.buffer.shape), "address": c.address} for name, c in self.carries.items()},
             "stamps": list(self.stamps),
             "audit": None if self.auditor is None else self.auditor.counters(),
+            "replays": {name: engine.counters.as_dict() for name, engine in self.replays.items()},
+            "determinism": dict(self.determinism),
         }
 
     def __str__(self) -> str:
@@ -81,6 +85,10 @@ class TransformReport:
         ]
         if self.auditor is not None:
             lines += ["", f"shadow audit: {self.auditor.counters()}"]
+        for name, engine in self.replays.items():
+            lines += ["", engine.explain()]
+        if self.determinism:
+            lines += ["", "determinism: " + ", ".join(f"{k}={v}" for k, v in self.determinism.items())]
         return "\n".join(lines)
 
 
@@ -91,7 +99,7 @@ class Adapter(abc.ABC):
 
     @abc.abstractmethod
     def transform(
-        self, model: Any, contract: Contract, catalog: Catalog, *, audit: bool, capture: bool
+        self, model: Any, contract: Contract, catalog: Catalog, *, audit: bool, capture: bool, replay: bool
     ) -> tuple[Any, TransformReport]:
         """Return the transformed model (the input left untouched) and the report."""
 
@@ -104,13 +112,22 @@ def register_adapter(adapter: Adapter) -> Adapter:
     return adapter
 
 
-def transform(model: Any, contract: Contract, *, audit: bool = False, capture: bool = True, budget: int = DEFAULT_BUDGET):
+def transform(
+    model: Any,
+    contract: Contract,
+    *,
+    audit: bool = False,
+    capture: bool = True,
+    replay: bool = True,
+    budget: int = DEFAULT_BUDGET,
+):
     """Transform `model` under `contract`: returns (transformed model, TransformReport).
 
     The input model is left untouched. With `audit=True` a shadow auditor evaluates the stock
     retention beside every carry write and raises `AuditMismatch` on the first difference.
     `capture=False` skips exporting the hot operators (their sites and graphs are then not in the
-    report), which saves the export time when only the rewritten model is wanted.
+    report), which saves the export time when only the rewritten model is wanted. `replay=False`
+    leaves the hot operators eager (the state rule alone: the ablation's S arm).
     """
     if not isinstance(contract, Contract):
         raise TypeError(f"contract must be a cadence_fx.Contract, got {type(contract).__name__}")
@@ -120,4 +137,4 @@ def transform(model: Any, contract: Contract, *, audit: bool = False, capture: b
     adapter = _ADAPTERS.get(contract.family)
     if adapter is None:
         raise ValueError(f"no adapter for family {contract.family!r}; adapters: {sorted(_ADAPTERS)}")
-    return adapter.transform(model, contract, catalog, audit=audit, capture=capture)
+    return adapter.transform(model, contract, catalog, audit=audit, capture=capture, replay=replay)

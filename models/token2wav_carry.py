@@ -28,7 +28,11 @@ from cadence_fx.capture import capture as export_operator
 from cadence_fx.catalog import Catalog
 from cadence_fx.contract import Contract
 from cadence_fx.passes.carry import Carry, find_retention_sites, rewrite_trims, stock_trim, trace_trim
+from cadence_fx.determinism import pin_deterministic
+from cadence_fx.passes.hoist import HostConstantHoist
+from cadence_fx.passes.piecewise import Piecewise
 from cadence_fx.passes.state import Envelope, apply_state_rule, shed_envelopes
+from cadence_fx.replay import ExactShapeReplay, ShapeClass, Signature, TensorSpec
 from cadence_fx.transform import Adapter, TransformReport, register_adapter
 
 from .token2wav_stream import Prompt, StockStream
@@ -61,8 +65,16 @@ GLUE_TRIMS = (
 class TransformedFlow:
     """The flow with its envelopes at demand and its glue trims running on carries."""
 
-    def __init__(self, flow: torch.nn.Module, contract: Contract, catalog: Catalog, report: TransformReport):
+    def __init__(
+        self,
+        flow: torch.nn.Module,
+        hift: torch.nn.Module | None,
+        contract: Contract,
+        catalog: Catalog,
+        report: TransformReport,
+    ):
         self.flow = flow
+        self.hift = hift
         self.contract = contract
         self.report = report
         self.auditor = report.auditor
@@ -130,8 +142,8 @@ class TransformedFlow:
 class CarryStream(StockStream):
     """The vendor's streaming loop on a transformed flow: same steps, carries for the caches."""
 
-    def __init__(self, transformed: TransformedFlow, hift: torch.nn.Module | None, prompt: Prompt, **kwargs):
-        super().__init__(transformed.flow, hift, prompt, **kwargs)
+    def __init__(self, transformed: TransformedFlow, prompt: Prompt, **kwargs):
+        super().__init__(transformed.flow, transformed.hift, prompt, **kwargs)
         self.transformed = transformed
 
     def setup_cache(self, tokens: torch.Tensor, mels: torch.Tensor, spk: torch.Tensor) -> dict:
@@ -197,6 +209,41 @@ def capture_hot_operators(flow: torch.nn.Module, contract: Contract) -> dict:
     }
 
 
+def cfm_loop_classes(flow: torch.nn.Module, catalog: Catalog, n_timesteps: int) -> list[ShapeClass]:
+    """The CFM loop's catalog as replay signatures: `mu`/`cond` of the call's frames, the carry
+    views of the retained extent (strided views of the demand-sized buffers)."""
+    decoder = flow.decoder
+    att, cnn = decoder.att_cache_buffer, decoder.cnn_cache_buffer
+    device, dtype = att.device, att.dtype
+    classes = []
+    for c in catalog.operator("cfm_loop").classes:
+        att_shape = (*att.shape[:4], c.extent, att.shape[5])
+        signature = Signature.of(
+            mu=TensorSpec((1, 80, c.call), dtype, device),
+            spks=TensorSpec((1, 80), dtype, device),
+            cond=TensorSpec((1, 80, c.call), dtype, device),
+            n_timesteps=n_timesteps,
+            temperature=1.0,
+            cnn_cache=TensorSpec(tuple(cnn.shape), dtype, device),
+            att_cache=TensorSpec(att_shape, dtype, device, stride=att.stride()),
+        )
+        name = f"{'flush' if c.flush else 'steady'} f={c.call} L={c.extent}"
+        classes.append(ShapeClass(name, signature, (("f", c.call), ("L", c.extent))))
+    return classes
+
+
+def hift_classes(hift: torch.nn.Module, catalog: Catalog, source_window: int) -> list[ShapeClass]:
+    """HiFT's catalog: mel of the retained 8 frames plus the call's, and the source cache (empty
+    on a stream's first call, its 3,840-sample window afterwards)."""
+    device = next(hift.parameters()).device
+    classes = []
+    for c in catalog.operator("hift").classes:
+        source = 0 if c.extent == 0 else source_window
+        signature = Signature.of(TensorSpec((1, 80, c.call + c.extent), device=device), TensorSpec((1, 1, source), device=device))
+        classes.append(ShapeClass(f"mel={c.call + c.extent} source={source}", signature, (("f", c.call), ("L", c.extent))))
+    return classes
+
+
 def _check_model(flow: torch.nn.Module, contract: Contract) -> None:
     """The contract must describe this flow: fail before touching anything if it does not."""
     symbols = contract.symbols()
@@ -212,10 +259,15 @@ def _check_model(flow: torch.nn.Module, contract: Contract) -> None:
 class Token2WavAdapter(Adapter):
     family = "token2wav"
 
-    def transform(self, model, contract, catalog, *, audit, capture):
-        _check_model(model, contract)
+    def transform(self, model, contract, catalog, *, audit, capture, replay):
+        """`model` is the flow, or (flow, hift) to transform the vocoder too."""
+        stock_flow, stock_hift = model if isinstance(model, tuple) else (model, None)
+        _check_model(stock_flow, contract)
+        model = stock_flow
         flow = copy.deepcopy(model, shed_envelopes(model, ENVELOPES))
+        hift = None if stock_hift is None else copy.deepcopy(stock_hift)
         report = TransformReport(family=self.family, catalog=catalog, auditor=ShadowAuditor() if audit else None)
+        report.determinism = pin_deterministic()
         device = model.decoder.att_cache_buffer.device
         resizes, stamp = apply_state_rule(flow, ENVELOPES, catalog, device=device)
         report.resizes.extend(resizes)
@@ -235,7 +287,25 @@ class Token2WavAdapter(Adapter):
                 report.stamps.append(captured.stamp)
                 report.sites.extend(find_retention_sites(captured.graph_module, {"att_cache": regions[name]}, graph=name))
                 report.graphs[name] = (before[name].graph_module, captured.graph_module)
-        return TransformedFlow(flow, contract, catalog, report), report
+        if replay:
+            n_steps = contract.symbols()["n_steps"]
+            engine = ExactShapeReplay(
+                flow.decoder.forward_chunk,
+                cfm_loop_classes(flow, catalog, n_steps),
+                name="cfm_loop",
+                aliased=["cnn_cache", "att_cache"],
+                hooks=[HostConstantHoist()],
+            )
+            flow.decoder.forward_chunk = engine
+            report.replays["cfm_loop"] = engine
+            if hift is not None:
+                window = catalog.region("hift_source_cache").bound
+                vocoder = ExactShapeReplay(
+                    hift, hift_classes(hift, catalog, window), name="hift", hooks=[Piecewise(), HostConstantHoist()]
+                )
+                report.replays["hift"] = vocoder
+                hift = vocoder
+        return TransformedFlow(flow, hift, contract, catalog, report), report
 
 
 register_adapter(Token2WavAdapter())

@@ -39,7 +39,7 @@ def reference():
 def streamed(reference):
     flow, contract, prompt = reference
     transformed, report = transform(flow, contract, audit=True)
-    stock, carried = StockStream(flow, None, prompt), CarryStream(transformed, None, prompt)
+    stock, carried = StockStream(flow, None, prompt), CarryStream(transformed, prompt)
     run = Run()
     for block in range(BLOCKS):
         for stream in (stock, carried):
@@ -98,7 +98,7 @@ def test_the_auditor_catches_a_carry_that_keeps_the_prompt_whole(reference):
         trace_trim(4, head=100, tail=102), {"cache": "estimator_att_cache"}, report.carries, graph="planted"
     )
     transformed.trims["estimator_att_cache"] = planted
-    stream = CarryStream(transformed, None, prompt)
+    stream = CarryStream(transformed, prompt)
     stream.setup()
     chunks = random_chunks(7, 3)
     stream.flow_chunk(chunks[0])
@@ -173,7 +173,7 @@ def test_a_contract_for_another_depth_is_refused(reference):
 def test_a_prompt_the_contract_does_not_declare_is_refused(reference):
     flow, contract, _ = reference
     transformed, _ = transform(flow, contract, capture=False)
-    stream = CarryStream(transformed, None, random_prompt(0, n_tokens=60))
+    stream = CarryStream(transformed, random_prompt(0, n_tokens=60))
     with pytest.raises(ValueError, match="the prompt has 120 mel frames, the contract declares f_prompt=102"):
         stream.setup()
 

@@ -1,0 +1,55 @@
+"""Run the `cuda`-marked tests and record the run as data: which tests, device, pass/fail.
+
+    python bench/gpu_tests.py bench/results/gpu_tests.json tests/test_token2wav_cuda.py ...
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cadence_fx.determinism import settings
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.results: dict[str, dict] = {}
+
+    def pytest_runtest_logreport(self, report) -> None:
+        entry = self.results.setdefault(report.nodeid, {"outcome": "passed", "seconds": 0.0})
+        entry["seconds"] = round(entry["seconds"] + report.duration, 3)
+        if report.failed:
+            entry["outcome"] = "failed"
+            entry["error"] = str(report.longrepr)[-2000:]
+        elif report.skipped and entry["outcome"] == "passed":
+            entry["outcome"] = "skipped"
+
+
+def main(out: str, paths: list[str]) -> int:
+    recorder = _Recorder()
+    code = pytest.main([*paths, "-q", "-m", "cuda", "-p", "no:cacheprovider"], plugins=[recorder])
+    outcomes = [r["outcome"] for r in recorder.results.values()]
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    record = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "commit": commit,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "determinism": settings(),
+        "passed": outcomes.count("passed"),
+        "failed": outcomes.count("failed"),
+        "skipped": outcomes.count("skipped"),
+        "exit_code": int(code),
+        "tests": recorder.results,
+    }
+    with open(out, "w") as f:
+        json.dump(record, f, indent=2, default=str)
+    return int(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2:]))
