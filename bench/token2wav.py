@@ -41,7 +41,7 @@ from cadence_fx.passes.piecewise import Piecewise
 from cadence_fx.replay import ExactShapeReplay, TensorSpec
 from cadence_fx.report import format_bytes
 
-ARMS = ("eager", "S", "R", "Rc", "SRc")
+ARMS = ("eager", "S", "SRc", "Rc", "R")
 TENSOR = TensorSpec((1,)).key()[0]  # how a signature marks a tensor leaf
 
 
@@ -212,7 +212,13 @@ def main(argv=None) -> int:
     results, reference = {}, None
     for arm in arms:
         print(f"arm {arm}...", flush=True)
-        result, mels, pcm = run_arm(arm, flow, hift, contract, prompt, turns, device, args.seed, profile=True)
+        try:
+            result, mels, pcm = run_arm(arm, flow, hift, contract, prompt, turns, device, args.seed, profile=True)
+        except Exception as error:  # an arm that fails is recorded as failed, and the others still run
+            results[arm] = {"outcome": "failed", "error": f"{type(error).__name__}: {error}"[:2000]}
+            print(f"  {arm} failed: {results[arm]['error'][:300]}", flush=True)
+            continue
+        result["outcome"] = "ran"
         if reference is None:
             reference = (mels, pcm)
         result["mel_equal_chunks"] = sum(torch.equal(a, b) for a, b in zip(mels, reference[0]))
