@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -188,6 +189,7 @@ def main(argv=None) -> int:
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--compile-limit", type=int, default=0, help="seconds for the torch.compile arm (0: skip)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--grad", action="store_true", help="stream with autograd on (the default is no_grad)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     arms = args.arms.split(",")
@@ -210,12 +212,14 @@ def main(argv=None) -> int:
     print(f"device {device}; eager HiFT repeats itself: {eager_repeats}; settings {settings}", flush=True)
 
     results, reference = {}, None
+    torch.set_grad_enabled(args.grad)
     for arm in arms:
         print(f"arm {arm}...", flush=True)
         try:
             result, mels, pcm = run_arm(arm, flow, hift, contract, prompt, turns, device, args.seed, profile=True)
         except Exception as error:  # an arm that fails is recorded as failed, and the others still run
-            results[arm] = {"outcome": "failed", "error": f"{type(error).__name__}: {error}"[:2000]}
+            results[arm] = {"outcome": "failed", "error": f"{type(error).__name__}: {error}"[:2000],
+                            "traceback": traceback.format_exc()[-6000:]}
             print(f"  {arm} failed: {results[arm]['error'][:300]}", flush=True)
             continue
         result["outcome"] = "ran"
