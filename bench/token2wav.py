@@ -28,7 +28,6 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -187,81 +186,108 @@ def _compile_arm(args, limit_s: int) -> dict:
     return {"outcome": "ran", "seconds": took, "result": done.stdout.strip().splitlines()[-1]}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--depth", choices=("reduced", "full"), default="full")
-    parser.add_argument("--blocks", type=int, default=8, help="turns, with a reset to the prompt state between them")
-    parser.add_argument("--chunks", type=int, default=10, help="chunks per turn (the last one flushes)")
-    parser.add_argument("--arms", default=",".join(ARMS))
-    parser.add_argument("--compile-limit", type=int, default=0, help="seconds for the torch.compile arm (0: skip)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--grad", action="store_true", help="stream with autograd on (the default is no_grad)")
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
-    arms = args.arms.split(",")
-    unknown = set(arms) - set(ARMS)
-    if unknown or "eager" not in arms:
-        parser.error(f"--arms must include eager and name only {ARMS}, got {arms}")
-    if args.blocks < 1 or args.chunks < 3:
-        parser.error("need at least 1 block of at least 3 chunks (steady classes, then a flush)")
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def _one_arm(args, device) -> dict:
+    """Child mode: build the models, stream one arm, profile a steady chunk, save everything."""
     settings = pin_deterministic()
     flow, contract, prompt_tokens = reference_flow(args.depth)
     flow, hift = flow.to(device), build_hift(device=device)
     prompt = random_prompt(0, n_tokens=prompt_tokens, device=device)
     turns = [random_chunks(1000 + b, args.chunks, device=device) for b in range(args.blocks)]
-    mel_probe = torch.randn(1, 80, 58, device=device)
-    source_probe = torch.zeros(1, 1, 3840, device=device)
-    torch.manual_seed(1)
-    eager_repeats = check_repeatable(hift, mel_probe, source_probe).equal
-    print(f"device {device}; eager HiFT repeats itself: {eager_repeats}; settings {settings}", flush=True)
-
-    results, reference, streams = {}, None, {}
+    saved = {"settings": settings}
+    if args.only == "eager":
+        torch.manual_seed(1)
+        probe = (torch.randn(1, 80, 58, device=device), torch.zeros(1, 1, 3840, device=device))
+        saved["eager_hift_repeats_itself"] = check_repeatable(hift, *probe).equal
     torch.set_grad_enabled(args.grad)
-    for arm in arms:
-        print(f"arm {arm}...", flush=True)
-        try:
-            result, mels, pcm, streams[arm] = run_arm(arm, flow, hift, contract, prompt, turns, device, args.seed)
-        except Exception as error:  # an arm that fails is recorded as failed, and the others still run
-            results[arm] = {"outcome": "failed", "error": f"{type(error).__name__}: {error}"[:2000],
-                            "traceback": traceback.format_exc()[-6000:]}
-            print(f"  {arm} failed: {results[arm]['error'][:300]}", flush=True)
-            continue
-        result["outcome"] = "ran"
-        if reference is None:
-            reference = (mels, pcm)
-        result["mel_equal_chunks"] = sum(torch.equal(a, b) for a, b in zip(mels, reference[0]))
-        result["pcm_equal_chunks"] = sum(torch.equal(a, b) for a, b in zip(pcm, reference[1]))
-        result["chunks"] = len(mels)
-        result["chunk_stats_ms"] = _stats(result["chunk_ms"][1:])
-        result["cfm_loop_stats_ms"] = _stats(result["cfm_loop_ms_last_turn"][2:-1])
-        results[arm] = result
-        print(
-            f"  {arm}: chunk p50 {result['chunk_stats_ms']['p50']:.1f} ms, CFM loop p50 "
-            f"{(result['cfm_loop_stats_ms'] or {}).get('p50', float('nan')):.1f} ms, exact mel "
-            f"{result['mel_equal_chunks']}/{len(mels)} pcm {result['pcm_equal_chunks']}/{len(mels)}, peak "
-            f"{format_bytes(result['peak_allocated_bytes'])}, replay {result['replay']}",
-            flush=True,
-        )
-    # Profiled only once every arm has streamed: a profiler session before a CUDA-graph capture
-    # was seen to leave the CUDA generator mid-capture in this process.
-    for arm, stream in streams.items():
-        results[arm]["kernels_one_steady_chunk"] = _profile_steady_chunk(stream, turns[0][1], device)
-        print(f"  {arm}: one steady chunk {results[arm]['kernels_one_steady_chunk']}", flush=True)
+    result, mels, pcm, stream = run_arm(args.only, flow, hift, contract, prompt, turns, device, args.seed)
+    result["kernels_one_steady_chunk"] = _profile_steady_chunk(stream, turns[0][1], device)
+    saved.update(result=result, mels=mels, pcm=pcm)
+    return saved
+
+
+def _spawn_arm(arm: str, argv: list[str], limit_s: int, scratch: Path) -> dict:
+    """Each arm runs in a fresh process: no arm's CUDA or RNG state can reach another's."""
+    path = scratch / f"{arm}.pt"
+    command = [sys.executable, __file__, *argv, "--only", arm, "--only-out", str(path)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        return {"outcome": f"killed after {limit_s} s"}
+    if done.returncode != 0:
+        return {"outcome": "failed", "error_tail": (done.stderr or done.stdout)[-4000:]}
+    return torch.load(path, weights_only=False)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--depth", choices=("reduced", "full"), default="full")
+    parser.add_argument("--blocks", type=int, default=8, help="turns, with a reset to the prompt state between them")
+    parser.add_argument("--chunks", type=int, default=10, help="chunks per turn (the last one flushes)")
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--arm-limit", type=int, default=240, help="seconds one arm may take")
+    parser.add_argument("--compile-limit", type=int, default=0, help="seconds for the torch.compile arm (0: skip)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--grad", action="store_true", help="stream with autograd on (the default is no_grad)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--only", choices=ARMS, help=argparse.SUPPRESS)
+    parser.add_argument("--only-out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    arms = args.arms.split(",")
+    unknown = set(arms) - set(ARMS)
+    if unknown or arms[0] != "eager":
+        parser.error(f"--arms must start with eager and name only {ARMS}, got {arms}")
+    if args.blocks < 1 or args.chunks < 3:
+        parser.error("need at least 1 block of at least 3 chunks (steady classes, then a flush)")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.only:
+        torch.save(_one_arm(args, device), args.only_out)
+        return 0
+
+    import tempfile
+
+    results, reference, extra = {}, None, {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for arm in arms:
+            print(f"arm {arm}...", flush=True)
+            saved = _spawn_arm(arm, argv, args.arm_limit, Path(scratch))
+            if "result" not in saved:
+                results[arm] = saved
+                print(f"  {arm}: {saved['outcome']} {saved.get('error_tail', '')[-600:]}", flush=True)
+                continue
+            extra.setdefault("determinism", saved["settings"])
+            if "eager_hift_repeats_itself" in saved:
+                extra["eager_hift_repeats_itself"] = saved["eager_hift_repeats_itself"]
+            result, mels, pcm = saved["result"], saved["mels"], saved["pcm"]
+            if reference is None:
+                reference = (mels, pcm)
+            result["outcome"] = "ran"
+            result["mel_equal_chunks"] = sum(torch.equal(a, b) for a, b in zip(mels, reference[0]))
+            result["pcm_equal_chunks"] = sum(torch.equal(a, b) for a, b in zip(pcm, reference[1]))
+            result["chunks"] = len(mels)
+            result["chunk_stats_ms"] = _stats(result["chunk_ms"][1:])
+            result["cfm_loop_stats_ms"] = _stats(result["cfm_loop_ms_last_turn"][2:-1])
+            results[arm] = result
+            print(
+                f"  {arm}: chunk p50 {result['chunk_stats_ms']['p50']:.1f} ms, CFM loop p50 "
+                f"{(result['cfm_loop_stats_ms'] or {}).get('p50', float('nan')):.1f} ms, exact mel "
+                f"{result['mel_equal_chunks']}/{len(mels)} pcm {result['pcm_equal_chunks']}/{len(mels)}, peak "
+                f"{format_bytes(result['peak_allocated_bytes'])}, kernels {result['kernels_one_steady_chunk']}, "
+                f"replay {result['replay']}",
+                flush=True,
+            )
     compiled = _compile_arm(args, args.compile_limit) if args.compile_limit and device.type == "cuda" else None
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     record = {
         "benchmark": "token2wav",
         "commit": commit,
-        "command": " ".join([sys.executable, *sys.argv]),
+        "command": " ".join([sys.executable, __file__, *argv]),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "depth": args.depth,
         "blocks": args.blocks,
         "chunks_per_block": args.chunks,
-        "determinism": settings,
-        "eager_hift_repeats_itself": eager_repeats,
+        **extra,
         "arms": results,
         "torch_compile_reduce_overhead": compiled,
         "not_run": ["vendor CUDA-graph branch re-bucketed", "fp16 autocast", "multi-session capacity"],
