@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -33,7 +34,8 @@ def main(out: str, paths: list[str]) -> int:
     recorder = _Recorder()
     code = pytest.main([*paths, "-q", "-m", "cuda", "-p", "no:cacheprovider"], plugins=[recorder])
     outcomes = [r["outcome"] for r in recorder.results.values()]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    done = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True)
+    commit = os.environ.get("CADENCE_COMMIT") or (done.stdout.strip() if done.returncode == 0 else None)
     record = {
         "command": " ".join([sys.executable, *sys.argv]),
         "commit": commit,

@@ -23,7 +23,7 @@ def _transform_reference(family: str, depth: str, *, audit: bool):
     from cadence_fx.transform import transform
 
     if family != "token2wav":
-        raise ValueError(f"family {family!r} has a contract but no transform adapter yet; transformable: ['token2wav']")
+        raise ValueError(f"the diff builds a reference model for 'token2wav' only, got {family!r}")
     from cadence_fx.models.token2wav_carry import reference_flow
 
     print(f"building the vendor Token2Wav flow ({depth} depth, random weights)...", file=sys.stderr, flush=True)
@@ -77,6 +77,35 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if exact else 1
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / f"{args.family}.py"
+    if not script.is_file():
+        raise ValueError(f"no benchmark {script}: benchmarks run from a checkout of the repository")
+    sys.argv = [str(script), *args.options]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from cadence_fx.serve.app import run_server
+    from cadence_fx.serve.session import Limits
+
+    limits = Limits(max_sessions=args.max_sessions, idle_ttl_s=args.idle_ttl, grace_s=args.grace)
+    print(f"serving {args.model} on ws://{args.host}:{args.port}/v1/realtime", file=sys.stderr, flush=True)
+    run_server(args.host, args.port, args.model, limits)
+    return 0
+
+
+def _client(args: argparse.Namespace) -> int:
+    from cadence_fx.serve.client import run_client
+
+    run_client(args.url, args.wav, args.out)
+    return 0
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -110,6 +139,28 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--blocks", type=_positive_int, default=2, help="turns, with a reset between them")
     demo.add_argument("--chunks", type=_positive_int, default=4, help="chunks per turn (the last one flushes)")
     demo.set_defaults(run=_demo)
+
+    bench = commands.add_parser("bench", help="run a family's benchmark (bench/FAMILY.py); options pass through")
+    bench.add_argument("family", choices=("token2wav", "moshi"))
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options, e.g. --out PATH")
+    bench.set_defaults(run=_bench)
+
+    from cadence_fx.serve.plugins import plugin_names
+
+    serve = commands.add_parser("serve", help="the duplex service (OpenAI Realtime over WebSocket)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=_positive_int, default=8000)
+    serve.add_argument("--model", choices=plugin_names(), required=True, help="the model plugin to serve")
+    serve.add_argument("--max-sessions", type=_positive_int, default=16)
+    serve.add_argument("--idle-ttl", type=float, default=300.0, help="seconds without traffic before a session expires")
+    serve.add_argument("--grace", type=float, default=30.0, help="seconds a disconnected session waits for a resume")
+    serve.set_defaults(run=_serve)
+
+    client = commands.add_parser("client", help="stream a WAV file through a session in real time, write the reply")
+    client.add_argument("--url", default="ws://127.0.0.1:8000")
+    client.add_argument("--wav", required=True, help="input WAV (16-bit PCM, mono)")
+    client.add_argument("--out", required=True, help="where to write the reply WAV")
+    client.set_defaults(run=_client)
     return parser
 
 

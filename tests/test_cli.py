@@ -35,3 +35,27 @@ def test_catalog_rejects_a_bad_budget(capsys):
     with pytest.raises(SystemExit):
         main(["catalog", "moshi", "--budget", "zero"])
     assert "expected a positive integer, got 'zero'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_diff_prints_every_rewritten_site_and_writes_a_page(capsys, tmp_path):
+    page = tmp_path / "diff.html"
+    assert main(["diff", "token2wav", "--html", str(page)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("rewritten: in-place writes of ((0, 102), (-100, None)) into the carry") == 2
+    assert "=== estimator_att_cache_trim ===" in out and "=== conformer_att_cache_trim ===" in out
+    assert "removed nodes: cat x1, getitem x2" in out
+    assert page.read_text().startswith("<!DOCTYPE html>")
+
+
+@pytest.mark.slow
+def test_demo_streams_bit_identical_chunks(capsys):
+    assert main(["demo", "--blocks", "2", "--chunks", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("bit-identical=True") == 6
+    assert "all 6 chunks bit-identical to the vendor stream: True" in out
+
+
+def test_diff_of_a_family_without_a_reference_model_says_so(capsys):
+    assert main(["diff", "moshi"]) == 2
+    assert "the diff builds a reference model for 'token2wav' only, got 'moshi'" in capsys.readouterr().err
