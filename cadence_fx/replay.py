@@ -671,6 +671,16 @@ class _ClassState:
         self.steps, self.copy_in, self.write_back, self.out_leaves, self.out_clone = [], [], [], [], []
 
 
+def _shares_module_state(names: list[str], leaves: list[Any], aliased: frozenset[int],
+                         buffers: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """Copied arguments that are views of a module buffer: staging them would feed the graph a
+    snapshot while the callable updates the buffer itself (the stock Token2Wav cache is a view of
+    the CFM's own cache buffer on its first chunks)."""
+    storages = {b.untyped_storage().data_ptr(): n for n, b in buffers if b.untyped_storage().data_ptr()}
+    return [f"{names[i]} ~ {storages[x.untyped_storage().data_ptr()]}" for i, x in enumerate(leaves)
+            if isinstance(x, torch.Tensor) and i not in aliased and x.untyped_storage().data_ptr() in storages]
+
+
 def _modules_of(fn: Any) -> list[torch.nn.Module]:
     if isinstance(fn, torch.nn.Module):
         return [fn]
@@ -969,6 +979,9 @@ class ExactShapeReplay:
                 or any(p.requires_grad for m in self.modules for p in m.parameters())):
             refusal = Miss(MissReason.AUTOGRAD, ("grad mode with tensors that require grad: "
                                                  "graphs replay no autograd history",))
+        elif shared := _shares_module_state(names, leaves, st.aliased, buffers):
+            refusal = Miss(MissReason.LAYOUT, (f"{shared} share memory with module state the callable "
+                                               "writes; a staged copy would go stale: declare them aliased",))
         elif device is not None:
             overlapping = [names[i] for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)
                            and i not in st.aliased and not _dense(x)]

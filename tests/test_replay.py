@@ -196,6 +196,31 @@ class Rebinds(torch.nn.Module):
         return self.state
 
 
+class WritesOwnCache(torch.nn.Module):
+    """Reads its cache argument, then writes the new cache into its own buffer (the CFM's way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(4, 8))
+
+    def forward(self, cache: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        out = cache.sum(0) + x
+        self.cache[1:].copy_(cache + 1)
+        return out
+
+
+@torch.no_grad()
+def test_a_copied_argument_that_views_module_state_is_refused():
+    m = WritesOwnCache()
+    x = torch.ones(8)
+    view = m.cache[:3]
+    engine = ExactShapeReplay(m, [Signature.of(view, x)])
+    engine(view, x)
+    assert engine.counters.fallbacks == {"layout": 1}
+    assert "args[0] ~ buffer cache" in engine.certificates["class0"].reason
+    assert torch.equal(m.cache, torch.tensor([[0.0] * 8, [1.0] * 8, [1.0] * 8, [1.0] * 8]))
+
+
 def test_rebinding_a_buffer_is_refused():
     x = torch.ones(4, 8)
     m = Rebinds()
