@@ -11,6 +11,8 @@ from .llm_backbone import llm_backbone_contract
 from .moshi import moshi_contract
 from .token2wav import token2wav_contract
 from . import token2wav_carry  # noqa: F401  registers the Token2Wav adapter; the vendor loads on use
+from . import freeze_omni_carry  # noqa: F401  registers the Freeze-Omni adapter
+from . import moshi_replay  # noqa: F401  registers the Moshi adapter; the vendor loads on use
 
 #: Every family the CLI knows, by name, with the factory of its default contract.
 FAMILIES: dict[str, Callable[[], Contract]] = {

@@ -78,6 +78,7 @@ from moshi.utils.compile import no_compile
 
 __all__ = [
     "FULL",
+    "no_compile",
     "SMALL",
     "MoshiConfig",
     "MoshiModels",

@@ -1,0 +1,283 @@
+"""The window pass: per-call concat-then-slice retention rewritten into in-place carry writes.
+
+Chunked streaming encoders retain state inside the step itself: each layer builds its operand
+as ``cat([retained, new])`` and returns ``operand[..., -W:]`` as the next call's state (Freeze-Omni's
+K/V window and its convolution's left context). Every call allocates a new operand and a new
+retained view at new addresses. `rewrite_windows` finds these sites on an exported step graph
+by pattern, from each retention output back to the concat of a region's input, checks their axis
+and extents against the adapter's declaration, and rewrites them onto `WindowCarry` buffers that
+keep one physical address for the life of the stream:
+
+* **held** (the region holds the call's units, as an attention K/V cache): the concat becomes
+  `window_append`, an in-place write of the new units behind the retained ones, and the carry view
+  ``[retained | new]`` is the operand, with the stock concat's shape, strides and order, so every
+  reduction over it sees the same operands in the same order. The slice becomes `window_evict`, an
+  in-place compaction of the last W units to the front, placed after every reader of the operand;
+* **not held** (a convolution's left context): the concat stays, it builds the operand; the slice
+  becomes `window_keep`, a copy of the last W units into the compact carry of W units;
+* a retention output with no concat behind it (the first call of a stream keeps the new units
+  whole) becomes `window_adopt`, a copy into the carry.
+
+Retention writes run after the step's last reader, just before its output, so no reader ever
+sees a carry the step has already advanced. Other slices and in-place writes in the step (such as
+a positional table filled by ``pe[:, 0::2] = sin(...)``) are not retention and are left alone.
+
+With an auditor attached, each op evaluates the stock retention beside its carry write (the
+concat and the slice of the stock code) and compares elementwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from cadence_fx.audit import ShadowAuditor
+from cadence_fx.passes.carry import Carry, CarryError, RetentionSite, find_retention_sites
+
+__all__ = [
+    "Window",
+    "WindowCarry",
+    "WindowError",
+    "rewrite_windows",
+    "window_adopt",
+    "window_append",
+    "window_evict",
+    "window_keep",
+]
+
+_SLICE = torch.ops.aten.slice.Tensor
+_END = 2**63 - 1  # how an exported slice spells "to the end"
+
+
+class WindowError(RuntimeError):
+    """A declared retention site that the step graph does not have in the declared form."""
+
+
+class WindowCarry(Carry):
+    """The carry of one retention site (one layer's keys, values or conv context): a view of its
+    region's buffer, with the site's name and, when auditing, the auditor and the stock operand
+    of the current call."""
+
+    def __init__(self, site: str, region: str, buffer: torch.Tensor, axis: int, auditor: ShadowAuditor | None = None):
+        super().__init__(region, buffer, axis)
+        self.site = site
+        self.auditor = auditor
+        self.retentions = 0  # calls whose retention this carry took since the last reset
+        self._stock_operand: torch.Tensor | None = None
+
+    def reset(self, base: torch.Tensor | None = None) -> torch.Tensor:
+        """A new stream: the base state written in place (or nothing retained)."""
+        self.retentions = 0
+        self._stock_operand = None
+        if base is None:
+            self.extent = 0
+            return self.view()
+        return super().reset(base)
+
+    def _audit(self, expected: torch.Tensor | None, *, evicted: bool) -> None:
+        """One retention taken; with an auditor, `expected` (the stock retention) against the carry."""
+        self.retentions += 1
+        self._stock_operand = None
+        if self.auditor is not None:
+            self.auditor.check(self.site, self.retentions, expected, self.view(), evicted=evicted, address=self.address)
+
+    def _check_retained(self, retained: torch.Tensor) -> None:
+        expected = self.view()
+        if retained.data_ptr() != expected.data_ptr() or retained.shape != expected.shape or retained.stride() != expected.stride():
+            raise CarryError(
+                f"{self.site}: the retained state passed in is not this carry's view "
+                f"({tuple(retained.shape)} at {retained.data_ptr():#x}, expected {tuple(expected.shape)} at "
+                f"{expected.data_ptr():#x}): pass the buffers the transformed step returned"
+            )
+
+
+def window_append(carry: WindowCarry, retained: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``cat([retained, new])`` with `retained` already in the carry: `new` is written behind it in
+    place; returns the carry view ``[retained | new]``, the operand."""
+    carry._check_retained(retained)
+    n = new.shape[carry.axis]
+    if carry.extent + n > carry.capacity:
+        raise CarryError(f"{carry.site}: {carry.extent} + {n} units exceed the carry's bound {carry.capacity}")
+    if carry.auditor is not None:
+        carry._stock_operand = torch.cat([retained, new], dim=carry.axis)
+    carry.buffer.narrow(carry.axis, carry.extent, n).copy_(new)
+    carry.extent += n
+    carry.writes += 1
+    return carry.view()
+
+
+def window_evict(carry: WindowCarry, operand: torch.Tensor, keep: int) -> torch.Tensor:
+    """``operand[..., -keep:]`` as the retained state: compacted to the carry's front in place."""
+    retained = carry.keep(operand, ((-keep, None),))
+    stock = carry._stock_operand
+    carry._audit(None if stock is None else stock.narrow(carry.axis, stock.shape[carry.axis] - keep, keep), evicted=True)
+    return retained
+
+
+def window_keep(carry: WindowCarry, retained: torch.Tensor, full: torch.Tensor, keep: int) -> torch.Tensor:
+    """``full[..., -keep:]`` (an operand built outside the carry) copied into the carry in place."""
+    carry._check_retained(retained)
+    n = full.shape[carry.axis]
+    kept = carry.keep(full, ((-keep, None),))
+    carry._audit(full.narrow(carry.axis, n - keep, keep), evicted=n > keep)
+    return kept
+
+
+def window_adopt(carry: WindowCarry, full: torch.Tensor) -> torch.Tensor:
+    """`full` retained whole (nothing evicted yet): copied into the carry, or kept where it is."""
+    stock = carry._stock_operand if carry._aliases(full) else full
+    kept = carry.adopt(full)
+    carry._audit(stock, evicted=False)
+    return kept
+
+
+for _op in (window_append, window_evict, window_keep, window_adopt):
+    torch.fx.wrap(_op.__name__)
+
+
+@dataclass(frozen=True)
+class Window:
+    """One retention site the adapter declares on a step graph.
+
+    `output` is the leaf index of the retained state among the step's flattened outputs, `input`
+    the placeholder that brings the retained state in (None on a call that has none yet). `axis`
+    is the site's time axis, `keep` the units it retains (the region's retained bound), `live` the
+    operand's extent in this class (retained + the call's units), `held` whether the region holds
+    the call's units (the operand then lives in the carry).
+    """
+
+    site: str
+    region: str
+    output: int
+    input: str | None
+    axis: int
+    keep: int
+    live: int
+    held: bool
+
+
+def _axis(node: torch.fx.Node, dim: int) -> int:
+    return dim % node.meta["val"].dim()
+
+
+def _extent(node: torch.fx.Node, axis: int) -> int:
+    return int(node.meta["val"].shape[axis])
+
+
+def _tail_slice(node: torch.fx.Node) -> tuple[torch.fx.Node, int, int] | None:
+    """(source, axis, units) if `node` is ``source[..., -units:]`` along one axis, else None."""
+    if node.op != "call_function" or node.target is not _SLICE:
+        return None
+    source, dim, start, end, step = (*node.args, *(None,) * (5 - len(node.args)))[:5]
+    dim, step = dim if dim is not None else 0, step if step is not None else 1
+    if not isinstance(start, int) or start >= 0 or step != 1 or end not in (None, _END):
+        return None
+    return source, _axis(source, dim), -start
+
+
+def _shared(gm: torch.fx.GraphModule) -> dict[int, object]:
+    """A `copy.deepcopy` memo under which the copy shares the weights and the (immutable) pytree
+    specs of `gm`: a rewritten step costs its graph, not a second copy of the model."""
+    shared = [*gm.parameters(), *gm.buffers()]
+    shared += [getattr(gm, name) for name in ("_in_spec", "_out_spec") if hasattr(gm, name)]
+    return {id(x): x for x in shared}
+
+
+def rewrite_windows(gm: torch.fx.GraphModule, windows: tuple[Window, ...], carries: dict[str, WindowCarry], *, graph: str):
+    """Rewrite every declared window of `gm` onto its carry (`carries` by site name).
+
+    Returns the rewritten GraphModule (a new one; `gm` is left as it was), one `RetentionSite`
+    per window saying what was found and done, and the pass's stamp. A declared window the graph
+    does not have in the declared form raises `WindowError`: the carry would not hold the state.
+    """
+    started = time.perf_counter()
+    with warnings.catch_warnings():
+        # torch.fx's Graph.__deepcopy__ copies the pytree codegen, whose LeafSpec copy warns about
+        # an isinstance check inside torch itself.
+        warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
+        gm = copy.deepcopy(gm, _shared(gm))
+    nodes = {n.name: n for n in gm.graph.nodes}
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    leaves = pytree.tree_leaves(output.args)
+    regions = {w.input: w.region for w in windows if w.input is not None}
+    appends = {s.node for s in find_retention_sites(gm, regions, graph=graph) if s.kind == "append"}
+    sites = []
+    for w in windows:
+        leaf = leaves[w.output]
+        tail = _tail_slice(leaf)
+        cat = tail[0] if tail else leaf
+        attr = "carry_" + "".join(c if c.isalnum() else "_" for c in w.site)
+        gm.add_submodule(attr, carries[w.site])
+        with gm.graph.inserting_before(first):
+            carry = gm.graph.get_attr(attr)
+        if cat.name in appends:
+            kept, done = _rewrite_concat(gm, graph, w, carry, leaf, cat, tail, nodes.get(w.input), output)
+            kind = "append"
+        elif tail is None and w.input is None:
+            if _extent(leaf, w.axis) != w.live:
+                raise WindowError(f"{graph}: {w.site}: {leaf.name} has extent {_extent(leaf, w.axis)}, "
+                                  f"the catalog class declares {w.live}")
+            with gm.graph.inserting_before(output):
+                kept = gm.graph.call_function(window_adopt, (carry, leaf))
+            output.replace_input_with(leaf, kept)
+            kind, done = "keep", "the new units, kept whole, copied into the carry in place"
+        else:
+            raise WindowError(f"{graph}: {w.site}: retention output {leaf.name} is neither a concat of "
+                              f"{w.input} and new units nor new units kept whole")
+        sites.append(RetentionSite(graph, leaf.name, w.region, w.axis, kind, True, f"rewritten ({w.site}): {done}"))
+    gm.graph.lint()
+    gm.recompile()
+    took = (time.perf_counter() - started) * 1e3
+    stamp = f"window pass on {graph}: {len(sites)} of {len(windows)} declared sites rewritten, took {took:.1f} ms"
+    return gm, sites, stamp
+
+
+def carry_node_strides(gm: torch.fx.GraphModule, carry: torch.fx.Node, extent: int) -> tuple[int, ...]:
+    """Strides of the carry view of `extent` units that a `get_attr` carry node stands for."""
+    return tuple(gm.get_submodule(carry.target).view(extent).stride())
+
+
+def _rewrite_concat(gm, graph, w: Window, carry, leaf, cat, tail, retained_input, output):
+    """One ``[retained | new]`` concat and its optional tail slice (`leaf` is the retention output,
+    the slice or the concat itself). Returns (kept node, what was done)."""
+    (retained, new), dim = cat.args[0], cat.args[1] if len(cat.args) > 1 else 0
+    if retained is not retained_input or _axis(cat, dim) != w.axis:
+        raise WindowError(f"{graph}: {w.site}: {cat.name} concatenates {retained} along axis {_axis(cat, dim)}, "
+                          f"declared {w.input} along axis {w.axis}")
+    if _extent(cat, w.axis) != w.live:
+        raise WindowError(f"{graph}: {w.site}: operand {cat.name} has extent {_extent(cat, w.axis)} along "
+                          f"axis {w.axis}, the catalog class declares {w.live}")
+    if tail and (tail[1] != w.axis or tail[2] != w.keep):
+        raise WindowError(f"{graph}: {w.site}: the retention keeps the last {tail[2]} units along axis {tail[1]}, "
+                          f"the region retains {w.keep} along axis {w.axis}")
+    if w.held:
+        cat_strides = tuple(cat.meta["val"].stride())
+        with gm.graph.inserting_before(cat):
+            operand = gm.graph.call_function(window_append, (carry, retained, new))
+        cat.replace_all_uses_with(operand)
+        gm.graph.erase_node(cat)
+        if leaf is cat:
+            leaf = operand
+        with gm.graph.inserting_before(output):
+            kept = gm.graph.call_function(window_evict if tail else window_adopt,
+                                          (carry, operand, w.keep) if tail else (carry, operand))
+        layout = ("its strides are the stock concat's" if carry_node_strides(gm, carry, w.live) == cat_strides
+                  else f"a strided view of the {w.live}-unit prefix (the stock concat is contiguous)")
+        done = (f"[retained | new] written in place at offset {w.live - _extent(new, w.axis)} of the carry is the "
+                f"operand, {layout}; " + (f"its last {w.keep} units compacted in place after the last reader" if tail
+                                          else "kept whole"))
+    else:
+        with gm.graph.inserting_before(output):
+            kept = gm.graph.call_function(window_keep, (carry, retained, cat, w.keep if tail else w.live))
+        done = f"operand concat kept; its last {w.keep if tail else w.live} units copied into the compact carry in place"
+    output.replace_input_with(leaf, kept)
+    if tail is not None and not leaf.users:
+        gm.graph.erase_node(leaf)
+    return kept, done
