@@ -145,12 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options, e.g. --out PATH")
     bench.set_defaults(run=_bench)
 
-    from cadence_fx.serve.plugins import plugin_names
+    from cadence_fx.serve.plugins import DEFAULT_PLUGIN, plugin_names
 
     serve = commands.add_parser("serve", help="the duplex service (OpenAI Realtime over WebSocket)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=_positive_int, default=8000)
-    serve.add_argument("--model", choices=plugin_names(), required=True, help="the model plugin to serve")
+    serve.add_argument("--model", choices=plugin_names(), default=DEFAULT_PLUGIN, help="the model plugin to serve")
     serve.add_argument("--max-sessions", type=_positive_int, default=16)
     serve.add_argument("--idle-ttl", type=float, default=300.0, help="seconds without traffic before a session expires")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds a disconnected session waits for a resume")

@@ -1,6 +1,8 @@
 """Model plugins. A real model plugin registers itself here with ``register_plugin``.
 
-``tone`` is a test double used by the service's tests, not a model.
+``moshi-small`` (Moshi at its SMALL size on a CPU, ``moshi.py``) is the service's default model;
+it loads torch and the vendor only when chosen. ``tone`` is a test double used by the service's
+tests, not a model.
 """
 
 from __future__ import annotations
@@ -13,7 +15,16 @@ from .tone import ToneModel
 
 PluginFactory = Callable[..., ModelPlugin]
 
-_REGISTRY: dict[str, PluginFactory] = {"tone": ToneModel}
+DEFAULT_PLUGIN = "moshi-small"
+
+
+def _moshi_small(**options: Any) -> ModelPlugin:
+    from .moshi import MoshiPlugin
+
+    return MoshiPlugin(**options)
+
+
+_REGISTRY: dict[str, PluginFactory] = {"tone": ToneModel, DEFAULT_PLUGIN: _moshi_small}
 
 
 def register_plugin(name: str, factory: PluginFactory) -> None:
@@ -32,4 +43,13 @@ def load_plugin(name: str, **options: Any) -> ModelPlugin:
     return factory(**options)
 
 
-__all__ = ["ModelPlugin", "ModelStream", "PluginInfo", "ToneModel", "load_plugin", "plugin_names", "register_plugin"]
+__all__ = [
+    "DEFAULT_PLUGIN",
+    "ModelPlugin",
+    "ModelStream",
+    "PluginInfo",
+    "ToneModel",
+    "load_plugin",
+    "plugin_names",
+    "register_plugin",
+]

@@ -20,7 +20,8 @@ STDLIB = set(sys.stdlib_module_names) | {"__future__"}
 ALLOWED = {
     "protocol": ({"numpy", "scipy"}, {"protocol"}),
     "session": ({"numpy", "scipy"}, {"session", "protocol", "plugins"}),
-    "plugins": ({"numpy"}, {"plugins"}),
+    # Model plugins run models: the tensor library and cadence-fx's models, never a web framework.
+    "plugins": ({"numpy", "torch", "cadence_fx"}, {"plugins"}),
 }
 
 

@@ -1,0 +1,238 @@
+"""``moshi-small``, the default model: a stream's reply is the stock vendor stream of the same
+ticks and seed, bit for bit; turns, cancel and clear map onto the duplex clock as documented; and a
+real session over uvicorn delivers exactly the vendor's samples."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("moshi")
+
+import torch  # noqa: E402
+from servekit import AUDIO, Server, deltas_of, read_wav, run  # noqa: E402
+
+from cadence_fx.models.moshi_stream import random_pcm, stream_reference  # noqa: E402
+from cadence_fx.serve.app import background_server  # noqa: E402
+from cadence_fx.serve.plugins import DEFAULT_PLUGIN, plugin_names  # noqa: E402
+from cadence_fx.serve.plugins.moshi import FRAME_SAMPLES, SILENCE, MoshiPlugin  # noqa: E402
+from cadence_fx.serve.protocol import PCM24K  # noqa: E402
+from cadence_fx.serve.protocol import audio as wire_audio  # noqa: E402
+from cadence_fx.serve.session import Limits  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    moshi = MoshiPlugin()
+    yield moshi
+    moshi.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_like_the_plugin():
+    """The reference runs here with the plugin's thread count: kernels may split reductions by thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def user_frames(n: int, seed: int) -> list[np.ndarray]:
+    return list(random_pcm(n, seed=seed).reshape(n, FRAME_SAMPLES).numpy())
+
+
+def stock(plugin: MoshiPlugin, ticks: list[np.ndarray]) -> np.ndarray:
+    """The vendor stream of these tick inputs: row ``k`` is the output of tick ``k + 1``."""
+    pcm = torch.from_numpy(np.concatenate(ticks)).view(1, 1, -1)
+    out = stream_reference(plugin.models, pcm, sampling=plugin.sampling, seed=plugin.seed).pcm
+    return out.reshape(-1, FRAME_SAMPLES).numpy()
+
+
+def feed(stream, frames: list[np.ndarray]) -> None:
+    for frame in frames:
+        stream.feed(frame)
+
+
+def drain(stream) -> list[np.ndarray]:
+    chunks = []
+    while (chunk := stream.step()) is not None:
+        chunks.append(chunk)
+    return chunks
+
+
+def reply(stream) -> list[np.ndarray]:
+    stream.begin_response()
+    return drain(stream)
+
+
+def test_registered_as_the_default_without_loading_the_vendor_on_import():
+    probe = "import sys, cadence_fx.serve.plugins as p; print(p.DEFAULT_PLUGIN, 'moshi' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["moshi-small", "False"]
+    assert DEFAULT_PLUGIN in plugin_names()
+
+
+def test_native_clock_is_24khz_frames_of_80ms(plugin):
+    info = plugin.info
+    assert (info.name, info.input_rate, info.output_rate, info.frame_samples) == ("moshi-small", 24_000, 24_000, 1920)
+
+
+def test_replies_are_the_vendor_stream_of_the_same_ticks_bit_for_bit(plugin):
+    first, second = user_frames(6, seed=11), user_frames(3, seed=12)
+    stream = plugin.open_stream()
+    feed(stream, first)
+    reply_1 = reply(stream)
+    feed(stream, second)
+    reply_2 = reply(stream)
+    listened = stream.listened
+    stream.close()
+
+    # Ticks: 6 user, 6 silence (reply), 3 user, 3 silence (reply); tick k's output is row k - 1.
+    want = stock(plugin, first + [SILENCE] * 6 + second + [SILENCE] * 3)
+    assert np.array_equal(np.stack(reply_1), want[5:11])
+    assert np.array_equal(np.stack(reply_2), want[14:17])
+    assert listened == 5 + 3  # what Moshi said while the user spoke; tick 0 says nothing
+
+
+@pytest.mark.parametrize(("fed", "frames", "ticks"), [(0, 1, 2), (1, 1, 2), (5, 5, 10)])
+def test_a_reply_is_as_long_as_the_turn_in_whole_frames(plugin, fed, frames, ticks):
+    stream = plugin.open_stream()
+    feed(stream, user_frames(fed, seed=13) if fed else [])
+    chunks = reply(stream)
+    stream.close()
+    assert [(c.shape, c.dtype) for c in chunks] == [((FRAME_SAMPLES,), np.float32)] * frames
+    # With nothing fed, the reply's first tick only passes the acoustic delay.
+    assert (stream.ticks, stream.replied) == (ticks, frames)
+
+
+def test_cancel_drops_the_rest_of_the_reply_and_the_clock_goes_on(plugin):
+    first, second = user_frames(4, seed=14), user_frames(2, seed=15)
+    stream = plugin.open_stream()
+    feed(stream, first)
+    stream.begin_response()
+    assert stream.step() is not None
+    stream.cancel()
+    assert stream.step() is None
+    feed(stream, second)
+    after = reply(stream)
+    stream.close()
+
+    want = stock(plugin, first + [SILENCE] + second + [SILENCE] * 2)
+    assert np.array_equal(np.stack(after), want[6:8])
+
+
+def test_a_frame_fed_during_a_reply_is_the_replys_next_frame(plugin):
+    turn, overlap = user_frames(3, seed=16), user_frames(1, seed=17)
+    stream = plugin.open_stream()
+    feed(stream, turn)
+    stream.begin_response()
+    out = [stream.step()]
+    feed(stream, overlap)  # the user talks over the reply; no barge-in cancelled it
+    out += drain(stream)
+    next_turn = stream.turn_frames
+    stream.close()
+
+    want = stock(plugin, turn + [SILENCE] + overlap + [SILENCE])
+    assert np.array_equal(np.stack(out), want[2:5])
+    assert next_turn == 1
+
+
+def test_clear_input_shortens_the_turn_but_the_model_heard_it(plugin):
+    cleared, kept = user_frames(5, seed=18), user_frames(2, seed=19)
+    stream = plugin.open_stream()
+    feed(stream, cleared)
+    stream.clear_input()
+    feed(stream, kept)
+    out = reply(stream)
+    stream.close()
+
+    want = stock(plugin, cleared + kept + [SILENCE] * 2)
+    assert np.array_equal(np.stack(out), want[6:8])
+
+
+def test_interleaved_sessions_each_get_their_own_replica_and_the_same_audio(plugin):
+    frames = user_frames(3, seed=20)
+    a, b = plugin.open_stream(), plugin.open_stream()
+    for frame in frames:
+        a.feed(frame)
+        b.feed(frame)
+    a.begin_response()
+    b.begin_response()
+    out_a, out_b = [], []
+    for _ in range(3):
+        out_a.append(a.step())
+        out_b.append(b.step())
+    a.close()
+    b.close()
+    replicas = plugin.describe()["replicas"]
+    c = plugin.open_stream()
+    feed(c, frames)
+    out_c = reply(c)
+    c.close()
+
+    want = stock(plugin, frames + [SILENCE] * 3)[2:5]
+    assert np.array_equal(np.stack(out_a), want) and np.array_equal(np.stack(out_b), want)
+    assert np.array_equal(np.stack(out_c), want)  # a reused replica starts from the base state
+    assert plugin.describe()["replicas"] == replicas == 2
+
+
+def test_describe_counts_every_tick_in_the_transforms_replay_counters(plugin):
+    before = plugin.describe()
+    stream = plugin.open_stream()
+    feed(stream, user_frames(2, seed=21))
+    reply(stream)
+    stream.close()
+    after = plugin.describe()
+
+    ticks = after["frames"]["ticks"] - before["frames"]["ticks"]
+    calls = {
+        name: after["transform"]["replays"][name]["calls"] - before["transform"]["replays"][name]["calls"]
+        for name in ("mimi_encode", "lm_step", "mimi_decode")
+    }
+    assert ticks == 4
+    assert calls == {"mimi_encode": 4, "lm_step": 4, "mimi_decode": 3}  # tick 0 decodes nothing
+    assert any(stamp.startswith("replay: mimi_encode K=1") for stamp in after["transform"]["stamps"])
+
+
+def test_a_session_over_uvicorn_delivers_the_vendors_samples(plugin):
+    samples, rate = read_wav(AUDIO / "question_24k.wav")
+    question = wire_audio.encode_samples(samples, PCM24K)
+    fed = -(-len(samples) // FRAME_SAMPLES)  # the commit pads the last frame
+    reply_frames = 8  # the cap, well under the turn's 56 frames
+    served = MoshiPlugin(models=plugin.models, max_reply_frames=reply_frames)
+
+    async def scenario(server: Server):
+        sock = await server.connect("/v1/duplex")
+        await sock.no_vad()
+        await sock.append(question)
+        await sock.send({"type": "input_audio_buffer.commit"})
+        await sock.send({"type": "response.create"})
+        events = await sock.recv_until("response.done", timeout=50)
+        ledgers = server.on_loop(lambda: server.session(sock.session_id).ledgers.to_dict())
+        await sock.close()
+        return events, ledgers
+
+    with background_server(lambda: served, Limits(max_sessions=2)) as handle:
+        events, ledgers = run(scenario(Server(handle)))
+
+    assert rate == 24_000
+    committed = next(e for e in events if e["type"] == "input_audio_buffer.committed")
+    assert committed["audio_bytes"] == len(question)
+    deltas = [e for e in events if e["type"] == "response.output_audio.delta"]
+    assert [d["audio_offset"] for d in deltas] == list(range(0, reply_frames * FRAME_SAMPLES, FRAME_SAMPLES))
+    assert events[-1]["playback"]["audio_samples"] == reply_frames * FRAME_SAMPLES
+    assert (ledgers["input"]["fed_samples"], ledgers["input"]["padded_samples"]) == (
+        fed * FRAME_SAMPLES,
+        fed * FRAME_SAMPLES - len(samples),
+    )
+    assert ledgers["playback"]["generated_samples"] == ledgers["playback"]["delivered_samples"] == reply_frames * 1920
+
+    padded = np.concatenate([samples, np.zeros(fed * FRAME_SAMPLES - len(samples), dtype=np.float32)])
+    ticks = list(padded.reshape(fed, FRAME_SAMPLES)) + [SILENCE] * reply_frames
+    want = stock(plugin, ticks)[fed - 1 : fed - 1 + reply_frames]
+    audio = deltas_of(events)
+    assert len(audio) == reply_frames * FRAME_SAMPLES * 2
+    assert audio == wire_audio.encode_samples(want.reshape(-1), PCM24K)
