@@ -17,9 +17,12 @@ __all__ = ["GraphDiff", "diff_graphs", "render_html", "render_text", "readable"]
 
 
 def _op(node: torch.fx.Node) -> str:
-    if node.op in ("call_function", "call_method"):
-        target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-        return str(target).split(".")[-1] if node.op == "call_function" else f".{target}"
+    if node.op == "call_method":
+        return f".{node.target}"
+    if node.op == "call_function":
+        if isinstance(node.target, torch._ops.OpOverload):  # aten.cat.default -> cat
+            return node.target._schema.name.split("::")[-1]
+        return getattr(node.target, "__name__", str(node.target)).split(".")[-1]
     if node.op == "call_module":
         return f"module {node.target}"
     if node.op == "get_attr":
