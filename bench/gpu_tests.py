@@ -47,6 +47,8 @@ def main(out: str, paths: list[str]) -> int:
         "skipped": outcomes.count("skipped"),
         "exit_code": int(code),
         "tests": recorder.results,
+        "measured": {name: dict(module.MEASURED) for name, module in sorted(sys.modules.items())
+                     if name.startswith(("test_", "tests.")) and isinstance(getattr(module, "MEASURED", None), dict)},
     }
     with open(out, "w") as f:
         json.dump(record, f, indent=2, default=str)

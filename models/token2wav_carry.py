@@ -70,7 +70,6 @@ class TransformedFlow:
         flow: torch.nn.Module,
         hift: torch.nn.Module | None,
         contract: Contract,
-        catalog: Catalog,
         report: TransformReport,
     ):
         self.flow = flow
@@ -263,25 +262,23 @@ class Token2WavAdapter(Adapter):
         """`model` is the flow, or (flow, hift) to transform the vocoder too."""
         stock_flow, stock_hift = model if isinstance(model, tuple) else (model, None)
         _check_model(stock_flow, contract)
-        model = stock_flow
-        flow = copy.deepcopy(model, shed_envelopes(model, ENVELOPES))
+        flow = copy.deepcopy(stock_flow, shed_envelopes(stock_flow, ENVELOPES))
         hift = None if stock_hift is None else copy.deepcopy(stock_hift)
         report = TransformReport(family=self.family, catalog=catalog, auditor=ShadowAuditor() if audit else None)
         report.determinism = pin_deterministic()
-        device = model.decoder.att_cache_buffer.device
+        device = stock_flow.decoder.att_cache_buffer.device
         resizes, stamp = apply_state_rule(flow, ENVELOPES, catalog, device=device)
         report.resizes.extend(resizes)
         report.stamps.append(stamp)
         conformer = catalog.region("conformer_att_cache")
         report.carries["estimator_att_cache"] = Carry("estimator_att_cache", flow.decoder.att_cache_buffer, axis=4)
+        dtype = flow.decoder.att_cache_buffer.dtype
         report.carries["conformer_att_cache"] = Carry(
-            "conformer_att_cache",
-            torch.zeros(conformer.shape, dtype=flow.decoder.att_cache_buffer.dtype, device=flow.decoder.att_cache_buffer.device),
-            axis=3,
+            "conformer_att_cache", torch.zeros(conformer.shape, dtype=dtype, device=device), axis=3
         )
         regions = {"dit_estimator": "estimator_att_cache", "conformer": "conformer_att_cache"}
         if capture:
-            before = capture_hot_operators(model, contract)
+            before = capture_hot_operators(stock_flow, contract)
             after = capture_hot_operators(flow, contract)
             for name, captured in after.items():
                 report.stamps.append(captured.stamp)
@@ -305,7 +302,7 @@ class Token2WavAdapter(Adapter):
                 )
                 report.replays["hift"] = vocoder
                 hift = vocoder
-        return TransformedFlow(flow, hift, contract, catalog, report), report
+        return TransformedFlow(flow, hift, contract, report), report
 
 
 register_adapter(Token2WavAdapter())

@@ -84,7 +84,7 @@ class Carry(torch.nn.Module):
         tensor outside the carry (copied in).
         """
         n = full.shape[self.axis]
-        spans = [(start % n if start < 0 else start, n if stop is None else stop % (n + 1)) for start, stop in segments]
+        spans = [slice(start, stop).indices(n)[:2] for start, stop in segments]
         total = sum(stop - start for start, stop in spans)
         if total > self.capacity:
             raise CarryError(f"{self.region}: {total} units exceed the carry's bound {self.capacity}")

@@ -4,14 +4,12 @@ Every comparison is `torch.equal` against eager from the same state, with determ
 pinned for both arms and eager first checked against itself. The real-model tests use
 MiniCPM-o 4.5 Token2Wav (minicpmo-utils 1.0.6) at full size with random weights.
 
-Run as a script on the GPU machine to record the run:
-    python tests/test_replay_cuda.py bench/results/gpu_tests_replay.json
+Recorded on the GPU machine by `python bench/gpu_tests.py OUT.json tests/test_replay_cuda.py ...`,
+which also collects the timings the tests put in `MEASURED`.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 import time
@@ -331,51 +329,3 @@ def test_hift_20_replayed_calls_equal_20_eager_calls_from_the_same_rng_state(hif
     MEASURED["hift_58_replay_ms"] = _ms(lambda: engine(mels[0], source))
     MEASURED["hift_philox_offset_per_call"] = float(cert.device_rng_advance[torch.cuda.current_device()])
     print(cert.explain())
-
-
-# -- recording the run ------------------------------------------------------------------------
-
-
-class _Recorder:
-    def __init__(self) -> None:
-        self.results: dict[str, dict] = {}
-
-    def pytest_runtest_logreport(self, report) -> None:
-        entry = self.results.setdefault(report.nodeid, {"outcome": "passed", "seconds": 0.0})
-        entry["seconds"] = round(entry["seconds"] + report.duration, 3)
-        if report.failed:
-            entry["outcome"] = "failed"
-            entry["error"] = str(report.longrepr)[-1500:]
-        elif report.skipped and entry["outcome"] == "passed":
-            entry["outcome"] = "skipped"
-
-
-def main(path: str) -> int:
-    recorder = _Recorder()
-    code = pytest.main([__file__, "-q", "-m", "cuda", "-p", "no:cacheprovider", "-s"], plugins=[recorder])
-    outcomes = [r["outcome"] for r in recorder.results.values()]
-    here = os.path.realpath(__file__)
-    tested = next((m for name, m in list(sys.modules.items()) if name != "__main__" and (
-        name.endswith("test_replay_cuda") or os.path.realpath(getattr(m, "__file__", "") or "") == here)), None)
-    record = {
-        "suite": "tests/test_replay_cuda.py",
-        "commit": os.environ.get("CADENCE_COMMIT", "unknown"),
-        "worktree": os.environ.get("CADENCE_WORKTREE", "unknown"),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "determinism": determinism.pin_deterministic(),
-        "passed": outcomes.count("passed"),
-        "failed": outcomes.count("failed"),
-        "skipped": outcomes.count("skipped"),
-        "exit_code": int(code),
-        "measured": getattr(tested, "MEASURED", MEASURED),
-        "tests": recorder.results,
-    }
-    with open(path, "w") as f:
-        json.dump(record, f, indent=2, default=str)
-    return int(code)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
