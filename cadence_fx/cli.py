@@ -19,24 +19,29 @@ def _catalog(args: argparse.Namespace) -> int:
     return 0
 
 
-def _transform_reference(family: str, depth: str, *, audit: bool):
-    from cadence_fx.transform import transform
+def _reference(family: str, depth: str):
+    """A family's reference model (real vendor code or the in-repo encoder, random weights)."""
+    if family == "token2wav":
+        from cadence_fx.models.token2wav_carry import reference_flow
 
-    if family != "token2wav":
-        raise ValueError(f"the diff builds a reference model for 'token2wav' only, got {family!r}")
-    from cadence_fx.models.token2wav_carry import reference_flow
+        flow, contract, _ = reference_flow(depth)
+        return flow, contract
+    if family == "freeze_omni":
+        from cadence_fx.models.freeze_omni_carry import reference_encoder
 
-    print(f"building the vendor Token2Wav flow ({depth} depth, random weights)...", file=sys.stderr, flush=True)
-    flow, contract, prompt_tokens = reference_flow(depth)
-    print("transforming (state rule, carry pass, capture of the hot operators)...", file=sys.stderr, flush=True)
-    transformed, report = transform(flow, contract, audit=audit)
-    return flow, transformed, report, prompt_tokens
+        return reference_encoder(depth)
+    raise ValueError(f"the diff builds reference models for 'token2wav' and 'freeze_omni' only, got {family!r}")
 
 
 def _diff(args: argparse.Namespace) -> int:
     from cadence_fx.diff import diff_graphs, render_html, render_text
 
-    _, _, report, _ = _transform_reference(args.family, args.depth, audit=False)
+    from cadence_fx.transform import transform
+
+    print(f"building the {args.family} reference model ({args.depth} depth, random weights)...", file=sys.stderr)
+    model, contract = _reference(args.family, args.depth)
+    print("transforming (state rule, carry pass, capture of the hot operators)...", file=sys.stderr, flush=True)
+    _, report = transform(model, contract, replay=False)
     diffs = [diff_graphs(name, before, after) for name, (before, after) in report.graphs.items()]
     print(report)
     print()
@@ -55,7 +60,13 @@ def _demo(args: argparse.Namespace) -> int:
     from cadence_fx.models.token2wav_stream import StockStream, random_chunks, random_prompt
     from cadence_fx.report import format_bytes
 
-    flow, transformed, report, prompt_tokens = _transform_reference("token2wav", args.depth, audit=True)
+    from cadence_fx.models.token2wav_carry import reference_flow
+    from cadence_fx.transform import transform
+
+    print(f"building the vendor Token2Wav flow ({args.depth} depth, random weights)...", file=sys.stderr, flush=True)
+    flow, contract, prompt_tokens = reference_flow(args.depth)
+    print("transforming (state rule, carry pass, replay of the CFM loop)...", file=sys.stderr, flush=True)
+    transformed, report = transform(flow, contract, audit=True)
     prompt = random_prompt(0, n_tokens=prompt_tokens)
     stock, carried = StockStream(flow, None, prompt), CarryStream(transformed, prompt)
     exact = True

@@ -237,3 +237,21 @@ class FreezeOmniAdapter(Adapter):
 
 
 register_adapter(FreezeOmniAdapter())
+
+
+def reference_encoder(depth: str = "reduced"):
+    """The in-repo Freeze-Omni encoder with random weights and its contract, for the CLI.
+
+    `depth` is "reduced" (2 blocks, 64 wide) or "full" (24 blocks, 1024 wide).
+    """
+    from .freeze_omni import freeze_omni_contract
+    from .freeze_omni_encoder import FreezeOmniEncoderConfig, build_encoder
+
+    if depth not in ("reduced", "full"):
+        raise ValueError(f"depth must be 'reduced' or 'full', got {depth!r}")
+    config = FreezeOmniEncoderConfig.small() if depth == "reduced" else FreezeOmniEncoderConfig()
+    contract = freeze_omni_contract(
+        blocks=config.num_blocks, d_model=config.attention_dim, heads=config.attention_heads,
+        chunk_frames=config.chunk_size, left_chunks=config.left_chunks, lorder=config.lorder,
+    )
+    return build_encoder(config), contract

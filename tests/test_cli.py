@@ -56,6 +56,13 @@ def test_demo_streams_bit_identical_chunks(capsys):
     assert "all 6 chunks bit-identical to the vendor stream: True" in out
 
 
+def test_diff_of_freeze_omni_shows_its_window_rewrites(capsys):
+    assert main(["diff", "freeze_omni"]) == 0
+    out = capsys.readouterr().out
+    assert "=== encoder_chunk[L=0] ===" in out and "=== encoder_chunk[L=4] ===" in out
+    assert "retention sites" in out
+
+
 def test_diff_of_a_family_without_a_reference_model_says_so(capsys):
     assert main(["diff", "moshi"]) == 2
-    assert "the diff builds a reference model for 'token2wav' only, got 'moshi'" in capsys.readouterr().err
+    assert "the diff builds reference models for 'token2wav' and 'freeze_omni' only, got 'moshi'" in capsys.readouterr().err
