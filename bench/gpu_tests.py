@@ -6,14 +6,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from cadence_fx.determinism import settings
+from cadence_fx.report import measured_commit
 
 
 class _Recorder:
@@ -34,8 +33,7 @@ def main(out: str, paths: list[str]) -> int:
     recorder = _Recorder()
     code = pytest.main([*paths, "-q", "-m", "cuda", "-p", "no:cacheprovider"], plugins=[recorder])
     outcomes = [r["outcome"] for r in recorder.results.values()]
-    done = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True)
-    commit = os.environ.get("CADENCE_COMMIT") or (done.stdout.strip() if done.returncode == 0 else None)
+    commit = measured_commit()
     record = {
         "command": " ".join([sys.executable, *sys.argv]),
         "commit": commit,

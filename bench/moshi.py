@@ -24,7 +24,6 @@ import gc
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -42,7 +41,7 @@ from cadence_fx import transform  # noqa: E402
 from cadence_fx.determinism import pin_deterministic  # noqa: E402
 from cadence_fx.models.moshi_replay import contract_for  # noqa: E402
 from cadence_fx.models.moshi_stream import FULL, SMALL, build_models, random_pcm  # noqa: E402
-from cadence_fx.report import format_bytes  # noqa: E402
+from cadence_fx.report import format_bytes, latency_stats, measured_commit  # noqa: E402
 
 ARMS = ("eager", "vendor", "cadence")
 STEADY_FROM = 2  # the vendor captures on a session's second frame
@@ -122,14 +121,6 @@ def profile_frames(arm: Arm, pcm: torch.Tensor, frames: int, device: torch.devic
             "kernel_ms_per_frame": sum(e.device_time for e in events) / 1e3 / frames}
 
 
-def _stats(values: list[float]) -> dict | None:
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
-    return {"p50": statistics.median(ordered), "p95": p95, "mean": statistics.fmean(ordered), "n": len(ordered)}
-
-
 def run_arm(name: str, models, contract, streams: dict, args, device: torch.device) -> tuple[dict, dict]:
     gc.collect()
     if device.type == "cuda":
@@ -157,7 +148,7 @@ def run_arm(name: str, models, contract, streams: dict, args, device: torch.devi
     kernels = profile_frames(arm, streams["sampling"][0], args.profile_frames, device)
     result = {
         "setup_s": setup_s,
-        "frame_ms_steady": _stats(steady),
+        "frame_ms_steady": latency_stats(steady),
         "frame_ms_first_two_per_stream": first_frames,
         # Above the shared weights: while the arm is set up and warmed up (captures, certification
         # probes), then over the measured streams; held: what the arm keeps between sessions.
@@ -275,7 +266,7 @@ def main(argv=None) -> int:
             "target_peak_memory_at_most_vendor": None if None in peaks else peaks[0] <= peaks[1],
             "streams_peak_memory_at_most_vendor": None if None in steady_peaks else steady_peaks[0] <= steady_peaks[1],
         }
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    commit = measured_commit()
     dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip())
     record = {
         "benchmark": "moshi",

@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -39,7 +37,7 @@ from cadence_fx.models.token2wav_stream import StockStream, build_hift, random_c
 from cadence_fx.passes.hoist import HostConstantHoist
 from cadence_fx.passes.piecewise import Piecewise
 from cadence_fx.replay import ExactShapeReplay, TensorSpec
-from cadence_fx.report import format_bytes
+from cadence_fx.report import format_bytes, latency_stats, measured_commit
 
 ARMS = ("eager", "S", "SRc", "Rc", "R")
 TENSOR = TensorSpec((1,)).key()[0]  # how a signature marks a tensor leaf
@@ -155,22 +153,6 @@ def _profile_steady_chunk(stream, tokens, device):
     return {"launches": len(events), "kernel_ms": sum(e.device_time for e in events) / 1e3}
 
 
-def _commit() -> str | None:
-    """The commit measured: `CADENCE_COMMIT` where the tree travelled without git metadata."""
-    if os.environ.get("CADENCE_COMMIT"):
-        return os.environ["CADENCE_COMMIT"]
-    done = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
-def _stats(values):
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
-    return {"p50": statistics.median(ordered), "p95": p95, "mean": statistics.fmean(ordered), "n": len(ordered)}
-
-
 def _compile_arm(args, limit_s: int) -> dict:
     """torch.compile(mode="reduce-overhead") of the CFM loop, in its own process, time-limited."""
     code = (
@@ -273,8 +255,8 @@ def main(argv=None) -> int:
             result["mel_equal_chunks"] = sum(torch.equal(a, b) for a, b in zip(mels, reference[0]))
             result["pcm_equal_chunks"] = sum(torch.equal(a, b) for a, b in zip(pcm, reference[1]))
             result["chunks"] = len(mels)
-            result["chunk_stats_ms"] = _stats(result["chunk_ms"][1:])
-            result["cfm_loop_stats_ms"] = _stats(result["cfm_loop_ms_last_turn"][2:-1])
+            result["chunk_stats_ms"] = latency_stats(result["chunk_ms"][1:])
+            result["cfm_loop_stats_ms"] = latency_stats(result["cfm_loop_ms_last_turn"][2:-1])
             results[arm] = result
             print(
                 f"  {arm}: chunk p50 {result['chunk_stats_ms']['p50']:.1f} ms, CFM loop p50 "
@@ -285,7 +267,7 @@ def main(argv=None) -> int:
                 flush=True,
             )
     compiled = _compile_arm(args, args.compile_limit) if args.compile_limit and device.type == "cuda" else None
-    commit = _commit()
+    commit = measured_commit()
     record = {
         "benchmark": "token2wav",
         "commit": commit,

@@ -65,10 +65,7 @@ def capture(
             symbolic = False
             reason = f" (dynamic {sorted(dims)} refused: {type(error).__name__}; captured at the given class)"
             program = torch.export.export(module, args, strict=False)
-    gm = program.module()
-    for exported, node in zip(program.graph.nodes, gm.graph.nodes):
-        if "val" not in node.meta and "val" in exported.meta:
-            node.meta["val"] = exported.meta["val"]
+    gm = program.module()  # keeps each node's "val" (its shape metadata)
     took = (time.perf_counter() - started) * 1e3
     kind = "symbolic in " + ", ".join(sorted(dims)) if symbolic else "static"
     stamp = f"capture of {name}: torch.export(strict=False), {len(gm.graph.nodes)} nodes, {kind}, took {took:.0f} ms{reason}"

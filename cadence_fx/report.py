@@ -2,9 +2,31 @@
 
 from __future__ import annotations
 
+import os
+import statistics
+import subprocess
+
 from .catalog import Catalog
 
-__all__ = ["format_bytes", "format_table", "catalog_table"]
+__all__ = ["catalog_table", "format_bytes", "format_table", "latency_stats", "measured_commit"]
+
+
+def latency_stats(values: list[float]) -> dict | None:
+    """p50, p95 (nearest rank), mean and count of a benchmark's samples; None for no samples."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+    return {"p50": statistics.median(ordered), "p95": p95, "mean": statistics.fmean(ordered), "n": len(ordered)}
+
+
+def measured_commit() -> str | None:
+    """The commit a benchmark measured: `CADENCE_COMMIT` where the tree travelled without git
+    metadata (the GPU machine's copy), else git's HEAD; None when neither is known."""
+    if os.environ.get("CADENCE_COMMIT"):
+        return os.environ["CADENCE_COMMIT"]
+    done = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else None
 
 
 def format_bytes(n: int | None) -> str:
