@@ -163,6 +163,8 @@ def _version(t: torch.Tensor) -> int | None:
 class StateSnapshot:
     """Clones of the tensors a call may write (its tensor arguments, the modules' buffers).
 
+    Clones of CUDA tensors are kept in host memory, so taking a snapshot (of a multi-GiB cache,
+    say) adds nothing to the device's peak; certification costs a device-to-host copy instead.
     `restore` writes back in place, so every address is kept, and only into tensors whose version
     counter moved (inference tensors, which have none, when their values changed). `written`
     names the tensors that the call wrote.
@@ -178,13 +180,14 @@ class StateSnapshot:
             if id(t) in seen:
                 continue
             seen.add(id(t))
-            entries.append((name, t, t.detach().clone(), _version(t)))
+            saved = t.detach().to("cpu", copy=True) if t.is_cuda else t.detach().clone()
+            entries.append((name, t, saved, _version(t)))
         return cls(entries)
 
     @staticmethod
     def _changed(t: torch.Tensor, saved: torch.Tensor, version: int | None) -> bool:
         # Inference tensors keep no version counter: compare their values instead.
-        return not torch.equal(t, saved) if version is None else _version(t) != version
+        return not torch.equal(t.to(saved.device), saved) if version is None else _version(t) != version
 
     def written(self) -> tuple[str, ...]:
         return tuple(name for name, t, saved, v in self.tensors if self._changed(t, saved, v))
