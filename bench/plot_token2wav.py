@@ -1,6 +1,9 @@
 """Figures and a README table from a Token2Wav benchmark record (bench/token2wav.py's JSON).
 
-    python bench/plot_token2wav.py bench/results/token2wav.json --png bench/results/token2wav.png --readme README.md
+    python bench/plot_token2wav.py bench/results/token2wav.json bench/results/token2wav_fp16.json \
+        --png bench/results/token2wav.png --readme README.md
+
+The PNG is drawn from the first record; the table covers every record given.
 """
 
 from __future__ import annotations
@@ -13,18 +16,27 @@ from pathlib import Path
 MARK = re.compile(r"(<!-- token2wav-results -->\n).*?(<!-- /token2wav-results -->)", re.S)
 
 
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def _delta(n: int | None) -> str:
+    return "not modelled" if n is None else f"{n / 2**30:+.2f} GiB"
+
+
 def table(record: dict) -> str:
     arms = record["arms"]
-    eager = arms["eager"]
     rows = [
-        "| arm | steady chunk p50 / p95 (ms) | CFM loop p50 (ms) | vs eager (CFM loop) | kernels one chunk (ms, launches) "
-        "| peak allocated | exact mel / PCM | replays, eager fallbacks, invalidations (CFM loop) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| arm | steady chunk p50 / p95 (ms) | CFM loop p50 (ms) | vs its eager (CFM loop) | kernels one chunk (ms, launches) "
+        "| peak allocated: all / first turn / later turns | peak delta vs eager: predicted / measured "
+        "| exact mel / PCM | replays, eager fallbacks, invalidations (CFM loop) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, arm in arms.items():
         if arm.get("outcome") != "ran":
-            rows.append(f"| {name} | {arm.get('outcome')} | | | | | | |")
+            rows.append(f"| {name} | {arm.get('outcome')} | | | | | | | |")
             continue
+        eager = arms[arm.get("compared_with", "eager")]
         chunk, cfm, kernels = arm["chunk_stats_ms"], arm["cfm_loop_stats_ms"], arm["kernels_one_steady_chunk"] or {}
         replay = arm["replay"].get("cfm_loop")
         counters = "-" if replay is None else f"{replay['replays']}, {replay['eager']}, {replay['invalidations']}"
@@ -32,8 +44,10 @@ def table(record: dict) -> str:
             f"| {name} | {chunk['p50']:.1f} / {chunk['p95']:.1f} | {cfm['p50']:.1f} | "
             f"{eager['cfm_loop_stats_ms']['p50'] / cfm['p50']:.2f}x | "
             f"{kernels.get('kernel_ms', float('nan')):.1f}, {kernels.get('launches', '-')} | "
-            f"{arm['peak_allocated_bytes'] / 2**30:.2f} GiB | {arm['mel_equal_chunks']}/{arm['chunks']} / "
-            f"{arm['pcm_equal_chunks']}/{arm['chunks']} | {counters} |"
+            f"{_gib(arm['peak_allocated_bytes'])} / {_gib(arm.get('peak_allocated_bytes_first_turn'))} / "
+            f"{_gib(arm.get('peak_allocated_bytes_later_turns'))} | "
+            f"{_delta(arm.get('predicted_delta_bytes'))} / {_delta(arm.get('measured_delta_bytes'))} | "
+            f"{arm['mel_equal_chunks']}/{arm['chunks']} / {arm['pcm_equal_chunks']}/{arm['chunks']} | {counters} |"
         )
     compiled = record.get("torch_compile_reduce_overhead") or {}
     head = (
@@ -41,9 +55,28 @@ def table(record: dict) -> str:
         f"{record['chunks_per_block']} chunks, commit {record['commit']}; torch.compile(mode='reduce-overhead') "
         f"of the CFM loop: {compiled.get('outcome', 'not run')}"
         + (f" after {compiled['seconds']:.0f} s" if "seconds" in compiled else "")
-        + f". Not run: {', '.join(record.get('not_run', []))}."
+        + f". Not run: {', '.join(record.get('not_run', [])) or 'nothing'}."
     )
-    return head + "\n\n" + "\n".join(rows) + "\n"
+    text = head + "\n\n" + "\n".join(rows) + "\n"
+    sessions = record.get("capacity")
+    if sessions and "rounds" in sessions:
+        lines = [
+            "",
+            f"Capacity: N streams round robin over one set of SRc bindings, {sessions['chunks_per_stream']} chunks "
+            f"each (1 chunk = 1 s of speech); largest N keeping real time: **{sessions['largest_real_time_N']}**.",
+            "",
+            "| N | round p50 / p95 (ms, steady) | per chunk incl. carry swap p50 (ms) | keeps real time | streams checked exact |",
+            "|---|---|---|---|---|",
+        ]
+        for r in sessions["rounds"]:
+            steady = r["round_ms_steady"]
+            exact = ", ".join(f"{i}: {e}" for i, e in r["streams_checked_exact"].items())
+            lines.append(f"| {r['sessions']} | {steady['p50']:.1f} / {steady['p95']:.1f} | "
+                         f"{r['chunk_ms_with_swap']['p50']:.1f} | {r['keeps_real_time']} | {exact} |")
+        text += "\n".join(lines) + "\n"
+    elif sessions:
+        text += f"\nCapacity run: {sessions.get('outcome')}\n"
+    return text
 
 
 def plot(record: dict, path: Path) -> None:
@@ -60,8 +93,10 @@ def plot(record: dict, path: Path) -> None:
     x = range(len(names))
     left.bar([i - 0.2 for i in x], chunk, 0.4, label="steady chunk p50 (flow + HiFT)")
     left.bar([i + 0.2 for i in x], cfm, 0.4, label="CFM loop p50")
-    kernel = arms["eager"]["kernels_one_steady_chunk"]["kernel_ms"]
-    left.axhline(kernel, color="k", linestyle="--", label=f"eager kernel time {kernel:.1f} ms")
+    reference = arms.get("eager") or arms.get("eager16")
+    kernel = (reference["kernels_one_steady_chunk"] or {}).get("kernel_ms")
+    if kernel is not None:
+        left.axhline(kernel, color="k", linestyle="--", label=f"eager kernel time {kernel:.1f} ms")
     left.set_xticks(list(x), names)
     left.set_ylabel("ms")
     left.set_title("latency per arm")
@@ -76,15 +111,15 @@ def plot(record: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("record", type=Path)
+    parser.add_argument("records", type=Path, nargs="+")
     parser.add_argument("--png", type=Path)
     parser.add_argument("--readme", type=Path, help="replace the table between the token2wav-results markers")
     args = parser.parse_args(argv)
-    record = json.loads(args.record.read_text())
-    text = table(record)
+    records = [json.loads(path.read_text()) for path in args.records]
+    text = "\n".join(table(record) for record in records)
     print(text)
     if args.png:
-        plot(record, args.png)
+        plot(records[0], args.png)
     if args.readme:
         readme = args.readme.read_text()
         if not MARK.search(readme):

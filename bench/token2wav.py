@@ -14,7 +14,21 @@ runs in its own process under a time limit, and its outcome is recorded, whateve
 Arms: eager (stock); S (state rule and carry, hot operators eager); R (replay of the stock flow,
 the stock cache passed by address: its trim allocates a new cache each chunk, so the address
 drifts); Rc (replay of the stock flow with its cache copied into static buffers per class); SRc
-(state rule, carry and replay: the carry passed by address).
+(state rule, carry and replay: the carry passed by address); V (the vendor's own CUDA-graph
+branch of the DiT, re-bucketed to the live chunk sizes: `rebucket_vendor_graphs`); eager16 and
+SRc16 (the vendor's fp16 autocast, `Token2wav(float16=True)`; SRc16 is compared with eager16).
+
+Memory: each arm's peak is recorded over the whole run, over the first turn (where captures
+happen) and over the later turns (steady state), next to the memory model's prediction of its
+peak delta against eager, derived from the contract alone (`predicted_delta_bytes`).
+
+Capacity (`--capacity 1,2,4,8,16,32`, its own process): N token streams time-multiplexed over
+one set of SRc graph bindings. Each stream owns its carries' contents, its cache dict, its HiFT
+cache and its CUDA RNG state; before a stream's chunk its state is copied into the carries (the
+addresses the graphs read), after it copied back out. Recorded per N: the round time (one chunk
+of every stream: the period at which each stream gets its next 1-second chunk) p50/p95, and
+whether every stream keeps up with real time; streams 0 and N-1 are checked bit for bit against
+the same token streams run alone.
 """
 
 from __future__ import annotations
@@ -31,15 +45,23 @@ from pathlib import Path
 import torch
 
 from cadence_fx import transform
+from cadence_fx.catalog import derive
 from cadence_fx.determinism import check_repeatable, pin_deterministic
-from cadence_fx.models.token2wav_carry import CarryStream, reference_flow
-from cadence_fx.models.token2wav_stream import StockStream, build_hift, random_chunks, random_prompt
+from cadence_fx.models.token2wav_carry import ENVELOPES, CarryStream, reference_flow
+from cadence_fx.models.token2wav_stream import (
+    StockStream,
+    build_hift,
+    random_chunks,
+    random_prompt,
+    rebucket_vendor_graphs,
+)
 from cadence_fx.passes.hoist import HostConstantHoist
 from cadence_fx.passes.piecewise import Piecewise
 from cadence_fx.replay import ExactShapeReplay, TensorSpec
 from cadence_fx.report import format_bytes, latency_stats, measured_commit
 
-ARMS = ("eager", "S", "SRc", "Rc", "R")
+ARMS = ("eager", "S", "SRc", "Rc", "R", "V", "eager16", "SRc16")
+CHUNK_PERIOD_MS = 1000.0  # one chunk = 50 mel frames = 1 s of speech
 TENSOR = TensorSpec((1,)).key()[0]  # how a signature marks a tensor leaf
 
 
@@ -84,15 +106,52 @@ def _stock_replay(flow, hift, *, aliased: bool):
     return flow, vocoder, {"cfm_loop": engine, "hift": vocoder}
 
 
+def _base_arm(arm: str) -> tuple[str, bool]:
+    """(arm without its precision, fp16 autocast)."""
+    return (arm[:-2], True) if arm.endswith("16") else (arm, False)
+
+
 def build_arm(arm: str, flow, hift, contract):
-    """(stream factory inputs, replay engines) of one arm."""
+    """(flow, vocoder, transformed flow or None, replay engines) of one arm."""
+    arm, _ = _base_arm(arm)
     if arm == "eager":
         return flow, hift, None, {}
     if arm in ("S", "SRc"):
         transformed, report = transform((flow, hift), contract, capture=False, replay=arm == "SRc")
         return transformed.flow, transformed.hift, transformed, report.replays
+    if arm == "V":
+        vendor = copy.deepcopy(flow)
+        classes = derive(contract).operator("cfm_loop").classes
+        largest = max(c.extent for c in classes)
+        rebucket_vendor_graphs(vendor.decoder.estimator, {c.call: largest for c in classes})
+        return vendor, hift, None, {}
     stock_flow, vocoder, engines = _stock_replay(flow, hift, aliased=arm == "R")
     return stock_flow, vocoder, None, engines
+
+
+def att_axis(contract) -> int:
+    return contract.region("estimator_att_cache").axis
+
+
+def predicted_delta_bytes(arm: str, contract) -> int | None:
+    """The memory model of DESIGN.md section 2, from the declaration alone: an arm's peak minus
+    eager's = its staging (copied inputs, one set per catalog class) plus its envelopes at
+    A-dagger minus the stock envelopes. The state rule sets A-dagger = A (the derived demand) for
+    every region it resizes; aliasing stages nothing; Rc stages the stock cache once per class."""
+    arm, _ = _base_arm(arm)
+    catalog = derive(contract)
+    resized = [catalog.region(e.region) for e in ENVELOPES]
+    shrink = sum(r.bytes - r.stock_bytes for r in resized)
+    if arm in ("eager", "R", "V"):
+        return 0 if arm == "eager" else None  # R: addresses drift, V: vendor buffers: not modelled
+    if arm in ("S", "SRc"):
+        return shrink
+    if arm == "Rc":
+        cfm = catalog.operator("cfm_loop")
+        att, cnn = catalog.region(cfm.region), catalog.region("estimator_cnn_cache")
+        per_frame = att.stock_bytes // att.stock_shape[att_axis(contract)]
+        return sum(per_frame * c.extent + cnn.stock_bytes for c in cfm.classes)
+    raise ValueError(arm)
 
 
 def _bytes(*modules) -> int:
@@ -100,22 +159,39 @@ def _bytes(*modules) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def _peak(device: torch.device, base: int, owned: int) -> int | None:
+    return (torch.cuda.max_memory_allocated(device) - base + owned) if device.type == "cuda" else None
+
+
+def open_stream(arm: str, flow, hift, contract, prompt):
+    """One arm's stream: (stream, replay engines)."""
+    arm_flow, arm_hift, transformed, engines = build_arm(arm, flow, hift, contract)
+    float16 = _base_arm(arm)[1]
+    if transformed:
+        return CarryStream(transformed, prompt, float16=float16), engines
+    return StockStream(arm_flow, arm_hift, prompt, float16=float16), engines
+
+
 def run_arm(arm, flow, hift, contract, prompt, turns, device, seed):
     """Stream every turn through one arm. Peak memory counts the arm's own model (weights,
-    buffers, carries), graph pools and transients: the eager arm owns the stock flow and HiFT,
-    the other arms own the copies their build made."""
-    owned = _bytes(flow, hift) if arm == "eager" else 0
+    buffers, carries), graph pools and transients: the eager arms own the stock flow and HiFT,
+    the other arms own the copies their build made. The first turn's peak includes every
+    capture; the later turns' peak is the steady state."""
+    owned = _bytes(flow, hift) if _base_arm(arm)[0] == "eager" else 0
     _sync(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    arm_flow, arm_hift, transformed, engines = build_arm(arm, flow, hift, contract)
-    stream = CarryStream(transformed, prompt) if transformed else StockStream(arm_flow, arm_hift, prompt)
+    stream, engines = open_stream(arm, flow, hift, contract, prompt)
     timed_cfm = _Timed(stream.flow.decoder.forward_chunk, device)
     stream.flow.decoder.forward_chunk = timed_cfm
-    chunk_ms, mels, pcm = [], [], []
+    chunk_ms, mels, pcm, peaks = [], [], [], {}
     for turn, chunks in enumerate(turns):
+        if turn == 1:
+            peaks["first_turn"] = _peak(device, base, owned)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
         torch.manual_seed(seed + turn)
         if device.type == "cuda":
             torch.cuda.manual_seed(seed + turn)
@@ -131,14 +207,100 @@ def run_arm(arm, flow, hift, contract, prompt, turns, device, seed):
             pcm.append(out.speech.float().cpu())
         timed_cfm.ms = timed_cfm.ms[: len(chunks)]
         cfm_ms = list(timed_cfm.ms)
-    peak = (torch.cuda.max_memory_allocated(device) - base + owned) if device.type == "cuda" else None
+    peaks["later_turns"] = _peak(device, base, owned) if len(turns) > 1 else None
+    if len(turns) == 1:
+        peaks["first_turn"] = _peak(device, base, owned)
+    overall = None if peaks["first_turn"] is None else max(p for p in peaks.values() if p is not None)
     result = {
         "chunk_ms": chunk_ms,
         "cfm_loop_ms_last_turn": cfm_ms,
-        "peak_allocated_bytes": peak,
+        "peak_allocated_bytes": overall,
+        "peak_allocated_bytes_first_turn": peaks["first_turn"],
+        "peak_allocated_bytes_later_turns": peaks["later_turns"],
+        "reserved_bytes_end": torch.cuda.memory_reserved(device) if device.type == "cuda" else None,
         "replay": {name: e.counters.as_dict() for name, e in engines.items()},
     }
     return result, mels, pcm, stream
+
+
+def capacity(flow, hift, contract, prompt, device, sessions: list[int], chunks: int, seed: int) -> dict:
+    """N token streams over one set of SRc bindings, round robin (see the module docstring)."""
+    transformed, report = transform((flow, hift), contract, capture=False, replay=True)
+    carry_modules = list(transformed.carries.values())
+    carries = [c.buffer for c in carry_modules] + [transformed.flow.decoder.cnn_cache_buffer]
+    resident_bytes = sum(t.numel() * t.element_size() for t in carries)
+
+    def run_alone(tokens: list[torch.Tensor], rng_seed: int) -> list[torch.Tensor]:
+        stream = CarryStream(transformed, prompt)
+        stream.setup()
+        torch.cuda.manual_seed(rng_seed) if device.type == "cuda" else torch.manual_seed(rng_seed)
+        return [stream.step(t, last_chunk=False).speech.float().cpu() for t in tokens]
+
+    # Warm every class (captures happen here, outside the measured rounds).
+    warm = random_chunks(7, 4, device=device)
+    run_alone(warm, seed)
+    records = []
+    for n in sessions:
+        token_streams = [random_chunks(5000 + i, chunks, device=device) for i in range(n)]
+        streams, states, extents, rngs, outputs = [], [], [], [], [[] for _ in range(n)]
+        for i in range(n):
+            stream = CarryStream(transformed, prompt)
+            stream.setup() if i == 0 else None
+            if i:
+                stream.stream_cache = transformed.reset_turn()
+                stream.reset_vocoder()
+            streams.append(stream)
+            states.append([t.clone() for t in carries])
+            extents.append([c.extent for c in carry_modules])
+            torch.cuda.manual_seed(seed + i) if device.type == "cuda" else torch.manual_seed(seed + i)
+            rngs.append(torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state())
+        round_ms, chunk_ms = [], []
+        for c in range(chunks):
+            _sync(device)
+            round_start = time.perf_counter()
+            for i, stream in enumerate(streams):
+                start = time.perf_counter()
+                for resident, own in zip(carries, states[i]):
+                    resident.copy_(own)
+                for carry, extent in zip(carry_modules, extents[i]):
+                    carry.extent = extent
+                torch.cuda.set_rng_state(rngs[i], device) if device.type == "cuda" else torch.set_rng_state(rngs[i])
+                out = stream.step(token_streams[i][c], last_chunk=False)
+                for resident, own in zip(carries, states[i]):
+                    own.copy_(resident)
+                extents[i] = [c.extent for c in carry_modules]
+                rngs[i] = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+                outputs[i].append(out.speech)
+                _sync(device)
+                chunk_ms.append((time.perf_counter() - start) * 1e3)
+            round_ms.append((time.perf_counter() - round_start) * 1e3)
+        checked = sorted({0, n - 1})
+        exact = {i: all(torch.equal(a.float().cpu(), b) for a, b in zip(outputs[i], run_alone(token_streams[i], seed + i)))
+                 for i in checked}
+        steady = round_ms[3:] if len(round_ms) > 3 else round_ms  # the first chunks cross the classes
+        stats = latency_stats(steady)
+        record = {
+            "sessions": n,
+            "round_ms": latency_stats(round_ms),
+            "round_ms_steady": stats,
+            "chunk_ms_with_swap": latency_stats(chunk_ms),
+            "keeps_real_time": stats["p95"] <= CHUNK_PERIOD_MS,
+            "streams_checked_exact": {str(i): e for i, e in exact.items()},
+            "session_state_bytes": resident_bytes * n,
+        }
+        records.append(record)
+        print(f"  capacity N={n}: round p50 {stats['p50']:.1f} ms p95 {stats['p95']:.1f} ms, real time "
+              f"{record['keeps_real_time']}, exact {record['streams_checked_exact']}", flush=True)
+        del streams, states, outputs
+    keeping = [r["sessions"] for r in records if r["keeps_real_time"] and all(r["streams_checked_exact"].values())]
+    return {
+        "chunks_per_stream": chunks,
+        "chunk_period_ms": CHUNK_PERIOD_MS,
+        "carry_bytes_swapped_per_chunk": 2 * resident_bytes,
+        "replay": {name: e.counters.as_dict() for name, e in report.replays.items()},
+        "rounds": records,
+        "largest_real_time_N": max(keeping) if keeping else 0,
+    }
 
 
 def _profile_steady_chunk(stream, tokens, device):
@@ -184,6 +346,11 @@ def _one_arm(args, device) -> dict:
     prompt = random_prompt(0, n_tokens=prompt_tokens, device=device)
     turns = [random_chunks(1000 + b, args.chunks, device=device) for b in range(args.blocks)]
     saved = {"settings": settings}
+    if args.only == "capacity":
+        sessions = [int(n) for n in args.capacity.split(",")]
+        saved["capacity"] = capacity(flow, hift, contract, prompt, device, sessions, args.capacity_chunks, args.seed)
+        return saved
+    saved["predicted_delta_bytes"] = predicted_delta_bytes(args.only, contract)
     if args.only == "eager":
         torch.manual_seed(1)
         probe = (torch.randn(1, 80, 58, device=device), torch.zeros(1, 1, 3840, device=device))
@@ -193,6 +360,12 @@ def _one_arm(args, device) -> dict:
     result["kernels_one_steady_chunk"] = _profile_steady_chunk(stream, turns[0][1], device)
     saved.update(result=result, mels=mels, pcm=pcm)
     return saved
+
+
+def _signed(n: int | None) -> str:
+    if n is None:
+        return "not modelled"
+    return ("-" if n < 0 else "+") + format_bytes(abs(n))
 
 
 def _spawn_arm(arm: str, argv: list[str], limit_s: int, scratch: Path) -> dict:
@@ -220,15 +393,33 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--grad", action="store_true", help="stream with autograd on (the default is no_grad)")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--only", choices=ARMS, help=argparse.SUPPRESS)
+    parser.add_argument("--capacity", default="", help="session counts for the multi-session run, e.g. 1,2,4,8,16,32")
+    parser.add_argument("--capacity-chunks", type=int, default=8, help="chunks per stream in the multi-session run")
+    parser.add_argument("--capacity-limit", type=int, default=300, help="seconds the multi-session run may take")
+    parser.add_argument("--only", choices=(*ARMS, "capacity"), help=argparse.SUPPRESS)
     parser.add_argument("--only-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     arms = args.arms.split(",")
     unknown = set(arms) - set(ARMS)
-    if unknown or arms[0] != "eager":
-        parser.error(f"--arms must start with eager and name only {ARMS}, got {arms}")
+    if unknown or arms[0] not in ("eager", "eager16"):
+        parser.error(f"--arms must start with eager (or eager16) and name only {ARMS}, got {arms}")
+    if any(not _base_arm(a)[1] for a in arms) and "eager" not in arms:
+        parser.error("--arms: fp32 arms are compared with eager, which must run first")
     if args.blocks < 1 or args.chunks < 3:
         parser.error("need at least 1 block of at least 3 chunks (steady classes, then a flush)")
+    for arm in arms:
+        base, fp16 = _base_arm(arm)
+        if fp16 and arm != "eager16" and ("eager16" not in arms or arms.index("eager16") > arms.index(arm)):
+            parser.error(f"--arms: {arm} is compared with eager16, which must run before it")
+    if args.capacity:
+        try:
+            counts = [int(n) for n in args.capacity.split(",")]
+        except ValueError:
+            counts = []
+        if not counts or min(counts) < 1:
+            parser.error(f"--capacity must be positive session counts separated by commas, got {args.capacity!r}")
+        if args.capacity_chunks < 4:
+            parser.error("--capacity-chunks must be at least 4 (3 chunks cross the classes, then steady rounds)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.only:
         torch.save(_one_arm(args, device), args.only_out)
@@ -236,7 +427,7 @@ def main(argv=None) -> int:
 
     import tempfile
 
-    results, reference, extra = {}, None, {}
+    results, references, extra = {}, {}, {}
     with tempfile.TemporaryDirectory() as scratch:
         for arm in arms:
             print(f"arm {arm}...", flush=True)
@@ -249,9 +440,11 @@ def main(argv=None) -> int:
             if "eager_hift_repeats_itself" in saved:
                 extra["eager_hift_repeats_itself"] = saved["eager_hift_repeats_itself"]
             result, mels, pcm = saved["result"], saved["mels"], saved["pcm"]
-            if reference is None:
-                reference = (mels, pcm)
+            fp16 = _base_arm(arm)[1]
+            reference = references.setdefault(fp16, (mels, pcm))
             result["outcome"] = "ran"
+            result["compared_with"] = "eager16" if fp16 else "eager"
+            result["predicted_delta_bytes"] = saved["predicted_delta_bytes"]
             result["mel_equal_chunks"] = sum(torch.equal(a, b) for a, b in zip(mels, reference[0]))
             result["pcm_equal_chunks"] = sum(torch.equal(a, b) for a, b in zip(pcm, reference[1]))
             result["chunks"] = len(mels)
@@ -266,6 +459,21 @@ def main(argv=None) -> int:
                 f"replay {result['replay']}",
                 flush=True,
             )
+        for arm, result in results.items():
+            eager = results.get("eager16" if _base_arm(arm)[1] else "eager", {})
+            if result.get("peak_allocated_bytes") is not None and eager.get("peak_allocated_bytes") is not None:
+                result["measured_delta_bytes"] = result["peak_allocated_bytes"] - eager["peak_allocated_bytes"]
+                result["measured_delta_bytes_later_turns"] = (
+                    result["peak_allocated_bytes_later_turns"] - eager["peak_allocated_bytes_later_turns"]
+                    if result["peak_allocated_bytes_later_turns"] is not None else None)
+                print(f"  memory model, {arm}: predicted delta {_signed(result['predicted_delta_bytes'])}, measured "
+                      f"{_signed(result['measured_delta_bytes'])} (later turns "
+                      f"{_signed(result['measured_delta_bytes_later_turns'])})", flush=True)
+        sessions = None
+        if args.capacity:
+            print("capacity...", flush=True)
+            saved = _spawn_arm("capacity", argv, args.capacity_limit, Path(scratch))
+            sessions = saved.get("capacity", saved)
     compiled = _compile_arm(args, args.compile_limit) if args.compile_limit and device.type == "cuda" else None
     commit = measured_commit()
     record = {
@@ -280,7 +488,10 @@ def main(argv=None) -> int:
         **extra,
         "arms": results,
         "torch_compile_reduce_overhead": compiled,
-        "not_run": ["vendor CUDA-graph branch re-bucketed", "fp16 autocast", "multi-session capacity"],
+        "capacity": sessions,
+        "not_run": [name for name in (*ARMS, "capacity", "torch.compile")
+                    if name not in results and not (name == "capacity" and sessions)
+                    and not (name == "torch.compile" and compiled)],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1, default=str))

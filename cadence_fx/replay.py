@@ -485,6 +485,7 @@ class _GuardFailure(Exception):
     pass
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _CURRENT: contextvars.ContextVar[CaptureContext | None] = contextvars.ContextVar("cadence_capture", default=None)
 _BUSY: contextvars.ContextVar[bool] = contextvars.ContextVar("cadence_replay_busy", default=False)
 
@@ -732,7 +733,6 @@ class ExactShapeReplay:
         self._classes: dict[Signature, _ClassState] = {}
         self._misses: dict[Signature, Miss] = {}
         self._pool: Any = None
-        self._stream: torch.cuda.Stream | None = None
         self._state_tensors: list[torch.Tensor] = []
         self._state_ptrs: list[int] = []
         self._predicate: Callable[[Signature], Any] | None = None
@@ -1001,10 +1001,13 @@ class ExactShapeReplay:
             return self._eager(Miss(MissReason.NO_CUDA), args, kwargs)
         return self._capture(st, sig, leaves, spec, args, kwargs, device, stream, snapshot, rng, base, writes)
 
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        if self._stream is None or self._stream.device != device:
-            self._stream = torch.cuda.Stream(device)
-        return self._stream
+    @staticmethod
+    def _side_stream(device: torch.device) -> torch.cuda.Stream:
+        """One side stream per device for every engine's probes, warm-ups and captures: each new
+        stream costs its own cuBLAS workspace (32 MiB on an H200), held for the process's life."""
+        if device not in _SIDE_STREAMS:
+            _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+        return _SIDE_STREAMS[device]
 
     def _capture(self, st, sig, leaves, spec, args, kwargs, device, stream, snapshot, rng, base, writes) -> Any:
         names = st.names

@@ -363,3 +363,41 @@ class StockStream:
             self.setup()
             final = len(chunks) - 1 if last_chunk else -1
             return [self.step(chunk, last_chunk=i == final) for i, chunk in enumerate(chunks)]
+
+
+def rebucket_vendor_graphs(estimator: torch.nn.Module, buckets: dict[int, int]) -> None:
+    """The vendor's own CUDA-graph branch of the DiT, with its chunk buckets re-chosen.
+
+    ``DiT._init_cuda_graph_chunk`` (decoder_dit.py:433) captures one graph per chunk size in
+    [30, 48, 96], for caches padded to 500 or 1000 frames, so live chunks (50, 56) never take it.
+    This does the same for ``buckets`` {chunk size: largest cached length}: static inputs and
+    outputs as the vendor allocates them, one eager call, then the capture of
+    ``blocks_forward_chunk``; ``forward_chunk`` then pads the mask and the cache to the bucket and
+    replays (the masked SDPA branch, where eager passes no mask).
+    """
+    if not torch.cuda.is_available() or estimator.cnn_cache_buffer.device.type != "cuda":
+        raise RuntimeError("the vendor's CUDA-graph branch needs the estimator on a CUDA device")
+    depth = len(estimator.blocks)
+    dtype, device = estimator.cnn_cache_buffer.dtype, estimator.cnn_cache_buffer.device
+    heads, head_dim = estimator.att_cache_buffer.shape[2], estimator.att_cache_buffer.shape[4]
+    channels = estimator.cnn_cache_buffer.shape[2]
+    with torch.no_grad():
+        for chunk_size, max_size in buckets.items():
+            estimator.max_size_chunk[chunk_size] = max_size
+            static_inputs = [
+                torch.zeros((2, 320, chunk_size), dtype=dtype, device=device),
+                torch.zeros((2, 1, 512), dtype=dtype, device=device),
+                torch.ones((2, chunk_size, max_size + chunk_size), dtype=torch.bool, device=device),
+                torch.zeros((depth, 2, channels, 2), dtype=dtype, device=device),
+                torch.zeros((depth, 2, heads, max_size, head_dim), dtype=dtype, device=device),
+            ]
+            new_cnn = torch.zeros((depth, 2, channels, 2), dtype=dtype, device=device)
+            new_att = torch.zeros((depth, 2, heads, max_size + chunk_size, head_dim), dtype=dtype, device=device)
+            estimator.blocks_forward_chunk(*static_inputs, new_cnn, new_att)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = estimator.blocks_forward_chunk(*static_inputs, new_cnn, new_att)
+            estimator.inference_buffers_chunk[chunk_size] = {
+                "static_inputs": static_inputs, "static_outputs": [out, new_cnn, new_att]}
+            estimator.graph_chunk[chunk_size] = graph
+    estimator.use_cuda_graph = True
