@@ -26,6 +26,8 @@ def _delta(n: int | None) -> str:
 
 def table(record: dict) -> str:
     arms = record["arms"]
+    if not arms:
+        return table_capacity(record)
     rows = [
         "| arm | steady chunk p50 / p95 (ms) | CFM loop p50 (ms) | vs its eager (CFM loop) | kernels one chunk (ms, launches) "
         "| peak allocated: all / first turn / later turns | peak delta vs eager: predicted / measured "
@@ -58,12 +60,19 @@ def table(record: dict) -> str:
         + f". Not run: {', '.join(record.get('not_run', [])) or 'nothing'}."
     )
     text = head + "\n\n" + "\n".join(rows) + "\n"
+    return text + table_capacity(record)
+
+
+def table_capacity(record: dict) -> str:
+    text = ""
     sessions = record.get("capacity")
     if sessions and "rounds" in sessions:
         lines = [
             "",
             f"Capacity: N streams round robin over one set of SRc bindings, {sessions['chunks_per_stream']} chunks "
-            f"each (1 chunk = 1 s of speech); largest N keeping real time: **{sessions['largest_real_time_N']}**.",
+            f"each (1 chunk = 1 s of speech); largest N keeping real time: **{sessions['largest_real_time_N']}**. "
+            f"Replay counters over the run: " + "; ".join(
+                f"{name} {c['replays']} replayed, {c['eager']} eager {c['fallbacks']}" for name, c in sessions["replay"].items()) + ".",
             "",
             "| N | round p50 / p95 (ms, steady) | per chunk incl. carry swap p50 (ms) | keeps real time | streams checked exact |",
             "|---|---|---|---|---|",
@@ -76,6 +85,8 @@ def table(record: dict) -> str:
         text += "\n".join(lines) + "\n"
     elif sessions:
         text += f"\nCapacity run: {sessions.get('outcome')}\n"
+    if not record["arms"]:
+        text = f"{record['device']}, torch {record['torch']}, {record['depth']} size, commit {record['commit']}.\n" + text
     return text
 
 

@@ -186,6 +186,7 @@ def run_arm(arm, flow, hift, contract, prompt, turns, device, seed):
     stream, engines = open_stream(arm, flow, hift, contract, prompt)
     timed_cfm = _Timed(stream.flow.decoder.forward_chunk, device)
     stream.flow.decoder.forward_chunk = timed_cfm
+    timed_flow = stream.flow_chunk = _Timed(stream.flow_chunk, device)
     chunk_ms, mels, pcm, peaks = [], [], [], {}
     for turn, chunks in enumerate(turns):
         if turn == 1:
@@ -206,7 +207,8 @@ def run_arm(arm, flow, hift, contract, prompt, turns, device, seed):
             mels.append(out.mel.cpu())
             pcm.append(out.speech.float().cpu())
         timed_cfm.ms = timed_cfm.ms[: len(chunks)]
-        cfm_ms = list(timed_cfm.ms)
+        cfm_ms, flow_ms = list(timed_cfm.ms), list(timed_flow.ms)
+        timed_flow.ms.clear()
     peaks["later_turns"] = _peak(device, base, owned) if len(turns) > 1 else None
     if len(turns) == 1:
         peaks["first_turn"] = _peak(device, base, owned)
@@ -214,6 +216,7 @@ def run_arm(arm, flow, hift, contract, prompt, turns, device, seed):
     result = {
         "chunk_ms": chunk_ms,
         "cfm_loop_ms_last_turn": cfm_ms,
+        "flow_chunk_ms_last_turn": flow_ms,
         "peak_allocated_bytes": overall,
         "peak_allocated_bytes_first_turn": peaks["first_turn"],
         "peak_allocated_bytes_later_turns": peaks["later_turns"],
@@ -346,6 +349,7 @@ def _one_arm(args, device) -> dict:
     prompt = random_prompt(0, n_tokens=prompt_tokens, device=device)
     turns = [random_chunks(1000 + b, args.chunks, device=device) for b in range(args.blocks)]
     saved = {"settings": settings}
+    torch.set_grad_enabled(args.grad)
     if args.only == "capacity":
         sessions = [int(n) for n in args.capacity.split(",")]
         saved["capacity"] = capacity(flow, hift, contract, prompt, device, sessions, args.capacity_chunks, args.seed)
@@ -355,7 +359,6 @@ def _one_arm(args, device) -> dict:
         torch.manual_seed(1)
         probe = (torch.randn(1, 80, 58, device=device), torch.zeros(1, 1, 3840, device=device))
         saved["eager_hift_repeats_itself"] = check_repeatable(hift, *probe).equal
-    torch.set_grad_enabled(args.grad)
     result, mels, pcm, stream = run_arm(args.only, flow, hift, contract, prompt, turns, device, args.seed)
     result["kernels_one_steady_chunk"] = _profile_steady_chunk(stream, turns[0][1], device)
     saved.update(result=result, mels=mels, pcm=pcm)
@@ -399,9 +402,11 @@ def main(argv=None) -> int:
     parser.add_argument("--only", choices=(*ARMS, "capacity"), help=argparse.SUPPRESS)
     parser.add_argument("--only-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    arms = args.arms.split(",")
+    arms = args.arms.split(",") if args.arms else []
     unknown = set(arms) - set(ARMS)
-    if unknown or arms[0] not in ("eager", "eager16"):
+    if not arms and not args.capacity:
+        parser.error("nothing to run: give --arms, --capacity or both")
+    if unknown or (arms and arms[0] not in ("eager", "eager16")):
         parser.error(f"--arms must start with eager (or eager16) and name only {ARMS}, got {arms}")
     if any(not _base_arm(a)[1] for a in arms) and "eager" not in arms:
         parser.error("--arms: fp32 arms are compared with eager, which must run first")
@@ -450,6 +455,7 @@ def main(argv=None) -> int:
             result["chunks"] = len(mels)
             result["chunk_stats_ms"] = latency_stats(result["chunk_ms"][1:])
             result["cfm_loop_stats_ms"] = latency_stats(result["cfm_loop_ms_last_turn"][2:-1])
+            result["flow_chunk_stats_ms"] = latency_stats(result["flow_chunk_ms_last_turn"][2:-1])
             results[arm] = result
             print(
                 f"  {arm}: chunk p50 {result['chunk_stats_ms']['p50']:.1f} ms, CFM loop p50 "
