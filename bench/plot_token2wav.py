@@ -57,7 +57,7 @@ def table(record: dict) -> str:
         f"{record['chunks_per_block']} chunks, commit {record['commit']}; torch.compile(mode='reduce-overhead') "
         f"of the CFM loop: {compiled.get('outcome', 'not run')}"
         + (f" after {compiled['seconds']:.0f} s" if "seconds" in compiled else "")
-        + f". Not run: {', '.join(record.get('not_run', [])) or 'nothing'}."
+        + f". Arms in this run: {', '.join(arms)}."
     )
     text = head + "\n\n" + "\n".join(rows) + "\n"
     return text + table_capacity(record)
