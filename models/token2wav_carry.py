@@ -218,24 +218,31 @@ def capture_hot_operators(flow: torch.nn.Module, contract: Contract) -> dict:
 
 def cfm_loop_classes(flow: torch.nn.Module, catalog: Catalog, n_timesteps: int) -> list[ShapeClass]:
     """The CFM loop's catalog as replay signatures: `mu`/`cond` of the call's frames, the carry
-    views of the retained extent (strided views of the demand-sized buffers)."""
+    views of the retained extent (strided views of the demand-sized buffers).
+
+    On a GPU each class comes in two precisions: the vendor's `Token2wav(float16=True)` runs the
+    flow under fp16 autocast (CUDA only), where `mu`, `spks` and `cond` arrive in float16 while
+    the caches stay float32. A signature also records the autocast state, so a graph captured
+    under one precision never replays under the other."""
     decoder = flow.decoder
     att, cnn = decoder.att_cache_buffer, decoder.cnn_cache_buffer
     device, dtype = att.device, att.dtype
+    activations = (dtype, torch.float16) if device.type == "cuda" else (dtype,)
     classes = []
-    for c in catalog.operator("cfm_loop").classes:
-        att_shape = (*att.shape[:4], c.extent, att.shape[5])
-        signature = Signature.of(
-            mu=TensorSpec((1, 80, c.call), dtype, device),
-            spks=TensorSpec((1, 80), dtype, device),
-            cond=TensorSpec((1, 80, c.call), dtype, device),
-            n_timesteps=n_timesteps,
-            temperature=1.0,
-            cnn_cache=TensorSpec(tuple(cnn.shape), dtype, device),
-            att_cache=TensorSpec(att_shape, dtype, device, stride=att.stride()),
-        )
-        name = f"{'flush' if c.flush else 'steady'} f={c.call} L={c.extent}"
-        classes.append(ShapeClass(name, signature, (("f", c.call), ("L", c.extent))))
+    for act in activations:
+        for c in catalog.operator("cfm_loop").classes:
+            att_shape = (*att.shape[:4], c.extent, att.shape[5])
+            signature = Signature.of(
+                mu=TensorSpec((1, 80, c.call), act, device),
+                spks=TensorSpec((1, 80), act, device),
+                cond=TensorSpec((1, 80, c.call), act, device),
+                n_timesteps=n_timesteps,
+                temperature=1.0,
+                cnn_cache=TensorSpec(tuple(cnn.shape), dtype, device),
+                att_cache=TensorSpec(att_shape, dtype, device, stride=att.stride()),
+            )
+            name = f"{'flush' if c.flush else 'steady'} f={c.call} L={c.extent}" + ("" if act == dtype else " fp16-autocast")
+            classes.append(ShapeClass(name, signature, (("f", c.call), ("L", c.extent))))
     return classes
 
 
