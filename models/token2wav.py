@@ -150,6 +150,7 @@ def token2wav_contract(
         operators=(
             Operator("cfm_loop", "estimator_att_cache", steady=f_chunk, flush=flush),
             Operator("dit_estimator", "estimator_att_cache", steady=f_chunk, flush=flush),
+            Operator("conformer_encoder", "conformer_att_cache", steady=f_chunk, flush=flush),
             Operator("hift", "hift_mel_cache", steady=f_chunk, flush=flush, effect=Effect.DEVICE_RNG),
         ),
         admission=Admission("mel_frame", max_per_call=f_call),

@@ -246,6 +246,32 @@ def cfm_loop_classes(flow: torch.nn.Module, catalog: Catalog, n_timesteps: int) 
     return classes
 
 
+def encoder_classes(flow: torch.nn.Module, carry: Carry, catalog: Catalog) -> list[ShapeClass]:
+    """The conformer encoder's catalog as replay signatures: one chunk of token embeddings (the
+    chunk's tokens plus the pre-lookahead ones), `last_chunk` (the flush pads the look-ahead),
+    its conv cache, and the carry view of the retained extent."""
+    encoder = flow.encoder
+    embedding = flow.input_embedding.weight
+    device, dtype = embedding.device, embedding.dtype
+    lookahead = encoder.pre_lookahead_layer.pre_lookahead_len
+    frames_per_token = encoder.up_layer.stride
+    cnn = 2 + encoder.up_layer.stride * 2  # pre-lookahead frames + upsampling frames
+    buffer = carry.buffer
+    classes = []
+    op = catalog.operator("conformer_encoder")
+    steady = max(c.call for c in op.classes if not c.flush)
+    for c in op.classes:
+        signature = Signature.of(
+            xs=TensorSpec((1, steady // frames_per_token + lookahead, embedding.shape[1]), dtype, device),
+            last_chunk=c.flush,
+            cnn_cache=TensorSpec((1, encoder.output_size(), cnn), dtype, device),
+            att_cache=TensorSpec((*buffer.shape[:3], c.extent, buffer.shape[4]), dtype, device, stride=buffer.stride()),
+        )
+        name = f"{'flush' if c.flush else 'steady'} L={c.extent}"
+        classes.append(ShapeClass(name, signature, (("f", c.call), ("L", c.extent))))
+    return classes
+
+
 def hift_classes(hift: torch.nn.Module, catalog: Catalog, source_window: int) -> list[ShapeClass]:
     """HiFT's catalog: mel of the retained 8 frames plus the call's, and the source cache (empty
     on a stream's first call, its 3,840-sample window afterwards)."""
@@ -310,6 +336,15 @@ class Token2WavAdapter(Adapter):
             )
             flow.decoder.forward_chunk = engine
             report.replays["cfm_loop"] = engine
+            encoder = ExactShapeReplay(
+                flow.encoder.forward_chunk,
+                encoder_classes(flow, report.carries["conformer_att_cache"], catalog),
+                name="conformer_encoder",
+                aliased=["att_cache"],
+                hooks=[HostConstantHoist()],
+            )
+            flow.encoder.forward_chunk = encoder
+            report.replays["conformer_encoder"] = encoder
             if hift is not None:
                 window = catalog.region("hift_source_cache").bound
                 vocoder = ExactShapeReplay(
