@@ -34,8 +34,9 @@ No graph is rewritten for this family (`capture` has nothing to export: the ring
 carry pass), and there is nothing for the shadow auditor to compare.
 
 The input modules keep their parameters (the transform shares them, nothing is copied). It does
-fill the quantizer's lazily derived `_embedding` caches, exactly as the vendor's first call would,
-because a binding refuses a callable that registers buffers while it runs.
+fill the lazily derived `_embedding` caches of the codebooks the calls use, exactly as the
+vendor's first call would, because a binding refuses a callable that registers buffers while it
+runs.
 """
 
 from __future__ import annotations
@@ -380,6 +381,15 @@ def _classes(catalog: Catalog, operator: str, *specs: Any) -> list[ShapeClass]:
     return [ShapeClass(f"{operator} ring={c.extent}", Signature.of(*specs), (("ring", c.extent),)) for c in op.classes]
 
 
+def _used_codebooks(mimi) -> list[torch.nn.Module]:
+    """The codebooks Mimi's calls read: the first `n_q` levels of each residual quantizer (Mimi
+    ships 32 levels and streams 8). Filling the others would hold caches the vendor never makes."""
+    from moshi.quantization.vq import ResidualVectorQuantizer
+
+    return [layer._codebook for module in mimi.quantizer.modules() if isinstance(module, ResidualVectorQuantizer)
+            for layer in module.vq.layers[:module.n_q]]
+
+
 class MoshiAdapter(Adapter):
     family = "moshi"
 
@@ -392,9 +402,9 @@ class MoshiAdapter(Adapter):
         report = TransformReport(family=self.family, catalog=catalog)
         report.determinism = pin_deterministic()
         with torch.no_grad():
-            for module in mimi.quantizer.modules():
-                if hasattr(module, "embedding_sum") and module._embedding is None:
-                    module.embedding  # noqa: B018 - fills the vendor's lazily derived codebook cache
+            for codebook in _used_codebooks(mimi):
+                if codebook._embedding is None:
+                    codebook.embedding  # noqa: B018 - fills the vendor's lazily derived codebook cache
         lm_gen = LMGen(lm, use_sampling=False)
         mimi.streaming(1)
         lm_gen.streaming(1)
