@@ -1,6 +1,7 @@
 """Figures and a README table from a Token2Wav benchmark record (bench/token2wav.py's JSON).
 
-    python bench/plot_token2wav.py bench/results/token2wav.json bench/results/token2wav_fp16.json \
+    python bench/plot_token2wav.py bench/results/token2wav.json bench/results/token2wav_encoder_replay.json \
+        bench/results/token2wav_fp16.json bench/results/token2wav_capacity.json \
         --png bench/results/token2wav.png --readme README.md
 
 The PNG is drawn from the first record; the table covers every record given.
@@ -29,21 +30,22 @@ def table(record: dict) -> str:
     if not arms:
         return table_capacity(record)
     rows = [
-        "| arm | steady chunk p50 / p95 (ms) | CFM loop p50 (ms) | vs its eager (CFM loop) | kernels one chunk (ms, launches) "
+        "| arm | steady chunk p50 / p95 (ms) | flow chunk p50 (ms) | CFM loop p50 (ms) | vs its eager (CFM loop) | kernels one chunk (ms, launches) "
         "| peak allocated: all / first turn / later turns | peak delta vs eager: predicted / measured "
         "| exact mel / PCM | replays, eager fallbacks, invalidations (CFM loop) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, arm in arms.items():
         if arm.get("outcome") != "ran":
-            rows.append(f"| {name} | {arm.get('outcome')} | | | | | | | |")
+            rows.append(f"| {name} | {arm.get('outcome')} | | | | | | | | |")
             continue
         eager = arms[arm.get("compared_with", "eager")]
         chunk, cfm, kernels = arm["chunk_stats_ms"], arm["cfm_loop_stats_ms"], arm["kernels_one_steady_chunk"] or {}
+        flow = f"{arm['flow_chunk_stats_ms']['p50']:.1f}" if arm.get("flow_chunk_stats_ms") else "-"
         replay = arm["replay"].get("cfm_loop")
         counters = "-" if replay is None else f"{replay['replays']}, {replay['eager']}, {replay['invalidations']}"
         rows.append(
-            f"| {name} | {chunk['p50']:.1f} / {chunk['p95']:.1f} | {cfm['p50']:.1f} | "
+            f"| {name} | {chunk['p50']:.1f} / {chunk['p95']:.1f} | {flow} | {cfm['p50']:.1f} | "
             f"{eager['cfm_loop_stats_ms']['p50'] / cfm['p50']:.2f}x | "
             f"{kernels.get('kernel_ms', float('nan')):.1f}, {kernels.get('launches', '-')} | "
             f"{_gib(arm['peak_allocated_bytes'])} / {_gib(arm.get('peak_allocated_bytes_first_turn'))} / "
