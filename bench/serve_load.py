@@ -2,10 +2,15 @@
 time for S seconds over loopback, against a server in its own process.
 
 Reports, per run: whether every appended input byte was committed and every response's audio
-arrived contiguous and complete (wire-level accounting, serve/loadgen.py), and the p50/p95 time
-from the append that ended a user turn to the first audio delta of its reply.
+arrived contiguous and complete (wire-level accounting, serve/loadgen.py), the p50/p95 time from
+the append that ended a user turn to the first audio delta of its reply, and each reply's playback
+stall (how long a client playing the reply from its first delta would wait for a late delta; 0 when
+the server keeps real time). The plugin's own counters (``/v1/models``) are recorded after the
+run. Run it from outside the repository's folders (``bench/moshi.py`` would shadow the vendor's
+``moshi`` package on ``sys.path``):
 
-    python bench/serve_load.py --sessions 8 --seconds 60   # writes bench/results/serve_load.json
+    python bench/serve_load.py --sessions 8 --seconds 60                      # tone: bench/results/serve_load.json
+    python bench/serve_load.py --plugin moshi-tiny     # bench/results/serve_load_moshi.json
 """
 
 from __future__ import annotations
@@ -21,28 +26,75 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 
+from cadence_fx.report import latency_stats, measured_commit
 from cadence_fx.serve.app import free_port
 from cadence_fx.serve.loadgen import run_load, speech_pattern
 
 RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parents[1]
 
 
-def _start_server(port: int, plugin: str, sessions: int) -> subprocess.Popen:
+def _start_server(port: int, plugin: str, sessions: int, timeout_s: float) -> subprocess.Popen:
+    """The server in its own process, once ``/health`` answers (the plugin's startup, replicas
+    included, prints its progress on stderr meanwhile)."""
     code = (
         "from cadence_fx.serve.app import run_server; from cadence_fx.serve.session import Limits; "
         f"run_server('127.0.0.1', {port}, {plugin!r}, Limits(max_sessions={sessions}))"
     )
     proc = subprocess.Popen([sys.executable, "-c", code])
-    for _ in range(300):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before it answered /health")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                 return proc
         except httpx.HTTPError:
-            time.sleep(0.1)
+            time.sleep(0.2)
     proc.kill()
-    raise RuntimeError("server did not come up")
+    raise RuntimeError(f"server did not answer /health within {timeout_s:g} s")
+
+
+def _commit() -> str | None:
+    """``measured_commit`` of this repository, wherever the benchmark was started from."""
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        return measured_commit()
+    finally:
+        os.chdir(cwd)
+
+
+def _cpu_model() -> str:
+    with open("/proc/cpuinfo") as cpuinfo:
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
+    return names[0] if names else platform.processor() or "cpu"
+
+
+def _stats_ms(seconds: list[float]) -> dict | None:
+    stats = latency_stats([1e3 * s for s in seconds])
+    if stats is None:
+        return None
+    return {key: round(value, 2) if isinstance(value, float) else value for key, value in stats.items()} | {
+        "max": round(1e3 * max(seconds), 2)
+    }
+
+
+def _model_load(plugin: dict, wall_s: float, sessions: int) -> dict | None:
+    """For a plugin that ticks in worker processes (``moshi-*``): how busy the workers were and what
+    a tick cost them on a core, against what real time asks (12.5 ticks/s per session)."""
+    if "tick_cpu_seconds_per_process" not in plugin:
+        return None
+    ticks, cpu = plugin["frames"]["ticks"], sum(plugin["tick_cpu_seconds_per_process"])
+    cpu_ms_per_tick = 1e3 * cpu / ticks
+    return {
+        "ticks": ticks,
+        "worker_busy_fraction": [round(busy / wall_s, 3) for busy in plugin["tick_seconds_per_process"]],
+        "cpu_ms_per_tick": round(cpu_ms_per_tick, 2),
+        "ticks_per_s_at_that_cost": round(len(plugin["tick_cpu_seconds_per_process"]) * 1e3 / cpu_ms_per_tick, 1),
+        "ticks_per_s_real_time_needs": sessions * 12.5,
+    }
 
 
 def main() -> None:
@@ -50,43 +102,66 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--plugin", default="tone")
-    parser.add_argument("--out", type=Path, default=RESULTS / "serve_load.json")
+    parser.add_argument("--out", type=Path, help="default: results/serve_load.json (tone), serve_load_moshi.json")
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for the server to come up")
+    parser.add_argument("--patience", type=float, default=120.0, help="seconds a session waits for any one answer")
     args = parser.parse_args()
+    family = "" if args.plugin == "tone" else "_" + args.plugin.split("-")[0]
+    out = args.out or RESULTS / f"serve_load{family}.json"
 
     port = free_port()
-    server = _start_server(port, args.plugin, args.sessions)
+    started = time.monotonic()
+    server = _start_server(port, args.plugin, args.sessions, args.startup_timeout)
+    startup_s = time.monotonic() - started
+    load_before = os.getloadavg()
     try:
         pcm = speech_pattern(args.seconds)
         started = time.monotonic()
-        results = asyncio.run(run_load(f"ws://127.0.0.1:{port}/v1/duplex", pcm, args.sessions))
+        results = asyncio.run(
+            run_load(f"ws://127.0.0.1:{port}/v1/duplex", pcm, args.sessions, patience_s=args.patience)
+        )
         wall_s = time.monotonic() - started
+        load_after = os.getloadavg()
+        plugin = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"][0]["plugin"]
     finally:
         server.terminate()
-        server.wait(timeout=10)
+        server.wait(timeout=30)
 
-    latencies = np.array([x for r in results for x in r.latencies_s]) * 1000
+    replies = [reply for r in results for reply in r.replies]
+    stalls = [reply.stall_s for reply in replies]
     report = {
+        "benchmark": "serve_load",
+        "commit": _commit(),
+        "worktree_dirty": bool(
+            subprocess.run(
+                ["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True
+            ).stdout.strip()
+        ),
+        "command": " ".join(["python", "bench/serve_load.py", *sys.argv[1:]]),
+        "device": f"CPU: {_cpu_model()}, {os.cpu_count()} cores",
+        "python": platform.python_version(),
+        "platform": platform.platform(),
         "plugin": args.plugin + (" (test double, not a model)" if args.plugin == "tone" else ""),
         "sessions": args.sessions,
         "audio_seconds_per_session": args.seconds,
+        "server_startup_seconds": round(startup_s, 2),
         "wall_seconds": round(wall_s, 2),
+        "load_average_1min_before_and_after": [round(load_before[0], 2), round(load_after[0], 2)],
         "all_input_accounted": all(r.appended_bytes == r.committed_bytes for r in results),
         "all_output_complete_and_in_order": all(r.accounted for r in results),
         "errors": sum(len(r.errors) for r in results),
         "appended_bytes": sum(r.appended_bytes for r in results),
         "committed_bytes": sum(r.committed_bytes for r in results),
-        "responses": sum(len(r.replies) for r in results),
-        "reply_audio_bytes": sum(len(reply.audio) for r in results for reply in r.replies),
-        "turn_end_to_first_audio_ms": {
-            "count": int(latencies.size),
-            "p50": round(float(np.percentile(latencies, 50)), 2) if latencies.size else None,
-            "p95": round(float(np.percentile(latencies, 95)), 2) if latencies.size else None,
-            "max": round(float(latencies.max()), 2) if latencies.size else None,
-        },
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "responses": len(replies),
+        "reply_audio_bytes": sum(len(reply.audio) for reply in replies),
+        "turn_end_to_first_audio_ms": _stats_ms([x for r in results for x in r.latencies_s]),
+        "reply_playback_stall_ms": _stats_ms(stalls),
+        "replies_that_stalled": sum(stall > 0 for stall in stalls),
+        "model_load": _model_load(plugin, wall_s, args.sessions),
+        "plugin_after_run": plugin,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     if not (report["all_input_accounted"] and report["all_output_complete_and_in_order"] and report["errors"] == 0):
         sys.exit(1)

@@ -263,3 +263,27 @@ def time_frames(
                 totals["lm_step"] += t2 - t1
                 totals["mimi_decode"] += t3 - t2
     return {stage: total / (frames - 1) for stage, total in totals.items()}
+
+
+def _tiny_mimi() -> dict[str, Any]:
+    mimi = _small_mimi()
+    mimi["seanet"].update(dimension=64, n_residual_layers=0)
+    mimi["quantizer"].update(dimension=16, input_dimension=64, output_dimension=64)
+    mimi["transformer"].update(
+        d_model=64, num_layers=1, dim_feedforward=128, input_dimension=64, output_dimensions=[64],
+    )
+    return mimi
+
+
+# The duplex service's embedded default (`moshi-tiny` in serve/plugins/moshi.py), cut down toward
+# 8 sessions on 2 CPU cores, where a frame is bound by per-operator overhead (what 8 sessions
+# measured: bench/results/serve_load_moshi.json). SMALL with one layer in each transformer (Mimi's
+# encoder and decoder transformers, the LM, the depformer), widths of 64 (Mimi's latent and
+# transformers, the LM; the depformer already is), 16-dimensional codebook vectors and no residual
+# units in SEANet. Everything else SMALL keeps real stays real: ring capacities, codebook counts
+# and bins, delays, vocabularies, sampling widths, the SEANet strides and the 80 ms frame.
+TINY = MoshiConfig(
+    mimi=_tiny_mimi(),
+    lm_kwargs=SMALL.lm_kwargs | dict(dim=64, num_layers=1, depformer_num_layers=1),
+    lm_dtype=torch.float32,
+)

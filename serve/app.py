@@ -11,6 +11,7 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
@@ -69,6 +70,7 @@ def create_app(plugin_factory: Callable[[], ModelPlugin], limits: Limits | None 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         plugin = plugin_factory()
+        plugin.reserve(limits.max_sessions)  # before the first session, which then never waits for it
         manager = SessionManager(plugin, limits)
         await manager.start()
         state["plugin"], state["manager"] = plugin, manager
@@ -114,7 +116,9 @@ def create_app(plugin_factory: Callable[[], ModelPlugin], limits: Limits | None 
 
     @app.get("/v1/models")
     async def models() -> dict:
-        info = state["plugin"].info  # type: ignore[attr-defined]
+        plugin: ModelPlugin = state["plugin"]  # type: ignore[assignment]
+        info = plugin.info
+        described = await asyncio.to_thread(plugin.describe)
         return {
             "object": "list",
             "data": [
@@ -127,6 +131,7 @@ def create_app(plugin_factory: Callable[[], ModelPlugin], limits: Limits | None 
                     "output_rate": info.output_rate,
                     "frame_samples": info.frame_samples,
                     "description": info.description,
+                    "plugin": described,
                 }
             ],
         }
@@ -145,15 +150,23 @@ def create_app(plugin_factory: Callable[[], ModelPlugin], limits: Limits | None 
     return app
 
 
+def frame_ceiling(limits: Limits) -> int:
+    """The largest frame uvicorn hands to the app (its ``ws_max_size``): four times the app's
+    ``max_frame_bytes`` plus 64 KiB. A frame over ``max_frame_bytes`` up to this size is answered
+    with a typed ``frame_too_large`` and the session goes on; uvicorn closes the connection on a
+    larger one (code 1009) before the app sees it."""
+    return 4 * limits.max_frame_bytes + (1 << 16)
+
+
 def uvicorn_config(app: FastAPI, host: str, port: int, limits: Limits) -> uvicorn.Config:
-    # uvicorn drops frames over ws_max_size without a word; leave room above max_frame_bytes so
-    # oversize frames reach the app and get a typed ``frame_too_large``.
+    """The one uvicorn configuration of every server this package starts (``run_server``,
+    ``cadence-fx serve``, ``background_server``)."""
     return uvicorn.Config(
         app,
         host=host,
         port=port,
         ws="websockets-sansio",
-        ws_max_size=4 * limits.max_frame_bytes + (1 << 16),
+        ws_max_size=frame_ceiling(limits),
         log_level="warning",
         lifespan="on",
     )
@@ -209,21 +222,25 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @contextlib.contextmanager
 def background_server(
-    plugin_factory: Callable[[], ModelPlugin], limits: Limits | None = None, host: str = "127.0.0.1"
+    plugin_factory: Callable[[], ModelPlugin],
+    limits: Limits | None = None,
+    host: str = "127.0.0.1",
+    start_timeout_s: float = 120.0,
 ) -> Iterator[BackgroundServer]:
+    """``start_timeout_s`` covers the plugin's startup (its ``reserve``), which a model may take a
+    while over."""
     limits = limits or Limits()
     port = free_port(host)
     server = uvicorn.Server(uvicorn_config(create_app(plugin_factory, limits), host, port, limits))
     thread = threading.Thread(target=server.run, name=f"uvicorn:{port}", daemon=True)
     thread.start()
-    for _ in range(500):
-        if server.started:
-            break
+    deadline = time.monotonic() + start_timeout_s
+    while not server.started:
         if not thread.is_alive():
             raise RuntimeError("uvicorn failed to start")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"uvicorn did not start within {start_timeout_s:g} s")
         threading.Event().wait(0.01)
-    else:
-        raise RuntimeError("uvicorn did not start within 5 s")
     handle = BackgroundServer(server, thread, host, port)
     try:
         yield handle

@@ -5,6 +5,11 @@ Each session turns server VAD on (barge-in off, so turns never race their replie
 audio in fixed chunks at real-time pace, commits whatever is left at the end, and closes. From
 the events alone it checks that every appended byte was committed and that every response's
 audio arrived contiguous, in order, and as long as ``response.done`` says.
+
+Whether the server keeps real time shows in two figures per reply: the time from the append that
+ended the user's turn to the reply's first audio delta, and the **stall**: how long a client that
+starts playing the reply at its first delta, with no further buffering, would wait for audio it
+should already be playing (0 when every delta arrives before its play time).
 """
 
 from __future__ import annotations
@@ -28,6 +33,18 @@ class Reply:
     offsets_contiguous: bool = True
     done_samples: int | None = None
     status: str | None = None
+    first_delta_at: float | None = None
+    stall_s: float = 0.0  # playback from the first delta on: the longest wait for a late delta
+
+    def take(self, delta: bytes, offset: int, now: float) -> None:
+        """One audio delta (PCM16 at 24 kHz) arriving at ``now``."""
+        self.offsets_contiguous &= offset == len(self.audio) // 2
+        if self.first_delta_at is None:
+            self.first_delta_at = now
+        else:
+            due = self.first_delta_at + len(self.audio) // 2 / PCM24K.rate
+            self.stall_s = max(self.stall_s, now - due)
+        self.audio += delta
 
 
 @dataclass
@@ -55,7 +72,11 @@ def speech_pattern(seconds: float, burst_s: float = 0.8, gap_s: float = 0.7) -> 
     return wire_audio.encode_samples((0.1 * np.sin(2 * np.pi * 220 * t) * on).astype(np.float32), PCM24K)
 
 
-async def drive_session(url: str, pcm: bytes, chunk_ms: int = 200, realtime: bool = True) -> SessionLoad:
+async def drive_session(
+    url: str, pcm: bytes, chunk_ms: int = 200, realtime: bool = True, patience_s: float = 30.0
+) -> SessionLoad:
+    """``patience_s``: how long the session waits for any one answer of the server before it gives
+    up (a server behind real time answers late, and the run still accounts for everything)."""
     result = SessionLoad()
     step = PCM24K.rate * chunk_ms // 1000 * 2
     sent_at: list[tuple[int, float]] = []  # (end ms of the append, when it was sent)
@@ -90,7 +111,7 @@ async def drive_session(url: str, pcm: bytes, chunk_ms: int = 200, realtime: boo
     async def receive() -> None:
         turn_ended_at = 0.0
         while True:
-            event = await sock.recv(timeout=30)
+            event = await sock.recv(timeout=patience_s)
             kind = event["type"]
             if kind == "input_audio_buffer.speech_stopped":
                 turn_ended_at = next(t for end_ms, t in sent_at if end_ms >= event["audio_end_ms"])
@@ -103,10 +124,10 @@ async def drive_session(url: str, pcm: bytes, chunk_ms: int = 200, realtime: boo
                 result.replies.append(reply)
             elif kind == "response.output_audio.delta":
                 reply = active[event["response_id"]]
+                now = time.monotonic()
                 if not reply.audio:
-                    result.latencies_s.append(time.monotonic() - turn_ended_at)
-                reply.offsets_contiguous &= event["audio_offset"] == len(reply.audio) // 2
-                reply.audio += wire_audio.b64decode(event["delta"])
+                    result.latencies_s.append(now - turn_ended_at)
+                reply.take(wire_audio.b64decode(event["delta"]), event["audio_offset"], now)
             elif kind == "response.done":
                 reply = active.pop(event["response"]["id"])
                 reply.status = event["response"]["status"]
@@ -123,7 +144,7 @@ async def drive_session(url: str, pcm: bytes, chunk_ms: int = 200, realtime: boo
         """Returns once the server has handled everything sent so far (its mailbox is ordered)."""
         synced.clear()
         await sock.send({"type": "session.update", "session": {"type": "realtime", "instructions": "sync"}})
-        await asyncio.wait_for(synced.wait(), 30)
+        await asyncio.wait_for(synced.wait(), patience_s)
 
     receiver = asyncio.create_task(receive())
     try:
@@ -135,12 +156,18 @@ async def drive_session(url: str, pcm: bytes, chunk_ms: int = 200, realtime: boo
             await sock.send({"type": "input_audio_buffer.commit"})
             await barrier()
         await sock.send({"type": "session.close"})
-        await asyncio.wait_for(finished.wait(), 30)
+        await asyncio.wait_for(finished.wait(), patience_s)
     finally:
         receiver.cancel()
         await sock.close()
     return result
 
 
-async def run_load(url: str, pcm: bytes, sessions: int, realtime: bool = True) -> list[SessionLoad]:
-    return list(await asyncio.gather(*(drive_session(url, pcm, realtime=realtime) for _ in range(sessions))))
+async def run_load(
+    url: str, pcm: bytes, sessions: int, realtime: bool = True, patience_s: float = 30.0
+) -> list[SessionLoad]:
+    return list(
+        await asyncio.gather(
+            *(drive_session(url, pcm, realtime=realtime, patience_s=patience_s) for _ in range(sessions))
+        )
+    )

@@ -1,8 +1,9 @@
 """Model plugins. A real model plugin registers itself here with ``register_plugin``.
 
-``moshi-small`` (Moshi at its SMALL size on a CPU, ``moshi.py``) is the service's default model;
-it loads torch and the vendor only when chosen. ``tone`` is a test double used by the service's
-tests, not a model.
+``moshi-tiny`` (Moshi at its TINY size on a CPU, ``moshi.py``) is the service's default model;
+``moshi-small`` is the same plugin at the SMALL size (more than 2 cores for 8 sessions). Both load
+torch and the vendor only when chosen. ``tone`` is a test double used by the service's tests, not
+a model.
 """
 
 from __future__ import annotations
@@ -15,16 +16,19 @@ from .tone import ToneModel
 
 PluginFactory = Callable[..., ModelPlugin]
 
-DEFAULT_PLUGIN = "moshi-small"
+DEFAULT_PLUGIN = "moshi-tiny"
 
 
-def _moshi_small(**options: Any) -> ModelPlugin:
-    from .moshi import MoshiPlugin
+def _moshi(size: str) -> PluginFactory:
+    def build(**options: Any) -> ModelPlugin:
+        from .moshi import MoshiPlugin
 
-    return MoshiPlugin(**options)
+        return MoshiPlugin(size=size, **options)
+
+    return build
 
 
-_REGISTRY: dict[str, PluginFactory] = {"tone": ToneModel, DEFAULT_PLUGIN: _moshi_small}
+_REGISTRY: dict[str, PluginFactory] = {"tone": ToneModel, "moshi-tiny": _moshi("tiny"), "moshi-small": _moshi("small")}
 
 
 def register_plugin(name: str, factory: PluginFactory) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,12 @@ class ModelStream(ABC):
     @abstractmethod
     def feed(self, frame: np.ndarray) -> None:
         """Take one native frame of user audio: float32, exactly ``frame_samples`` long."""
+
+    def feed_frames(self, frames: list[np.ndarray]) -> None:
+        """``feed`` each frame, in order. A plugin whose every call costs a round trip (to another
+        process, say) feeds them all in one."""
+        for frame in frames:
+            self.feed(frame)
 
     @abstractmethod
     def clear_input(self) -> None:
@@ -60,6 +67,15 @@ class ModelPlugin(ABC):
     @abstractmethod
     def open_stream(self) -> ModelStream:
         """A fresh stream for one session; called on the event loop, must be cheap."""
+
+    def reserve(self, sessions: int) -> None:
+        """Build now whatever ``sessions`` concurrent streams will need, so that none waits for it
+        later. The server calls it once at startup with its session limit."""
+
+    def describe(self) -> dict[str, Any]:
+        """What the plugin runs and its counters, for ``/v1/models`` (blocking: the app calls it off
+        the event loop)."""
+        return {"model": self.info.name}
 
     def close(self) -> None:
         """Release shared state at server shutdown."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import numpy as np
 
@@ -85,6 +86,16 @@ class ToneModel(ModelPlugin):
     def __init__(self, feed_delay_s: float = 0.0, step_delay_s: float = 0.0) -> None:
         self.feed_delay_s = feed_delay_s
         self.step_delay_s = step_delay_s
+        self.streams = 0
 
     def open_stream(self) -> ToneStream:
+        self.streams += 1
         return ToneStream(self.feed_delay_s, self.step_delay_s)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "model": self.info.name,
+            "streams": self.streams,
+            "feed_delay_s": self.feed_delay_s,
+            "step_delay_s": self.step_delay_s,
+        }

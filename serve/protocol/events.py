@@ -319,6 +319,8 @@ class OutputAudioBufferCleared(ServerEvent):
 @dataclass(kw_only=True)
 class RateLimitsUpdated(ServerEvent):
     TYPE = "rate_limits.updated"
+    # A snapshot of the limits now, not history: sent to the connection attached, never replayed.
+    JOURNALED = False
     rate_limits: list
 
 

@@ -35,11 +35,10 @@ class Connection:
         return True
 
     async def receive(self, frame: str | bytes) -> None:
-        if len(frame) > self.manager.limits.max_frame_bytes:
-            size = len(frame)
-            self._fail(
-                ProtocolError("frame_too_large", f"frame of {size} bytes exceeds {self.manager.limits.max_frame_bytes}")
-            )
+        size = len(frame.encode()) if isinstance(frame, str) else len(frame)  # UTF-8 bytes, as on the wire
+        limit = self.manager.limits.max_frame_bytes
+        if size > limit:
+            self._fail(ProtocolError("frame_too_large", f"frame of {size} bytes exceeds max_frame_bytes={limit}"))
             return
         try:
             command = decode_command(frame)

@@ -19,7 +19,7 @@ class Limits:
     heartbeat_s: float = 0.0  # 0: no session.heartbeat events
     journal_max_events: int = 4096
     journal_max_bytes: int = 16 << 20
-    workers: int = 4  # threads for decode, resampling and model calls
+    workers: int = 4  # threads for decode and resampling (model calls get one thread per session slot)
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

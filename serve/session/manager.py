@@ -22,6 +22,10 @@ class SessionManager:
         self.plugin = plugin
         self.limits = limits
         self.executor = ThreadPoolExecutor(max(1, limits.workers), thread_name_prefix="cadence-serve")
+        # A model call holds its thread for as long as the model takes, and a session has at most
+        # one in flight: one thread per session slot, so that no session's model call waits for
+        # another's to free a thread, and none holds up decoding.
+        self.model_executor = ThreadPoolExecutor(max(1, limits.max_sessions), thread_name_prefix="cadence-model")
         self.sessions: dict[str, Session] = {}
         self.ended = 0
         # The final ledgers of the latest ended sessions, for audits and tests.
@@ -37,6 +41,7 @@ class SessionManager:
         tasks = [session.stop("server_shutdown") for session in list(self.sessions.values())]
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=5.0)
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.model_executor.shutdown(wait=False, cancel_futures=True)
 
     def create(self, transport: Transport, duplex: bool) -> Session:
         """A new session with a server-allocated, unguessable id, or ``resource_exhausted``."""
@@ -46,6 +51,10 @@ class SessionManager:
         session = Session(self, session_id, self.plugin, self.limits, self.executor, duplex)
         self.sessions[session_id] = session
         session.start(transport)
+        if len(self.sessions) == self.limits.max_sessions:  # now full: the others learn it
+            for other in self.sessions.values():
+                if other is not session:
+                    other.report_rate_limits()
         return session
 
     async def resume(self, command: ev.SessionResume, transport: Transport) -> Session:
@@ -56,7 +65,11 @@ class SessionManager:
         return session
 
     def forget(self, session: Session) -> None:
+        was_full = len(self.sessions) == self.limits.max_sessions
         if self.sessions.pop(session.id, None) is not None:
+            if was_full:  # a slot is free again
+                for other in self.sessions.values():
+                    other.report_rate_limits()
             self.ended += 1
             self.ended_ledgers[session.id] = session.ledgers
             while len(self.ended_ledgers) > _KEEP_ENDED_LEDGERS:

@@ -3,7 +3,7 @@
 Everything that changes session state runs in the owner task, one mailbox message at a time, so
 commands take effect in arrival order. Slow work (base64, G.711, resampling, VAD energy, model
 calls) runs on the shared executor; model calls go through a ``ModelPort`` that keeps them in
-session order and never lets two of them overlap.
+session order, never lets two of them overlap, and runs them on the manager's model executor.
 
 Fence: every response belongs to the epoch in force when it was created. Cancel and barge-in
 advance the epoch and emit the response's terminal events at once; chunks of an older epoch that
@@ -152,7 +152,7 @@ class Session:
         self.config = SessionConfig(model=plugin.info.name)
         self.conversation_id = "conv_" + session_id.removeprefix("sess_")
         self.stream = plugin.open_stream()
-        self.port = ModelPort(executor)
+        self.port = ModelPort(manager.model_executor)
         self.mailbox: asyncio.Queue[Any] = asyncio.Queue()
         self.journal = Journal(limits.journal_max_events, limits.journal_max_bytes) if duplex else None
         now = time.monotonic()
@@ -172,6 +172,7 @@ class Session:
         self._vad = self._new_vad(0)
         self._vad_item_id: str | None = None
         self.pending_input_bytes = 0
+        self._refusing_input = False  # an append was refused for backpressure and the queue has not drained since
         self.transport: Transport | None = None
         self.closed = False
         self._events = 0
@@ -193,6 +194,7 @@ class Session:
                 generation=self.lease.generation if self.duplex else None,
             )
         )
+        self.report_rate_limits()
         self._task = asyncio.get_running_loop().create_task(self._own(), name=f"session {self.id}")
 
     async def _own(self) -> None:
@@ -246,6 +248,9 @@ class Session:
             pending = b64_decoded_len(command.audio)
             if self.pending_input_bytes + pending > self.limits.max_pending_input_bytes:
                 self._refuse(command, f"{self.pending_input_bytes} bytes of input audio are still queued")
+                if not self._refusing_input:
+                    self._refusing_input = True
+                    self.report_rate_limits()
                 return
             self.pending_input_bytes += pending
         self.mailbox.put_nowait(_Inbound(command, transport, pending))
@@ -281,6 +286,40 @@ class Session:
             self._tick_queued = True
             self.mailbox.put_nowait(_Tick())
 
+    def report_rate_limits(self) -> None:
+        """``rate_limits.updated`` to the attached client: ``requests`` are the server's session
+        slots (none left: a new session gets ``resource_exhausted``), ``tokens`` the bytes of input
+        audio this session may still queue (fewer than an append's: ``input_backpressure``). Sent
+        after ``session.created``, to every session when the server fills up or stops being full,
+        and to a session when it refuses an append for backpressure and once its queue has drained
+        after that."""
+        if self.transport is None or self.closed:
+            return
+        limits = self.limits
+        self._deliver_direct(
+            ev.RateLimitsUpdated(
+                rate_limits=[
+                    {
+                        "name": "requests",
+                        "limit": limits.max_sessions,
+                        "remaining": limits.max_sessions - len(self.manager.sessions),
+                    },
+                    {
+                        "name": "tokens",
+                        "limit": limits.max_pending_input_bytes,
+                        "remaining": limits.max_pending_input_bytes - self.pending_input_bytes,
+                    },
+                ]
+            )
+        )
+
+    def _dequeued(self, pending_bytes: int) -> None:
+        """An append's bytes left the input queue (handled or dropped)."""
+        self.pending_input_bytes -= pending_bytes
+        if self._refusing_input and self.pending_input_bytes == 0:
+            self._refusing_input = False
+            self.report_rate_limits()
+
     def _refuse(self, command: ev.ClientCommand, why: str) -> None:
         if isinstance(command, ev.InputAudioBufferAppend):
             self.ledgers.input.rejected_appends += 1
@@ -314,7 +353,7 @@ class Session:
     async def _handle(self, msg: Any) -> None:
         if isinstance(msg, _Inbound):
             if msg.transport is not self.transport:  # sent by a connection that has been replaced
-                self.pending_input_bytes -= msg.pending_bytes
+                self._dequeued(msg.pending_bytes)
                 return
             handler = self._HANDLERS[type(msg.command)]
             try:
@@ -323,7 +362,7 @@ class Session:
                 err.event_id = err.event_id or msg.command.event_id
                 raise
             finally:
-                self.pending_input_bytes -= msg.pending_bytes
+                self._dequeued(msg.pending_bytes)
         elif isinstance(msg, _Reject):
             if msg.transport is self.transport:
                 self.emit(_error_event(msg.error))
@@ -369,7 +408,7 @@ class Session:
         led.resampled_samples += resampled
         self._buffer += data
         if frames:
-            await self.port.call(self._feed, frames)
+            await self.port.call(self.stream.feed_frames, frames)
         led.fed_samples += len(frames) * self.plugin.info.frame_samples
         led.pending_samples = len(self._frame)
         for edge in edges:
@@ -392,10 +431,6 @@ class Session:
         self._frame = pending[n * size :]
         return data, frames, edges, len(y)
 
-    def _feed(self, frames: list[np.ndarray]) -> None:
-        for frame in frames:
-            self.stream.feed(frame)
-
     async def _flush_frame(self) -> None:
         """Close the turn on a whole native frame: zero-pad the partial one and feed it."""
         if len(self._frame) == 0:
@@ -404,7 +439,7 @@ class Session:
         pad = size - len(self._frame)
         frame = np.concatenate([self._frame, np.zeros(pad, dtype=np.float32)])
         self._frame = np.zeros(0, dtype=np.float32)
-        await self.port.call(self._feed, [frame])
+        await self.port.call(self.stream.feed, frame)
         led = self.ledgers.input
         led.padded_samples += pad
         led.fed_samples += size

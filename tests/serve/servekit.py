@@ -81,13 +81,16 @@ class Server:
         self.handle = handle
 
     async def connect(self, path: str = "/v1/duplex", created: bool = True) -> CheckedSocket:
+        """A client socket; with ``created``, past the session's opening pair: ``session.created``,
+        then ``rate_limits.updated`` (kept as ``sock.rate_limits``)."""
         plain = await RealtimeSocket.connect(self.handle.ws_url + path)
         sock = CheckedSocket(plain.ws, duplex="duplex" in path)
         if created:
-            first = await sock.recv()
-            assert first["type"] == "session.created", first
+            first, second = await sock.recv(), await sock.recv()
+            assert (first["type"], second["type"]) == ("session.created", "rate_limits.updated"), (first, second)
             sock.session_id = first["session"]["id"]
             sock.resume_token = first.get("resume_token")
+            sock.rate_limits = second["rate_limits"]
         return sock
 
     def session(self, session_id: str):

@@ -1,12 +1,16 @@
-"""``moshi-small``, the default model: a stream's reply is the stock vendor stream of the same
-ticks and seed, bit for bit; turns, cancel and clear map onto the duplex clock as documented; and a
-real session over uvicorn delivers exactly the vendor's samples."""
+"""``moshi-tiny``, the default model: a stream's reply is the stock vendor stream of the same
+ticks and seed, bit for bit, whichever worker process ticks it and whatever the other sessions do;
+turns, cancel and clear map onto the duplex clock as documented; the replica pool is built ahead
+of the first session; and a real session over uvicorn delivers exactly the vendor's samples."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import threading
 
+import httpx
 import numpy as np
 import pytest
 
@@ -15,7 +19,7 @@ pytest.importorskip("moshi")
 import torch  # noqa: E402
 from servekit import AUDIO, Server, deltas_of, read_wav, run  # noqa: E402
 
-from cadence_fx.models.moshi_stream import random_pcm, stream_reference  # noqa: E402
+from cadence_fx.models.moshi_stream import SMALL, TINY, build_models, random_pcm, stream_reference  # noqa: E402
 from cadence_fx.serve.app import background_server  # noqa: E402
 from cadence_fx.serve.plugins import DEFAULT_PLUGIN, plugin_names  # noqa: E402
 from cadence_fx.serve.plugins.moshi import FRAME_SAMPLES, SILENCE, MoshiPlugin  # noqa: E402
@@ -31,9 +35,15 @@ def plugin():
     moshi.close()
 
 
+@pytest.fixture(scope="module")
+def models(plugin):
+    """The plugin's weights, built here from its configuration and seed as each worker builds them."""
+    return build_models(plugin.config)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_thread_like_the_plugin():
-    """The reference runs here with the plugin's thread count: kernels may split reductions by thread."""
+    """The reference runs here with the workers' thread count: kernels may split reductions by thread."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -44,10 +54,10 @@ def user_frames(n: int, seed: int) -> list[np.ndarray]:
     return list(random_pcm(n, seed=seed).reshape(n, FRAME_SAMPLES).numpy())
 
 
-def stock(plugin: MoshiPlugin, ticks: list[np.ndarray]) -> np.ndarray:
-    """The vendor stream of these tick inputs: row ``k`` is the output of tick ``k + 1``."""
+def stock(models, ticks: list[np.ndarray], seed: int = 0) -> np.ndarray:
+    """The vendor stream of these tick inputs (sampling on): row ``k`` is the output of tick ``k + 1``."""
     pcm = torch.from_numpy(np.concatenate(ticks)).view(1, 1, -1)
-    out = stream_reference(plugin.models, pcm, sampling=plugin.sampling, seed=plugin.seed).pcm
+    out = stream_reference(models, pcm, sampling=True, seed=seed).pcm
     return out.reshape(-1, FRAME_SAMPLES).numpy()
 
 
@@ -71,16 +81,44 @@ def reply(stream) -> list[np.ndarray]:
 def test_registered_as_the_default_without_loading_the_vendor_on_import():
     probe = "import sys, cadence_fx.serve.plugins as p; print(p.DEFAULT_PLUGIN, 'moshi' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["moshi-small", "False"]
-    assert DEFAULT_PLUGIN in plugin_names()
+    assert out.split() == ["moshi-tiny", "False"]
+    assert DEFAULT_PLUGIN in plugin_names() and "moshi-small" in plugin_names()
 
 
 def test_native_clock_is_24khz_frames_of_80ms(plugin):
     info = plugin.info
-    assert (info.name, info.input_rate, info.output_rate, info.frame_samples) == ("moshi-small", 24_000, 24_000, 1920)
+    assert (info.name, info.input_rate, info.output_rate, info.frame_samples) == ("moshi-tiny", 24_000, 24_000, 1920)
 
 
-def test_replies_are_the_vendor_stream_of_the_same_ticks_bit_for_bit(plugin):
+def test_tiny_differs_from_small_only_in_depth_and_width(plugin):
+    def changes(tiny: dict, small: dict) -> dict:
+        return {key: (small[key], tiny[key]) for key in small if tiny[key] != small[key]}
+
+    assert plugin.config == TINY and plugin.processes == 2
+    assert changes(TINY.lm_kwargs, SMALL.lm_kwargs) == {
+        "dim": (128, 64),
+        "num_layers": (2, 1),
+        "depformer_num_layers": (2, 1),
+    }
+    assert changes(TINY.mimi["seanet"], SMALL.mimi["seanet"]) == {"dimension": (128, 64), "n_residual_layers": (1, 0)}
+    assert changes(TINY.mimi["quantizer"], SMALL.mimi["quantizer"]) == {
+        "dimension": (64, 16),
+        "input_dimension": (128, 64),
+        "output_dimension": (128, 64),
+    }
+    assert changes(TINY.mimi["transformer"], SMALL.mimi["transformer"]) == {
+        "d_model": (128, 64),
+        "num_layers": (2, 1),
+        "dim_feedforward": (256, 128),
+        "input_dimension": (128, 64),
+        "output_dimensions": ([128], [64]),
+    }
+    assert {k: v for k, v in TINY.mimi.items() if not isinstance(v, dict)} == {
+        k: v for k, v in SMALL.mimi.items() if not isinstance(v, dict)
+    }
+
+
+def test_replies_are_the_vendor_stream_of_the_same_ticks_bit_for_bit(plugin, models):
     first, second = user_frames(6, seed=11), user_frames(3, seed=12)
     stream = plugin.open_stream()
     feed(stream, first)
@@ -91,7 +129,7 @@ def test_replies_are_the_vendor_stream_of_the_same_ticks_bit_for_bit(plugin):
     stream.close()
 
     # Ticks: 6 user, 6 silence (reply), 3 user, 3 silence (reply); tick k's output is row k - 1.
-    want = stock(plugin, first + [SILENCE] * 6 + second + [SILENCE] * 3)
+    want = stock(models, first + [SILENCE] * 6 + second + [SILENCE] * 3)
     assert np.array_equal(np.stack(reply_1), want[5:11])
     assert np.array_equal(np.stack(reply_2), want[14:17])
     assert listened == 5 + 3  # what Moshi said while the user spoke; tick 0 says nothing
@@ -108,7 +146,7 @@ def test_a_reply_is_as_long_as_the_turn_in_whole_frames(plugin, fed, frames, tic
     assert (stream.ticks, stream.replied) == (ticks, frames)
 
 
-def test_cancel_drops_the_rest_of_the_reply_and_the_clock_goes_on(plugin):
+def test_cancel_drops_the_rest_of_the_reply_and_the_clock_goes_on(plugin, models):
     first, second = user_frames(4, seed=14), user_frames(2, seed=15)
     stream = plugin.open_stream()
     feed(stream, first)
@@ -120,11 +158,11 @@ def test_cancel_drops_the_rest_of_the_reply_and_the_clock_goes_on(plugin):
     after = reply(stream)
     stream.close()
 
-    want = stock(plugin, first + [SILENCE] + second + [SILENCE] * 2)
+    want = stock(models, first + [SILENCE] + second + [SILENCE] * 2)
     assert np.array_equal(np.stack(after), want[6:8])
 
 
-def test_a_frame_fed_during_a_reply_is_the_replys_next_frame(plugin):
+def test_a_frame_fed_during_a_reply_is_the_replys_next_frame(plugin, models):
     turn, overlap = user_frames(3, seed=16), user_frames(1, seed=17)
     stream = plugin.open_stream()
     feed(stream, turn)
@@ -135,12 +173,12 @@ def test_a_frame_fed_during_a_reply_is_the_replys_next_frame(plugin):
     next_turn = stream.turn_frames
     stream.close()
 
-    want = stock(plugin, turn + [SILENCE] + overlap + [SILENCE])
+    want = stock(models, turn + [SILENCE] + overlap + [SILENCE])
     assert np.array_equal(np.stack(out), want[2:5])
     assert next_turn == 1
 
 
-def test_clear_input_shortens_the_turn_but_the_model_heard_it(plugin):
+def test_clear_input_shortens_the_turn_but_the_model_heard_it(plugin, models):
     cleared, kept = user_frames(5, seed=18), user_frames(2, seed=19)
     stream = plugin.open_stream()
     feed(stream, cleared)
@@ -149,11 +187,11 @@ def test_clear_input_shortens_the_turn_but_the_model_heard_it(plugin):
     out = reply(stream)
     stream.close()
 
-    want = stock(plugin, cleared + kept + [SILENCE] * 2)
+    want = stock(models, cleared + kept + [SILENCE] * 2)
     assert np.array_equal(np.stack(out), want[6:8])
 
 
-def test_interleaved_sessions_each_get_their_own_replica_and_the_same_audio(plugin):
+def test_interleaved_sessions_each_get_their_own_replica_and_the_same_audio(plugin, models):
     frames = user_frames(3, seed=20)
     a, b = plugin.open_stream(), plugin.open_stream()
     for frame in frames:
@@ -167,16 +205,39 @@ def test_interleaved_sessions_each_get_their_own_replica_and_the_same_audio(plug
         out_b.append(b.step())
     a.close()
     b.close()
-    replicas = plugin.describe()["replicas"]
+    before = plugin.describe()
     c = plugin.open_stream()
     feed(c, frames)
     out_c = reply(c)
     c.close()
+    after = plugin.describe()
 
-    want = stock(plugin, frames + [SILENCE] * 3)[2:5]
+    want = stock(models, frames + [SILENCE] * 3)[2:5]
     assert np.array_equal(np.stack(out_a), want) and np.array_equal(np.stack(out_b), want)
     assert np.array_equal(np.stack(out_c), want)  # a reused replica starts from the base state
-    assert plugin.describe()["replicas"] == replicas == 2
+    # a and b went to the two workers (fewest open streams first), c to the first one again.
+    assert before["replicas_per_process"] == after["replicas_per_process"] == [1, 1]
+    assert (after["replicas"], after["replicas_on_demand"]) == (2, 2)  # no reserve: built by the first ticks
+
+
+def test_sessions_ticking_at_once_on_both_workers_keep_their_own_audio(plugin, models):
+    turns = {seed: user_frames(4, seed=seed) for seed in (30, 31, 32, 33)}
+    replies: dict[int, list[np.ndarray]] = {}
+
+    def converse(seed: int) -> None:
+        stream = plugin.open_stream()
+        feed(stream, turns[seed])
+        replies[seed] = reply(stream)
+        stream.close()
+
+    threads = [threading.Thread(target=converse, args=(seed,)) for seed in turns]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    for seed, frames in turns.items():
+        assert np.array_equal(np.stack(replies[seed]), stock(models, frames + [SILENCE] * 4)[3:7]), seed
 
 
 def test_describe_counts_every_tick_in_the_transforms_replay_counters(plugin):
@@ -197,12 +258,11 @@ def test_describe_counts_every_tick_in_the_transforms_replay_counters(plugin):
     assert any(stamp.startswith("replay: mimi_encode K=1") for stamp in after["transform"]["stamps"])
 
 
-def test_a_session_over_uvicorn_delivers_the_vendors_samples(plugin):
+def test_a_session_over_uvicorn_delivers_the_vendors_samples(models, capfd):
     samples, rate = read_wav(AUDIO / "question_24k.wav")
     question = wire_audio.encode_samples(samples, PCM24K)
     fed = -(-len(samples) // FRAME_SAMPLES)  # the commit pads the last frame
     reply_frames = 8  # the cap, well under the turn's 56 frames
-    served = MoshiPlugin(models=plugin.models, max_reply_frames=reply_frames)
 
     async def scenario(server: Server):
         sock = await server.connect("/v1/duplex")
@@ -215,8 +275,16 @@ def test_a_session_over_uvicorn_delivers_the_vendors_samples(plugin):
         await sock.close()
         return events, ledgers
 
-    with background_server(lambda: served, Limits(max_sessions=2)) as handle:
+    with background_server(lambda: MoshiPlugin(max_reply_frames=reply_frames), Limits(max_sessions=3)) as handle:
+        progress = capfd.readouterr().err
         events, ledgers = run(scenario(Server(handle)))
+        described = httpx.get(handle.http_url + "/v1/models").json()["data"][0]["plugin"]
+
+    # The server reserved its 3 sessions' replicas at startup: 2 per worker, before any session.
+    lines = re.findall(r"moshi-tiny: replica (\d)/4 ready \(\d+\.\d s\)", progress)
+    assert lines == ["1", "2", "3", "4"]
+    assert (described["replicas_per_process"], described["replicas_on_demand"], described["streams"]) == ([2, 2], 0, 1)
+    assert described["frames"]["ticks"] == fed + reply_frames
 
     assert rate == 24_000
     committed = next(e for e in events if e["type"] == "input_audio_buffer.committed")
@@ -232,7 +300,7 @@ def test_a_session_over_uvicorn_delivers_the_vendors_samples(plugin):
 
     padded = np.concatenate([samples, np.zeros(fed * FRAME_SAMPLES - len(samples), dtype=np.float32)])
     ticks = list(padded.reshape(fed, FRAME_SAMPLES)) + [SILENCE] * reply_frames
-    want = stock(plugin, ticks)[fed - 1 : fed - 1 + reply_frames]
+    want = stock(models, ticks)[fed - 1 : fed - 1 + reply_frames]
     audio = deltas_of(events)
     assert len(audio) == reply_frames * FRAME_SAMPLES * 2
     assert audio == wire_audio.encode_samples(want.reshape(-1), PCM24K)

@@ -22,6 +22,7 @@ def test_openai_sdk_runs_update_append_commit_deltas_cancel_close(question_pcm):
 
         async with client.realtime.connect(model="tone") as connection:
             created = await next_event()
+            limits = await next_event()
             await connection.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
             updated = await next_event()
             await connection.input_audio_buffer.append(audio=wire_audio.b64encode(question_pcm))
@@ -38,17 +39,22 @@ def test_openai_sdk_runs_update_append_commit_deltas_cancel_close(question_pcm):
                 if event.type == "response.output_audio.delta":
                     audio += wire_audio.b64decode(event.delta)
             done = event
-        return created, updated, committed, audio, done, seen
+        return created, limits, updated, committed, audio, done, seen
 
     with running(step_delay_s=0.05) as server:
-        created, updated, committed, audio, done, seen = run(scenario(server))
+        created, limits, updated, committed, audio, done, seen = run(scenario(server))
         ended = server.eventually(lambda: not server.handle.manager.sessions)
     assert created.type == "session.created" and created.session.model == "tone"
+    assert [(r.name, r.limit, r.remaining) for r in limits.rate_limits] == [
+        ("requests", 64, 63),
+        ("tokens", 1 << 20, 1 << 20),
+    ]
     assert updated.session.audio.input.turn_detection is None
     assert committed.type == "input_audio_buffer.committed"
     events = [t for t in seen if t != "response.output_audio.delta"]
     assert events == [
         "session.created",
+        "rate_limits.updated",
         "session.updated",
         "input_audio_buffer.committed",
         "conversation.item.added",

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import websockets.sync.client
+from cadence_fx.serve.app import frame_ceiling
 from cadence_fx.serve.protocol import ERROR_CODES
 from cadence_fx.serve.protocol import events as ev
 from cadence_fx.serve.session import Limits
@@ -82,6 +83,41 @@ def test_bad_input_gets_a_typed_error_and_the_session_survives(strict_server, fr
         param,
     )
     assert alive["type"] == "session.updated" and alive["session"]["instructions"] == "still here"
+
+
+def test_the_apps_frame_limit_answers_every_frame_uvicorn_lets_through(strict_server):
+    ceiling = frame_ceiling(Limits(max_frame_bytes=MAX_FRAME))
+    head, tail = '{"type": "input_audio_buffer.append", "audio": "', '"}'
+    largest = head + "A" * (ceiling - len(head) - len(tail)) + tail
+    accented = head + "\u00e9" * (MAX_FRAME // 2) + tail  # fewer characters than bytes: bytes count
+
+    async def scenario():
+        sock = await strict_server.connect("/v1/duplex")
+        answers = [await _answer(sock, frame) for frame in (largest, b"\x00" * ceiling, accented)]
+        await sock.close()
+        return answers
+
+    answers = run(scenario())
+    assert ceiling == 4 * MAX_FRAME + 65_536
+    assert [error["error"]["message"] for error, _ in answers] == [
+        f"frame of {ceiling} bytes exceeds max_frame_bytes={MAX_FRAME}",
+        f"frame of {ceiling} bytes exceeds max_frame_bytes={MAX_FRAME}",
+        f"frame of {len(accented.encode())} bytes exceeds max_frame_bytes={MAX_FRAME}",
+    ]
+    assert {error["error"]["code"] for error, _ in answers} == {"frame_too_large"}
+    assert [alive["session"]["instructions"] for _, alive in answers] == ["still here"] * 3
+
+
+def test_a_frame_over_the_ceiling_is_closed_by_uvicorn_with_1009(strict_server):
+    ceiling = frame_ceiling(Limits(max_frame_bytes=MAX_FRAME))
+
+    async def scenario():
+        sock = await strict_server.connect("/v1/duplex")
+        await sock.send(b"\x00" * (ceiling + 1))
+        await sock.ws.wait_closed()
+        return sock.ws.close_code, sock.ws.close_reason
+
+    assert run(scenario()) == (1009, f"frame exceeds limit of {ceiling} bytes")
 
 
 def test_error_echoes_the_client_event_id(strict_server):
@@ -185,7 +221,7 @@ _MALFORMED = st.one_of(
 @pytest.fixture(scope="module")
 def fuzz_socket(strict_server):
     with websockets.sync.client.connect(strict_server.handle.ws_url + "/v1/duplex", max_size=None) as ws:
-        assert json.loads(ws.recv(timeout=5))["type"] == "session.created"
+        assert [json.loads(ws.recv(timeout=5))["type"] for _ in range(2)] == ["session.created", "rate_limits.updated"]
         ws.counter = ws.frames = 0
         yield ws
         assert ws.frames >= 2_000, ws.frames  # thousands of malformed frames, one session

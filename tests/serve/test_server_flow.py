@@ -291,6 +291,20 @@ def test_clear_discards_the_buffer_and_is_accounted(server, question_pcm):
     assert (ledgers["cleared_bytes"], ledgers["fed_samples"], ledgers["discarded_samples"]) == (20_002, 6_400, 268)
 
 
+def test_models_route_shows_each_plugins_describe():
+    async def scenario(server):
+        sock = await server.connect("/v1/duplex")
+        await sock.close()
+
+    with running(Limits(max_sessions=4), step_delay_s=0.01) as server:
+        run(scenario(server))
+        with httpx.Client(base_url=server.handle.http_url) as http:
+            models = http.get("/v1/models").json()
+    assert [m["plugin"] for m in models["data"]] == [
+        {"model": "tone", "streams": 1, "feed_delay_s": 0.0, "step_delay_s": 0.01}
+    ]
+
+
 def test_models_and_health_routes(server):
     with httpx.Client(base_url=server.handle.http_url) as http:
         models = http.get("/v1/models").json()
@@ -322,19 +336,78 @@ def test_input_backpressure_refuses_appends_beyond_the_bound_and_accounts_them(q
         sock = await server.connect("/v1/duplex")
         await sock.no_vad()
         await sock.append(question_pcm[: 10 * 9600])
-        errors = [await sock.recv() for _ in range(8)]
+        refused = [await sock.recv() for _ in range(9)]
         await sock.send({"type": "input_audio_buffer.commit"})
         committed = await sock.recv_until("input_audio_buffer.committed")
         ledgers = server.on_loop(lambda: server.session(sock.session_id).ledgers.input)
         await sock.close()
-        return errors, committed, ledgers
+        return refused, committed, ledgers
 
     # Each 200 ms append takes 10 frames x 50 ms = 0.5 s to feed: two fit under 20,000 bytes.
     with running(Limits(max_pending_input_bytes=20_000), feed_delay_s=0.05) as server:
-        errors, committed, ledgers = run(scenario(server))
+        refused, committed, ledgers = run(scenario(server))
+    errors = [e for e in refused if e["type"] == "error"]
     assert [e["error"]["code"] for e in errors] == ["input_backpressure"] * 8
     assert committed[-1]["audio_bytes"] == 2 * 9600
     assert (ledgers.received_bytes, ledgers.rejected_bytes, ledgers.rejected_appends) == (19_200, 76_800, 8)
+
+
+def test_rate_limits_follow_the_input_backpressure_state(question_pcm):
+    async def scenario(server):
+        sock = await server.connect("/v1/duplex")
+        await sock.no_vad()
+        await sock.append(question_pcm[: 10 * 9600])
+        refused = [await sock.recv() for _ in range(9)]
+        await sock.send({"type": "input_audio_buffer.commit"})
+        committed = await sock.recv_until("input_audio_buffer.committed")
+        await sock.close()
+        return sock.rate_limits, refused, committed
+
+    with running(Limits(max_pending_input_bytes=20_000), feed_delay_s=0.05) as server:
+        opening, refused, committed = run(scenario(server))
+    requests = {"name": "requests", "limit": 16, "remaining": 15}
+    assert opening == [requests, {"name": "tokens", "limit": 20_000, "remaining": 20_000}]
+    # The first refusal flips the session to refusing input (two appends, 19,200 bytes, queued) ...
+    assert types_of(refused) == ["error", "rate_limits.updated"] + ["error"] * 7
+    assert refused[1]["rate_limits"] == [requests, {"name": "tokens", "limit": 20_000, "remaining": 800}]
+    # ... and the queue draining flips it back, before the commit queued behind the appends.
+    assert types_of(committed) == ["rate_limits.updated", "input_audio_buffer.committed"]
+    assert committed[0]["rate_limits"] == [requests, {"name": "tokens", "limit": 20_000, "remaining": 20_000}]
+
+
+def test_rate_limits_tell_every_session_when_the_server_fills_up_and_frees_a_slot():
+    async def scenario(server):
+        first = await server.connect("/v1/duplex")
+        second = await server.connect("/v1/duplex")
+        full = await first.recv()
+        refused = await server.connect("/v1/duplex", created=False)
+        await refused.recv()
+        await first.send({"type": "session.close"})
+        closed = await first.recv_until("session.closed")
+        freed = await second.recv()
+        third = await server.connect("/v1/realtime")
+        full_again = await second.recv()
+        quiet = await second.recv_all() + await third.recv_all()
+        await second.close()
+        await third.close()
+        return first.rate_limits, second.rate_limits, full, closed, freed, third.rate_limits, full_again, quiet
+
+    with running(Limits(max_sessions=2)) as server:
+        first, second, full, closed, freed, third, full_again, quiet = run(scenario(server))
+
+    def requests(remaining: int) -> list[dict]:
+        return [
+            {"name": "requests", "limit": 2, "remaining": remaining},
+            {"name": "tokens", "limit": 1 << 20, "remaining": 1 << 20},
+        ]
+
+    assert (first, second, third) == (requests(1), requests(0), requests(0))
+    assert (full["type"], full["rate_limits"]) == ("rate_limits.updated", requests(0))
+    assert types_of(closed) == ["session.closed"]
+    assert (freed["type"], freed["rate_limits"]) == ("rate_limits.updated", requests(1))
+    assert (full_again["type"], full_again["rate_limits"]) == ("rate_limits.updated", requests(0))
+    assert quiet == []
+    assert "server_event_seq" not in full  # a snapshot, not journaled
 
 
 def test_output_audio_buffer_clear_cuts_the_reply_and_acks_are_ledgered(question_pcm):

@@ -31,7 +31,8 @@ async def _start_reply(server, question_pcm, deltas_before: int = 5):
     seen = []
     while sum(e["type"] == "response.output_audio.delta" for e in seen) < deltas_before:
         seen.append(await sock.recv())
-    return sock, [sock.received[1], *seen]  # session.updated, then the turn
+    # sock.received: session.created, rate_limits.updated, session.updated, then the turn.
+    return sock, [sock.received[2], *seen]
 
 
 def test_disconnect_mid_response_then_resume_delivers_every_event_exactly_once(question_pcm):
