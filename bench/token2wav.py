@@ -227,60 +227,45 @@ def run_arm(arm, flow, hift, contract, prompt, turns, device, seed):
 
 
 def capacity(flow, hift, contract, prompt, device, sessions: list[int], chunks: int, seed: int) -> dict:
-    """N token streams over one set of SRc bindings, round robin (see the module docstring)."""
+    """N token streams over one set of SRc bindings, round robin (`TransformedFlow.swap_in` /
+    `swap_out` around each stream's chunk; see the module docstring)."""
     transformed, report = transform((flow, hift), contract, capture=False, replay=True)
-    carry_modules = list(transformed.carries.values())
-    carries = [c.buffer for c in carry_modules] + [transformed.flow.decoder.cnn_cache_buffer]
-    resident_bytes = sum(t.numel() * t.element_size() for t in carries)
 
     def run_alone(tokens: list[torch.Tensor], rng_seed: int) -> list[torch.Tensor]:
         stream = CarryStream(transformed, prompt)
         stream.setup()
-        torch.cuda.manual_seed(rng_seed) if device.type == "cuda" else torch.manual_seed(rng_seed)
+        transformed.swap_in(transformed.session_state(rng_seed))
         return [stream.step(t, last_chunk=False).speech.float().cpu() for t in tokens]
 
-    # Warm every class (captures happen here, outside the measured rounds).
-    warm = random_chunks(7, 4, device=device)
-    run_alone(warm, seed)
-    records = []
+    run_alone(random_chunks(7, 4, device=device), seed)  # every class captured before the rounds
+    records, state_bytes = [], 0
     for n in sessions:
         token_streams = [random_chunks(5000 + i, chunks, device=device) for i in range(n)]
-        streams, states, extents, rngs, outputs = [], [], [], [], [[] for _ in range(n)]
+        streams, states, outputs = [], [], [[] for _ in range(n)]
         for i in range(n):
             stream = CarryStream(transformed, prompt)
-            stream.setup() if i == 0 else None
-            if i:
-                stream.stream_cache = transformed.reset_turn()
-                stream.reset_vocoder()
+            if i == 0:
+                stream.setup()
+            else:
+                stream.reset_turn()  # the prompt state the first setup kept, written in place
             streams.append(stream)
-            states.append([t.clone() for t in carries])
-            extents.append([c.extent for c in carry_modules])
-            torch.cuda.manual_seed(seed + i) if device.type == "cuda" else torch.manual_seed(seed + i)
-            rngs.append(torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state())
+            states.append(transformed.session_state(seed + i))
+        state_bytes = states[0].nbytes
         round_ms, chunk_ms = [], []
         for c in range(chunks):
             _sync(device)
             round_start = time.perf_counter()
             for i, stream in enumerate(streams):
                 start = time.perf_counter()
-                for resident, own in zip(carries, states[i]):
-                    resident.copy_(own)
-                for carry, extent in zip(carry_modules, extents[i]):
-                    carry.extent = extent
-                torch.cuda.set_rng_state(rngs[i], device) if device.type == "cuda" else torch.set_rng_state(rngs[i])
-                out = stream.step(token_streams[i][c], last_chunk=False)
-                for resident, own in zip(carries, states[i]):
-                    own.copy_(resident)
-                extents[i] = [c.extent for c in carry_modules]
-                rngs[i] = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-                outputs[i].append(out.speech)
+                transformed.swap_in(states[i])
+                outputs[i].append(stream.step(token_streams[i][c], last_chunk=False).speech)
+                transformed.swap_out(states[i])
                 _sync(device)
                 chunk_ms.append((time.perf_counter() - start) * 1e3)
             round_ms.append((time.perf_counter() - round_start) * 1e3)
-        checked = sorted({0, n - 1})
         exact = {i: all(torch.equal(a.float().cpu(), b) for a, b in zip(outputs[i], run_alone(token_streams[i], seed + i)))
-                 for i in checked}
-        steady = round_ms[3:] if len(round_ms) > 3 else round_ms  # the first chunks cross the classes
+                 for i in sorted({0, n - 1})}
+        steady = round_ms[3:]  # the first three chunks cross the classes
         stats = latency_stats(steady)
         record = {
             "sessions": n,
@@ -289,17 +274,16 @@ def capacity(flow, hift, contract, prompt, device, sessions: list[int], chunks: 
             "chunk_ms_with_swap": latency_stats(chunk_ms),
             "keeps_real_time": stats["p95"] <= CHUNK_PERIOD_MS,
             "streams_checked_exact": {str(i): e for i, e in exact.items()},
-            "session_state_bytes": resident_bytes * n,
+            "session_state_bytes": state_bytes * n,
         }
         records.append(record)
         print(f"  capacity N={n}: round p50 {stats['p50']:.1f} ms p95 {stats['p95']:.1f} ms, real time "
               f"{record['keeps_real_time']}, exact {record['streams_checked_exact']}", flush=True)
-        del streams, states, outputs
     keeping = [r["sessions"] for r in records if r["keeps_real_time"] and all(r["streams_checked_exact"].values())]
     return {
         "chunks_per_stream": chunks,
         "chunk_period_ms": CHUNK_PERIOD_MS,
-        "carry_bytes_swapped_per_chunk": 2 * resident_bytes,
+        "carry_bytes_swapped_per_chunk": 2 * state_bytes,
         "replay": {name: e.counters.as_dict() for name, e in report.replays.items()},
         "rounds": records,
         "largest_real_time_N": max(keeping) if keeping else 0,

@@ -39,7 +39,7 @@ from cadence_fx.transform import Adapter, TransformReport, register_adapter
 
 from .token2wav_stream import Prompt, StockStream
 
-__all__ = ["ENVELOPES", "GLUE_TRIMS", "CarryStream", "Token2WavAdapter", "TransformedFlow"]
+__all__ = ["ENVELOPES", "GLUE_TRIMS", "CarryStream", "SessionState", "Token2WavAdapter", "TransformedFlow"]
 
 ENVELOPES = (
     Envelope("decoder.att_cache_buffer", "estimator_att_cache"),
@@ -138,6 +138,71 @@ class TransformedFlow:
                     glue.key, self.chunk, expected, cache[glue.key], evicted=evicts, address=carry.address
                 )
         return cache
+
+    # -- several streams over one set of bindings -----------------------------------------------
+
+    def _resident(self) -> list[torch.Tensor]:
+        """The stream state that lives at the bindings' fixed addresses: every carry, and the CFM's
+        conv cache buffer (written in place by the vendor each chunk)."""
+        return [c.buffer for c in self.carries.values()] + [self.flow.decoder.cnn_cache_buffer]
+
+    def session_state(self, seed: int) -> SessionState:
+        """A new stream's share of the resident state: the carries as they are now (after a setup
+        or a turn reset), and an RNG state seeded with `seed` (HiFT draws noise every call)."""
+        device = self.flow.decoder.cnn_cache_buffer.device
+        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+            _rng_seed(device, seed)
+            rng = _rng_get(device)
+        return SessionState([t.clone() for t in self._resident()], [c.extent for c in self.carries.values()], rng)
+
+    def swap_in(self, state: SessionState) -> None:
+        """Before a stream's chunk: its state into the addresses the graphs read."""
+        for resident, own in zip(self._resident(), state.tensors):
+            resident.copy_(own)
+        for carry, extent in zip(self.carries.values(), state.extents):
+            carry.extent = extent
+        _rng_set(self.flow.decoder.cnn_cache_buffer.device, state.rng)
+
+    def swap_out(self, state: SessionState) -> None:
+        """After a stream's chunk: what the chunk wrote, back into the stream's own state."""
+        for resident, own in zip(self._resident(), state.tensors):
+            own.copy_(resident)
+        state.extents = [c.extent for c in self.carries.values()]
+        state.rng = _rng_get(self.flow.decoder.cnn_cache_buffer.device)
+
+
+@dataclass
+class SessionState:
+    """One stream's share of a `TransformedFlow` that several streams time-multiplex: its carries'
+    contents and extents and its RNG state. The rest of a stream (its cache dict of carry views,
+    its HiFT cache) lives on its own `CarryStream`. N streams cost N copies of the carries
+    (`nbytes` each) and share the weights, the prompt state and every graph."""
+
+    tensors: list[torch.Tensor]
+    extents: list[int]
+    rng: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def _rng_seed(device: torch.device, seed: int) -> None:
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
+
+
+def _rng_get(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _rng_set(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from cadence_fx import AuditMismatch, transform
 from cadence_fx.diff import diff_graphs, render_html, render_text
 from cadence_fx.models.token2wav import token2wav_contract
 from cadence_fx.models.token2wav_carry import ENVELOPES, CarryStream, reference_flow
-from cadence_fx.models.token2wav_stream import StockStream, random_chunks, random_prompt
+from cadence_fx.models.token2wav_stream import StockStream, build_hift, random_chunks, random_prompt
 from cadence_fx.passes.carry import rewrite_trims, trace_trim
 
 pytestmark = pytest.mark.slow
@@ -182,3 +182,39 @@ def test_transform_rejects_what_is_not_a_contract(reference):
     flow, _, _ = reference
     with pytest.raises(TypeError, match="contract must be a cadence_fx.Contract, got dict"):
         transform(flow, {"family": "token2wav"})
+
+
+def test_streams_time_multiplexed_over_one_transformed_flow_equal_each_stream_alone():
+    """Two streams interleaved chunk by chunk over one set of bindings (each with its own carries'
+    contents, extents and RNG state, swapped in and out around its chunks) produce exactly what
+    each produces alone."""
+    flow, contract, prompt_tokens = reference_flow("reduced")
+    hift = build_hift()
+    prompt = random_prompt(0, n_tokens=prompt_tokens)
+    transformed, _ = transform((flow, hift), contract, capture=False)
+    tokens = [random_chunks(50 + i, 4) for i in range(2)]
+
+    def alone(i):
+        stream = CarryStream(transformed, prompt)
+        stream.setup()
+        transformed.swap_in(transformed.session_state(seed=i))
+        return [stream.step(t) for t in tokens[i]]
+
+    expected = [alone(0), alone(1)]
+    streams = [CarryStream(transformed, prompt) for _ in range(2)]
+    streams[0].setup()
+    states = [transformed.session_state(seed=0)]
+    streams[1].reset_turn()
+    states.append(transformed.session_state(seed=1))
+    assert states[0].nbytes == sum(c.buffer.numel() * c.buffer.element_size() for c in transformed.carries.values()) \
+        + transformed.flow.decoder.cnn_cache_buffer.numel() * 4
+    got = [[], []]
+    for c in range(4):
+        for i in (1, 0):
+            transformed.swap_in(states[i])
+            got[i].append(streams[i].step(tokens[i][c]))
+            transformed.swap_out(states[i])
+    for i in range(2):
+        for a, b in zip(got[i], expected[i]):
+            assert torch.equal(a.mel, b.mel) and torch.equal(a.speech, b.speech)
+    assert not torch.equal(got[0][-1].speech, got[1][-1].speech)
