@@ -331,7 +331,7 @@ def test_admission_limit_refuses_with_resource_exhausted():
     assert admitted.startswith("sess_")
 
 
-def test_input_backpressure_refuses_appends_beyond_the_bound_and_accounts_them(question_pcm):
+def test_input_backpressure_refuses_appends_beyond_the_bound_accounts_them_and_updates_rate_limits(question_pcm):
     async def scenario(server):
         sock = await server.connect("/v1/duplex")
         await sock.no_vad()
@@ -341,30 +341,14 @@ def test_input_backpressure_refuses_appends_beyond_the_bound_and_accounts_them(q
         committed = await sock.recv_until("input_audio_buffer.committed")
         ledgers = server.on_loop(lambda: server.session(sock.session_id).ledgers.input)
         await sock.close()
-        return refused, committed, ledgers
+        return sock.rate_limits, refused, committed, ledgers
 
     # Each 200 ms append takes 10 frames x 50 ms = 0.5 s to feed: two fit under 20,000 bytes.
     with running(Limits(max_pending_input_bytes=20_000), feed_delay_s=0.05) as server:
-        refused, committed, ledgers = run(scenario(server))
-    errors = [e for e in refused if e["type"] == "error"]
-    assert [e["error"]["code"] for e in errors] == ["input_backpressure"] * 8
+        opening, refused, committed, ledgers = run(scenario(server))
+    assert [e["error"]["code"] for e in refused if e["type"] == "error"] == ["input_backpressure"] * 8
     assert committed[-1]["audio_bytes"] == 2 * 9600
     assert (ledgers.received_bytes, ledgers.rejected_bytes, ledgers.rejected_appends) == (19_200, 76_800, 8)
-
-
-def test_rate_limits_follow_the_input_backpressure_state(question_pcm):
-    async def scenario(server):
-        sock = await server.connect("/v1/duplex")
-        await sock.no_vad()
-        await sock.append(question_pcm[: 10 * 9600])
-        refused = [await sock.recv() for _ in range(9)]
-        await sock.send({"type": "input_audio_buffer.commit"})
-        committed = await sock.recv_until("input_audio_buffer.committed")
-        await sock.close()
-        return sock.rate_limits, refused, committed
-
-    with running(Limits(max_pending_input_bytes=20_000), feed_delay_s=0.05) as server:
-        opening, refused, committed = run(scenario(server))
     requests = {"name": "requests", "limit": 16, "remaining": 15}
     assert opening == [requests, {"name": "tokens", "limit": 20_000, "remaining": 20_000}]
     # The first refusal flips the session to refusing input (two appends, 19,200 bytes, queued) ...
