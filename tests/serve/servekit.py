@@ -21,7 +21,7 @@ from cadence_fx.serve.protocol import audio as wire_audio
 from cadence_fx.serve.protocol import events as ev
 from cadence_fx.serve.session import Limits
 
-AUDIO = Path(__file__).resolve().parents[2].parent / "shared" / "audio"
+AUDIO = Path(__file__).resolve().parent / "audio"  # shared/audio, kept with the tests (see its README)
 GA_SCHEMA = pydantic.TypeAdapter(RealtimeServerEvent)
 TIER3 = {cls.TYPE for cls in ev.EVENTS.values() if cls.TIER == 3}
 
