@@ -28,7 +28,8 @@ def _delta(n: int | None) -> str:
 def table(record: dict) -> str:
     arms = record["arms"]
     if not arms:
-        return table_capacity(record)
+        head = f"{record['device']}, torch {record['torch']}, {record['depth']} size, commit {record['commit']}.\n"
+        return head + table_capacity(record)
     rows = [
         "| arm | steady chunk p50 / p95 (ms) | flow chunk p50 (ms) | CFM loop p50 (ms) | vs its eager (CFM loop) | kernels one chunk (ms, launches) "
         "| peak allocated: all / first turn / later turns | peak delta vs eager: predicted / measured "
@@ -87,8 +88,6 @@ def table_capacity(record: dict) -> str:
         text += "\n".join(lines) + "\n"
     elif sessions:
         text += f"\nCapacity run: {sessions.get('outcome')}\n"
-    if not record["arms"]:
-        text = f"{record['device']}, torch {record['torch']}, {record['depth']} size, commit {record['commit']}.\n" + text
     return text
 
 

@@ -129,29 +129,24 @@ def build_arm(arm: str, flow, hift, contract):
     return stock_flow, vocoder, None, engines
 
 
-def att_axis(contract) -> int:
-    return contract.region("estimator_att_cache").axis
-
-
 def predicted_delta_bytes(arm: str, contract) -> int | None:
     """The memory model of DESIGN.md section 2, from the declaration alone: an arm's peak minus
     eager's = its staging (copied inputs, one set per catalog class) plus its envelopes at
     A-dagger minus the stock envelopes. The state rule sets A-dagger = A (the derived demand) for
-    every region it resizes; aliasing stages nothing; Rc stages the stock cache once per class."""
+    every region it resizes; aliasing stages nothing; Rc stages the stock cache once per class.
+    R (its addresses drift) and V (the vendor's own buffers) are not modelled: None."""
     arm, _ = _base_arm(arm)
     catalog = derive(contract)
-    resized = [catalog.region(e.region) for e in ENVELOPES]
-    shrink = sum(r.bytes - r.stock_bytes for r in resized)
-    if arm in ("eager", "R", "V"):
-        return 0 if arm == "eager" else None  # R: addresses drift, V: vendor buffers: not modelled
+    if arm == "eager":
+        return 0
     if arm in ("S", "SRc"):
-        return shrink
+        return sum(catalog.region(e.region).bytes - catalog.region(e.region).stock_bytes for e in ENVELOPES)
     if arm == "Rc":
         cfm = catalog.operator("cfm_loop")
         att, cnn = catalog.region(cfm.region), catalog.region("estimator_cnn_cache")
-        per_frame = att.stock_bytes // att.stock_shape[att_axis(contract)]
+        per_frame = att.stock_bytes // att.stock_shape[contract.region(cfm.region).axis]
         return sum(per_frame * c.extent + cnn.stock_bytes for c in cfm.classes)
-    raise ValueError(arm)
+    return None
 
 
 def _bytes(*modules) -> int:
@@ -187,10 +182,11 @@ def run_arm(arm, flow, hift, contract, prompt, turns, device, seed):
     timed_cfm = _Timed(stream.flow.decoder.forward_chunk, device)
     stream.flow.decoder.forward_chunk = timed_cfm
     timed_flow = stream.flow_chunk = _Timed(stream.flow_chunk, device)
-    chunk_ms, mels, pcm, peaks = [], [], [], {}
+    chunk_ms, mels, pcm = [], [], []
+    first_turn = None
     for turn, chunks in enumerate(turns):
         if turn == 1:
-            peaks["first_turn"] = _peak(device, base, owned)
+            first_turn = _peak(device, base, owned)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
         torch.manual_seed(seed + turn)
@@ -209,17 +205,16 @@ def run_arm(arm, flow, hift, contract, prompt, turns, device, seed):
         timed_cfm.ms = timed_cfm.ms[: len(chunks)]
         cfm_ms, flow_ms = list(timed_cfm.ms), list(timed_flow.ms)
         timed_flow.ms.clear()
-    peaks["later_turns"] = _peak(device, base, owned) if len(turns) > 1 else None
-    if len(turns) == 1:
-        peaks["first_turn"] = _peak(device, base, owned)
-    overall = None if peaks["first_turn"] is None else max(p for p in peaks.values() if p is not None)
+    end = _peak(device, base, owned)
+    first_turn, later_turns = (first_turn, end) if len(turns) > 1 else (end, None)
+    overall = None if first_turn is None else max(first_turn, later_turns or 0)
     result = {
         "chunk_ms": chunk_ms,
         "cfm_loop_ms_last_turn": cfm_ms,
         "flow_chunk_ms_last_turn": flow_ms,
         "peak_allocated_bytes": overall,
-        "peak_allocated_bytes_first_turn": peaks["first_turn"],
-        "peak_allocated_bytes_later_turns": peaks["later_turns"],
+        "peak_allocated_bytes_first_turn": first_turn,
+        "peak_allocated_bytes_later_turns": later_turns,
         "reserved_bytes_end": torch.cuda.memory_reserved(device) if device.type == "cuda" else None,
         "replay": {name: e.counters.as_dict() for name, e in engines.items()},
     }
@@ -335,8 +330,8 @@ def _one_arm(args, device) -> dict:
     saved = {"settings": settings}
     torch.set_grad_enabled(args.grad)
     if args.only == "capacity":
-        sessions = [int(n) for n in args.capacity.split(",")]
-        saved["capacity"] = capacity(flow, hift, contract, prompt, device, sessions, args.capacity_chunks, args.seed)
+        saved["capacity"] = capacity(flow, hift, contract, prompt, device, _session_counts(args.capacity),
+                                     args.capacity_chunks, args.seed)
         return saved
     saved["predicted_delta_bytes"] = predicted_delta_bytes(args.only, contract)
     if args.only == "eager":
@@ -347,6 +342,15 @@ def _one_arm(args, device) -> dict:
     result["kernels_one_steady_chunk"] = _profile_steady_chunk(stream, turns[0][1], device)
     saved.update(result=result, mels=mels, pcm=pcm)
     return saved
+
+
+def _session_counts(text: str) -> list[int]:
+    """`--capacity`'s session counts; [] when `text` is not positive integers separated by commas."""
+    try:
+        counts = [int(n) for n in text.split(",")]
+    except ValueError:
+        return []
+    return counts if min(counts) >= 1 else []
 
 
 def _signed(n: int | None) -> str:
@@ -401,11 +405,7 @@ def main(argv=None) -> int:
         if fp16 and arm != "eager16" and ("eager16" not in arms or arms.index("eager16") > arms.index(arm)):
             parser.error(f"--arms: {arm} is compared with eager16, which must run before it")
     if args.capacity:
-        try:
-            counts = [int(n) for n in args.capacity.split(",")]
-        except ValueError:
-            counts = []
-        if not counts or min(counts) < 1:
+        if not _session_counts(args.capacity):
             parser.error(f"--capacity must be positive session counts separated by commas, got {args.capacity!r}")
         if args.capacity_chunks < 4:
             parser.error("--capacity-chunks must be at least 4 (3 chunks cross the classes, then steady rounds)")

@@ -52,9 +52,7 @@ class SessionManager:
         self.sessions[session_id] = session
         session.start(transport)
         if len(self.sessions) == self.limits.max_sessions:  # now full: the others learn it
-            for other in self.sessions.values():
-                if other is not session:
-                    other.report_rate_limits()
+            self._report_rate_limits(besides=session)
         return session
 
     async def resume(self, command: ev.SessionResume, transport: Transport) -> Session:
@@ -68,12 +66,17 @@ class SessionManager:
         was_full = len(self.sessions) == self.limits.max_sessions
         if self.sessions.pop(session.id, None) is not None:
             if was_full:  # a slot is free again
-                for other in self.sessions.values():
-                    other.report_rate_limits()
+                self._report_rate_limits()
             self.ended += 1
             self.ended_ledgers[session.id] = session.ledgers
             while len(self.ended_ledgers) > _KEEP_ENDED_LEDGERS:
                 del self.ended_ledgers[next(iter(self.ended_ledgers))]
+
+    def _report_rate_limits(self, besides: Session | None = None) -> None:
+        """Every session but `besides` is told the server's session slots changed."""
+        for other in self.sessions.values():
+            if other is not besides:
+                other.report_rate_limits()
 
     async def _reap(self) -> None:
         while True:
