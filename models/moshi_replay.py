@@ -25,8 +25,9 @@ one class per stage. What the transform does:
   (`forward_text`), the depformer step (all codebooks and their sampling, its fresh per-step
   streaming state included; one binding per decoding mode, since greedy and sampling are
   different programs) and Mimi decode. Their catalog is the contract's (K = 1 each), as exact
-  signatures (arguments that are slices, such as the decoder's `tokens[:, 1:]`, are copied to
-  canonical strides first); the owned state is registered with each binding as module state, so
+  signatures (a slice argument is copied to canonical strides first, unless only its size-1
+  dimensions' strides differ, as for a frame split off a stream and the decoder's
+  `tokens[:, 1:]`: those pass as they are); the owned state is registered with each binding as module state, so
   the engine rewinds it after a probe and checks its addresses on every replay (ring bodies
   excepted, see `OwnedState`).
 
@@ -208,10 +209,14 @@ class OwnedState:
 
 
 def _canonical(x: Any) -> Any:
-    """A tensor with the canonical strides of its shape (slices of a larger tensor are copied;
-    values are unchanged), so the call matches its catalog signature exactly."""
-    if isinstance(x, torch.Tensor) and x.stride() != TensorSpec(tuple(x.shape)).key()[2]:
-        return x.clone(memory_format=torch.contiguous_format)
+    """A tensor whose layout matches the canonical one of its shape, so the call matches its
+    catalog signature exactly: a slice of a larger tensor is copied (values unchanged) unless it
+    differs only in the strides of size-1 dimensions, which a signature does not see (a frame
+    split off a stream and the decoder's ``tokens[:, 1:]`` are passed as they are: no copy)."""
+    if isinstance(x, torch.Tensor):
+        shape = tuple(x.shape)
+        if TensorSpec(shape, stride=tuple(x.stride())).key()[2] != TensorSpec(shape).key()[2]:
+            return x.clone(memory_format=torch.contiguous_format)
     return x
 
 
