@@ -105,10 +105,12 @@ class _Slot:
 
 
 def _base(t: torch.Tensor) -> float | int | bool | torch.Tensor:
+    """The value a fresh streaming entry writes into `t`: a scalar, or a copy in host memory (a
+    few per model, such as LMGen's initial tokens; a reset copies it in)."""
     flat = t.reshape(-1)
     if flat.numel() and bool((flat == flat[0]).all()):
         return flat[0].item()
-    return t.clone()
+    return t.to("cpu", copy=True)
 
 
 def _is_vendor_object(value: Any) -> bool:
