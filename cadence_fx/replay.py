@@ -79,6 +79,7 @@ __all__ = [
     "ReplayError",
     "ExactShapeReplay",
     "current_capture",
+    "HostCounters",
 ]
 
 log = logging.getLogger("cadence_fx.replay")
@@ -475,6 +476,19 @@ class CaptureHook(Protocol):
                   kwargs: dict[str, Any]) -> Any: ...
 
 
+class HostCounters(Protocol):
+    """Host-side integers the wrapped callable advances on every call (a stream's position, a
+    carry's retained extent), which a replay, running no Python, would leave behind.
+
+    The engine rewinds them after the probe and each warm-up (as it rewinds the tensors those
+    calls wrote), records per class how far the capturing call moved each one, and moves them by
+    as much after every replay, exactly as an eager call of that class would."""
+
+    def read(self) -> Sequence[int]: ...
+
+    def write(self, values: Sequence[int]) -> None: ...
+
+
 class _Rejected(Exception):
     def __init__(self, reason: MissReason, detail: str):
         super().__init__(detail)
@@ -666,6 +680,7 @@ class _ClassState:
     out_leaves: list[Any] = field(default_factory=list)
     out_clone: list[bool] = field(default_factory=list)
     out_spec: Any = None
+    host_advance: tuple[int, ...] = ()  # how far one call of this class moves each host counter
 
     def drop_graphs(self) -> None:
         self.phase = Phase.EAGER
@@ -704,6 +719,8 @@ class ExactShapeReplay:
             (or the module a bound method belongs to). Their buffers are rewound after the probe
             and their addresses checked on every replay.
         output_rule: "clone" or "static" (module docstring).
+        host_counters: the callable's host-side counters (`HostCounters`), kept in step with
+            eager across probes, warm-ups and replays.
         warmup: eager runs before capture on the side stream, the certification probe included.
         max_invalidations: after this many invalidations a class stays eager for good.
         debug: log every refused call with expected against actual.
@@ -712,7 +729,7 @@ class ExactShapeReplay:
     def __init__(self, fn: Callable[..., Any], catalog: Catalog, *, name: str | None = None,
                  aliased: Sequence[int | str] = (), hooks: Sequence[CaptureHook] = (),
                  modules: Sequence[torch.nn.Module] | None = None, output_rule: str = "clone",
-                 warmup: int = 2, max_invalidations: int = 3, check_module_state: bool = True,
+                 host_counters: HostCounters | None = None, warmup: int = 2, max_invalidations: int = 3, check_module_state: bool = True,
                  debug: bool = False):
         if output_rule not in ("clone", "static"):
             raise ValueError(f"output_rule must be 'clone' or 'static', not {output_rule!r}")
@@ -724,6 +741,7 @@ class ExactShapeReplay:
         self.hooks = tuple(hooks)
         self.modules = list(modules) if modules is not None else _modules_of(fn)
         self.output_rule = output_rule
+        self.host_counters = host_counters
         self.warmup = warmup
         self.max_invalidations = max_invalidations
         self.check_module_state = check_module_state
@@ -935,6 +953,7 @@ class ExactShapeReplay:
             stream, stream_ctx = None, contextlib.nullcontext()
         st.phase = Phase.CAPTURE
         rejected: _Rejected | None = None
+        counters = self._read_counters()
         with stream_ctx:
             probe = CaptureContext("probe", device, host_data=host_roots)
             try:
@@ -945,6 +964,7 @@ class ExactShapeReplay:
             except BaseException:
                 snapshot.restore()
                 rng.restore()
+                self._write_counters(counters)
                 for mod, saved in bindings:
                     mod._buffers.update(saved)
                 st.phase = Phase.EAGER
@@ -957,6 +977,7 @@ class ExactShapeReplay:
                 mod._buffers.update(saved)
             snapshot.restore()
             rng.restore()
+            self._write_counters(counters)
         if stream is not None:
             torch.cuda.current_stream(device).wait_stream(stream)
         host_rng = rng.host_readers(after)
@@ -1001,6 +1022,13 @@ class ExactShapeReplay:
             return self._eager(Miss(MissReason.NO_CUDA), args, kwargs)
         return self._capture(st, sig, leaves, spec, args, kwargs, device, stream, snapshot, rng, base, writes)
 
+    def _read_counters(self) -> tuple[int, ...]:
+        return () if self.host_counters is None else tuple(self.host_counters.read())
+
+    def _write_counters(self, values: Sequence[int]) -> None:
+        if self.host_counters is not None:
+            self.host_counters.write(values)
+
     @staticmethod
     def _side_stream(device: torch.device) -> torch.cuda.Stream:
         """One side stream per device for every engine's probes, warm-ups and captures: each new
@@ -1011,6 +1039,7 @@ class ExactShapeReplay:
 
     def _capture(self, st, sig, leaves, spec, args, kwargs, device, stream, snapshot, rng, base, writes) -> Any:
         names = st.names
+        counters = self._read_counters()
         with torch.cuda.stream(stream):
             for _ in range(self.warmup - 1):
                 with self._hooked(CaptureContext("warmup", device, host_data=[
@@ -1018,6 +1047,7 @@ class ExactShapeReplay:
                     self.fn(*args, **kwargs)
                 snapshot.restore()
                 rng.restore()
+                self._write_counters(counters)
         torch.cuda.current_stream(device).wait_stream(stream)
 
         static: list[Any] = list(leaves)
@@ -1058,6 +1088,7 @@ class ExactShapeReplay:
             torch.cuda.synchronize(device)
             snapshot.restore()
             rng.restore()
+            self._write_counters(counters)
             if isinstance(failure, _Rejected):
                 refusal = Miss(failure.reason, (failure.detail,))
             else:
@@ -1070,6 +1101,7 @@ class ExactShapeReplay:
 
         # The last segment is captured but not yet run; earlier ones ran at their cuts.
         recorder.steps[-1].run()
+        st.host_advance = tuple(after - before for before, after in zip(counters, self._read_counters(), strict=True))
         written = set(writes)
         st.steps = recorder.steps
         st.guarded = recorder.has_guards
@@ -1119,6 +1151,8 @@ class ExactShapeReplay:
         for i, buf in st.write_back:
             with torch.inference_mode(leaves[i].is_inference()):
                 leaves[i].copy_(buf)
+        if st.host_advance:
+            self._write_counters([value + step for value, step in zip(self._read_counters(), st.host_advance, strict=True)])
         self.counters.replays += 1
         return self._outputs(st)
 

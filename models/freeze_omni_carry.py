@@ -14,8 +14,14 @@ The transformed encoder keeps the stock interface (`init_buffers`, `init_pe_inde
 stock driver `stream_utterance` runs it unchanged; the buffer list it threads is then made of carry
 views. A new utterance (`init_buffers`) writes the base state into the carries in place.
 
-Replay is not wired for this family: its window ops keep the retained extent as a Python integer,
-which a captured graph would freeze; the compute rule is exercised on Token2Wav and Moshi.
+Replay: one `ExactShapeReplay` binding over the step, with the catalog's classes (K = 2: no keys
+retained yet, then one chunk of keys) as exact signatures, the buffer list (the carry views)
+aliased and the rewritten graphs as its modules. The window ops keep each carry's retained extent
+(and its write counts) in Python integers, which a replay, running no Python, would leave behind:
+the carries are the binding's `HostCounters`, so it rewinds them after its probe and moves them
+after each replay as the eager call of that class did. Under `audit=True` there is no replay: the
+auditor compares the stock retention with the carry on the host inside the step, which a graph
+cannot hold.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from cadence_fx.determinism import pin_deterministic
 from cadence_fx.passes.carry import Carry
 from cadence_fx.passes.state import Resize
 from cadence_fx.passes.window import Window, WindowCarry, rewrite_windows
+from cadence_fx.passes.hoist import HostConstantHoist
+from cadence_fx.replay import ExactShapeReplay, ShapeClass, Signature, TensorSpec
 from cadence_fx.report import format_bytes
 from cadence_fx.transform import Adapter, TransformReport, register_adapter
 
@@ -79,11 +87,33 @@ def _retained(region: RegionDerivation) -> int:
     return region.lower + region.window
 
 
+class CarryCounters:
+    """The window carries' host-side integers (retained extent, writes, retentions), as the
+    replay binding's `HostCounters`."""
+
+    FIELDS = ("extent", "writes", "retentions")
+
+    def __init__(self, carries: dict[str, WindowCarry]):
+        self.carries = list(carries.values())
+
+    def read(self) -> list[int]:
+        return [getattr(carry, name) for carry in self.carries for name in self.FIELDS]
+
+    def write(self, values) -> None:
+        values = list(values)
+        if len(values) != len(self.carries) * len(self.FIELDS):
+            raise ValueError(f"{len(values)} values for {len(self.carries)} carries of {len(self.FIELDS)} counters each")
+        for i, carry in enumerate(self.carries):
+            for j, name in enumerate(self.FIELDS):
+                setattr(carry, name, values[i * len(self.FIELDS) + j])
+
+
 class TransformedEncoder:
-    """The encoder's step on carries: the stock `infer` interface, one rewritten graph per class."""
+    """The encoder's step on carries: the stock `infer` interface, one rewritten graph per class,
+    under one replay binding (`replay`, None when replay is off)."""
 
     def __init__(self, encoder: FreezeOmniEncoder, graphs: dict[int, torch.fx.GraphModule], carries: dict[str, WindowCarry],
-                 report: TransformReport):
+                 report: TransformReport, *, replay: bool):
         self.config = encoder.config
         self.graphs = graphs
         self.carries = carries
@@ -92,6 +122,39 @@ class TransformedEncoder:
         self._base_context = encoder.init_buffers()[1::2]
         self._pe_index = encoder.init_pe_index()
         self.calls = {class_name(extent): 0 for extent in graphs}
+        self.replay: ExactShapeReplay | None = None
+        if replay:
+            device = encoder.global_cmvn.mean.device
+            self.replay = ExactShapeReplay(
+                self._step, self._classes(encoder, device), name=OPERATOR, aliased=[1], modules=list(graphs.values()),
+                host_counters=CarryCounters(carries), hooks=(HostConstantHoist(),) if device.type == "cuda" else (),
+            )
+            report.replays[OPERATOR] = self.replay
+
+    def _classes(self, encoder: FreezeOmniEncoder, device: torch.device) -> list[ShapeClass]:
+        """One exact signature per graph: the chunk, the buffer list of carry views retaining
+        `extent` frames of keys (none before the first chunk), the positional index."""
+        c = self.config
+        dtype = encoder.global_cmvn.mean.dtype
+        fbank = c.chunk_frames + c.chunk_overlap
+
+        def spec(t: torch.Tensor) -> TensorSpec:
+            return TensorSpec(tuple(t.shape), t.dtype, device, stride=tuple(t.stride()))
+
+        classes = []
+        for extent in self.graphs:
+            buffer: list = []
+            for layer in range(c.num_blocks):
+                keys, values = (self.carries[f"{KV}[{layer}].{part}"] for part in ("keys", "values"))
+                kv = None if extent == 0 else [spec(keys.view(extent)), spec(values.view(extent))]
+                buffer += [kv, spec(self.carries[f"{CONV}[{layer}]"].view(c.lorder))]
+            signature = Signature.of(TensorSpec((1, fbank, c.input_dim), dtype, device), buffer,
+                                     TensorSpec((), torch.long, device))
+            classes.append(ShapeClass(class_name(extent), signature, (("L", extent),)))
+        return classes
+
+    def _step(self, chunk: torch.Tensor, buffer: list, pe_index: torch.Tensor) -> tuple[torch.Tensor, list, torch.Tensor]:
+        return self.graphs[0 if buffer[0] is None else buffer[0][0].shape[2]](chunk, buffer, pe_index)
 
     def init_buffers(self) -> list:
         """A new utterance: no keys retained, the zero conv context written into the carries in place."""
@@ -114,7 +177,7 @@ class TransformedEncoder:
             raise ValueError(f"no catalog class retains {extent} frames of keys; classes: {sorted(self.graphs)}")
         self.calls[class_name(extent)] += 1
         with torch.no_grad():
-            return graph(chunk, buffer, pe_index)
+            return graph(chunk, buffer, pe_index) if self.replay is None else self.replay(chunk, buffer, pe_index)
 
 
 def _check_model(encoder: FreezeOmniEncoder, contract: Contract, catalog: Catalog) -> None:
@@ -231,9 +294,14 @@ class FreezeOmniAdapter(Adapter):
             report.stamps.append(stamp)
             report.graphs[name] = (gm, after)
             graphs[extent] = after
+        replay = replay and not audit
         if replay:
-            report.stamps.append("replay: not wired for freeze_omni (its window ops keep Python-side extents)")
-        return TransformedEncoder(model, graphs, carries, report), report
+            report.stamps.append(f"replay: {OPERATOR} K={len(graphs)}, the buffer list aliased, the carries' "
+                                 "extents as host counters")
+        else:
+            report.stamps.append("replay: off" + (" under audit (the auditor compares on the host inside the step)"
+                                                  if audit else ""))
+        return TransformedEncoder(model, graphs, carries, report, replay=replay), report
 
 
 register_adapter(FreezeOmniAdapter())

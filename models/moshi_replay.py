@@ -46,7 +46,7 @@ import contextlib
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -55,7 +55,7 @@ from cadence_fx.contract import DTYPES, Contract
 from cadence_fx.determinism import pin_deterministic
 from cadence_fx.passes.hoist import HostConstantHoist
 from cadence_fx.passes.state import Resize
-from cadence_fx.replay import ExactShapeReplay, ShapeClass, Signature, TensorSpec, current_capture
+from cadence_fx.replay import ExactShapeReplay, ShapeClass, Signature, TensorSpec
 from cadence_fx.report import format_bytes
 from cadence_fx.transform import Adapter, TransformReport, register_adapter
 
@@ -193,17 +193,13 @@ class OwnedState:
                 setattr(slot.owner, slot.attr, slot.tensor)
                 self.rebinds += 1
 
-    def read_counters(self) -> list[int]:
+    def read(self) -> list[int]:
+        """The host counters' values (the engine's `HostCounters`)."""
         return [getattr(owner, attr) for owner, attr, _ in self.counters]
 
-    def write_counters(self, values: list[int]) -> None:
-        for (owner, attr, _), value in zip(self.counters, values):
+    def write(self, values: Sequence[int]) -> None:
+        for (owner, attr, _), value in zip(self.counters, values, strict=True):
             setattr(owner, attr, value)
-
-    def advance(self, steps: list[tuple[int, int]]) -> None:
-        for i, step in steps:
-            owner, attr, _ = self.counters[i]
-            setattr(owner, attr, getattr(owner, attr) + step)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,43 +219,28 @@ def _canonical(x: Any) -> Any:
 
 
 class Stage:
-    """One hot stage: a replay binding (or the stage itself, without replay) plus the host-side
-    bookkeeping of the owned state around it."""
+    """One hot stage: a replay binding (or the stage itself, without replay) on the owned state.
+    The binding rewinds the state's host counters after its probe and moves them after each
+    replay as the eager call did (`HostCounters`)."""
 
     def __init__(self, name: str, fn: Callable[..., Any], classes: list[ShapeClass], state: OwnedState | None,
                  modules: list[torch.nn.Module], *, replay: bool, hooks: tuple = ()):
         self.name, self.fn, self.state = name, fn, state
         self.engine = (ExactShapeReplay(self._run, classes, name=name, modules=[*modules, *([state.holder] if state else [])],
-                                        hooks=hooks) if replay else None)
-        self.advance: list[tuple[int, int]] = []  # (counter index, step) of the host counters one call moves
-        self._ran = False
+                                        hooks=hooks, host_counters=state) if replay else None)
 
     def _run(self, *args: Any) -> Any:
-        probe = current_capture()
-        rewind = probe is not None and probe.phase in ("probe", "warmup")
-        before = self.state.read_counters() if self.state else []
         out = self.fn(*args)
         if self.state is not None:
             self.state.keep_addresses()
-            after = self.state.read_counters()
-            if rewind:
-                self.state.write_counters(before)
-            else:
-                self.advance = [(i, b - a) for i, (a, b) in enumerate(zip(before, after)) if b != a]
-        if not rewind:
-            self._ran = True
         return out
 
     def __call__(self, *args: Any) -> Any:
         from moshi.utils.compile import no_cuda_graph
 
         args = tuple(_canonical(a) for a in args)
-        self._ran = False
         with no_cuda_graph():
-            out = self.engine(*args) if self.engine is not None else self._run(*args)
-        if not self._ran and self.advance:
-            self.state.advance(self.advance)  # replayed: no Python ran, so move them as the eager call did
-        return out
+            return self.engine(*args) if self.engine is not None else self._run(*args)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -231,3 +231,25 @@ def test_two_left_chunks_give_three_classes_all_bit_identical():
     # The middle class keeps its concat whole: its operand is a prefix of the 12-frame carry.
     middle = [s.reason for s in report.sites if s.graph == class_name(4) and s.region == "attention_kv"]
     assert all("a strided view of the 8-unit prefix" in r and r.endswith("kept whole") for r in middle)
+
+
+def test_without_audit_one_binding_admits_both_classes_and_keeps_the_carries_in_step(encoder):
+    transformed, report = transform(encoder, contract_for(SMALL))
+    assert report.stamps[-1] == "replay: encoder_chunk K=2, the buffer list aliased, the carries' extents as host counters"
+    plain, _ = transform(encoder, contract_for(SMALL), replay=False)
+    assert plain.replay is None and report.replays == {"encoder_chunk": transformed.replay}
+    generator = torch.Generator().manual_seed(4)
+    for chunks in CHUNKS:
+        feats = torch.randn(1, chunks * SMALL.chunk_frames, SMALL.input_dim, generator=generator)
+        pairs = zip(stream_utterance(encoder, feats), stream_utterance(transformed, feats), strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)
+        stream_utterance(plain, feats)
+        # Each class's probe ran the step's Python once more; the binding rewound what it moved.
+        for name, carry in transformed.carries.items():
+            twin = plain.carries[name]
+            assert (carry.extent, carry.writes, carry.retentions) == (twin.extent, twin.writes, twin.retentions)
+    replay = transformed.replay
+    assert sorted(replay.certificates) == [class_name(0), class_name(4)]
+    assert all(c.admitted for c in replay.certificates.values())
+    assert replay.counters.as_dict() == {"calls": sum(CHUNKS), "captures": 0, "replays": 0, "eager": sum(CHUNKS),
+                                         "invalidations": 0, "fallbacks": {"no_cuda": sum(CHUNKS)}}

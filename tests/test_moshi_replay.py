@@ -116,20 +116,22 @@ def test_the_probationary_call_leaves_host_counters_as_eager_does(streams):
     assert offsets == [FRAMES] * (len(SEEDS) + 1)
 
 
-def test_a_replayed_call_moves_host_counters_as_an_eager_call_does(models, monkeypatch):
-    transformed, _ = transform(models, contract_for(SMALL))
-    stage = transformed.stages["lm_step"]
-    layer = models.lm.transformer.layers[0]
-    sequence = torch.zeros(1, models.lm.num_codebooks, 1, dtype=torch.long)
-    with transformed.session(sampling=False, seed=0) as step:
-        step(random_pcm(1, seed=4))
-        # Each layer and each attention counts one step per call: 2 layers, 2 counters each.
-        assert [steps for _, steps in stage.advance] == [1] * 4
-        counted = (layer._streaming_state.offset_cpu, layer.self_attn._streaming_state.offset_cpu)
-        monkeypatch.setattr(stage, "engine", lambda *args: "replayed")  # a replay runs no Python
-        assert stage(sequence, None, None) == "replayed"
-        assert (layer._streaming_state.offset_cpu, layer.self_attn._streaming_state.offset_cpu) == (
-            counted[0] + 1, counted[1] + 1)
+def test_each_stage_on_the_owned_state_gives_its_binding_the_host_counters(streams):
+    transformed, *_ = streams
+    for name in ("mimi_encode", "lm_step", "mimi_decode"):
+        stage = transformed.stages[name]
+        assert stage.engine.host_counters is stage.state
+    # What a replay does to them: every counter written at once, each one a vendor attribute.
+    lm = transformed.stages["lm_step"].state
+    with transformed.session(sampling=False, seed=0):
+        attention = transformed.models.lm.transformer.layers[0].self_attn._streaming_state
+        index = next(i for i, (owner, attr, _) in enumerate(lm.counters) if owner is attention and attr == "offset_cpu")
+        values = lm.read()
+        assert values[index] == attention.offset_cpu == 0
+        lm.write([v + 1 for v in values])
+        assert attention.offset_cpu == 1
+        lm.write(values)
+        assert lm.read() == values
 
 
 def test_the_vendors_state_rebinding_becomes_an_in_place_write(streams, models):

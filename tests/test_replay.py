@@ -160,6 +160,34 @@ def test_probe_is_invisible_writes_happen_once_and_are_certified():
     assert engine.certificates["class0"].writes == ("carry",)
 
 
+class Position:
+    """A stream position kept on the host, advanced by every call (`HostCounters`)."""
+
+    def __init__(self) -> None:
+        self.frames = 0
+
+    def read(self) -> list[int]:
+        return [self.frames]
+
+    def write(self, values) -> None:
+        (self.frames,) = values
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        self.frames += 1
+        return x * 2
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["declared", "undeclared"])
+def test_the_probe_rewinds_declared_host_counters(declared):
+    position, x = Position(), torch.ones(4)
+    engine = ExactShapeReplay(position.step, [Signature.of(x)], host_counters=position if declared else None)
+    for _ in range(3):
+        engine(x)
+    # Undeclared, the probe's Python ran once more than the stream's calls.
+    assert position.frames == (3 if declared else 4)
+    assert engine.host_counters is (position if declared else None)
+
+
 class NoisyHost(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + torch.rand(x.shape)

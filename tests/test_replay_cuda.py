@@ -155,6 +155,35 @@ def noisy(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+class Position:
+    """A stream position on the host that every call advances, by 1 or by 2 frames."""
+
+    def __init__(self) -> None:
+        self.frames = 0
+
+    def read(self) -> list[int]:
+        return [self.frames]
+
+    def write(self, values) -> None:
+        (self.frames,) = values
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        self.frames += x.shape[0]
+        return x * 2
+
+
+@torch.no_grad()
+def test_replays_move_declared_host_counters_as_eager_calls_do():
+    position = Position()
+    one, two = torch.ones(1, device=DEVICE), torch.ones(2, device=DEVICE)
+    engine = ExactShapeReplay(position.step, [ShapeClass("one", Signature.of(one)), ShapeClass("two", Signature.of(two))],
+                              host_counters=position)
+    for x in (one, two, one, one, two):
+        assert torch.equal(engine(x), x * 2)
+    assert engine.counters.captures == 2 and engine.counters.replays == 5 and engine.counters.eager == 0
+    assert position.frames == 7
+
+
 def test_device_rng_replays_draw_what_eager_draws_first_replay_included():
     x = torch.randn(4, 1000, device=DEVICE)
     torch.cuda.manual_seed(1234)

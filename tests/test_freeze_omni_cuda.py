@@ -1,0 +1,46 @@
+"""Freeze-Omni's encoder at full size on CUDA: the window carries under replay, bit-exact.
+
+The transformed step (carries in place of the stock concat-and-slice retention) replays one CUDA
+graph per catalog class; every chunk of utterances crossing both classes is `torch.equal` to the
+stock encoder's eager output, under the deterministic settings the transform pins.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cadence_fx import transform
+from cadence_fx.models.freeze_omni_carry import class_name, reference_encoder
+from cadence_fx.models.freeze_omni_encoder import stream_utterance
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+
+CHUNKS = (3, 6, 4)  # chunks per utterance: each crosses both classes
+
+
+@torch.no_grad()
+def test_full_size_encoder_replays_both_classes_bit_exact():
+    encoder, contract = reference_encoder("full")
+    encoder = encoder.cuda()
+    transformed, report = transform(encoder, contract)
+    c = encoder.config
+    generator = torch.Generator().manual_seed(0)
+    equal = []
+    for chunks in CHUNKS:
+        feats = torch.randn(1, chunks * c.chunk_frames, c.input_dim, generator=generator).cuda()
+        stock = stream_utterance(encoder, feats)
+        replayed = stream_utterance(transformed, feats)
+        equal += [torch.equal(a, b) for a, b in zip(stock, replayed, strict=True)]
+    assert equal == [True] * sum(CHUNKS)
+    replay = transformed.replay
+    assert replay.counters.as_dict() == {"calls": sum(CHUNKS), "captures": 2, "replays": sum(CHUNKS), "eager": 0,
+                                         "invalidations": 0, "fallbacks": {}}
+    assert sorted(replay.certificates) == sorted([class_name(0), class_name(c.kv_frames)])
+    assert all(cert.captured for cert in replay.certificates.values())
+    assert transformed.calls == {class_name(0): len(CHUNKS), class_name(c.kv_frames): sum(CHUNKS) - len(CHUNKS)}
+    # After the last chunk the carries retain what the stock step retains.
+    assert {carry.extent for name, carry in transformed.carries.items() if name.startswith("attention_kv")} == {c.kv_frames}
