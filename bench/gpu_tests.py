@@ -6,13 +6,19 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from pathlib import Path
 
-import pytest
-import torch
+# Run as a script, this file's folder is sys.path[0], where `import moshi` would find
+# bench/moshi.py instead of the vendor's package.
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != Path(__file__).resolve().parent]
 
-from cadence_fx.determinism import settings
-from cadence_fx.report import measured_commit
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from cadence_fx.determinism import settings  # noqa: E402
+from cadence_fx.report import measured_commit  # noqa: E402
 
 
 class _Recorder:
@@ -27,6 +33,13 @@ class _Recorder:
             entry["error"] = str(report.longrepr)[-2000:]
         elif report.skipped and entry["outcome"] == "passed":
             entry["outcome"] = "skipped"
+            entry["reason"] = str(report.longrepr)[-500:]
+
+    def pytest_collectreport(self, report) -> None:
+        """A whole module skipped or broken at collection counts too (e.g. a missing package)."""
+        if report.skipped or report.failed:
+            self.results[report.nodeid] = {"outcome": "skipped" if report.skipped else "failed", "seconds": 0.0,
+                                           "reason": str(report.longrepr)[-500:]}
 
 
 def main(out: str, paths: list[str]) -> int:
