@@ -7,6 +7,8 @@ stock encoder's eager output, under the deterministic settings the transform pin
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -20,6 +22,22 @@ pytestmark = [
 ]
 
 CHUNKS = (3, 6, 4)  # chunks per utterance: each crosses both classes
+MEASURED: dict[str, float] = {}  # recorded by bench/gpu_tests.py, never asserted
+
+
+def _steady_chunk_ms(encoder, feats: torch.Tensor, n: int = 20) -> float:
+    """Mean wall time of a steady chunk (the second class), CUDA-synchronised."""
+    c = encoder.config
+    window = feats[:, : c.chunk_frames + c.chunk_overlap]
+    buffer, pe_index = encoder.init_buffers(), encoder.init_pe_index()
+    _, buffer, pe_index = encoder.infer(window, buffer, pe_index)
+    _, buffer, pe_index = encoder.infer(window, buffer, pe_index)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        _, buffer, pe_index = encoder.infer(window, buffer, pe_index)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / n * 1e3
 
 
 @torch.no_grad()
@@ -44,3 +62,5 @@ def test_full_size_encoder_replays_both_classes_bit_exact():
     assert transformed.calls == {class_name(0): len(CHUNKS), class_name(c.kv_frames): sum(CHUNKS) - len(CHUNKS)}
     # After the last chunk the carries retain what the stock step retains.
     assert {carry.extent for name, carry in transformed.carries.items() if name.startswith("attention_kv")} == {c.kv_frames}
+    MEASURED["steady_chunk_eager_ms"] = _steady_chunk_ms(encoder, feats)
+    MEASURED["steady_chunk_replay_ms"] = _steady_chunk_ms(transformed, feats)
