@@ -11,6 +11,7 @@ run. Run it from outside the repository's folders (``bench/moshi.py`` would shad
 
     python bench/serve_load.py --sessions 8 --seconds 60                      # tone: bench/results/serve_load.json
     python bench/serve_load.py --plugin moshi-tiny     # bench/results/serve_load_moshi.json
+    python bench/serve_load.py --plugin moshi-full --sessions 2 --seconds 30  # a GPU: serve_load_moshi_full.json
 """
 
 from __future__ import annotations
@@ -72,6 +73,16 @@ def _cpu_model() -> str:
     return names[0] if names else platform.processor() or "cpu"
 
 
+def _gpu() -> str | None:
+    """The first NVIDIA GPU's name, from nvidia-smi (this process does not touch the device)."""
+    try:
+        query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+        names = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.split("\n")
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return names[0].strip() or None
+
+
 def _stats_ms(seconds: list[float]) -> dict | None:
     stats = latency_stats([1e3 * s for s in seconds])
     if stats is None:
@@ -82,17 +93,22 @@ def _stats_ms(seconds: list[float]) -> dict | None:
 
 
 def _model_load(plugin: dict, wall_s: float, sessions: int) -> dict | None:
-    """For a plugin that ticks in worker processes (``moshi-*``): how busy the workers were and what
-    a tick cost them on a core, against what real time asks (12.5 ticks/s per session)."""
+    """For a plugin that ticks in tick places (``moshi-*``: worker processes on a CPU, a thread of
+    the server on a GPU): how busy they were and what a tick cost, against what real time asks
+    (12.5 ticks/s per session). On a CPU a tick's cost is its time on a core; on a GPU it is its
+    wall time (the device's work is not on the thread's clock)."""
     if "tick_cpu_seconds_per_process" not in plugin:
         return None
-    ticks, cpu = plugin["frames"]["ticks"], sum(plugin["tick_cpu_seconds_per_process"])
-    cpu_ms_per_tick = 1e3 * cpu / ticks
+    ticks = plugin["frames"]["ticks"]
+    cpu_ms_per_tick = 1e3 * sum(plugin["tick_cpu_seconds_per_process"]) / ticks
+    wall_ms_per_tick = 1e3 * sum(plugin["tick_seconds_per_process"]) / ticks
+    cost_ms = cpu_ms_per_tick if plugin["device"] == "cpu" else wall_ms_per_tick
     return {
         "ticks": ticks,
         "worker_busy_fraction": [round(busy / wall_s, 3) for busy in plugin["tick_seconds_per_process"]],
         "cpu_ms_per_tick": round(cpu_ms_per_tick, 2),
-        "ticks_per_s_at_that_cost": round(len(plugin["tick_cpu_seconds_per_process"]) * 1e3 / cpu_ms_per_tick, 1),
+        "wall_ms_per_tick": round(wall_ms_per_tick, 2),
+        "ticks_per_s_at_that_cost": round(len(plugin["tick_seconds_per_process"]) * 1e3 / cost_ms, 1),
         "ticks_per_s_real_time_needs": sessions * 12.5,
     }
 
@@ -102,12 +118,15 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--plugin", default="tone")
-    parser.add_argument("--out", type=Path, help="default: results/serve_load.json (tone), serve_load_moshi.json")
+    parser.add_argument(
+        "--out", type=Path, help="default: results/serve_load.json (tone), serve_load_moshi.json (moshi-tiny), "
+        "serve_load_<plugin>.json (any other)"
+    )
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for the server to come up")
     parser.add_argument("--patience", type=float, default=120.0, help="seconds a session waits for any one answer")
     args = parser.parse_args()
-    family = "" if args.plugin == "tone" else "_" + args.plugin.split("-")[0]
-    out = args.out or RESULTS / f"serve_load{family}.json"
+    named = {"tone": "serve_load.json", "moshi-tiny": "serve_load_moshi.json"}
+    out = args.out or RESULTS / named.get(args.plugin, f"serve_load_{args.plugin.replace('-', '_')}.json")
 
     port = free_port()
     started = time.monotonic()
@@ -138,7 +157,7 @@ def main() -> None:
             ).stdout.strip()
         ),
         "command": " ".join(["python", "bench/serve_load.py", *sys.argv[1:]]),
-        "device": f"CPU: {_cpu_model()}, {os.cpu_count()} cores",
+        "device": f"CPU: {_cpu_model()}, {os.cpu_count()} cores" + (f"; GPU: {_gpu()}" if _gpu() else ""),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "plugin": args.plugin + (" (test double, not a model)" if args.plugin == "tone" else ""),

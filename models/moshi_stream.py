@@ -267,23 +267,29 @@ def time_frames(
 
 def _tiny_mimi() -> dict[str, Any]:
     mimi = _small_mimi()
-    mimi["seanet"].update(dimension=64, n_residual_layers=0)
-    mimi["quantizer"].update(dimension=16, input_dimension=64, output_dimension=64)
+    mimi["seanet"].update(n_filters=4, dimension=32, n_residual_layers=0)
+    mimi["quantizer"].update(dimension=8, input_dimension=32, output_dimension=32)
     mimi["transformer"].update(
-        d_model=64, num_layers=1, dim_feedforward=128, input_dimension=64, output_dimensions=[64],
+        d_model=32, num_layers=1, dim_feedforward=64, input_dimension=32, output_dimensions=[32],
     )
     return mimi
 
 
-# The duplex service's embedded default (`moshi-tiny` in serve/plugins/moshi.py), cut down toward
+# The duplex service's embedded default (`moshi-tiny` in serve/plugins/moshi.py), cut down for
 # 8 sessions on 2 CPU cores, where a frame is bound by per-operator overhead (what 8 sessions
 # measured: bench/results/serve_load_moshi.json). SMALL with one layer in each transformer (Mimi's
-# encoder and decoder transformers, the LM, the depformer), widths of 64 (Mimi's latent and
-# transformers, the LM; the depformer already is), 16-dimensional codebook vectors and no residual
-# units in SEANet. Everything else SMALL keeps real stays real: ring capacities, codebook counts
-# and bins, delays, vocabularies, sampling widths, the SEANet strides and the 80 ms frame.
+# encoder and decoder transformers, the LM, the depformer), widths of 32 (Mimi's latent and
+# transformers, the LM, the depformer; feed-forwards of 64), 8-dimensional codebook vectors, 4
+# SEANet base filters and no residual units in SEANet. Widths went from 64 to 32 (and SEANet's
+# filters from 8 to 4) when 8 sessions did not keep real time: the operators are the same, but
+# every frame reads half the weights and ring bytes (the LM's 32,000-way text projection alone
+# was 8 MB of float32 per frame). Everything else SMALL keeps real stays real: head counts, ring
+# capacities, codebook counts and bins, delays, vocabularies, sampling widths, the SEANet strides
+# and the 80 ms frame.
 TINY = MoshiConfig(
     mimi=_tiny_mimi(),
-    lm_kwargs=SMALL.lm_kwargs | dict(dim=64, num_layers=1, depformer_num_layers=1),
+    lm_kwargs=SMALL.lm_kwargs | dict(
+        dim=32, num_layers=1, depformer_dim=32, depformer_dim_feedforward=64, depformer_num_layers=1,
+    ),
     lm_dtype=torch.float32,
 )

@@ -1,9 +1,10 @@
 """Model plugins. A real model plugin registers itself here with ``register_plugin``.
 
 ``moshi-tiny`` (Moshi at its TINY size on a CPU, ``moshi.py``) is the service's default model;
-``moshi-small`` is the same plugin at the SMALL size (more than 2 cores for 8 sessions). Both load
-torch and the vendor only when chosen. ``tone`` is a test double used by the service's tests, not
-a model.
+``moshi-small`` is the same plugin at the SMALL size (more than 2 cores for 8 sessions) and
+``moshi-full`` at Moshi 7B's own size on an NVIDIA GPU (it refuses to load without one). All three
+load torch and the vendor only when chosen. ``tone`` is a test double used by the service's tests,
+not a model.
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ def _moshi(size: str) -> PluginFactory:
     return build
 
 
-_REGISTRY: dict[str, PluginFactory] = {"tone": ToneModel, "moshi-tiny": _moshi("tiny"), "moshi-small": _moshi("small")}
+_REGISTRY: dict[str, PluginFactory] = {
+    "tone": ToneModel,
+    "moshi-tiny": _moshi("tiny"),
+    "moshi-small": _moshi("small"),
+    "moshi-full": _moshi("full"),
+}
 
 
 def register_plugin(name: str, factory: PluginFactory) -> None:

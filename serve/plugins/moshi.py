@@ -1,13 +1,17 @@
-"""``moshi-tiny`` (the service's embedded default) and ``moshi-small``: Moshi on a CPU.
+"""``moshi-tiny`` (the service's embedded default), ``moshi-small`` (both on a CPU) and
+``moshi-full`` (on an NVIDIA GPU).
 
-Moshi (Mimi codec, LM and depformer) at the TINY or SMALL size of ``models/moshi_stream.py``:
+Moshi (Mimi codec, LM and depformer) at a size of ``models/moshi_stream.py`` on a device, both
+explicit (``MoshiPlugin(size=..., device=...)``; each size has its default device, ``DEVICES``):
 random weights from a fixed seed, nothing downloaded, real codebook counts, delays, vocabularies
 and ring capacities. TINY is SMALL cut down for 8 sessions on 2 CPU cores (one layer per
-transformer, widths of 64, 16-dimensional codebook vectors, no SEANet residual units; what it
-keeps is listed at its definition); ``bench/results/serve_load_moshi.json`` is what 8 sessions
-of it measured. It runs full duplex on its native clock through the cadence-fx transform of the
-Moshi family (``transform(models, contract_for(config))``: the four stages under
-``ExactShapeReplay``, eager with admission bookkeeping on a CPU).
+transformer, widths of 32, 8-dimensional codebook vectors, 4 SEANet filters and no residual
+units; what it keeps is listed at its definition); ``bench/results/serve_load_moshi.json`` is
+what 8 sessions of it measured. FULL is Moshi 7B as shipped (the 7.7B-parameter LM in bfloat16
+and Mimi), on CUDA. Every size runs full duplex on its native clock through the cadence-fx
+transform of the Moshi family (``transform(models, contract_for(config))``: the four stages
+under ``ExactShapeReplay``; replayed as CUDA graphs on a GPU, eager with admission bookkeeping on
+a CPU).
 
 The clock is one **tick** per 80 ms frame: 1920 samples at 24 kHz in, ``mimi.encode`` ->
 ``LMGen.step`` -> ``mimi.decode``, 1920 samples out; only a stream's first tick gives nothing (the
@@ -29,29 +33,41 @@ How a duplex model maps onto the session's turns:
 * ``clear_input``: the cleared frames stop counting toward the turn. The model heard them as they
   arrived and keeps them: a duplex model absorbs its input tick by tick and cannot unhear it.
 
-Where the ticks run. A tick is bound by per-operator overhead in Python (thousands of small
-operator calls; the depformer's eight codebooks alone are about 40% of it), so it holds the GIL
-for most of its time: two threads running the stock SMALL loop on two streams measured 25.9
-frames/s in all, one thread 22.5. The plugin therefore ticks in ``processes``
-worker processes (2 by default, one per core of the machine the default is sized for), each with
-one torch thread, and puts each new stream on the process with the fewest open streams. A
-worker builds the same weights from the seed, runs its streams' ticks one request at a time in
-arrival order (a ``feed_frames`` is one request for all its frames), and holds the vendor's
-process-wide no-compile flag for its life. The vendor samples from torch's default generator, so
-each stream swaps its own generator state in for its ticks: one session's audio does not depend
-on the others'. Ticks run in inference mode (the same values as ``no_grad``, with less
-bookkeeping per operator). The turn bookkeeping above stays in the server process, so a reply
-frame that a ``feed`` already computed costs ``step`` no round trip to the worker.
+Where the ticks run: in **tick places**, each holding one copy of the weights (an ``_Engine``)
+and running its streams' ticks one request at a time in arrival order (a ``feed_frames`` is one
+request for all its frames); each new stream goes to the place with the fewest open streams.
 
-Sessions on a worker share its weights. Each stream leases a **replica** (the modules
-deep-copied with every parameter and buffer shared, then transformed) from its worker's pool
-and gives it back when it closes; the next session on it starts from the base state, which
-``TransformedMoshi.session`` writes in place. ``reserve(sessions)``, which the server calls at
-startup with its session limit, builds ``ceil(sessions / processes)`` replicas per worker ahead
-of time (the workers in parallel, a line on stderr per replica): least-loaded placement never
-puts more streams than that on one worker, so no session waits for a replica. A stream that
-finds its worker's pool empty (no ``reserve``) builds one on the spot, counted as
-``replicas_on_demand`` in ``describe()``.
+* On a CPU (``processes`` >= 1, 2 by default): worker processes. A tick is bound by per-operator
+  overhead in Python (thousands of small operator calls; the depformer's eight codebooks alone
+  are about 40% of it), so it holds the GIL for most of its time: two threads running the stock
+  SMALL loop on two streams measured 25.9 frames/s in all, one thread 22.5. So the plugin ticks
+  in worker processes, one per core of the machine the default is sized for, each with one torch
+  thread and the vendor's process-wide no-compile flag held for its life; a worker builds the
+  same weights from the seed.
+* On a GPU (``processes=0``, the only choice there): one thread of the server process, which
+  holds the device. Worker processes would each need their own copy of FULL's 15 GB of weights
+  and a CUDA context, and a single-threaded worker buys nothing when the work is on the device: a
+  replayed tick launches a few CUDA graphs, and torch lets go of the GIL while it waits for the
+  device, so the event loop stays responsive. The thread sets no process-wide torch option but
+  the vendor's no-compile flag (held while the plugin is open) and ``transform``'s deterministic
+  kernels. A CPU plugin can tick there too (``processes=0``), which the CPU tests use.
+
+The vendor samples from torch's default generator of the device, so each stream swaps its own
+generator states (the host's and, on a GPU, the device's) in for its ticks: one session's audio
+does not depend on the others'. Ticks run in inference mode (the same values as ``no_grad``,
+with less bookkeeping per operator). The turn bookkeeping above stays with the session, so a
+reply frame that a ``feed`` already computed costs ``step`` no request to its place.
+
+Sessions on a place share its weights. Each stream leases a **replica** (the modules
+deep-copied with every parameter and buffer shared, then transformed: its own streaming state,
+rings included, about 1.6 GB at FULL size) from its place's pool and gives it back when it
+closes; the next session on it starts from the base state, which ``TransformedMoshi.session``
+writes in place. ``reserve(sessions)``, which the server calls at startup with its session
+limit, builds ``ceil(sessions / places)`` replicas per place ahead of time (the places in
+parallel, a line on stderr per replica; on a GPU, building a replica captures its graphs):
+least-loaded placement never puts more streams than that on one place, so no session waits for
+a replica. A stream that finds its place's pool empty (no ``reserve``) builds one on the spot,
+counted as ``replicas_on_demand`` in ``describe()``.
 """
 
 from __future__ import annotations
@@ -70,6 +86,7 @@ import sys
 import threading
 import time
 import traceback
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -81,11 +98,21 @@ import torch
 
 from cadence_fx import transform
 from cadence_fx.models.moshi_replay import TransformedMoshi, contract_for
-from cadence_fx.models.moshi_stream import SAMPLE_RATE, SMALL, TINY, MoshiConfig, build_models, no_compile, random_pcm
+from cadence_fx.models.moshi_stream import (
+    FULL,
+    SAMPLE_RATE,
+    SMALL,
+    TINY,
+    MoshiConfig,
+    build_models,
+    no_compile,
+    random_pcm,
+)
 
 from .base import ModelPlugin, ModelStream, PluginInfo
 
-SIZES: dict[str, MoshiConfig] = {"tiny": TINY, "small": SMALL}
+SIZES: dict[str, MoshiConfig] = {"tiny": TINY, "small": SMALL, "full": FULL}
+DEVICES: dict[str, str] = {"tiny": "cpu", "small": "cpu", "full": "cuda"}  # each size's default device
 FRAME_SAMPLES = 1920  # 80 ms at 24 kHz: one tick
 SILENCE = np.zeros(FRAME_SAMPLES, dtype=np.float32)
 WARM_UP_TICKS = 2
@@ -96,7 +123,7 @@ WORKER_OPS = ("tick", "close", "parameters", "reserve", "describe")
 
 
 class _Ticker:
-    """One stream's clock on its worker: its replica's open session and its generator state."""
+    """One stream's clock on its place: its replica's open session and its generator states."""
 
     def __init__(self, engine: _Engine) -> None:
         self._engine = engine
@@ -104,18 +131,19 @@ class _Ticker:
         self._stack = contextlib.ExitStack()
         session = self._replica.session(sampling=engine.sampling, seed=engine.config.seed)
         self._tick_fn = self._stack.enter_context(session)
-        self._rng = torch.get_rng_state()  # the session seeded the default generator: this stream's draws
+        self._rng = engine.generators()  # the session seeded the default generators: this stream's draws
 
     def tick(self, frames: list[np.ndarray]) -> list[np.ndarray | None]:
         """One tick per frame, in order: each tick's 1920 output samples (None on a stream's first)."""
         outs = []
-        torch.set_rng_state(self._rng)
+        device = self._engine.device
+        self._engine.set_generators(self._rng)
         with torch.inference_mode():
             for frame in frames:
-                _, pcm = self._tick_fn(torch.from_numpy(frame).view(1, 1, FRAME_SAMPLES))
+                _, pcm = self._tick_fn(torch.from_numpy(frame).view(1, 1, FRAME_SAMPLES).to(device))
                 # A replayed output is a static buffer: copied out.
-                outs.append(None if pcm is None else pcm.reshape(-1).numpy().copy())
-        self._rng = torch.get_rng_state()
+                outs.append(None if pcm is None else pcm.reshape(-1).to("cpu", copy=True).numpy())
+        self._rng = self._engine.generators()
         self._engine.ticks += len(frames)
         return outs
 
@@ -125,28 +153,28 @@ class _Ticker:
 
 
 class _Engine:
-    """A worker's weights, replica pool and streams' clocks."""
+    """A place's weights, replica pool and streams' clocks, on one device."""
 
-    def __init__(self, config: MoshiConfig, sampling: bool) -> None:
-        self.config, self.sampling = config, sampling
-        self.models = build_models(config)
+    def __init__(self, config: MoshiConfig, sampling: bool, device: str) -> None:
+        self.config, self.sampling, self.device = config, sampling, torch.device(device)
+        self.models = build_models(config, self.device)
         self.replicas: list[TransformedMoshi] = []
         self.free: list[TransformedMoshi] = []
         self.on_demand = 0
         self.tickers: dict[int, _Ticker] = {}
         self.ticks = 0
-        self.tick_seconds = 0.0  # spent ticking: this worker's load
-        self.tick_cpu_seconds = 0.0  # of which on a core (less: other processes had it)
+        self.tick_seconds = 0.0  # spent ticking: this place's load
+        self.tick_cpu_seconds = 0.0  # of which its thread ran on a core (less: others had it, or the GPU worked)
 
     def handle(self, op: str, key: int | None, args: tuple, progress: Callable[[], None]) -> Any:
         if op == "tick":
-            started, cpu = time.perf_counter(), time.process_time()
+            started, cpu = time.perf_counter(), time.thread_time()
             ticker = self.tickers.get(key)
             if ticker is None:
                 ticker = self.tickers[key] = _Ticker(self)
             outs = ticker.tick(*args)
             self.tick_seconds += time.perf_counter() - started
-            self.tick_cpu_seconds += time.process_time() - cpu
+            self.tick_cpu_seconds += time.thread_time() - cpu
             return outs
         if op == "close":
             ticker = self.tickers.pop(key, None)
@@ -179,6 +207,16 @@ class _Engine:
     def give_back(self, replica: TransformedMoshi) -> None:
         self.free.append(replica)
 
+    def generators(self) -> tuple[torch.Tensor, ...]:
+        """The states of the default generators a tick draws from: the host's, and the GPU's."""
+        host = torch.get_rng_state()
+        return (host,) if self.device.type == "cpu" else (host, torch.cuda.get_rng_state(self.device))
+
+    def set_generators(self, states: tuple[torch.Tensor, ...]) -> None:
+        torch.set_rng_state(states[0])
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(states[1], self.device)
+
     def _build(self) -> TransformedMoshi:
         shared = {
             id(t): t
@@ -186,12 +224,13 @@ class _Engine:
             for t in itertools.chain(module.parameters(), module.buffers())
         }
         replica, _ = transform(copy.deepcopy(self.models, shared), contract_for(self.config))
-        # A binding certifies its class on its first call (a second or two on a CPU): done here, so
-        # that it never lands in a session's frame. Two ticks, since the first one decodes nothing.
-        # The next session resets the state in place.
+        # A binding certifies its class on its first call (a second or two on a CPU) and captures its
+        # graphs on a GPU: done here, so that it never lands in a session's frame. Two ticks, since
+        # the first one decodes nothing. The next session resets the state in place.
+        silence = torch.from_numpy(SILENCE).view(1, 1, FRAME_SAMPLES).to(self.device)
         with replica.session(sampling=self.sampling, seed=self.config.seed) as tick, torch.inference_mode():
             for _ in range(WARM_UP_TICKS):
-                tick(torch.from_numpy(SILENCE).view(1, 1, FRAME_SAMPLES))
+                tick(silence)
         self.replicas.append(replica)
         return replica
 
@@ -230,7 +269,7 @@ def _worker_main() -> None:
     torch.set_grad_enabled(False)
     config = dataclasses.replace(SIZES[options["size"]], seed=options["seed"])
     with no_compile():
-        engine = _Engine(config, options["sampling"])
+        engine = _Engine(config, options["sampling"], "cpu")
         while True:
             try:
                 request = conn.recv()
@@ -248,7 +287,55 @@ def _worker_main() -> None:
 # ---------------------------------------------------------------- in the server process
 
 
-class _Worker:
+class _Place(ABC):
+    """Where some streams' ticks run: requests ``(op, stream key, args)`` answered one at a time,
+    in arrival order, by an ``_Engine``."""
+
+    index: int
+    name: str
+    streams: int  # open streams placed here
+
+    @abstractmethod
+    def submit(
+        self, op: str, key: int | None = None, *args: Any, progress: Callable[[], None] = lambda: None
+    ) -> Future: ...
+
+    def call(self, op: str, key: int | None = None, *args: Any) -> Any:
+        return self.submit(op, key, *args).result()
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class _InProcess(_Place):
+    """Ticks on one thread of the server process (a GPU's place): the engine is built there and
+    every request runs there, so the thread's grad mode and the device's state stay its own."""
+
+    def __init__(self, name: str, config: MoshiConfig, sampling: bool, device: str) -> None:
+        self.index, self.name, self.streams = 0, name, 0
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-ticks")
+        self._flags = contextlib.ExitStack()
+        self._engine = self._thread.submit(self._start, config, sampling, device)
+
+    def _start(self, config: MoshiConfig, sampling: bool, device: str) -> _Engine:
+        torch.set_grad_enabled(False)  # this thread's mode only
+        self._flags.enter_context(no_compile())  # process-wide, for as long as the plugin is open
+        return _Engine(config, sampling, device)
+
+    def submit(
+        self, op: str, key: int | None = None, *args: Any, progress: Callable[[], None] = lambda: None
+    ) -> Future:
+        return self._thread.submit(self._handle, op, key, args, progress)
+
+    def _handle(self, op: str, key: int | None, args: tuple, progress: Callable[[], None]) -> Any:
+        return self._engine.result().handle(op, key, args, progress)  # raises what building it raised
+
+    def close(self) -> None:
+        self._thread.submit(self._flags.close).result()
+        self._thread.shutdown(wait=True)
+
+
+class _Worker(_Place):
     """One worker process and the one thread that talks to it: requests go out in arrival order,
     one at a time.
 
@@ -277,9 +364,6 @@ class _Worker:
         self, op: str, key: int | None = None, *args: Any, progress: Callable[[], None] = lambda: None
     ) -> Future:
         return self._thread.submit(self._roundtrip, op, key, args, progress)
-
-    def call(self, op: str, key: int | None = None, *args: Any) -> Any:
-        return self.submit(op, key, *args).result()
 
     def _roundtrip(self, op: str, key: int | None, args: tuple, progress: Callable[[], None]) -> Any:
         self.conn.send((op, key, args))
@@ -311,11 +395,11 @@ class _Worker:
 
 
 class MoshiStream(ModelStream):
-    """One session's conversation with Moshi: the turn bookkeeping here, the ticks on its worker.
-    A reply frame that a ``feed`` computed is handed out by ``step`` without a round trip."""
+    """One session's conversation with Moshi: the turn bookkeeping here, the ticks on its place.
+    A reply frame that a ``feed`` computed is handed out by ``step`` without a request."""
 
-    def __init__(self, plugin: MoshiPlugin, worker: _Worker, key: int) -> None:
-        self._plugin, self._worker, self._key = plugin, worker, key
+    def __init__(self, plugin: MoshiPlugin, place: _Place, key: int) -> None:
+        self._plugin, self._place, self._key = plugin, place, key
         self._pending: deque[np.ndarray] = deque()  # reply frames computed by ``feed``
         self._closed = False
         self.budget = 0  # reply frames still to come out of ``step``
@@ -328,7 +412,7 @@ class MoshiStream(ModelStream):
         self.feed_frames([frame])
 
     def feed_frames(self, frames: list[np.ndarray]) -> None:
-        """All of them in one round trip to the worker."""
+        """All of them in one request to the place."""
         for frame in frames:
             if frame.shape != (FRAME_SAMPLES,) or frame.dtype != np.float32:
                 raise ValueError(
@@ -375,59 +459,103 @@ class MoshiStream(ModelStream):
             self._closed = True
             self.cancel()
             try:
-                self._worker.call("close", self._key)
+                self._place.call("close", self._key)
             finally:
-                self._plugin._placed_off(self._worker)
+                self._plugin._placed_off(self._place)
 
     def _tick(self, frames: list[np.ndarray]) -> list[np.ndarray | None]:
-        outs = self._worker.call("tick", self._key, frames)
+        outs = self._place.call("tick", self._key, frames)
         self.ticks += len(frames)
         return outs
 
 
+def _require_cuda(name: str) -> None:
+    if not torch.cuda.is_available():
+        why = (
+            f"this torch ({torch.__version__}) is built without CUDA"
+            if torch.version.cuda is None
+            else f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no CUDA device"
+        )
+        raise RuntimeError(
+            f"{name} runs on an NVIDIA GPU (device 'cuda') and there is none here: {why}, "
+            "torch.cuda.is_available() is False. On a CPU, serve moshi-tiny or moshi-small."
+        )
+
+
 class MoshiPlugin(ModelPlugin):
-    """Moshi at ``size`` (``tiny`` or ``small``), full duplex on 24 kHz frames of 80 ms, ticking in
-    ``processes`` worker processes. See the module docstring."""
+    """Moshi at ``size`` (``tiny``, ``small`` or ``full``) on ``device`` (``cpu`` or ``cuda``;
+    None: the size's own, ``DEVICES``), full duplex on 24 kHz frames of 80 ms, ticking in
+    ``processes`` worker processes, or in the server process when that is 0. See the module
+    docstring."""
 
     def __init__(
         self,
         *,
         size: str = "tiny",
+        device: str | None = None,
         seed: int = 0,
         sampling: bool = True,
         max_reply_frames: int = 125,
-        processes: int = 2,
-        threads: int = 1,
+        processes: int | None = None,
+        threads: int | None = None,
     ) -> None:
         """``seed`` draws the weights and seeds every session's sampling; ``sampling`` False decodes
-        greedily. ``threads`` is torch's intra-op thread count in each worker: the model is small
-        enough that a tick is bound by per-operator overhead, and a second thread only contends
-        for the cores the other workers and the event loop need.
+        greedily. ``processes`` defaults to 2 on a CPU and must be 0 (its default) on a GPU.
+        ``threads`` is torch's intra-op thread count in each worker process (1 by default): the
+        model is small enough that a tick is bound by per-operator overhead, and a second thread
+        only contends for the cores the other workers and the event loop need. Fails before
+        building anything when the device is not there.
         """
         if size not in SIZES:
             raise ValueError(f"unknown Moshi size {size!r}; expected one of {', '.join(SIZES)}")
+        device = DEVICES[size] if device is None else device
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"unknown device {device!r} for Moshi; expected 'cpu' or 'cuda'")
         if max_reply_frames < 1:
             raise ValueError(f"max_reply_frames must be at least 1, got {max_reply_frames}")
-        if processes < 1 or threads < 1:
-            raise ValueError(f"processes and threads must be at least 1, got {processes} and {threads}")
-        self.name = f"moshi-{size}"
-        self.size, self.seed, self.sampling = size, seed, sampling
+        processes = (2 if device == "cpu" else 0) if processes is None else processes
+        if processes < 0:
+            raise ValueError(f"processes must be 0 (ticks in the server process) or more, got {processes}")
+        if device == "cuda" and processes:
+            raise ValueError(
+                f"on cuda the ticks run in the server process (processes=0), not in {processes} worker "
+                "processes: each would need the GPU and its own copy of the weights"
+            )
+        if processes and threads is None:
+            threads = 1
+        if not processes and threads is not None:
+            raise ValueError(
+                "threads is the torch thread count of each worker process; with processes=0 the ticks run "
+                f"in the server process, which keeps its own (got threads={threads})"
+            )
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
+        self.name = f"moshi-{size}" if device == DEVICES[size] else f"moshi-{size}-{device}"
+        if device == "cuda":
+            _require_cuda(self.name)
+        self.size, self.device, self.seed, self.sampling = size, device, seed, sampling
         self.max_reply_frames, self.processes, self.threads = max_reply_frames, processes, threads
         self.config = dataclasses.replace(SIZES[size], seed=seed)
         self.streams = 0
         self.listened = self.replied = 0
         self._keys = itertools.count()
         self._lock = threading.Lock()  # placement and counters: streams call from several threads
-        options = {"size": size, "seed": seed, "sampling": sampling, "threads": threads}
-        self._workers = [_Worker(i, self.name, options) for i in range(processes)]
+        if processes:
+            options = {"size": size, "seed": seed, "sampling": sampling, "threads": threads}
+            self._places: list[_Place] = [_Worker(i, self.name, options) for i in range(processes)]
+            where = f"in {processes} worker process{'es' if processes > 1 else ''}"
+        else:
+            self._places = [_InProcess(self.name, self.config, sampling, device)]
+            where = "in the server process, on one thread"
         try:
-            counts = [w.submit("parameters") for w in self._workers]  # answered once a worker has built its weights
+            counts = [p.submit("parameters") for p in self._places]  # answered once a place has built its weights
             mimi, lm = counts[0].result()
             for other in counts[1:]:
                 other.result()
         except BaseException:
             self.close()
             raise
+        on = torch.cuda.get_device_name() if device == "cuda" else "CPU"
         self.info = PluginInfo(
             name=self.name,
             input_rate=SAMPLE_RATE,
@@ -435,23 +563,22 @@ class MoshiPlugin(ModelPlugin):
             frame_samples=FRAME_SAMPLES,
             description=(
                 f"Moshi {size.upper()} (Mimi {mimi / 1e6:.1f}M + LM {lm / 1e6:.1f}M parameters, random weights, seed "
-                f"{seed}), full duplex at 12.5 frames/s through the cadence-fx transform, in {processes} worker "
-                f"process{'es' if processes > 1 else ''}; a reply lasts as long as the user's turn, at most "
-                f"{max_reply_frames * FRAME_SAMPLES / SAMPLE_RATE:g} s"
+                f"{seed}) on {on}, full duplex at 12.5 frames/s through the cadence-fx transform, {where}; a "
+                f"reply lasts as long as the user's turn, at most {max_reply_frames * FRAME_SAMPLES / SAMPLE_RATE:g} s"
             ),
         )
 
     def open_stream(self) -> MoshiStream:
-        """On the worker with the fewest open streams (the first such): no call to it yet."""
+        """On the place with the fewest open streams (the first such): no call to it yet."""
         with self._lock:
-            worker = min(self._workers, key=lambda w: w.streams)
-            worker.streams += 1
+            place = min(self._places, key=lambda p: p.streams)
+            place.streams += 1
             self.streams += 1
-        return MoshiStream(self, worker, next(self._keys))
+        return MoshiStream(self, place, next(self._keys))
 
-    def _placed_off(self, worker: _Worker) -> None:
+    def _placed_off(self, place: _Place) -> None:
         with self._lock:
-            worker.streams -= 1
+            place.streams -= 1
 
     def _count(self, listened: int = 0, replied: int = 0) -> None:
         with self._lock:
@@ -460,8 +587,8 @@ class MoshiPlugin(ModelPlugin):
 
     def reserve(self, sessions: int) -> None:
         """Replicas for ``sessions`` concurrent streams, built now, a line of progress per replica."""
-        per_worker = -(-sessions // len(self._workers))
-        total, done, started = per_worker * len(self._workers), [0], time.monotonic()
+        per_place = -(-sessions // len(self._places))
+        total, done, started = per_place * len(self._places), [0], time.monotonic()
         lock = threading.Lock()
 
         def progress() -> None:
@@ -470,18 +597,20 @@ class MoshiPlugin(ModelPlugin):
                 print(f"{self.name}: replica {done[0]}/{total} ready ({time.monotonic() - started:.1f} s)",
                       file=sys.stderr, flush=True)
 
-        for future in [w.submit("reserve", None, per_worker, progress=progress) for w in self._workers]:
+        for future in [p.submit("reserve", None, per_place, progress=progress) for p in self._places]:
             future.result()
 
     def describe(self) -> dict[str, Any]:
-        """What the service runs, with the transform's stamps and the counters of all workers."""
-        parts = [w.submit("describe") for w in self._workers]
-        workers = [part.result() for part in parts]
+        """What the service runs, with the transform's stamps and the counters of all places."""
+        parts = [p.submit("describe") for p in self._places]
+        places = [part.result() for part in parts]
         total: dict[str, Any] = {}
-        for part in workers:
+        for part in places:
             _merge(total, {k: part[k] for k in ("replicas", "replicas_on_demand", "ticks", "replays")})
         return {
             "model": self.name,
+            "size": self.size,
+            "device": self.device,
             "seed": self.seed,
             "sampling": self.sampling,
             "processes": self.processes,
@@ -489,7 +618,7 @@ class MoshiPlugin(ModelPlugin):
             "max_reply_frames": self.max_reply_frames,
             "streams": self.streams,
             "replicas": total["replicas"],
-            "replicas_per_process": [part["replicas"] for part in workers],
+            "replicas_per_process": [part["replicas"] for part in places],
             "replicas_on_demand": total["replicas_on_demand"],
             "frames": {
                 "ticks": total["ticks"],
@@ -497,25 +626,29 @@ class MoshiPlugin(ModelPlugin):
                 "replied": self.replied,
                 "warm_up": WARM_UP_TICKS * total["replicas"],  # outside any session
             },
-            # Per worker: seconds spent ticking (its load), of them on a core, and its open streams.
-            "tick_seconds_per_process": [part["tick_seconds"] for part in workers],
-            "tick_cpu_seconds_per_process": [part["tick_cpu_seconds"] for part in workers],
-            "streams_open_per_process": [part["streams_open"] for part in workers],
+            # Per process that ticks (the server process itself when processes is 0): seconds spent
+            # ticking (its load), of them on a core, and its open streams.
+            "tick_seconds_per_process": [part["tick_seconds"] for part in places],
+            "tick_cpu_seconds_per_process": [part["tick_cpu_seconds"] for part in places],
+            "streams_open_per_process": [part["streams_open"] for part in places],
             "transform": {
-                "stamps": next((part["stamps"] for part in workers if part["stamps"]), []),
+                "stamps": next((part["stamps"] for part in places if part["stamps"]), []),
                 "replays": total["replays"],
             },
         }
 
     def close(self) -> None:
-        for worker in self._workers:
-            worker.close()
+        for place in self._places:
+            place.close()
 
 
-def measure(frames: int = 100, threads: int = 1, size: str = "tiny") -> dict[str, Any]:
-    """Per-frame compute time of one stream, as its session sees it (the round trip to its worker
-    included): a turn of ``frames // 2`` fed frames, then its reply of as many steps."""
-    plugin = MoshiPlugin(size=size, threads=threads, max_reply_frames=frames, processes=1)
+def measure(frames: int = 100, threads: int = 1, size: str = "tiny", device: str | None = None) -> dict[str, Any]:
+    """Per-frame compute time of one stream, as its session sees it (the request to its place
+    included): a turn of ``frames // 2`` fed frames, then its reply of as many steps. On a CPU
+    the stream ticks in one worker process with ``threads`` torch threads."""
+    on_cpu = (DEVICES[size] if device is None else device) == "cpu"
+    where = {"processes": 1, "threads": threads} if on_cpu else {}
+    plugin = MoshiPlugin(size=size, device=device, max_reply_frames=frames, **where)
     try:
         plugin.reserve(1)
         stream = plugin.open_stream()
@@ -541,7 +674,7 @@ def measure(frames: int = 100, threads: int = 1, size: str = "tiny") -> dict[str
     return {
         "model": plugin.name,
         "frames": len(ms),
-        "torch_threads": threads,
+        "torch_threads": threads if on_cpu else None,
         "p50_ms": round(percentiles[49], 2),
         "p95_ms": round(percentiles[94], 2),
         "max_ms": round(max(ms), 2),
@@ -554,7 +687,8 @@ def measure(frames: int = 100, threads: int = 1, size: str = "tiny") -> dict[str
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="per-frame compute time of one stream of the Moshi plugin")
     parser.add_argument("--frames", type=int, default=100)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the worker process (CPU)")
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: the size's own (full: cuda)")
     args = parser.parse_args()
-    print(json.dumps(measure(args.frames, args.threads, args.size)))
+    print(json.dumps(measure(args.frames, args.threads, args.size, args.device)))

@@ -21,7 +21,7 @@ from servekit import AUDIO, Server, deltas_of, read_wav, run  # noqa: E402
 
 from cadence_fx.models.moshi_stream import SMALL, TINY, build_models, random_pcm, stream_reference  # noqa: E402
 from cadence_fx.serve.app import background_server  # noqa: E402
-from cadence_fx.serve.plugins import DEFAULT_PLUGIN, plugin_names  # noqa: E402
+from cadence_fx.serve.plugins import DEFAULT_PLUGIN, load_plugin, plugin_names  # noqa: E402
 from cadence_fx.serve.plugins.moshi import FRAME_SAMPLES, SILENCE, MoshiPlugin  # noqa: E402
 from cadence_fx.serve.protocol import PCM24K  # noqa: E402
 from cadence_fx.serve.protocol import audio as wire_audio  # noqa: E402
@@ -82,7 +82,7 @@ def test_registered_as_the_default_without_loading_the_vendor_on_import():
     probe = "import sys, cadence_fx.serve.plugins as p; print(p.DEFAULT_PLUGIN, 'moshi' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["moshi-tiny", "False"]
-    assert DEFAULT_PLUGIN in plugin_names() and "moshi-small" in plugin_names()
+    assert {DEFAULT_PLUGIN, "moshi-small", "moshi-full"} <= set(plugin_names())
 
 
 def test_native_clock_is_24khz_frames_of_80ms(plugin):
@@ -96,22 +96,28 @@ def test_tiny_differs_from_small_only_in_depth_and_width(plugin):
 
     assert plugin.config == TINY and plugin.processes == 2
     assert changes(TINY.lm_kwargs, SMALL.lm_kwargs) == {
-        "dim": (128, 64),
+        "dim": (128, 32),
         "num_layers": (2, 1),
+        "depformer_dim": (64, 32),
+        "depformer_dim_feedforward": (128, 64),
         "depformer_num_layers": (2, 1),
     }
-    assert changes(TINY.mimi["seanet"], SMALL.mimi["seanet"]) == {"dimension": (128, 64), "n_residual_layers": (1, 0)}
+    assert changes(TINY.mimi["seanet"], SMALL.mimi["seanet"]) == {
+        "n_filters": (8, 4),
+        "dimension": (128, 32),
+        "n_residual_layers": (1, 0),
+    }
     assert changes(TINY.mimi["quantizer"], SMALL.mimi["quantizer"]) == {
-        "dimension": (64, 16),
-        "input_dimension": (128, 64),
-        "output_dimension": (128, 64),
+        "dimension": (64, 8),
+        "input_dimension": (128, 32),
+        "output_dimension": (128, 32),
     }
     assert changes(TINY.mimi["transformer"], SMALL.mimi["transformer"]) == {
-        "d_model": (128, 64),
+        "d_model": (128, 32),
         "num_layers": (2, 1),
-        "dim_feedforward": (256, 128),
-        "input_dimension": (128, 64),
-        "output_dimensions": ([128], [64]),
+        "dim_feedforward": (256, 64),
+        "input_dimension": (128, 32),
+        "output_dimensions": ([128], [32]),
     }
     assert {k: v for k, v in TINY.mimi.items() if not isinstance(v, dict)} == {
         k: v for k, v in SMALL.mimi.items() if not isinstance(v, dict)
@@ -304,3 +310,56 @@ def test_a_session_over_uvicorn_delivers_the_vendors_samples(models, capfd):
     audio = deltas_of(events)
     assert len(audio) == reply_frames * FRAME_SAMPLES * 2
     assert audio == wire_audio.encode_samples(want.reshape(-1), PCM24K)
+
+
+def test_moshi_full_without_a_gpu_fails_at_once_naming_what_is_missing(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError) as refused:
+        load_plugin("moshi-full")
+    message = str(refused.value)
+    assert message.startswith("moshi-full runs on an NVIDIA GPU (device 'cuda') and there is none here: ")
+    assert message.endswith("torch.cuda.is_available() is False. On a CPU, serve moshi-tiny or moshi-small.")
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"size": "huge"}, "unknown Moshi size 'huge'; expected one of tiny, small, full"),
+        ({"device": "tpu"}, "unknown device 'tpu' for Moshi; expected 'cpu' or 'cuda'"),
+        ({"processes": -1}, "processes must be 0 (ticks in the server process) or more, got -1"),
+        ({"size": "full", "processes": 2}, "on cuda the ticks run in the server process (processes=0), not in 2 "),
+        ({"processes": 0, "threads": 2}, "threads is the torch thread count of each worker process; "),
+        ({"threads": 0}, "threads must be at least 1, got 0"),
+    ],
+)
+def test_a_bad_size_device_or_place_is_refused_before_anything_is_built(options, error):
+    with pytest.raises(ValueError) as refused:
+        MoshiPlugin(**options)
+    assert str(refused.value).startswith(error)
+
+
+def test_ticks_in_the_server_process_are_the_vendor_stream_bit_for_bit(models):
+    """``processes=0``, the GPU's place, on a CPU: two interleaved streams, each the stock stream."""
+    turns = [user_frames(3, seed=40), user_frames(3, seed=41)]
+    local = MoshiPlugin(processes=0)
+    try:
+        a, b = local.open_stream(), local.open_stream()
+        for frame_a, frame_b in zip(*turns):
+            a.feed(frame_a)
+            b.feed(frame_b)
+        a.begin_response()
+        b.begin_response()
+        out_a, out_b = [], []
+        for _ in range(3):
+            out_a.append(a.step())
+            out_b.append(b.step())
+        a.close()
+        b.close()
+        described = local.describe()
+    finally:
+        local.close()
+
+    assert np.array_equal(np.stack(out_a), stock(models, turns[0] + [SILENCE] * 3)[2:5])
+    assert np.array_equal(np.stack(out_b), stock(models, turns[1] + [SILENCE] * 3)[2:5])
+    assert (local.name, described["device"], described["processes"], described["threads"]) == ("moshi-tiny", "cpu", 0, None)
+    assert (described["replicas_per_process"], described["frames"]["ticks"]) == ([2], 12)
