@@ -154,7 +154,6 @@ def noisy(x: torch.Tensor) -> torch.Tensor:
     return x + torch.randn_like(x) * torch.rand(x.shape[0], 1, device=x.device)
 
 
-@torch.no_grad()
 class Position:
     """A stream position on the host that every call advances, by 1 or by 2 frames."""
 
@@ -184,6 +183,7 @@ def test_replays_move_declared_host_counters_as_eager_calls_do():
     assert position.frames == 7
 
 
+@torch.no_grad()
 def test_device_rng_replays_draw_what_eager_draws_first_replay_included():
     x = torch.randn(4, 1000, device=DEVICE)
     torch.cuda.manual_seed(1234)
