@@ -729,8 +729,8 @@ class ExactShapeReplay:
     def __init__(self, fn: Callable[..., Any], catalog: Catalog, *, name: str | None = None,
                  aliased: Sequence[int | str] = (), hooks: Sequence[CaptureHook] = (),
                  modules: Sequence[torch.nn.Module] | None = None, output_rule: str = "clone",
-                 host_counters: HostCounters | None = None, warmup: int = 2, max_invalidations: int = 3, check_module_state: bool = True,
-                 debug: bool = False):
+                 host_counters: HostCounters | None = None, warmup: int = 2, max_invalidations: int = 3,
+                 check_module_state: bool = True, debug: bool = False):
         if output_rule not in ("clone", "static"):
             raise ValueError(f"output_rule must be 'clone' or 'static', not {output_rule!r}")
         if warmup < 1:

@@ -38,9 +38,9 @@ from cadence_fx.catalog import Catalog, RegionDerivation
 from cadence_fx.contract import DTYPES, Contract
 from cadence_fx.determinism import pin_deterministic
 from cadence_fx.passes.carry import Carry
+from cadence_fx.passes.hoist import HostConstantHoist
 from cadence_fx.passes.state import Resize
 from cadence_fx.passes.window import Window, WindowCarry, rewrite_windows
-from cadence_fx.passes.hoist import HostConstantHoist
 from cadence_fx.replay import ExactShapeReplay, ShapeClass, Signature, TensorSpec
 from cadence_fx.report import format_bytes
 from cadence_fx.transform import Adapter, TransformReport, register_adapter
@@ -153,8 +153,16 @@ class TransformedEncoder:
             classes.append(ShapeClass(class_name(extent), signature, (("L", extent),)))
         return classes
 
+    def _graph(self, buffer: list) -> tuple[int, torch.fx.GraphModule]:
+        """The class of a call (the frames of keys its buffer list retains) and its graph."""
+        extent = 0 if buffer[0] is None else buffer[0][0].shape[2]
+        graph = self.graphs.get(extent)
+        if graph is None:
+            raise ValueError(f"no catalog class retains {extent} frames of keys; classes: {sorted(self.graphs)}")
+        return extent, graph
+
     def _step(self, chunk: torch.Tensor, buffer: list, pe_index: torch.Tensor) -> tuple[torch.Tensor, list, torch.Tensor]:
-        return self.graphs[0 if buffer[0] is None else buffer[0][0].shape[2]](chunk, buffer, pe_index)
+        return self._graph(buffer)[1](chunk, buffer, pe_index)
 
     def init_buffers(self) -> list:
         """A new utterance: no keys retained, the zero conv context written into the carries in place."""
@@ -171,10 +179,7 @@ class TransformedEncoder:
     def infer(self, chunk: torch.Tensor, buffer: list, pe_index: torch.Tensor) -> tuple[torch.Tensor, list, torch.Tensor]:
         """One chunk, as `FreezeOmniEncoder.infer`: `buffer` must be what the last call (or
         `init_buffers`) returned; the returned buffer list is made of carry views."""
-        extent = 0 if buffer[0] is None else buffer[0][0].shape[2]
-        graph = self.graphs.get(extent)
-        if graph is None:
-            raise ValueError(f"no catalog class retains {extent} frames of keys; classes: {sorted(self.graphs)}")
+        extent, graph = self._graph(buffer)
         self.calls[class_name(extent)] += 1
         with torch.no_grad():
             return graph(chunk, buffer, pe_index) if self.replay is None else self.replay(chunk, buffer, pe_index)
