@@ -3,8 +3,10 @@
 ``moshi-tiny`` (Moshi at its TINY size on a CPU, ``moshi.py``) is the service's default model;
 ``moshi-small`` is the same plugin at the SMALL size (more than 2 cores for 8 sessions) and
 ``moshi-full`` at Moshi 7B's own size on an NVIDIA GPU (it refuses to load without one). All three
-load torch and the vendor only when chosen. ``tone`` is a test double used by the service's tests,
-not a model.
+load torch and the vendor only when chosen. ``token2wav-full`` is MiniCPM-o 4.5's Token2Wav at full
+size on an NVIDIA GPU as a reply voice on stand-in speech tokens (``token2wav.py``), ``token2wav``
+the same at reduced depth on the CPU. ``tone`` is a test double used by the service's tests, not a
+model.
 """
 
 from __future__ import annotations
@@ -29,11 +31,22 @@ def _moshi(size: str) -> PluginFactory:
     return build
 
 
+def _token2wav(depth: str) -> PluginFactory:
+    def build(**options: Any) -> ModelPlugin:
+        from .token2wav import Token2WavPlugin
+
+        return Token2WavPlugin(depth, **options)
+
+    return build
+
+
 _REGISTRY: dict[str, PluginFactory] = {
     "tone": ToneModel,
     "moshi-tiny": _moshi("tiny"),
     "moshi-small": _moshi("small"),
     "moshi-full": _moshi("full"),
+    "token2wav": _token2wav("reduced"),
+    "token2wav-full": _token2wav("full"),
 }
 
 

@@ -1,0 +1,146 @@
+"""``token2wav`` (MiniCPM-o 4.5's Token2Wav, reduced depth, CPU) as a reply voice: a stream's
+reply is the stock vendor stream of its stand-in tokens from its seed, bit for bit, turn after
+turn and whatever other streams run between its chunks; reply lengths follow the contract."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cadence_fx.models.token2wav_carry import reference_flow
+from cadence_fx.models.token2wav_stream import StockStream, build_hift, random_chunks
+from cadence_fx.serve.plugins import load_plugin
+from cadence_fx.serve.plugins.token2wav import (
+    CHUNK_SAMPLES,
+    FRAME_SAMPLES,
+    INPUT_RATE,
+    MIN_REPLY_CHUNKS,
+    WARM_UP_CHUNKS,
+    Token2WavPlugin,
+    reply_chunks,
+    rng_seed,
+    token_seed,
+)
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    return Token2WavPlugin("reduced", seed=5, max_reply_chunks=4)
+
+
+def turn(stream, seconds: float) -> None:
+    frame = np.zeros(FRAME_SAMPLES, dtype=np.float32)
+    for _ in range(round(seconds * INPUT_RATE / FRAME_SAMPLES)):
+        stream.feed(frame)
+
+
+def drain(stream) -> list[np.ndarray]:
+    chunks = []
+    while (chunk := stream.step()) is not None:
+        chunks.append(chunk)
+    return chunks
+
+
+@pytest.fixture(scope="module")
+def stock_models():
+    """An untransformed flow and HiFT of the plugin's weights (one stock stream at a time)."""
+    flow, _, _ = reference_flow("reduced")
+    return flow, build_hift()
+
+
+class Stock:
+    """The vendor's streaming loop of one plugin stream: same weights, prompt, tokens and seed."""
+
+    def __init__(self, plugin: Token2WavPlugin, models, stream: int) -> None:
+        self.loop = StockStream(*models, plugin.prompt)
+        self.stream, self.turn = stream, 0
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(rng_seed(plugin.seed, stream))
+            self.rng = torch.get_rng_state()
+
+    def reply(self, chunks: int, *, heard: int | None = None) -> list[np.ndarray]:
+        """One turn's reply; `heard` chunks of it only, as after a cancel."""
+        tokens = random_chunks(token_seed(self.stream, self.turn), chunks)
+        self.turn += 1
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.set_rng_state(self.rng)
+            self.loop.setup()
+            out = [self.loop.step(t, last_chunk=i == chunks - 1).speech.reshape(-1).numpy()
+                   for i, t in enumerate(tokens[:heard])]
+            self.rng = torch.get_rng_state()
+        return out
+
+
+def test_reply_lengths_follow_the_turn_within_the_contracts_bounds():
+    assert [reply_chunks(s * INPUT_RATE, 8) for s in (0, 1, 3, 5, 12)] == [MIN_REPLY_CHUNKS, 3, 3, 5, 8]
+
+
+def test_two_interleaved_streams_each_give_the_stock_stream_of_their_tokens_turn_after_turn(plugin, stock_models):
+    a, b = plugin.open_stream(), plugin.open_stream()
+    turn(a, 4.2)
+    turn(b, 1.0)
+    a.begin_response()
+    b.begin_response()
+    first_a, first_b = [a.step()], [b.step()]
+    first_a += drain(a)  # a's reply ends while b's is still going
+    first_b += drain(b)
+    turn(a, 0.5)
+    a.begin_response()
+    second_a = drain(a)
+    stock_a, stock_b = Stock(plugin, stock_models, a.index), Stock(plugin, stock_models, b.index)
+    expected_a = [stock_a.reply(4), stock_a.reply(3)]
+    expected_b = stock_b.reply(3)
+    assert [len(c) for c in first_a] == [CHUNK_SAMPLES] * 3 + [len(expected_a[0][-1])]
+    for got, want in ((first_a, expected_a[0]), (second_a, expected_a[1]), (first_b, expected_b)):
+        assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want))
+    a.close()
+    b.close()
+
+
+def test_cancel_drops_the_rest_of_the_reply_and_the_next_starts_from_the_prompt_state(plugin, stock_models):
+    stream = plugin.open_stream()
+    turn(stream, 3.0)
+    stream.begin_response()
+    stream.step()
+    stream.cancel()
+    assert stream.step() is None
+    turn(stream, 9.0)
+    stream.clear_input()
+    stream.begin_response()
+    got = drain(stream)
+    stock = Stock(plugin, stock_models, stream.index)
+    stock.reply(3, heard=1)  # the cancelled reply: its first chunk ran, and drew its noise
+    expected = stock.reply(3)  # the cleared input does not count: the minimum reply
+    assert len(got) == 3 and all(np.array_equal(g, w) for g, w in zip(got, expected))
+    stream.close()
+
+
+def test_bad_frames_and_settings_are_refused_with_what_was_expected(plugin):
+    stream = plugin.open_stream()
+    with pytest.raises(ValueError, match=r"a frame is float32 of shape \(1920,\), got float64 of shape \(1920,\)"):
+        stream.feed(np.zeros(FRAME_SAMPLES))
+    stream.close()
+    with pytest.raises(ValueError, match=r"depth must be one of \['full', 'reduced'\], got 'tiny'"):
+        Token2WavPlugin("tiny")
+    with pytest.raises(ValueError, match="max_reply_chunks must be at least 3"):
+        Token2WavPlugin("reduced", max_reply_chunks=2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_the_full_size_plugin_needs_cuda_and_says_so():
+    with pytest.raises(RuntimeError, match=r"token2wav-full runs MiniCPM-o 4.5's Token2Wav at full size on a CUDA device"):
+        load_plugin("token2wav-full")
+
+
+def test_describe_counts_every_chunk_and_each_binding_says_why_it_ran_eager_on_a_cpu(plugin):
+    described = plugin.describe()
+    assert (described["model"], described["device"], described["streams_open"]) == ("token2wav", "cpu", 0)
+    chunks = described["chunks"] + WARM_UP_CHUNKS
+    # The prompt setup's flow call, at construction, has no cache yet: outside the catalog, once.
+    # HiFT draws its noise from the CPU generator here, which a graph would freeze: refused.
+    assert {name: counters["fallbacks"] for name, counters in described["replays"].items()} == {
+        "cfm_loop": {"no_cuda": chunks, "shape": 1},
+        "conformer_encoder": {"no_cuda": chunks, "shape": 1},
+        "hift": {"host_rng": chunks},
+    }
