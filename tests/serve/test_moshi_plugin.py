@@ -5,6 +5,7 @@ of the first session; and a real session over uvicorn delivers exactly the vendo
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -122,6 +123,13 @@ def test_tiny_differs_from_small_only_in_depth_and_width(plugin):
     assert {k: v for k, v in TINY.mimi.items() if not isinstance(v, dict)} == {
         k: v for k, v in SMALL.mimi.items() if not isinstance(v, dict)
     }
+
+
+def test_each_worker_process_ticks_on_a_core_of_its_own_when_there_are_enough(plugin):
+    available = sorted(os.sched_getaffinity(0))
+    pinned = [[available[0]], [available[1]]] if len(available) >= 2 else []
+    assert plugin.cores == pinned
+    assert [sorted(os.sched_getaffinity(w.process.pid)) for w in plugin._places] == (pinned or [available] * 2)
 
 
 def test_replies_are_the_vendor_stream_of_the_same_ticks_bit_for_bit(plugin, models):
