@@ -336,6 +336,10 @@ class _InProcess(_Place):
     def close(self) -> None:
         self._thread.submit(self._flags.close).result()
         self._thread.shutdown(wait=True)
+        # The engine goes now (a GPU's weights and replicas are freed at close, not when the last
+        # reference to the plugin does).
+        self._engine = Future()
+        self._engine.set_exception(RuntimeError(f"{self.name} is closed"))
 
 
 class _Worker(_Place):
