@@ -55,8 +55,8 @@ class ModelStream(ABC):
 
     def next_due(self) -> float | None:
         """When the reply's next chunk is due, on ``time.monotonic()``'s clock: the session calls
-        ``step`` no earlier, and meanwhile keeps feeding the stream, asking again after each feed.
-        None (the default): as soon as it can. A model on a clock (a duplex model ticks once per frame of wall time) paces its
+        ``step`` no earlier, and meanwhile keeps feeding the stream. None (the default): as soon as
+        it can. A model on a clock (a duplex model ticks once per frame of wall time) paces its
         reply with it, so it never computes ahead of the clock it listens on. Called on the event
         loop: must be cheap and must not block."""
         return None

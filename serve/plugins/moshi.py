@@ -28,13 +28,12 @@ How a duplex model maps onto the session's turns:
   a turn by itself; it talks for as long as its clock runs, so the plugin sets the length.
 * ``step``: the reply's next frame, one computed by a ``feed`` if there is one, else a tick on
   80 ms of silence (the user listens while Moshi speaks); None once the reply's frames are out.
-* ``next_due``: the reply keeps Moshi's clock, one tick per 80 ms of wall time, as a duplex model
-  runs. A frame a ``feed`` already computed is due at once. Otherwise the reply's frame k stands
-  for the 80 ms from k x 80 ms after ``begin_response``: while the user streams (silence
-  included), it waits for the user's own frame of that time (up to ``FEED_GAP_SECONDS`` late),
-  so the reply is made of the ticks on what the user sent; when the user sends nothing, it is a
-  tick on silence at its time, ``REPLY_LEAD_FRAMES`` early (the client's playback cushion). No
-  tick on silence races ahead while the user's real frames tick as well.
+* ``next_due``: the reply keeps Moshi's clock. Its frame k is due at k x 80 ms after
+  ``begin_response``, ``REPLY_LEAD_FRAMES`` early (the client's playback cushion); a frame a
+  ``feed`` already computed is due at once. So while the user streams (silence included), the
+  reply is made of the ticks on the user's own frames, and a tick on silence happens only where
+  the user sent nothing by the frame's time: one tick per 80 ms of wall time, as a duplex model
+  runs, instead of ticks on silence racing ahead while the user's real frames tick as well.
 * ``cancel``: the rest of the reply is dropped. The model keeps its state: it has said what it
   said, and the clock goes on from there.
 * ``clear_input``: the cleared frames stop counting toward the turn. The model heard them as they
@@ -124,8 +123,7 @@ DEVICES: dict[str, str] = {"tiny": "cpu", "small": "cpu", "full": "cuda"}  # eac
 FRAME_SAMPLES = 1920  # 80 ms at 24 kHz: one tick
 FRAME_SECONDS = 0.08
 SILENCE = np.zeros(FRAME_SAMPLES, dtype=np.float32)
-REPLY_LEAD_FRAMES = 3  # how far a reply on silence may run ahead of the wall clock (``next_due``)
-FEED_GAP_SECONDS = 0.3  # a user who fed nothing for this long is not streaming (``next_due``)
+REPLY_LEAD_FRAMES = 3  # how far a reply may run ahead of the wall clock (``next_due``)
 WARM_UP_TICKS = 2
 WORKER_OPS = ("tick", "close", "parameters", "reserve", "describe")
 
@@ -421,7 +419,6 @@ class MoshiStream(ModelStream):
         self._closed = False
         self.budget = 0  # reply frames still to come out of ``step``
         self._reply_started = 0.0  # time.monotonic() at ``begin_response``
-        self._last_fed = float("-inf")  # time.monotonic() at the last ``feed``
         self._reply_frames = 0  # frames of the reply in progress handed out so far
         self.turn_frames = 0  # user frames fed since the last ``begin_response``
         self.ticks = 0
@@ -438,7 +435,6 @@ class MoshiStream(ModelStream):
                 raise ValueError(
                     f"feed takes float32 frames of {FRAME_SAMPLES} samples, got {frame.dtype} {frame.shape}"
                 )
-        self._last_fed = time.monotonic()
         listened = 0
         for out in self._tick(frames):
             self.turn_frames += 1
@@ -462,17 +458,12 @@ class MoshiStream(ModelStream):
         self._reply_started, self._reply_frames = time.monotonic(), 0
 
     def next_due(self) -> float | None:
-        """A frame a ``feed`` computed is due now. Otherwise the reply's next frame stands for the
-        80 ms of wall time at ``slot``: while the user streams (fed something in the last
-        ``FEED_GAP_SECONDS``), it waits for the user's own frame of that slot, up to the gap;
-        when nothing comes over the wire, it is a tick on silence at the clock, up to
-        ``REPLY_LEAD_FRAMES`` early."""
+        """A frame a ``feed`` computed is due now; otherwise the reply's frame k is due at its place
+        on the wall clock, ``REPLY_LEAD_FRAMES`` early, so a reply ticks on silence only where the
+        user streams nothing (or has stopped streaming), never ahead of the clock."""
         if self.budget == 0 or self._pending:
             return None
-        slot = self._reply_started + self._reply_frames * FRAME_SECONDS
-        if time.monotonic() - self._last_fed < FEED_GAP_SECONDS:
-            return slot + FRAME_SECONDS + FEED_GAP_SECONDS
-        return slot - REPLY_LEAD_FRAMES * FRAME_SECONDS
+        return self._reply_started + (self._reply_frames - REPLY_LEAD_FRAMES) * FRAME_SECONDS
 
     def step(self) -> np.ndarray | None:
         if self.budget == 0:

@@ -13,7 +13,6 @@ arrive later are dropped and counted, never emitted.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
@@ -172,7 +171,6 @@ class Session:
         self._resampler = StreamResampler(self.config.input_format.rate, plugin.info.input_rate)
         self._vad = self._new_vad(0)
         self._vad_item_id: str | None = None
-        self._fed = asyncio.Event()  # set after each feed: a reply waiting on the model's clock looks again
         self.pending_input_bytes = 0
         self._refusing_input = False  # an append was refused for backpressure and the queue has not drained since
         self.transport: Transport | None = None
@@ -411,7 +409,6 @@ class Session:
         self._buffer += data
         if frames:
             await self.port.call(self.stream.feed_frames, frames)
-            self._fed.set()
         led.fed_samples += len(frames) * self.plugin.info.frame_samples
         led.pending_samples = len(self._frame)
         for edge in edges:
@@ -443,7 +440,6 @@ class Session:
         frame = np.concatenate([self._frame, np.zeros(pad, dtype=np.float32)])
         self._frame = np.zeros(0, dtype=np.float32)
         await self.port.call(self.stream.feed, frame)
-        self._fed.set()
         led = self.ledgers.input
         led.padded_samples += pad
         led.fed_samples += size
@@ -661,16 +657,11 @@ class Session:
 
         try:
             while True:
-                # The model's clock: wait until the next chunk is due, looking again after every
-                # feed (which goes on meanwhile, and may make it due sooner). A loop's timers may
-                # fire a little early (libuv's count milliseconds): the loop waits until it is due.
-                while True:
-                    self._fed.clear()
-                    due = self.stream.next_due()
-                    if due is None or (wait := due - time.monotonic()) <= 0:
-                        break
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._fed.wait(), wait)
+                due = self.stream.next_due()
+                # The model's clock (feeds go on meanwhile). A loop's timers may fire a little
+                # early (libuv's count milliseconds), so wait until it is really due.
+                while due is not None and (wait := due - time.monotonic()) > 0:
+                    await asyncio.sleep(wait)
                 rendered = await self.port.call(self._render, resampler, resp.output_format, guard=current)
                 if rendered is None:
                     break

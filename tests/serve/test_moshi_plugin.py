@@ -192,32 +192,29 @@ def test_a_frame_fed_during_a_reply_is_the_replys_next_frame(plugin, models):
     assert next_turn == 1
 
 
-def test_a_reply_keeps_the_clock_on_the_users_frames_or_on_silence(plugin, monkeypatch):
+def test_a_reply_keeps_the_clock_and_a_frame_a_feed_computed_is_due_at_once(plugin, monkeypatch):
+    from cadence_fx.serve.plugins import moshi
+
     import time
     import types
 
-    from cadence_fx.serve.plugins import moshi
-
-    now = [100.0]
-    clock = types.SimpleNamespace(**{name: getattr(time, name) for name in dir(time) if not name.startswith("_")})
-    clock.monotonic = lambda: now[0]  # the plugin's clock only, not the process's
-    monkeypatch.setattr(moshi, "time", clock)
-    frame, gap, lead = moshi.FRAME_SECONDS, moshi.FEED_GAP_SECONDS, moshi.REPLY_LEAD_FRAMES
+    frozen = types.SimpleNamespace(**{name: getattr(time, name) for name in dir(time) if not name.startswith("_")})
+    frozen.monotonic = lambda: 100.0  # the plugin's clock only, not the process's
+    monkeypatch.setattr(moshi, "time", frozen)
     stream = plugin.open_stream()
     assert stream.next_due() is None  # no reply
     feed(stream, user_frames(6, seed=20))
     stream.begin_response()
-    # The user fed a moment ago: the reply's first frame waits for the user's frame of its time.
-    assert stream.next_due() == 100.0 + frame + gap
-    feed(stream, user_frames(1, seed=21))  # it came: that tick is the reply's frame, due at once
-    assert stream.next_due() is None
-    stream.step()
-    now[0] += gap + frame  # nothing on the wire for longer than the gap: ticks on silence at the clock, `lead` early
     dues = []
     for _ in range(4):
         dues.append(stream.next_due())
         stream.step()
-    assert dues == pytest.approx([100.0 + (k - lead) * frame for k in range(1, 5)], abs=1e-9)
+    frame = moshi.FRAME_SECONDS
+    assert dues == [100.0 + (k - moshi.REPLY_LEAD_FRAMES) * frame for k in range(4)]
+    feed(stream, user_frames(1, seed=21))  # the user talks on: that tick is the reply's next frame
+    assert stream.next_due() is None
+    stream.step()
+    assert stream.next_due() == 100.0 + (5 - moshi.REPLY_LEAD_FRAMES) * frame
     stream.close()
 
 
