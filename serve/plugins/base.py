@@ -53,14 +53,6 @@ class ModelStream(ABC):
     def step(self) -> np.ndarray | None:
         """The reply's next chunk (float32 at ``output_rate``), or None once the reply is over."""
 
-    def next_due(self) -> float | None:
-        """When the reply's next chunk is due, on ``time.monotonic()``'s clock: the session calls
-        ``step`` no earlier, and meanwhile keeps feeding the stream. None (the default): as soon as
-        it can. A model on a clock (a duplex model ticks once per frame of wall time) paces its
-        reply with it, so it never computes ahead of the clock it listens on. Called on the event
-        loop: must be cheap and must not block."""
-        return None
-
     @abstractmethod
     def cancel(self) -> None:
         """Drop the reply in progress; the next ``step`` returns None. Fed input is kept."""

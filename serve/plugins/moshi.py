@@ -28,12 +28,6 @@ How a duplex model maps onto the session's turns:
   a turn by itself; it talks for as long as its clock runs, so the plugin sets the length.
 * ``step``: the reply's next frame, one computed by a ``feed`` if there is one, else a tick on
   80 ms of silence (the user listens while Moshi speaks); None once the reply's frames are out.
-* ``next_due``: the reply keeps Moshi's clock. Its frame k is due at k x 80 ms after
-  ``begin_response``, ``REPLY_LEAD_FRAMES`` early (the client's playback cushion); a frame a
-  ``feed`` already computed is due at once. So while the user streams (silence included), the
-  reply is made of the ticks on the user's own frames, and a tick on silence happens only where
-  the user sent nothing by the frame's time: one tick per 80 ms of wall time, as a duplex model
-  runs, instead of ticks on silence racing ahead while the user's real frames tick as well.
 * ``cancel``: the rest of the reply is dropped. The model keeps its state: it has said what it
   said, and the clock goes on from there.
 * ``clear_input``: the cleared frames stop counting toward the turn. The model heard them as they
@@ -121,9 +115,7 @@ from .base import ModelPlugin, ModelStream, PluginInfo
 SIZES: dict[str, MoshiConfig] = {"tiny": TINY, "small": SMALL, "full": FULL}
 DEVICES: dict[str, str] = {"tiny": "cpu", "small": "cpu", "full": "cuda"}  # each size's default device
 FRAME_SAMPLES = 1920  # 80 ms at 24 kHz: one tick
-FRAME_SECONDS = 0.08
 SILENCE = np.zeros(FRAME_SAMPLES, dtype=np.float32)
-REPLY_LEAD_FRAMES = 3  # how far a reply may run ahead of the wall clock (``next_due``)
 WARM_UP_TICKS = 2
 WORKER_OPS = ("tick", "close", "parameters", "reserve", "describe")
 
@@ -418,8 +410,6 @@ class MoshiStream(ModelStream):
         self._pending: deque[np.ndarray] = deque()  # reply frames computed by ``feed``
         self._closed = False
         self.budget = 0  # reply frames still to come out of ``step``
-        self._reply_started = 0.0  # time.monotonic() at ``begin_response``
-        self._reply_frames = 0  # frames of the reply in progress handed out so far
         self.turn_frames = 0  # user frames fed since the last ``begin_response``
         self.ticks = 0
         self.listened = 0  # output frames of the user's turn, dropped
@@ -455,15 +445,6 @@ class MoshiStream(ModelStream):
             raise RuntimeError(f"begin_response while a reply is in progress ({self.budget} frames still to come)")
         self.budget = min(max(self.turn_frames, 1), self._plugin.max_reply_frames)
         self.turn_frames = 0
-        self._reply_started, self._reply_frames = time.monotonic(), 0
-
-    def next_due(self) -> float | None:
-        """A frame a ``feed`` computed is due now; otherwise the reply's frame k is due at its place
-        on the wall clock, ``REPLY_LEAD_FRAMES`` early, so a reply ticks on silence only where the
-        user streams nothing (or has stopped streaming), never ahead of the clock."""
-        if self.budget == 0 or self._pending:
-            return None
-        return self._reply_started + (self._reply_frames - REPLY_LEAD_FRAMES) * FRAME_SECONDS
 
     def step(self) -> np.ndarray | None:
         if self.budget == 0:
@@ -472,7 +453,6 @@ class MoshiStream(ModelStream):
         while out is None:  # only a stream's first tick gives nothing
             (out,) = self._tick([SILENCE])
         self.budget -= 1
-        self._reply_frames += 1
         self.replied += 1
         self._plugin._count(replied=1)
         return out

@@ -657,11 +657,6 @@ class Session:
 
         try:
             while True:
-                due = self.stream.next_due()
-                # The model's clock (feeds go on meanwhile). A loop's timers may fire a little
-                # early (libuv's count milliseconds), so wait until it is really due.
-                while due is not None and (wait := due - time.monotonic()) > 0:
-                    await asyncio.sleep(wait)
                 rendered = await self.port.call(self._render, resampler, resp.output_format, guard=current)
                 if rendered is None:
                     break

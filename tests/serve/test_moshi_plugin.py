@@ -192,32 +192,6 @@ def test_a_frame_fed_during_a_reply_is_the_replys_next_frame(plugin, models):
     assert next_turn == 1
 
 
-def test_a_reply_keeps_the_clock_and_a_frame_a_feed_computed_is_due_at_once(plugin, monkeypatch):
-    from cadence_fx.serve.plugins import moshi
-
-    import time
-    import types
-
-    frozen = types.SimpleNamespace(**{name: getattr(time, name) for name in dir(time) if not name.startswith("_")})
-    frozen.monotonic = lambda: 100.0  # the plugin's clock only, not the process's
-    monkeypatch.setattr(moshi, "time", frozen)
-    stream = plugin.open_stream()
-    assert stream.next_due() is None  # no reply
-    feed(stream, user_frames(6, seed=20))
-    stream.begin_response()
-    dues = []
-    for _ in range(4):
-        dues.append(stream.next_due())
-        stream.step()
-    frame = moshi.FRAME_SECONDS
-    assert dues == [100.0 + (k - moshi.REPLY_LEAD_FRAMES) * frame for k in range(4)]
-    feed(stream, user_frames(1, seed=21))  # the user talks on: that tick is the reply's next frame
-    assert stream.next_due() is None
-    stream.step()
-    assert stream.next_due() == 100.0 + (5 - moshi.REPLY_LEAD_FRAMES) * frame
-    stream.close()
-
-
 def test_clear_input_shortens_the_turn_but_the_model_heard_it(plugin, models):
     cleared, kept = user_frames(5, seed=18), user_frames(2, seed=19)
     stream = plugin.open_stream()

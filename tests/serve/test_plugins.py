@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
 from cadence_fx.serve.plugins import ModelPlugin, ModelStream, ToneModel, load_plugin, plugin_names, register_plugin
-from cadence_fx.serve.app import background_server
 from cadence_fx.serve.plugins import tone
-from cadence_fx.serve.session import Limits
 
 
 def _feed(stream: ModelStream, frames: int) -> None:
@@ -82,53 +78,3 @@ def test_registry_loads_by_name_and_says_what_it_knows():
 
 def test_tone_is_labelled_a_test_double():
     assert "test double" in ToneModel.info.description and "not a model" in ToneModel.info.description
-
-
-class Clocked(ToneModel):
-    """``tone`` whose chunks come due on a clock, recording when each was asked for."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.asked: list[tuple[float, float | None]] = []  # (when step ran, when it was due)
-
-    def open_stream(self) -> ModelStream:
-        stream, asked = super().open_stream(), self.asked
-        step, started = stream.step, []
-
-        def begin_response() -> None:
-            tone.ToneStream.begin_response(stream)
-            started[:] = [time.monotonic()]
-
-        def next_due() -> float | None:
-            if stream._reply is None or stream._next >= len(stream._reply):
-                return None
-            return started[0] + 0.02 * (stream._next // tone.CHUNK_SAMPLES)
-
-        def clocked_step():
-            asked.append((time.monotonic(), next_due()))
-            return step()
-
-        stream.begin_response, stream.next_due, stream.step = begin_response, next_due, clocked_step
-        return stream
-
-
-def test_the_session_asks_for_no_chunk_before_the_stream_says_it_is_due():
-    from servekit import Server, run, silence
-
-    plugin = Clocked()
-
-    async def scenario(server: Server) -> None:
-        sock = await server.connect()
-        await sock.no_vad()
-        await sock.append(silence(400, rate=24_000))
-        await sock.send({"type": "input_audio_buffer.commit"})
-        await sock.send({"type": "response.create"})
-        await sock.recv_until("response.done")
-        await sock.close()
-
-    with background_server(lambda: plugin, Limits(max_sessions=1)) as handle:
-        run(scenario(Server(handle)))
-    chunks = tone.reply_chunks(400 * tone.INPUT_RATE // 1000)
-    assert len(plugin.asked) == chunks + 1  # the last step says the reply is over
-    assert all(due is None or ran >= due for ran, due in plugin.asked)
-    assert sum(due is not None for _, due in plugin.asked) == chunks
