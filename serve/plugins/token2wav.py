@@ -80,6 +80,7 @@ class Token2WavStream(ModelStream):
         self._state: SessionState | None = None
         self._tokens: list[torch.Tensor] = []
         self._next = 0
+        self._closed = False
 
     def feed(self, frame: np.ndarray) -> None:
         if frame.shape != (FRAME_SAMPLES,) or frame.dtype != np.float32:
@@ -120,8 +121,10 @@ class Token2WavStream(ModelStream):
         self._tokens = []
 
     def close(self) -> None:
-        self._state = None
-        self._plugin.open_streams -= 1
+        if not self._closed:
+            self._closed = True
+            self._state, self._tokens = None, []
+            self._plugin.open_streams -= 1
 
 
 class Token2WavPlugin(ModelPlugin):
