@@ -144,3 +144,28 @@ def test_describe_counts_every_chunk_and_each_binding_says_why_it_ran_eager_on_a
         "conformer_encoder": {"no_cuda": chunks, "shape": 1},
         "hift": {"host_rng": chunks},
     }
+
+
+def test_a_session_over_uvicorn_hears_the_stock_vendor_stream(plugin, stock_models):
+    from servekit import Server, deltas_of, run, silence
+
+    from cadence_fx.serve.app import background_server
+    from cadence_fx.serve.protocol import PCM24K
+    from cadence_fx.serve.protocol import audio as wire_audio
+    from cadence_fx.serve.session import Limits
+
+    async def scenario(server: Server) -> list[dict]:
+        sock = await server.connect()
+        await sock.no_vad()
+        await sock.append(silence(1000))
+        await sock.send({"type": "input_audio_buffer.commit"})
+        await sock.send({"type": "response.create"})
+        events = await sock.recv_until("response.done", timeout=60)
+        await sock.close()
+        return events
+
+    index = plugin.streams  # the session's stream is the plugin's next one
+    with background_server(lambda: plugin, Limits(max_sessions=1)) as handle:
+        events = run(scenario(Server(handle)))
+    expected = np.concatenate(Stock(plugin, stock_models, index).reply(MIN_REPLY_CHUNKS))
+    assert deltas_of(events) == wire_audio.encode_samples(expected, PCM24K)
