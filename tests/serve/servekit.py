@@ -75,6 +75,15 @@ class CheckedSocket(RealtimeSocket):
                 {"type": "input_audio_buffer.append", "audio": wire_audio.b64encode(pcm[i : i + chunk_bytes])}
             )
 
+    async def reply_to(self, pcm: bytes, timeout: float) -> list[dict]:
+        """One turn without server VAD: ``pcm`` appended and committed, a response asked for;
+        every event until its ``response.done``."""
+        await self.no_vad()
+        await self.append(pcm)
+        await self.send({"type": "input_audio_buffer.commit"})
+        await self.send({"type": "response.create"})
+        return await self.recv_until("response.done", timeout=timeout)
+
 
 class Server:
     def __init__(self, handle) -> None:
@@ -154,6 +163,31 @@ COMMIT = ["input_audio_buffer.committed", "conversation.item.added", "conversati
 
 def types_of(events: list[dict], skip_deltas: bool = True) -> list[str]:
     return [e["type"] for e in events if not (skip_deltas and e["type"] == "response.output_audio.delta")]
+
+
+def drain(stream) -> list[np.ndarray]:
+    """A model stream's chunks until its reply is over."""
+    chunks = []
+    while (chunk := stream.step()) is not None:
+        chunks.append(chunk)
+    return chunks
+
+
+def interleaved_replies(a, b, turns: list[list[np.ndarray]], steps: int) -> tuple[list, list]:
+    """Two model streams fed their turns frame by frame in alternation, their replies' first
+    ``steps`` chunks taken in alternation too; both streams are closed."""
+    for frame_a, frame_b in zip(*turns, strict=True):
+        a.feed(frame_a)
+        b.feed(frame_b)
+    a.begin_response()
+    b.begin_response()
+    out_a, out_b = [], []
+    for _ in range(steps):
+        out_a.append(a.step())
+        out_b.append(b.step())
+    a.close()
+    b.close()
+    return out_a, out_b
 
 
 def silence(ms: int, rate: int = 24_000) -> bytes:

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("moshi")
 
 from moshi.utils.compile import no_cuda_graph  # noqa: E402
-from servekit import AUDIO, Server, deltas_of, read_wav, run  # noqa: E402
+from servekit import AUDIO, Server, deltas_of, interleaved_replies, read_wav, run  # noqa: E402
 
 from cadence_fx.models.moshi_stream import SMALL, build_models, random_pcm, stream_reference  # noqa: E402
 from cadence_fx.serve.app import background_server  # noqa: E402
@@ -51,18 +51,7 @@ def test_interleaved_streams_on_cuda_are_each_the_vendor_stream_and_every_call_r
     plugin = MoshiPlugin(size="small", device="cuda")
     try:
         plugin.reserve(2)
-        a, b = plugin.open_stream(), plugin.open_stream()
-        for frame_a, frame_b in zip(*turns):
-            a.feed(frame_a)
-            b.feed(frame_b)
-        a.begin_response()
-        b.begin_response()
-        out_a, out_b = [], []
-        for _ in range(4):
-            out_a.append(a.step())
-            out_b.append(b.step())
-        a.close()
-        b.close()
+        out_a, out_b = interleaved_replies(plugin.open_stream(), plugin.open_stream(), turns, 4)
         described = plugin.describe()
     finally:
         plugin.close()
@@ -86,11 +75,7 @@ def test_a_session_over_uvicorn_on_cuda_delivers_the_vendors_samples(models):
 
     async def scenario(server: Server):
         sock = await server.connect("/v1/duplex")
-        await sock.no_vad()
-        await sock.append(question)
-        await sock.send({"type": "input_audio_buffer.commit"})
-        await sock.send({"type": "response.create"})
-        events = await sock.recv_until("response.done", timeout=50)
+        events = await sock.reply_to(question, timeout=50)
         await sock.close()
         return events
 

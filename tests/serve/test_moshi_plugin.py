@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("moshi")
 
 import torch  # noqa: E402
-from servekit import AUDIO, Server, deltas_of, read_wav, run  # noqa: E402
+from servekit import AUDIO, Server, deltas_of, drain, interleaved_replies, read_wav, run  # noqa: E402
 
 from cadence_fx.models.moshi_stream import SMALL, TINY, build_models, random_pcm, stream_reference  # noqa: E402
 from cadence_fx.serve.app import background_server  # noqa: E402
@@ -65,13 +65,6 @@ def stock(models, ticks: list[np.ndarray], seed: int = 0) -> np.ndarray:
 def feed(stream, frames: list[np.ndarray]) -> None:
     for frame in frames:
         stream.feed(frame)
-
-
-def drain(stream) -> list[np.ndarray]:
-    chunks = []
-    while (chunk := stream.step()) is not None:
-        chunks.append(chunk)
-    return chunks
 
 
 def reply(stream) -> list[np.ndarray]:
@@ -207,18 +200,7 @@ def test_clear_input_shortens_the_turn_but_the_model_heard_it(plugin, models):
 
 def test_interleaved_sessions_each_get_their_own_replica_and_the_same_audio(plugin, models):
     frames = user_frames(3, seed=20)
-    a, b = plugin.open_stream(), plugin.open_stream()
-    for frame in frames:
-        a.feed(frame)
-        b.feed(frame)
-    a.begin_response()
-    b.begin_response()
-    out_a, out_b = [], []
-    for _ in range(3):
-        out_a.append(a.step())
-        out_b.append(b.step())
-    a.close()
-    b.close()
+    out_a, out_b = interleaved_replies(plugin.open_stream(), plugin.open_stream(), [frames, frames], 3)
     before = plugin.describe()
     c = plugin.open_stream()
     feed(c, frames)
@@ -280,11 +262,7 @@ def test_a_session_over_uvicorn_delivers_the_vendors_samples(models, capfd):
 
     async def scenario(server: Server):
         sock = await server.connect("/v1/duplex")
-        await sock.no_vad()
-        await sock.append(question)
-        await sock.send({"type": "input_audio_buffer.commit"})
-        await sock.send({"type": "response.create"})
-        events = await sock.recv_until("response.done", timeout=50)
+        events = await sock.reply_to(question, timeout=50)
         ledgers = server.on_loop(lambda: server.session(sock.session_id).ledgers.to_dict())
         await sock.close()
         return events, ledgers
@@ -351,18 +329,7 @@ def test_ticks_in_the_server_process_are_the_vendor_stream_bit_for_bit(models):
     turns = [user_frames(3, seed=40), user_frames(3, seed=41)]
     local = MoshiPlugin(processes=0)
     try:
-        a, b = local.open_stream(), local.open_stream()
-        for frame_a, frame_b in zip(*turns):
-            a.feed(frame_a)
-            b.feed(frame_b)
-        a.begin_response()
-        b.begin_response()
-        out_a, out_b = [], []
-        for _ in range(3):
-            out_a.append(a.step())
-            out_b.append(b.step())
-        a.close()
-        b.close()
+        out_a, out_b = interleaved_replies(local.open_stream(), local.open_stream(), turns, 3)
         described = local.describe()
     finally:
         local.close()

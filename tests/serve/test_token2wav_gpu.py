@@ -32,11 +32,7 @@ def test_a_session_hears_the_stock_vendor_stream_of_its_tokens():
 
     async def scenario(server: Server) -> list[dict]:
         sock = await server.connect()
-        await sock.no_vad()
-        await sock.append(silence(1000))
-        await sock.send({"type": "input_audio_buffer.commit"})
-        await sock.send({"type": "response.create"})
-        events = await sock.recv_until("response.done", timeout=30)
+        events = await sock.reply_to(silence(1000), timeout=30)
         await sock.close()
         return events
 

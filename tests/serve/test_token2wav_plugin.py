@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from servekit import drain
 
 from cadence_fx.models.token2wav_carry import reference_flow
 from cadence_fx.models.token2wav_stream import StockStream, build_hift, random_chunks
@@ -33,13 +34,6 @@ def turn(stream, seconds: float) -> None:
     frame = np.zeros(FRAME_SAMPLES, dtype=np.float32)
     for _ in range(round(seconds * INPUT_RATE / FRAME_SAMPLES)):
         stream.feed(frame)
-
-
-def drain(stream) -> list[np.ndarray]:
-    chunks = []
-    while (chunk := stream.step()) is not None:
-        chunks.append(chunk)
-    return chunks
 
 
 @pytest.fixture(scope="module")
@@ -156,11 +150,7 @@ def test_a_session_over_uvicorn_hears_the_stock_vendor_stream(plugin, stock_mode
 
     async def scenario(server: Server) -> list[dict]:
         sock = await server.connect()
-        await sock.no_vad()
-        await sock.append(silence(1000))
-        await sock.send({"type": "input_audio_buffer.commit"})
-        await sock.send({"type": "response.create"})
-        events = await sock.recv_until("response.done", timeout=60)
+        events = await sock.reply_to(silence(1000), timeout=60)
         await sock.close()
         return events
 
