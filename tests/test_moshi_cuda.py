@@ -9,13 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("moshi")
+from moshi.utils.compile import no_cuda_graph
 
-from moshi.utils.compile import no_cuda_graph  # noqa: E402
-
-from cadence_fx import transform  # noqa: E402
-from cadence_fx.models.moshi_replay import contract_for  # noqa: E402
-from cadence_fx.models.moshi_stream import SMALL, build_models, random_pcm, stream_reference  # noqa: E402
+from cadence_fx import transform
+from cadence_fx.models.moshi_replay import contract_for
+from cadence_fx.models.moshi_stream import SMALL, build_models, random_pcm, stream_reference
 
 pytestmark = [
     pytest.mark.cuda,

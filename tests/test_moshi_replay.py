@@ -8,12 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("moshi")
-
-from cadence_fx import transform  # noqa: E402
-from cadence_fx.models.moshi import moshi_contract  # noqa: E402
-from cadence_fx.models.moshi_replay import Stage, contract_for  # noqa: E402
-from cadence_fx.models.moshi_stream import SMALL, build_models, random_pcm, stream_reference  # noqa: E402
+from cadence_fx import transform
+from cadence_fx.models.moshi import moshi_contract
+from cadence_fx.models.moshi_replay import Stage, contract_for
+from cadence_fx.models.moshi_stream import SMALL, build_models, random_pcm, stream_reference
 
 FRAMES, SEEDS = 50, (7, 8, 9)
 GREEDY_SEED = 3

@@ -2,11 +2,9 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-pytest.importorskip("moshi")
+from moshi.models import LMGen, loaders
 
-from moshi.models import LMGen, loaders  # noqa: E402
-
-from cadence_fx.models.moshi_stream import (  # noqa: E402
+from cadence_fx.models.moshi_stream import (
     FULL,
     SMALL,
     build_models,

@@ -9,17 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("moshi")
+from moshi.utils.compile import no_cuda_graph
+from servekit import AUDIO, Server, deltas_of, interleaved_replies, read_wav, run
 
-from moshi.utils.compile import no_cuda_graph  # noqa: E402
-from servekit import AUDIO, Server, deltas_of, interleaved_replies, read_wav, run  # noqa: E402
-
-from cadence_fx.models.moshi_stream import SMALL, build_models, random_pcm, stream_reference  # noqa: E402
-from cadence_fx.serve.app import background_server  # noqa: E402
-from cadence_fx.serve.plugins.moshi import FRAME_SAMPLES, SILENCE, MoshiPlugin  # noqa: E402
-from cadence_fx.serve.protocol import PCM24K  # noqa: E402
-from cadence_fx.serve.protocol import audio as wire_audio  # noqa: E402
-from cadence_fx.serve.session import Limits  # noqa: E402
+from cadence_fx.models.moshi_stream import SMALL, build_models, random_pcm, stream_reference
+from cadence_fx.serve.app import background_server
+from cadence_fx.serve.plugins.moshi import FRAME_SAMPLES, SILENCE, MoshiPlugin
+from cadence_fx.serve.protocol import PCM24K
+from cadence_fx.serve.protocol import audio as wire_audio
+from cadence_fx.serve.session import Limits
 
 pytestmark = [
     pytest.mark.cuda,

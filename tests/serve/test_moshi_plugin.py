@@ -15,18 +15,16 @@ import httpx
 import numpy as np
 import pytest
 
-pytest.importorskip("moshi")
+import torch
+from servekit import AUDIO, Server, deltas_of, drain, interleaved_replies, read_wav, run
 
-import torch  # noqa: E402
-from servekit import AUDIO, Server, deltas_of, drain, interleaved_replies, read_wav, run  # noqa: E402
-
-from cadence_fx.models.moshi_stream import SMALL, TINY, build_models, random_pcm, stream_reference  # noqa: E402
-from cadence_fx.serve.app import background_server  # noqa: E402
-from cadence_fx.serve.plugins import DEFAULT_PLUGIN, load_plugin, plugin_names  # noqa: E402
-from cadence_fx.serve.plugins.moshi import FRAME_SAMPLES, SILENCE, MoshiPlugin  # noqa: E402
-from cadence_fx.serve.protocol import PCM24K  # noqa: E402
-from cadence_fx.serve.protocol import audio as wire_audio  # noqa: E402
-from cadence_fx.serve.session import Limits  # noqa: E402
+from cadence_fx.models.moshi_stream import SMALL, TINY, build_models, random_pcm, stream_reference
+from cadence_fx.serve.app import background_server
+from cadence_fx.serve.plugins import DEFAULT_PLUGIN, load_plugin, plugin_names
+from cadence_fx.serve.plugins.moshi import FRAME_SAMPLES, SILENCE, MoshiPlugin
+from cadence_fx.serve.protocol import PCM24K
+from cadence_fx.serve.protocol import audio as wire_audio
+from cadence_fx.serve.session import Limits
 
 
 @pytest.fixture(scope="module")
