@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 from .binding import Binding, OperatorBinding, Site, get_path, method_of, resolve, set_path, sites
 from .catalog import Catalog, CatalogClass
 from .contract import DTYPES, Contract
+from .passes.hoist import HostConstantHoist
 from .passes.window import Window, WindowCarry, WindowError, rewrite_windows
 from .replay import ExactShapeReplay, Signature
 from .report import format_bytes
@@ -238,7 +239,8 @@ class BoundOperator:
         if self._replay_wanted and device.type == "cuda" and self.report.auditor is None:
             self.replay = ExactShapeReplay(self._run, self._admit, name=self.ob.operator, aliased=[1],
                                            modules=[self.model, self._holder] if isinstance(self.model, torch.nn.Module) else [self._holder],
-                                           host_counters=_WindowCounters(list(self.carries.values())))
+                                           host_counters=_WindowCounters(list(self.carries.values())),
+                                           hooks=(HostConstantHoist(),))
             self.report.replays[self.ob.operator] = self.replay
 
     def _site_shape_error(self, site: Site, value: torch.Tensor) -> str | None:
