@@ -9,13 +9,20 @@ it and runs one pipeline (`cadence_fx.pipeline`) whatever the model.
 Paths are dotted, rooted at an argument of the operator's method by its parameter name:
 ``"cache.layers.*.keys"`` is attribute ``keys`` of every element of ``cache.layers``. A segment is
 an attribute name, a mapping key or a sequence index; ``*`` matches every index of a sequence, in
-order. A region bound at several paths (``keys`` and ``values``) lays them out along one more
-leading dimension, after the wildcard's: site ``layers.3.values`` is ``region[3, 1]``.
+order, and a slice ``[start:stop:step]`` every index it selects (``buffer.[0::2]``: the even
+elements). A region bound at several paths (``keys`` and ``values``) lays them out along one more
+leading dimension, after the wildcards': site ``layers.3.values`` is ``region[3, 1]``. A value of
+None on the way (a cache not filled yet) is state not retained yet.
+
+Where the call mutates its state argument (a cache object), `at` is all it takes. Where it returns
+the new state instead (a functional step), `out` gives the matching paths rooted at ``return``,
+the call's result (``"return.1.[0::2].0"``); the caller then threads the returned state back in.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -42,6 +49,7 @@ class RegionBinding:
 
     region: str
     at: tuple[str, ...]
+    out: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -49,14 +57,14 @@ class OperatorBinding:
     """Operator `operator` of the contract is `method` of the model (a dotted attribute path).
 
     `units` = (path, axis): the argument axis whose size is a call's new units on the operator's
-    region (``("input_ids", 1)``: one unit per token). `counters` are host-side values the call
+    region (``("input_ids", 1)``: one unit per token), or an int when every call brings as many. `counters` are host-side values the call
     moves (positions, lengths, flags); a transformed call moves them as the stock call of its
     class did. Every other argument is a copied input.
     """
 
     operator: str
     method: str = "forward"
-    units: tuple[str, int] = ("input_ids", 1)
+    units: tuple[str, int] | int = ("input_ids", 1)
     counters: tuple[str, ...] = ()
 
 
@@ -83,13 +91,31 @@ class Site:
     region: str
     path: str
     index: tuple[int, ...]
+    out: str | None = None  # where the call returns the site's new state, when it returns it
 
 
 def _segments(path: str) -> list[str]:
     return path.split(".")
 
 
+_SLICE = re.compile(r"^\[(-?\d*):(-?\d*)(?::(-?\d*))?\]$")
+RETURN = "return"
+
+
+def _is_pattern(segment: str) -> bool:
+    return segment == WILDCARD or _SLICE.match(segment) is not None
+
+
+def _selected(segment: str, length: int) -> range:
+    if segment == WILDCARD:
+        return range(length)
+    start, stop, step = (int(x) if x else None for x in _SLICE.match(segment).groups())
+    return range(length)[slice(start, stop, step)]
+
+
 def _child(value: Any, segment: str) -> Any:
+    if value is None:
+        return None
     if isinstance(value, dict):
         return value[segment]
     if isinstance(value, (list, tuple)) and segment.lstrip("-").isdigit():
@@ -106,11 +132,11 @@ def resolve(root: Any, path: str) -> Iterator[tuple[tuple[int, ...], str, Any]]:
             yield indices, concrete, value
             return
         head, tail = rest[0], rest[1:]
-        if head == WILDCARD:
+        if _is_pattern(head):
             if not isinstance(value, (list, tuple, torch.nn.ModuleList)):
-                raise TypeError(f"'*' after {concrete!r} needs a sequence, found {type(value).__name__}")
-            for i, item in enumerate(value):
-                yield from walk(item, tail, indices + (i,), f"{concrete}.{i}")
+                raise TypeError(f"{head!r} after {concrete!r} needs a sequence, found {type(value).__name__}")
+            for i, position in enumerate(_selected(head, len(value))):
+                yield from walk(value[position], tail, indices + (i,), f"{concrete}.{position}")
         else:
             yield from walk(_child(value, head), tail, indices, f"{concrete}.{head}")
 
@@ -131,6 +157,10 @@ def set_path(roots: dict[str, Any], path: str, value: Any) -> None:
     if not rest:
         raise ValueError(f"{path!r} names a whole argument; a bound path must reach inside it")
     parent = get_path(roots, ".".join([first, *rest[:-1]]))
+    if parent is None:
+        if value is None:  # no state there yet, and none to put
+            return
+        raise ValueError(f"{path!r}: cannot place state under a None")
     last = rest[-1]
     if isinstance(parent, dict):
         parent[last] = value
@@ -147,13 +177,24 @@ def method_of(model: Any, dotted: str):
     return target
 
 
+def concrete_out(pattern: str, at: str, concrete_at: str) -> str:
+    """The `out` path of one site: `pattern`'s wildcards and slices take the positions that the
+    matching segments of `at` took in `concrete_at` (the patterns must select alike)."""
+    positions = [c for a, c in zip(_segments(at)[1:], _segments(concrete_at)[1:]) if _is_pattern(a)]
+    parts, taken = [], iter(positions)
+    for segment in _segments(pattern):
+        parts.append(next(taken) if _is_pattern(segment) else segment)
+    return ".".join(parts)
+
+
 def sites(binding: RegionBinding, roots: dict[str, Any]) -> list[Site]:
     """The concrete sites of a region in the current arguments, in region order."""
     found = []
     many = len(binding.at) > 1
     for j, path in enumerate(binding.at):
         for indices, concrete, _ in resolve(roots[_segments(path)[0]], path):
-            found.append(Site(binding.region, concrete, indices + ((j,) if many else ())))
+            out = concrete_out(binding.out[j], path, concrete) if binding.out else None
+            found.append(Site(binding.region, concrete, indices + ((j,) if many else ()), out))
     return sorted(found, key=lambda s: s.index)
 
 
@@ -170,6 +211,11 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
             raise BindingError(f"regions[{i}].region", f"the contract declares no region {rb.region!r}; declared: {sorted(regions)}")
         if not rb.at or not all(isinstance(p, str) and "." in p for p in rb.at):
             raise BindingError(f"regions[{i}].at", f"needs one or more paths 'argument.attribute...', got {rb.at!r}")
+        if rb.out and (len(rb.out) != len(rb.at) or not all(
+                isinstance(p, str) and _segments(p)[0] == RETURN and sum(map(_is_pattern, _segments(p))) == sum(map(_is_pattern, _segments(a)))
+                for p, a in zip(rb.out, rb.at))):
+            raise BindingError(f"regions[{i}].out", f"needs one path per `at` path, rooted at {RETURN!r} and with as many "
+                                                    f"wildcards or slices as it, got {rb.out!r} for {rb.at!r}")
         retention = regions[rb.region].retention
         if not isinstance(retention, SlidingWindow):
             raise BindingError(f"regions[{i}]", f"region {rb.region!r} retains by {type(retention).__name__}: the "
@@ -194,14 +240,16 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
             raise BindingError(f"operators[{i}].method", f"{ob.method!r} is not callable")
         signature = inspect.signature(method)
         parameters = set(signature.parameters)
-        paths = [(f"operators[{i}].units", ob.units[0])] + [(f"operators[{i}].counters[{j}]", p) for j, p in enumerate(ob.counters)]
+        if not (isinstance(ob.units, int) and ob.units > 0 or isinstance(ob.units, tuple) and len(ob.units) == 2
+                and isinstance(ob.units[0], str) and isinstance(ob.units[1], int)):
+            raise BindingError(f"operators[{i}].units", f"must be (path, axis) or a positive int, got {ob.units!r}")
+        units = [] if isinstance(ob.units, int) else [(f"operators[{i}].units", ob.units[0])]
+        paths = units + [(f"operators[{i}].counters[{j}]", p) for j, p in enumerate(ob.counters)]
         paths += [(f"regions[{k}].at", p) for k, rb in enumerate(binding.regions) for p in rb.at]
         for field, path in paths:
             if _segments(path)[0] not in parameters:
                 raise BindingError(field, f"{path!r} starts at {_segments(path)[0]!r}, which is not an argument of "
                                           f"{ob.method}; its arguments: {sorted(parameters)}")
-        if not (isinstance(ob.units, tuple) and len(ob.units) == 2 and isinstance(ob.units[1], int)):
-            raise BindingError(f"operators[{i}].units", f"must be (path, axis), got {ob.units!r}")
         signatures[ob.operator] = signature
     if binding.verify < 1:
         raise BindingError("verify", f"at least the first visit of each class is verified against the stock call; got {binding.verify}")

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .binding import Binding, OperatorBinding, Site, get_path, method_of, resolve, set_path, sites
+from .binding import RETURN, Binding, OperatorBinding, Site, get_path, method_of, resolve, set_path, sites
 from .catalog import Catalog, CatalogClass
 from .contract import DTYPES, Contract
 from .passes.hoist import HostConstantHoist
@@ -100,16 +100,21 @@ class _Step(torch.nn.Module):
     out as results, on `roots`, a private copy of the state objects. The output's tensors are
     returned flat; `_structure` of a stock output rebuilds it."""
 
-    def __init__(self, method, roots: dict[str, Any], site_paths: list[str]):
+    def __init__(self, method, roots: dict[str, Any], sites: list[Site]):
         super().__init__()
-        self.method, self.roots, self.site_paths = method, roots, site_paths
+        self.method, self.roots, self.sites = method, roots, sites
 
     def forward(self, inputs: dict[str, Any], state: list):
-        for path, value in zip(self.site_paths, state):
-            set_path(self.roots, path, value)
+        for site, value in zip(self.sites, state):
+            set_path(self.roots, site.path, value)
         out = self.method(**inputs, **self.roots)
         leaves, _ = _structure(out, self.roots)
-        return [x for x in leaves if isinstance(x, torch.Tensor)], [get_path(self.roots, p) for p in self.site_paths]
+        return [x for x in leaves if isinstance(x, torch.Tensor)], _new_state(self.sites, self.roots, out)
+
+
+def _new_state(sites: list[Site], roots: dict[str, Any], out: Any) -> list:
+    """Each site's state after a call: in the state object it mutated, or in what it returned."""
+    return [get_path({RETURN: out}, s.out) if s.out else get_path(roots, s.path) for s in sites]
 
 
 def _structure(out: Any, roots: dict[str, Any]) -> tuple[list, tuple]:
@@ -278,18 +283,23 @@ class BoundOperator:
         view = carry.view()
         if value.data_ptr() != view.data_ptr() or value.shape != view.shape or value.stride() != view.stride():
             view = carry.adopt(value)
-            set_path(roots, site.path, view)
+            if site.out is None:  # a returned state is the caller's to thread: their object stays as it is
+                set_path(roots, site.path, view)
             self.counters.adopted += 1
         return view
 
     def _commit(self, cls: _Class, roots: dict[str, Any], new_state: list) -> None:
+        """Mutated state objects get the carry views back; returned state is in the output already."""
         for site, value in zip(self.sites, new_state):
-            set_path(roots, site.path, value)
+            if site.out is None:
+                set_path(roots, site.path, value)
 
     def _counter_paths(self, roots: dict[str, Any]) -> list[str]:
         return [concrete for path in self.ob.counters for _, concrete, _ in resolve(roots[path.split(".")[0]], path)]
 
     def _units(self, arguments: dict[str, Any]) -> int:
+        if isinstance(self.ob.units, int):
+            return self.ob.units
         path, axis = self.ob.units
         value = get_path(arguments, path)
         if not isinstance(value, torch.Tensor):
@@ -309,7 +319,7 @@ class BoundOperator:
         cls = _Class(name, call, verify_left=self.binding.verify)
         started = time.perf_counter()
         private = copy.deepcopy(roots)
-        step = _Step(self.method, private, [s.path for s in self.sites])
+        step = _Step(self.method, private, self.sites)
         example = [None if v is None else v.clone() for v in state]
         try:
             with torch.no_grad():
@@ -333,7 +343,7 @@ class BoundOperator:
                 site=site.path, region=site.region, output=out_leaves[i],
                 input=None if example[i] is None else positions.get(f"[0][1][{i}]"),
                 axis=self.carries[site.path].axis, keep=keep,
-                live=retained + (call.call if site.region == self.op.region or region.holds_call else 0),
+                live=retained + call.call,
                 held=region.holds_call,
             ))
         try:
@@ -358,21 +368,22 @@ class BoundOperator:
         """The stock call on clones of the state beside the rewritten graph on the carries."""
         device = self._device()
         counters_before = {p: get_path(roots, p) for p in self._counter_paths(roots)}
+        originals = [get_path(roots, s.path) for s in self.sites]
         rng = _rng_state(device)
         for site, value in zip(self.sites, state):
             set_path(roots, site.path, None if value is None else value.clone())
         expected = self._stock_call(roots, inputs)
         if cls.outputs is None:
             cls.outputs = _structure(expected, roots)[1]
-        expected_state = [get_path(roots, s.path) for s in self.sites]
+        expected_state = _new_state(self.sites, roots, expected)
         effects = {}
         for path, before in counters_before.items():
             after = get_path(roots, path)
             effects[path] = ("set", after) if isinstance(after, bool) or not isinstance(after, int) else ("add", after - before)
         counters_after = {p: get_path(roots, p) for p in counters_before}
         _set_rng_state(device, rng)
-        for site, value in zip(self.sites, state):
-            set_path(roots, site.path, value)
+        for site, value, original in zip(self.sites, state, originals):
+            set_path(roots, site.path, value if site.out is None else original)
         outputs, new_state = cls.graph(inputs, state)
         self.counters.graph_calls += 1
         self._commit(cls, roots, new_state)
@@ -386,9 +397,9 @@ class BoundOperator:
             cls.refused = f"verification: {why}"
             self.report.stamps.append(f"{cls.name}: refused, {cls.refused}")
             for site, value in zip(self.sites, expected_state):
-                set_path(roots, site.path, value)
-            for site in self.sites:
-                self._carry_view(roots, site)
+                if site.out is None:
+                    set_path(roots, site.path, value)
+                    self._carry_view(roots, site)
             self.counters.fallback("verification")
             return expected
         cls.effects = effects
@@ -404,7 +415,8 @@ class BoundOperator:
                 set_path(roots, site.path, value.clone())
         out = self._stock_call(roots, inputs)
         for site in self.sites:
-            if get_path(roots, site.path) is not None and self._site_shape_error(site, get_path(roots, site.path)) is None:
+            value = get_path(roots, site.path)
+            if site.out is None and value is not None and self._site_shape_error(site, value) is None:
                 self._carry_view(roots, site)
         self.counters.fallback(reason)
         return out
@@ -456,9 +468,19 @@ class BoundModel:
     """A model transformed from its contract and binding: call it as the stock model (its one
     bound operator), or each operator through `operators[name]`."""
 
-    def __init__(self, operators: dict[str, BoundOperator], report):
+    def __init__(self, model: Any, operators: dict[str, BoundOperator], report):
+        self.model = model
         self.operators = operators
         self.report = report
+        self._methods = {op.ob.method: op for op in operators.values()}
+
+    def __getattr__(self, name: str) -> Any:
+        """A drop-in for the model: a bound method is its operator, anything else the model's own."""
+        if name.startswith("_") or name in ("model", "operators", "report"):
+            raise AttributeError(name)
+        if name in self._methods:
+            return self._methods[name]
+        return getattr(self.model, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if len(self.operators) != 1:
@@ -482,4 +504,4 @@ def transform_bound(model: Any, contract: Contract, binding: Binding, catalog: C
     report.stamps.append(f"binding: {len(binding.regions)} region(s), {len(binding.operators)} operator(s); classes are "
                          f"captured at their first visit and verified against the stock call on {binding.verify}")
     report.operators = operators
-    return BoundModel(operators, report)
+    return BoundModel(model, operators, report)
