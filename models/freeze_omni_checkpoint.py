@@ -11,8 +11,9 @@ what the vendor's scripts take as `--model_path`, and the audio LLM's files lie 
   float32).
 - `final.pt`: a torch state dict of the whole audio LLM except the frozen LLM: the encoder under
   `encoder.`, the adapter under `adpter.`, the prompt and task embeddings and the state head. The
-  published file is 752,396,798 bytes: the 375,961,764 values of those modules at the released
-  size in 16 bits each, plus the archive's per-entry overhead (training ran in bf16).
+  published file is 752,396,798 bytes (its LFS pointer in a public mirror); those modules hold
+  375,961,764 values at the released size, 751,923,528 bytes at 2 bytes each, the rest being the
+  archive's per-entry records: the weights are stored in 16 bits (`train.yaml`: `ds_dtype: bf16`).
 
 The vendor loads `final.pt` with `load_state_dict(strict=False)` after building the CMVN from
 `global_cmvn`, so the checkpoint's CMVN entries, when present, win, and a missing or misnamed
@@ -98,7 +99,8 @@ def encoder_config(train: Mapping, source: str = "train.yaml") -> FreezeOmniEnco
     require("transformer-input-dim", tr["transformer-input-dim"], d, "the transformer's attention-dim")
     require("transformer-input-layer", tr["transformer-input-layer"], "linear", "the embedding this encoder builds")
     for entry in ("transformer-normalize-before", "transformer-concat-after"):
-        require(f"the type of {entry}", type(tr[entry]), bool, "a yes/no option")
+        if not isinstance(tr[entry], bool):
+            raise CheckpointError(f"{source}: {entry} is {tr[entry]!r}, expected true or false")
     feed_forward = tr["transformer-positionwise-layer-type"]
     try:
         config = FreezeOmniEncoderConfig(

@@ -44,8 +44,9 @@ Where this module departs from that source, and why:
 
 Dimensions: 80 mel bins, width 1024, 16 heads, 4096 feed-forward units, 24 blocks, relative
 positions, 4x subsampling, chunk_size 4 encoder frames: the published `audiollm/train.yaml` (as
-a public mirror of the release holds it; `FreezeOmniEncoderConfig.released()`), which also lists `positionwise-layer-type: linear`,
-`left_chunks: 16`, `normalize-before: true`, `concat-after: false`. The default configuration
+a public mirror of the release holds it; `FreezeOmniEncoderConfig.released()`), which also lists
+`positionwise-layer-type: linear`, `left_chunks: 16`, `normalize-before: true` and
+`concat-after: false`. The default configuration
 keeps this project's earlier operator choice (DESIGN.md section 4), the conv feed-forward with one
 left chunk: the attended extent is then 4 frames on the first call and 8 afterwards, two shape
 classes; with L left chunks it grows by 4 frames a call up to 4 (L + 1), L + 1 classes.
@@ -85,7 +86,8 @@ class FreezeOmniEncoderConfig:
 
     The defaults are the real size with this project's operator choice (conv feed-forward, one
     left chunk); `released()` is the configuration of the published checkpoint; `small()` is for
-    CPU tests. Options the vendor's streaming path cannot run are refused here, with the reason.
+    CPU tests. Options that have no streaming path (the vendor's `conv1d` feed-forward, absolute
+    positions, no left chunk) are refused here, with the reason.
     """
 
     input_dim: int = 80

@@ -293,3 +293,11 @@ def test_an_entry_train_yaml_leaves_out_takes_the_vendors_default():
     del train["encoder_conf"]["para_conf"]["transformer"]["transformer-pos-enc-class"]  # the vendor's default: abs-enc
     with pytest.raises(CheckpointError, match=re.escape("pos_enc 'abs-enc': only 'rel-enc' streams")):
         encoder_config(train)
+
+
+def test_a_yes_no_option_that_is_not_a_boolean_is_refused():
+    train = yaml.safe_load(RELEASED_TRAIN_YAML)
+    train["encoder_conf"]["para_conf"]["transformer"]["transformer-normalize-before"] = "yes please"
+    with pytest.raises(CheckpointError, match=re.escape(
+            "train.yaml: transformer-normalize-before is 'yes please', expected true or false")):
+        encoder_config(train)
