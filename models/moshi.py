@@ -38,8 +38,13 @@ def moshi_contract(
     depformer_heads: int = 16,
     depformer_dim: int = 1024,
     lm_dtype: str = "bfloat16",
+    slots: int = 1,
 ) -> Contract:
-    """The full-size Moshi 7B configuration by default (bf16 LM, fp32 Mimi)."""
+    """The full-size Moshi 7B configuration by default (bf16 LM, fp32 Mimi).
+
+    `slots` is the batch B that every region and operator is declared at: B sessions, one per
+    batch row, each its own interactive session (C3 holds per slot: nothing is batched inside a
+    session). One B per contract, so each operator's catalog stays one class (K = 1)."""
     return Contract(
         family="moshi",
         clocks=(
@@ -57,6 +62,7 @@ def moshi_contract(
             Rate("text_token", "frame", 1),
         ),
         quantities={
+            "slots": slots,
             "mimi_layers": mimi_layers,
             "mimi_heads": mimi_heads,
             "mimi_head_dim": mimi_dim // mimi_heads,
@@ -70,7 +76,7 @@ def moshi_contract(
         regions=(
             Region(
                 "mimi_encoder_kv",
-                dims=("mimi_layers", 2, 1, "mimi_heads", "mimi_step", "mimi_head_dim"),
+                dims=("mimi_layers", 2, "slots", "mimi_heads", "mimi_step", "mimi_head_dim"),
                 axis=4,
                 clock="mimi_step",
                 stride=2,
@@ -80,7 +86,7 @@ def moshi_contract(
             ),
             Region(
                 "mimi_decoder_kv",
-                dims=("mimi_layers", 2, 1, "mimi_heads", "mimi_step", "mimi_head_dim"),
+                dims=("mimi_layers", 2, "slots", "mimi_heads", "mimi_step", "mimi_head_dim"),
                 axis=4,
                 clock="mimi_step",
                 stride=2,
@@ -90,7 +96,7 @@ def moshi_contract(
             ),
             Region(
                 "lm_kv",
-                dims=("lm_layers", 2, 1, "lm_heads", "frame", "lm_head_dim"),
+                dims=("lm_layers", 2, "slots", "lm_heads", "frame", "lm_head_dim"),
                 axis=4,
                 clock="frame",
                 stride=1,
@@ -100,7 +106,7 @@ def moshi_contract(
             ),
             Region(
                 "depformer_kv",
-                dims=("depformer_layers", 2, 1, "depformer_heads", "codebook", "depformer_head_dim"),
+                dims=("depformer_layers", 2, "slots", "depformer_heads", "codebook", "depformer_head_dim"),
                 axis=4,
                 clock="codebook",
                 stride=1,

@@ -72,10 +72,12 @@ RINGS = {
 }
 
 
-def contract_for(config) -> Contract:
-    """The Moshi contract of a `moshi_stream.MoshiConfig` (`FULL` gives the default contract)."""
+def contract_for(config, slots: int = 1) -> Contract:
+    """The Moshi contract of a `moshi_stream.MoshiConfig` (`FULL` gives the default contract), at
+    batch `slots` (one session per slot: `models/moshi_slots.py`)."""
     lm, mimi = config.lm_kwargs, config.mimi["transformer"]
     return moshi_contract(
+        slots=slots,
         mimi_context=mimi["context"],
         lm_context=lm["context"],
         codebooks=lm["dep_q"],
@@ -386,6 +388,9 @@ class MoshiAdapter(Adapter):
         from moshi.models import LMGen
 
         mimi, lm = model.mimi, model.lm
+        if contract.symbols()["slots"] != 1:
+            raise ValueError(f"contract quantity slots={contract.symbols()['slots']}: transform() streams one session "
+                             "at batch 1; sessions as slots of one batch: models/moshi_slots.py transform_slots")
         _check_model(model, contract)
         report = TransformReport(family=self.family, catalog=catalog)
         report.determinism = pin_deterministic()

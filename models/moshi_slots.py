@@ -1,0 +1,374 @@
+"""Moshi sessions as the slots of one batch: one Mimi and one `LMGen` at batch B, every session
+ticking in one batched call per 80 ms frame, each stage an `ExactShapeReplay` binding at batch B.
+
+B is the contract quantity `slots` (`contract_for(config, slots=B)`): every ring region is
+declared at batch B, so each operator's catalog is one class (K = 1) at that batch, and a
+runtime holds exactly B slots. What the vendor gives and this runtime uses, as Kyutai's batched
+servers do (moshi 0.2.13, `modules/streaming.py`, `models/lm.py`):
+
+* **idle slots are masked.** `set_exec_mask(mask)` writes a (B,) boolean into every streaming
+  module's state; each module then advances only the rows that execute: ring offsets, conv
+  `previous`/`partial` buffers, the replicate-pad `first` flags, the transformers' positions and
+  `LMGen`'s offsets and delayed-token cache are written through `torch.where(exec_mask, new,
+  old)`. A masked row is still computed (the batch always runs at B) and its result is thrown
+  away. One thing a masked call does write: `RingKVCache.complete` scatters every row's new keys
+  and values at that row's `end_offset` before it attends, masked or not, and leaves the offset
+  where it was; those positions are the ones the row's next executed call writes before it reads
+  them, so nothing a slot will ever read changes while it is masked (`tests/test_moshi_slots.py`
+  checks both: every other state byte equal, ring bytes only at those positions).
+* **a joining session resets only its slot.** `reset_streaming(reset_mask)` rewrites the masked
+  rows' offsets, conv buffers and flags to a fresh entry's values and leaves the other rows
+  alone. It does not clear ring bodies: a reset slot's positions count as empty again (the
+  attention bias masks every position at or past its `end_offset`), and `LMGen` reads its
+  delayed-token cache only where the slot has written since its reset. It also zeroes the
+  host-side `offset_cpu` counters of the whole batch; with `support_out_of_sync=True` (what the
+  vendor asks for batched, out-of-step slots) nothing reads them but weights chosen per step,
+  which only the depformer has, and its state is fresh on every frame.
+* **each slot speaks after its own acoustic delay.** With `support_out_of_sync=True`, `LMGen.step`
+  returns every row on every call and writes the vendor's ungenerated id (-1) into the rows of
+  masked slots and of slots whose offset has not passed the delay yet. Mimi decode cannot take
+  -1, so the decode stage decodes code 0 there under a false exec mask (the slot's decoder state
+  stays as it was, its row of PCM is not handed out): a slot's decoder starts at its first real
+  frame, as the vendor's batch-1 loop, which decodes nothing until `step` returns tokens.
+
+Where the vendor does not keep slots apart: **sampling**. `LMGen` samples every row of the batch
+from one generator in one call (`utils/sampling.py::multinomial` draws
+`torch.empty_like(probs).exponential_(1)` of shape (B, k): the text token, then each of the
+depformer's codebooks), with one temperature, top-k and sampling switch for the batch. So a
+slot's draws depend on the batch size, its row, and every tick the runtime ran before (joins and
+idle ticks included), not on a seed of its own; this runtime seeds the batch's generators once
+(`seed`) and swaps them in for its ticks, so nothing else in the process draws from them or is
+disturbed by them. Greedy decoding (`sampling=False`) draws nothing, and a slot's tokens then
+depend only on its own inputs. What is bit-identical, then: every slot's tokens and PCM against
+the vendor's own batched loop at the same B, with the same ticks, joins and seed
+(`vendor_ticks`, the reference here). Against the vendor's batch-1 loop a slot's results are not
+guaranteed: batched kernels may round differently (measured on a CPU at the TINY size, greedy:
+tokens equal, PCM within 2.6e-8, not equal; `tests/test_moshi_slots.py` records it).
+
+The transform (`transform_slots`) does what `moshi_replay`'s does for one session, at batch B:
+the vendor's `CUDAGraphed` wrappers are replaced by plain modules and three `Stage`s on one
+owned streaming state (rings, offsets, conv buffers and exec masks at fixed addresses): Mimi
+encode (the tick's exec masks of Mimi and the LM, then encode), the LM's main step
+(`forward_text`, inside `LMGen.step`), the depformer step (all codebooks and their sampling) and
+Mimi decode (its exec mask, then decode). `LMGen.step`'s own glue (the delayed-token cache,
+the text sampling) and a join's `reset_streaming` run eagerly between them, as the vendor runs
+its glue between its graphs. The runtime warms every stage up at construction (certified on a
+CPU, captured on a GPU), then writes the fresh streaming state back in place and seeds its
+generators, so its first tick starts where the vendor's `streaming(B)` entry does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+
+from cadence_fx.contract import Contract
+from cadence_fx.catalog import derive
+from cadence_fx.determinism import pin_deterministic
+from cadence_fx.passes.hoist import HostConstantHoist
+from cadence_fx.replay import TensorSpec
+from cadence_fx.report import format_bytes
+from cadence_fx.transform import TransformReport
+
+from .moshi_replay import OwnedState, Stage, _check_model, _classes, _ring_resizes, _used_codebooks
+from .moshi_stream import MoshiModels
+
+__all__ = ["MoshiSlots", "Tick", "TickOutput", "transform_slots", "vendor_slots", "vendor_ticks"]
+
+WARM_UP_TICKS = 2  # the first certifies (and on a GPU captures) every stage, the second replays it
+
+
+@dataclass(frozen=True)
+class Tick:
+    """One batched call. `frames` maps each live slot to its input frame (float32, shape
+    `(frame_size,)`); the other slots are masked. `joins` are the slots whose sessions begin
+    here: they are reset before the tick runs."""
+
+    frames: Mapping[int, torch.Tensor]
+    joins: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TickOutput:
+    """What one tick gave. `tokens` `(B, 1 + dep_q)` (text first) and `pcm` `(B, frame_size)` hold
+    a row per slot; only the rows of `speaking` slots (live and past the acoustic delay) are
+    outputs: the others are the vendor's ungenerated id and the PCM of a masked decode."""
+
+    live: tuple[int, ...]
+    speaking: tuple[int, ...]
+    tokens: torch.Tensor
+    pcm: torch.Tensor
+
+    def slot(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(tokens, pcm)` of one slot, None when it did not speak at this tick."""
+        return (self.tokens[index], self.pcm[index]) if index in self.speaking else None
+
+
+def _mask(slots: int, rows: Sequence[int], device: torch.device) -> torch.Tensor:
+    mask = torch.zeros(slots, dtype=torch.bool)
+    mask[list(rows)] = True
+    return mask.to(device)
+
+
+def _frames(slots: int, frame_size: int, frames: Mapping[int, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """`(B, 1, frame_size)`: each live slot's frame in its row, zeros in the masked rows."""
+    batch = torch.zeros(slots, 1, frame_size)
+    for slot, frame in frames.items():
+        batch[slot, 0] = frame
+    return batch.to(device)
+
+
+def _check_tick(tick: Tick, slots: int, frame_size: int) -> None:
+    if not tick.frames:
+        raise ValueError("a tick runs at least one slot: its frames are empty")
+    for name, indices in (("frames", list(tick.frames)), ("joins", list(tick.joins))):
+        outside = [i for i in indices if not (isinstance(i, int) and 0 <= i < slots)]
+        if outside:
+            raise ValueError(f"{name}: slot {outside[0]!r} is outside 0..{slots - 1} (the batch holds {slots} slots)")
+    if len(set(tick.joins)) != len(tick.joins):
+        raise ValueError(f"joins: a slot joins twice in one tick: {sorted(tick.joins)}")
+    for slot, frame in tick.frames.items():
+        if not isinstance(frame, torch.Tensor) or frame.shape != (frame_size,) or frame.dtype != torch.float32:
+            got = f"{frame.dtype} {tuple(frame.shape)}" if isinstance(frame, torch.Tensor) else type(frame).__name__
+            raise ValueError(f"frames[{slot}]: a frame is {frame_size} float32 samples, shape ({frame_size},); got {got}")
+
+
+def _rng_states(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The default generators a tick draws from: the host's, and the GPU's."""
+    host = torch.get_rng_state()
+    return (host,) if device.type != "cuda" else (host, torch.cuda.get_rng_state(device))
+
+
+def _set_rng_states(device: torch.device, states: tuple[torch.Tensor, ...]) -> None:
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)
+
+
+def vendor_ticks(models: MoshiModels, slots: int, ticks: Sequence[Tick], *, sampling: bool, seed: int,
+                 cuda_graphs: bool = False) -> Iterator[TickOutput]:
+    """The vendor's own batched loop, the reference of `MoshiSlots`: `mimi.streaming(B)` and
+    `LMGen(support_out_of_sync=True).streaming(B)` entered afresh, the default generators seeded
+    with `seed`, then per tick: `reset_streaming(joins)`, `set_exec_mask(live)` on Mimi and the
+    LM, `mimi.encode`, `LMGen.step`, `mimi.set_exec_mask(speaking)` (the rows `step` returned
+    real tokens for) and `mimi.decode` of the audio codebooks, -1 written as code 0.
+
+    `cuda_graphs=True` keeps the vendor's `CUDAGraphed` wrappers on (on a GPU), False runs them
+    eagerly (`no_cuda_graph`). Yields each tick's output as the tick ends; the models stream for
+    as long as the iteration runs."""
+    from moshi.models import LMGen
+    from moshi.utils.compile import no_compile, no_cuda_graph
+
+    mimi, lm = models.mimi, models.lm
+    device = next(lm.parameters()).device
+    lm_gen = LMGen(lm, use_sampling=sampling, support_out_of_sync=True)
+    torch.manual_seed(seed)
+    graphs = contextlib.nullcontext() if cuda_graphs else no_cuda_graph()
+    with graphs, no_compile(), torch.no_grad(), mimi.streaming(slots), lm_gen.streaming(slots):
+        for tick in ticks:
+            _check_tick(tick, slots, mimi.frame_size)
+            if tick.joins:
+                joins = _mask(slots, tick.joins, device)
+                mimi.reset_streaming(joins)
+                lm_gen.reset_streaming(joins)
+            live = _mask(slots, sorted(tick.frames), device)
+            mimi.set_exec_mask(live)
+            lm_gen.set_exec_mask(live)
+            codes = mimi.encode(_frames(slots, mimi.frame_size, tick.frames, device))
+            tokens = lm_gen.step(codes)
+            speaking = (tokens[:, :, 0] >= 0).all(dim=1)
+            mimi.set_exec_mask(speaking)
+            pcm = mimi.decode(tokens[:, 1:].clamp(min=0))
+            yield TickOutput(tuple(sorted(tick.frames)), tuple(speaking.nonzero().flatten().tolist()),
+                             tokens[:, :, 0], pcm[:, 0])
+
+
+def vendor_slots(models: MoshiModels, slots: int, ticks: Sequence[Tick], *, sampling: bool, seed: int,
+                 cuda_graphs: bool = False) -> list[TickOutput]:
+    """Every output of `vendor_ticks`."""
+    return list(vendor_ticks(models, slots, ticks, sampling=sampling, seed=seed, cuda_graphs=cuda_graphs))
+
+
+@dataclass
+class MoshiSlots:
+    """B slots of one batched Mimi + `LMGen` on one owned streaming state; see the module docstring.
+
+    `tick(Tick(frames={slot: frame}, joins=(...)))` runs one batched call for every live slot and
+    returns its `TickOutput`. Which slot a session owns, and when it joins, is the caller's
+    schedule: the runtime keeps no sessions, only each slot's frames since its last join."""
+
+    models: MoshiModels
+    lm_gen: Any  # moshi.models.LMGen at batch `slots`
+    slots: int
+    state: OwnedState  # the whole batch's streaming state, at fixed addresses
+    glue: OwnedState  # LMGen's own state (its eager glue rebinds `offsets`)
+    stages: dict[str, Stage]
+    report: TransformReport
+    streaming: contextlib.ExitStack  # the modules' streaming entries, closed by `close`
+    rng: tuple[torch.Tensor, ...] = ()  # the batch's generator states between ticks
+    ran: list[int] = field(default_factory=list)  # per slot: the frames it ran since it joined
+    ticks: int = 0
+    closed: bool = False
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.models.lm.parameters()).device
+
+    @property
+    def frame_size(self) -> int:
+        return self.models.mimi.frame_size
+
+    @property
+    def replays(self) -> dict:
+        return self.report.replays
+
+    @contextlib.contextmanager
+    def _generators(self) -> Iterator[None]:
+        """The batch's generator states swapped in for a tick; the caller's put back after it."""
+        caller = _rng_states(self.device)
+        _set_rng_states(self.device, self.rng)
+        try:
+            yield
+        finally:
+            self.rng = _rng_states(self.device)
+            _set_rng_states(self.device, caller)
+
+    def tick(self, tick: Tick) -> TickOutput:
+        from moshi.utils.compile import no_compile
+
+        if self.closed:
+            raise RuntimeError("this MoshiSlots is closed")
+        _check_tick(tick, self.slots, self.frame_size)
+        device, mimi, lm_gen = self.device, self.models.mimi, self.lm_gen
+        live = tuple(sorted(tick.frames))
+        for slot in tick.joins:
+            self.ran[slot] = 0
+        # LMGen's offsets reach max_delay + 1 at a slot's (max_delay + 1)-th frame: its first real tokens.
+        speaking = tuple(slot for slot in live if self.ran[slot] + 1 > lm_gen.max_delay)
+        with self._generators(), no_compile(), torch.inference_mode():
+            if tick.joins:
+                joins = _mask(self.slots, tick.joins, device)
+                mimi.reset_streaming(joins)
+                lm_gen.reset_streaming(joins)
+            codes = self.stages["mimi_encode"](_mask(self.slots, live, device),
+                                               _frames(self.slots, self.frame_size, tick.frames, device))
+            tokens = lm_gen.step(codes)
+            self.glue.keep_addresses()  # LMGen rebinds its offsets each step
+            pcm = self.stages["mimi_decode"](_mask(self.slots, speaking, device), tokens)
+        for slot in live:
+            self.ran[slot] += 1
+        self.ticks += 1
+        return TickOutput(live, speaking, tokens[:, :, 0], pcm[:, 0])
+
+    def counters(self) -> dict[str, dict]:
+        return {name: engine.counters.as_dict() for name, engine in self.replays.items()}
+
+    def close(self) -> None:
+        """Leave streaming and drop every graph: the batch's state and graph pools can be freed."""
+        if not self.closed:
+            self.closed = True
+            for engine in self.replays.values():
+                engine.reset()
+            self.streaming.close()
+
+
+def _shared_copy(models: MoshiModels) -> MoshiModels:
+    """The modules deep-copied with every parameter and buffer shared: the runtime's streaming
+    state is its own, the caller's modules never stream for it."""
+    shared = {id(t): t for module in (models.mimi, models.lm)
+              for t in itertools.chain(module.parameters(), module.buffers())}
+    return copy.deepcopy(models, shared)
+
+
+def transform_slots(models: MoshiModels, contract: Contract, *, sampling: bool, seed: int,
+                    replay: bool = True) -> tuple[MoshiSlots, TransformReport]:
+    """A `MoshiSlots` at the contract's batch (quantity `slots`) on `models`' weights (shared,
+    not copied; the lazily derived codebook caches the calls read are filled in `models` first, as
+    the vendor's first call would). `sampling` and `seed` are the batch's (module docstring)."""
+    from moshi.models import LMGen
+    from moshi.utils.compile import no_compile
+
+    slots = contract.symbols().get("slots")
+    if not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"contract quantity slots must be a positive batch size, got {slots!r}")
+    _check_model(models, contract)
+    catalog = derive(contract)
+    report = TransformReport(family=contract.family, catalog=catalog)
+    report.determinism = pin_deterministic()
+    with torch.no_grad():
+        for codebook in _used_codebooks(models.mimi):
+            if codebook._embedding is None:
+                codebook.embedding  # noqa: B018 - fills the vendor's lazily derived codebook cache
+    models = _shared_copy(models)
+    mimi, lm = models.mimi, models.lm
+    lm_gen = LMGen(lm, use_sampling=sampling, support_out_of_sync=True)
+    streaming = contextlib.ExitStack()
+    streaming.enter_context(mimi.streaming(slots))
+    streaming.enter_context(lm_gen.streaming(slots))
+    with lm.depformer.streaming(slots):
+        report.resizes.extend(_ring_resizes(models, contract, catalog))
+    states = {"mimi": mimi.get_streaming_state(), "lm": lm.get_streaming_state(), "lm_gen": lm_gen.get_streaming_state()}
+    mimi_state, gen_state = states["mimi"][""], states["lm_gen"][""]
+    mimi_state.graphed_encoder, mimi_state.graphed_decoder = mimi.encoder, mimi.decoder
+    mimi_state.graphed_tr_enc, mimi_state.graphed_tr_dec = mimi.encoder_transformer, mimi.decoder_transformer
+    owned = OwnedState.of(states)
+    mimi_owned, lm_owned = OwnedState.of({"mimi": states["mimi"]}), OwnedState.of({"lm": states["lm"]})
+    glue = OwnedState.of({"lm_gen": states["lm_gen"]})
+    report.stamps.append(
+        f"state: batch of {slots} slots, one owned streaming state, {len(owned.tensors)} tensors "
+        f"({format_bytes(owned.nbytes)}) at fixed addresses; vendor CUDAGraphed wrappers removed: mimi.graphed_encoder, "
+        "mimi.graphed_tr_enc, mimi.graphed_tr_dec, mimi.graphed_decoder, lm_gen.graphed_main, lm_gen.graphed_depth"
+    )
+
+    device = next(lm.parameters()).device
+    hooks = (HostConstantHoist(),) if device.type == "cuda" else ()
+    mask = TensorSpec((slots,), torch.bool, device)
+    frame = TensorSpec((slots, mimi.channels, mimi.frame_size), torch.float32, device)
+    tokens = TensorSpec((slots, 1 + lm.dep_q, 1), torch.long, device)
+    sequence = TensorSpec((slots, lm.num_codebooks, 1), torch.long, device)
+    text, hidden = TensorSpec((slots,), torch.long, device), TensorSpec((slots, 1, lm.dim), lm.dtype, device)
+
+    def encode(live: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+        mimi.set_exec_mask(live)
+        lm_gen.set_exec_mask(live)
+        return mimi.encode(frames)
+
+    def decode(speaking: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
+        mimi.set_exec_mask(speaking)
+        return mimi.decode(generated[:, 1:].clamp(min=0))
+
+    def stage(name: str, fn: Callable[..., Any], state: OwnedState | None, modules: list, *specs: Any) -> Stage:
+        return Stage(name, fn, _classes(catalog, name, *specs), state, modules, replay=replay, hooks=hooks)
+
+    stages = {
+        "mimi_encode": stage("mimi_encode", encode, mimi_owned, [mimi, lm_owned.holder, glue.holder], mask, frame),
+        "lm_step": stage("lm_step", lm.forward_text, lm_owned, [lm], sequence, None, None),
+        "depformer_step": stage("depformer_step", lm_gen.depformer_step, None, [lm], text, hidden),
+        "mimi_decode": stage("mimi_decode", decode, mimi_owned, [mimi], mask, tokens),
+    }
+    gen_state.graphed_main, gen_state.graphed_depth = stages["lm_step"], stages["depformer_step"]
+    for one in stages.values():
+        if one.engine is not None:
+            report.replays[one.name] = one.engine
+    report.stamps.append(
+        f"replay at batch {slots}: " + ", ".join(f"{name} K={catalog.operator(name).width}" for name in stages)
+        if replay else f"replay: off (stages eager on the owned state, batch {slots})"
+    )
+
+    runtime = MoshiSlots(models, lm_gen, slots, owned, glue, stages, report, streaming, ran=[0] * slots)
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), no_compile():
+        runtime.rng = _rng_states(device)
+        silence = torch.zeros(mimi.frame_size)
+        for index in range(WARM_UP_TICKS):
+            runtime.tick(Tick({slot: silence for slot in range(slots)}, joins=tuple(range(slots)) if index == 0 else ()))
+        torch.manual_seed(seed)
+        runtime.rng = _rng_states(device)
+    owned.reset()  # the fresh streaming entry's values, written in place: every address kept
+    runtime.ran, runtime.ticks = [0] * slots, 0
+    return runtime, report
