@@ -25,9 +25,9 @@ servers do (moshi 0.2.13, `modules/streaming.py`, `models/lm.py`):
   vendor asks for batched, out-of-step slots) nothing reads them but weights chosen per step,
   which only the depformer has, and its state is fresh on every frame.
 * **each slot speaks after its own acoustic delay.** With `support_out_of_sync=True`, `LMGen.step`
-  returns every row on every call and writes the vendor's ungenerated id (-1) into the rows of
+  returns every row on every call and writes the vendor's ungenerated id (-2) into the rows of
   masked slots and of slots whose offset has not passed the delay yet. Mimi decode cannot take
-  -1, so the decode stage decodes code 0 there under a false exec mask (the slot's decoder state
+  -2, so the decode stage decodes code 0 there under a false exec mask (the slot's decoder state
   stays as it was, its row of PCM is not handed out): a slot's decoder starts at its first real
   frame, as the vendor's batch-1 loop, which decodes nothing until `step` returns tokens.
 
@@ -156,7 +156,7 @@ def vendor_ticks(models: MoshiModels, slots: int, ticks: Sequence[Tick], *, samp
     `LMGen(support_out_of_sync=True).streaming(B)` entered afresh, the default generators seeded
     with `seed`, then per tick: `reset_streaming(joins)`, `set_exec_mask(live)` on Mimi and the
     LM, `mimi.encode`, `LMGen.step`, `mimi.set_exec_mask(speaking)` (the rows `step` returned
-    real tokens for) and `mimi.decode` of the audio codebooks, -1 written as code 0.
+    real tokens for) and `mimi.decode` of the audio codebooks, the ungenerated id (-2) written as code 0.
 
     `cuda_graphs=True` keeps the vendor's `CUDAGraphed` wrappers on (on a GPU), False runs them
     eagerly (`no_cuda_graph`). Yields each tick's output as the tick ends; the models stream for
