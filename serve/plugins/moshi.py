@@ -8,15 +8,22 @@ and ring capacities. TINY is SMALL cut down for 8 sessions on 2 CPU cores (one l
 transformer, widths of 32, 8-dimensional codebook vectors, 4 SEANet filters and no residual
 units; what it keeps is listed at its definition); ``bench/results/serve_load_moshi.json`` is
 what 8 sessions of it measured. FULL is Moshi 7B as shipped (the 7.7B-parameter LM in bfloat16
-and Mimi), on CUDA. Every size runs full duplex on its native clock through the cadence-fx
-transform of the Moshi family (``transform(models, contract_for(config))``: the four stages
-under ``ExactShapeReplay``; replayed as CUDA graphs on a GPU, eager with admission bookkeeping on
-a CPU).
+and Mimi), on CUDA. Every size runs full duplex on its native clock, its sessions as the
+**slots** of one batch per place (``models/moshi_slots.py``: one Mimi and one ``LMGen`` at batch
+B, the four stages under ``ExactShapeReplay`` at that batch; replayed as CUDA graphs on a GPU,
+eager with admission bookkeeping on a CPU).
 
 The clock is one **tick** per 80 ms frame: 1920 samples at 24 kHz in, ``mimi.encode`` ->
 ``LMGen.step`` -> ``mimi.decode``, 1920 samples out; only a stream's first tick gives nothing (the
-LM's acoustic delay of one frame). Every tick is the vendor's own streaming step, so a stream's
-output is the stock vendor stream of the same input ticks and seed, bit for bit.
+LM's acoustic delay of one frame). A place ticks all its sessions in one batched call: every
+slot with a frame waiting runs it, the others are masked (``serve/runtime/slots.py``). Every
+tick is the vendor's own batched streaming step at that B, so a stream's output is the slot's
+row of the vendor's batched loop over the same ticks (the same frames, joins and seed), bit for
+bit. It is not the vendor's batch-1 stream: the vendor samples all rows of a batch from one
+generator, so with sampling on a session's draws depend on the batch (its size, the session's
+row, every tick the place ran); greedy (``sampling=False``), a slot depends on its own frames
+only, and its tokens measured equal to batch 1's (PCM within 2.6e-8 on a CPU: batched kernels
+round differently).
 
 How a duplex model maps onto the session's turns:
 
@@ -33,50 +40,48 @@ How a duplex model maps onto the session's turns:
 * ``clear_input``: the cleared frames stop counting toward the turn. The model heard them as they
   arrived and keeps them: a duplex model absorbs its input tick by tick and cannot unhear it.
 
-Where the ticks run: in **tick places**, each holding one copy of the weights (an ``_Engine``)
-and running its streams' ticks one request at a time in arrival order (a ``feed_frames`` is one
-request for all its frames); each new stream goes to the place with the fewest open streams.
+Where the ticks run: in **tick places**, each holding one copy of the weights and one batch of
+``slots`` slots (an ``_Engine``). Admission is a free slot: a new stream takes the lowest free
+slot of the place with the fewest open streams, and ``SlotsFull`` says so when none is left. A
+place's ``SlotScheduler`` (in the server process) runs one batched call at a time, as soon as
+any slot has a frame waiting and for as long as any has, each with one frame of every waiting
+slot (a ``feed_frames`` of k frames rides k ticks); a slot's first tick after a new stream took
+it resets that slot alone.
 
-* On a CPU (``processes`` >= 1, 2 by default): worker processes. A tick is bound by per-operator
+* On a CPU (``processes`` >= 1, 1 by default): worker processes. A tick is bound by per-operator
   overhead in Python (thousands of small operator calls; the depformer's eight codebooks alone
-  are about 40% of it), so it holds the GIL for most of its time: two threads running the stock
-  SMALL loop on two streams measured 25.9 frames/s in all, one thread 22.5. So the plugin ticks
-  in worker processes, one per core of the machine the default is sized for, each with one torch
-  thread, pinned to a core of its own (``pin``), and the vendor's process-wide no-compile flag
-  held for its life; a worker builds the same weights from the seed.
+  are about 40% of it), so it holds the GIL for most of its time, and a batch of B slots costs
+  little more than one: at the TINY size, one call for 8 slots took 36 ms of CPU where one slot
+  took 31 ms (measured on this 2-core machine under load). So one worker process ticks all the
+  sessions in one batch, with one torch thread, pinned to a core of its own (``pin``), and the
+  vendor's process-wide no-compile flag held for its life; the other core is the server's. A
+  worker builds the same weights from the seed.
 * On a GPU (``processes=0``, the only choice there): one thread of the server process, which
   holds the device. Worker processes would each need their own copy of FULL's 15 GB of weights
   and a CUDA context, and a single-threaded worker buys nothing when the work is on the device: a
   replayed tick launches a few CUDA graphs, and torch lets go of the GIL while it waits for the
   device, so the event loop stays responsive. The thread sets no process-wide torch option but
-  the vendor's no-compile flag (held while the plugin is open) and ``transform``'s deterministic
+  the vendor's no-compile flag (held while the plugin is open) and the transform's deterministic
   kernels. A CPU plugin can tick there too (``processes=0``), which the CPU tests use.
 
-The vendor samples from torch's default generator of the device, so each stream swaps its own
-generator states (the host's and, on a GPU, the device's) in for its ticks: one session's audio
-does not depend on the others'. Ticks run in inference mode (the same values as ``no_grad``,
-with less bookkeeping per operator). The turn bookkeeping above stays with the session, so a
-reply frame that a ``feed`` already computed costs ``step`` no request to its place.
+The batch samples from torch's default generator of the device; its runtime swaps the batch's
+own generator states (seeded once with ``seed``) in for each tick, so nothing else in the
+process moves them. Ticks run in inference mode (the same values as ``no_grad``, with less
+bookkeeping per operator). The turn bookkeeping above stays with the session, so a reply frame
+that a ``feed`` already computed costs ``step`` no request to its slot.
 
-Sessions on a place share its weights. Each stream leases a **replica** (the modules
-deep-copied with every parameter and buffer shared, then transformed: its own streaming state,
-rings included, about 1.6 GB at FULL size) from its place's pool and gives it back when it
-closes; the next session on it starts from the base state, which ``TransformedMoshi.session``
-writes in place. ``reserve(sessions)``, which the server calls at startup with its session
-limit, builds ``ceil(sessions / places)`` replicas per place ahead of time (the places in
-parallel, a line on stderr per replica; on a GPU, building a replica captures its graphs):
-least-loaded placement never puts more streams than that on one place, so no session waits for
-a replica. A stream that finds its place's pool empty (no ``reserve``) builds one on the spot,
-counted as ``replicas_on_demand`` in ``describe()``.
+The batch size is fixed when a place builds its batch: ``reserve(sessions)``, which the server
+calls at startup with its session limit, builds every place's batch at ``slots`` (the option),
+or at ``ceil(sessions / places)`` without it, ahead of the first session (warmed up: certified
+on a CPU, captured on a GPU; a line on stderr per place), and refuses a limit beyond the slots.
+A stream opened before any ``reserve`` fixes it at ``slots`` or ``DEFAULT_SLOTS``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
-import itertools
 import json
 import os
 import signal
@@ -97,8 +102,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from cadence_fx import transform
-from cadence_fx.models.moshi_replay import TransformedMoshi, contract_for
+from cadence_fx.models.moshi_replay import contract_for
+from cadence_fx.models.moshi_slots import WARM_UP_TICKS, MoshiSlots, Tick, transform_slots
 from cadence_fx.models.moshi_stream import (
     FULL,
     SAMPLE_RATE,
@@ -110,144 +115,73 @@ from cadence_fx.models.moshi_stream import (
     random_pcm,
 )
 
+from ..runtime.slots import SlotScheduler, SlotsFull, TickRecord
 from .base import ModelPlugin, ModelStream, PluginInfo
 
 SIZES: dict[str, MoshiConfig] = {"tiny": TINY, "small": SMALL, "full": FULL}
 DEVICES: dict[str, str] = {"tiny": "cpu", "small": "cpu", "full": "cuda"}  # each size's default device
 FRAME_SAMPLES = 1920  # 80 ms at 24 kHz: one tick
 SILENCE = np.zeros(FRAME_SAMPLES, dtype=np.float32)
-WARM_UP_TICKS = 2
-WORKER_OPS = ("tick", "close", "parameters", "reserve", "describe")
+WORKER_OPS = ("tick", "start", "parameters", "describe")
+MAX_SLOTS = 64  # the largest batch per place: what Moshi 7B's rings at batch 64 leave room for on one H200
+DEFAULT_SLOTS = 8  # a place's batch when a stream opens before any ``reserve``
 
 
 # ---------------------------------------------------------------- in a worker process
 
 
-class _Ticker:
-    """One stream's clock on its place: its replica's open session and its generator states."""
-
-    def __init__(self, engine: _Engine) -> None:
-        self._engine = engine
-        self._replica = engine.lease()
-        self._stack = contextlib.ExitStack()
-        session = self._replica.session(sampling=engine.sampling, seed=engine.config.seed)
-        self._tick_fn = self._stack.enter_context(session)
-        self._rng = engine.generators()  # the session seeded the default generators: this stream's draws
-
-    def tick(self, frames: list[np.ndarray]) -> list[np.ndarray | None]:
-        """One tick per frame, in order: each tick's 1920 output samples (None on a stream's first)."""
-        outs = []
-        device = self._engine.device
-        self._engine.set_generators(self._rng)
-        with torch.inference_mode():
-            for frame in frames:
-                _, pcm = self._tick_fn(torch.from_numpy(frame).view(1, 1, FRAME_SAMPLES).to(device))
-                # A replayed output is a static buffer: copied out.
-                outs.append(None if pcm is None else pcm.reshape(-1).to("cpu", copy=True).numpy())
-        self._rng = self._engine.generators()
-        self._engine.ticks += len(frames)
-        return outs
-
-    def close(self) -> None:
-        self._stack.close()
-        self._engine.give_back(self._replica)
-
-
 class _Engine:
-    """A place's weights, replica pool and streams' clocks, on one device."""
+    """A place's weights and its batch of slots (``MoshiSlots``), on one device."""
 
     def __init__(self, config: MoshiConfig, sampling: bool, device: str) -> None:
         self.config, self.sampling, self.device = config, sampling, torch.device(device)
         self.models = build_models(config, self.device)
-        self.replicas: list[TransformedMoshi] = []
-        self.free: list[TransformedMoshi] = []
-        self.on_demand = 0
-        self.tickers: dict[int, _Ticker] = {}
-        self.ticks = 0
+        self.runtime: MoshiSlots | None = None
+        self.ticks = 0  # batched calls
         self.tick_seconds = 0.0  # spent ticking: this place's load
         self.tick_cpu_seconds = 0.0  # of which its thread ran on a core (less: others had it, or the GPU worked)
 
     def handle(self, op: str, key: int | None, args: tuple, progress: Callable[[], None]) -> Any:
         if op == "tick":
             started, cpu = time.perf_counter(), time.thread_time()
-            ticker = self.tickers.get(key)
-            if ticker is None:
-                ticker = self.tickers[key] = _Ticker(self)
-            outs = ticker.tick(*args)
+            outs = self.tick(*args)
             self.tick_seconds += time.perf_counter() - started
             self.tick_cpu_seconds += time.thread_time() - cpu
             return outs
-        if op == "close":
-            ticker = self.tickers.pop(key, None)
-            if ticker is not None:
-                ticker.close()
-            return None
-        if op == "reserve":
-            return self.reserve(*args, progress)
+        if op == "start":
+            return self.start(*args)
         if op == "describe":
             return self.describe()
         if op == "parameters":
             return tuple(sum(p.numel() for p in m.parameters()) for m in (self.models.mimi, self.models.lm))
         raise ValueError(f"unknown worker operation {op!r}; expected one of {', '.join(WORKER_OPS)}")
 
-    def reserve(self, replicas: int, progress: Callable[[], None]) -> int:
-        """Build free replicas until the pool holds ``replicas`` in all; returns how many were built."""
-        built = 0
-        while len(self.replicas) < replicas:
-            self.free.append(self._build())
-            built += 1
-            progress()
-        return built
+    def start(self, slots: int) -> None:
+        """The batch of ``slots`` slots, built (its stages warmed up: certified on a CPU, captured
+        on a GPU) and reset to a fresh streaming state, so no session's frame pays for it."""
+        self.runtime, _ = transform_slots(self.models, contract_for(self.config, slots=slots),
+                                          sampling=self.sampling, seed=self.config.seed)
 
-    def lease(self) -> TransformedMoshi:
-        if self.free:
-            return self.free.pop()
-        self.on_demand += 1
-        return self._build()
+    def tick(self, frames: dict[int, np.ndarray], joins: tuple[int, ...]) -> dict[int, np.ndarray | None]:
+        """One batched call: each live slot's 1920 output samples (None before its acoustic delay)."""
+        out = self.runtime.tick(Tick({slot: torch.from_numpy(frame) for slot, frame in frames.items()}, joins))
+        pcm = out.pcm.to("cpu").numpy()  # one copy for the batch
+        self.ticks += 1
+        return {slot: pcm[slot].copy() if slot in out.speaking else None for slot in frames}
 
-    def give_back(self, replica: TransformedMoshi) -> None:
-        self.free.append(replica)
-
-    def generators(self) -> tuple[torch.Tensor, ...]:
-        """The states of the default generators a tick draws from: the host's, and the GPU's."""
-        host = torch.get_rng_state()
-        return (host,) if self.device.type == "cpu" else (host, torch.cuda.get_rng_state(self.device))
-
-    def set_generators(self, states: tuple[torch.Tensor, ...]) -> None:
-        torch.set_rng_state(states[0])
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(states[1], self.device)
-
-    def _build(self) -> TransformedMoshi:
-        shared = {
-            id(t): t
-            for module in (self.models.mimi, self.models.lm)
-            for t in itertools.chain(module.parameters(), module.buffers())
-        }
-        replica, _ = transform(copy.deepcopy(self.models, shared), contract_for(self.config))
-        # A binding certifies its class on its first call (a second or two on a CPU) and captures its
-        # graphs on a GPU: done here, so that it never lands in a session's frame. Two ticks, since
-        # the first one decodes nothing. The next session resets the state in place.
-        silence = torch.from_numpy(SILENCE).view(1, 1, FRAME_SAMPLES).to(self.device)
-        with replica.session(sampling=self.sampling, seed=self.config.seed) as tick, torch.inference_mode():
-            for _ in range(WARM_UP_TICKS):
-                tick(silence)
-        self.replicas.append(replica)
-        return replica
+    def close(self) -> None:
+        if self.runtime is not None:
+            self.runtime.close()
 
     def describe(self) -> dict[str, Any]:
-        replays: dict[str, dict[str, Any]] = {}
-        for replica in self.replicas:
-            _merge(replays, replica.counters())
+        runtime = self.runtime
         return {
-            "replicas": len(self.replicas),
-            "replicas_on_demand": self.on_demand,
-            "streams_open": len(self.tickers),
+            "slots": None if runtime is None else runtime.slots,
             "ticks": self.ticks,
             "tick_seconds": round(self.tick_seconds, 3),
             "tick_cpu_seconds": round(self.tick_cpu_seconds, 3),
-            "stamps": list(self.replicas[0].report.stamps) if self.replicas else [],
-            "replays": replays,
+            "stamps": [] if runtime is None else list(runtime.report.stamps),
+            "replays": {} if runtime is None else runtime.counters(),
         }
 
 
@@ -297,6 +231,10 @@ class _Place(ABC):
     index: int
     name: str
     streams: int  # open streams placed here
+    scheduler: SlotScheduler | None = None  # its slots, once the batch size is known
+
+    def run_tick(self, frames: dict[int, np.ndarray], joins: tuple[int, ...]) -> dict[int, np.ndarray | None]:
+        return self.call("tick", None, frames, joins)
 
     @abstractmethod
     def submit(
@@ -333,10 +271,15 @@ class _InProcess(_Place):
     def _handle(self, op: str, key: int | None, args: tuple, progress: Callable[[], None]) -> Any:
         return self._engine.result().handle(op, key, args, progress)  # raises what building it raised
 
+    def _close(self) -> None:
+        if self._engine.done() and self._engine.exception() is None:
+            self._engine.result().close()
+        self._flags.close()
+
     def close(self) -> None:
-        self._thread.submit(self._flags.close).result()
+        self._thread.submit(self._close).result()
         self._thread.shutdown(wait=True)
-        # The engine goes now (a GPU's weights and replicas are freed at close, not when the last
+        # The engine goes now (a GPU's weights and batch are freed at close, not when the last
         # reference to the plugin does).
         self._engine = Future()
         self._engine.set_exception(RuntimeError(f"{self.name} is closed"))
@@ -402,11 +345,12 @@ class _Worker(_Place):
 
 
 class MoshiStream(ModelStream):
-    """One session's conversation with Moshi: the turn bookkeeping here, the ticks on its place.
-    A reply frame that a ``feed`` computed is handed out by ``step`` without a request."""
+    """One session's conversation with Moshi: the turn bookkeeping here, the ticks in its slot
+    of its place's batch. A reply frame that a ``feed`` computed is handed out by ``step``
+    without a request."""
 
-    def __init__(self, plugin: MoshiPlugin, place: _Place, key: int) -> None:
-        self._plugin, self._place, self._key = plugin, place, key
+    def __init__(self, plugin: MoshiPlugin, place: _Place, slot: int) -> None:
+        self._plugin, self._place, self.slot = plugin, place, slot
         self._pending: deque[np.ndarray] = deque()  # reply frames computed by ``feed``
         self._closed = False
         self.budget = 0  # reply frames still to come out of ``step``
@@ -419,7 +363,7 @@ class MoshiStream(ModelStream):
         self.feed_frames([frame])
 
     def feed_frames(self, frames: list[np.ndarray]) -> None:
-        """All of them in one request to the place."""
+        """All of them in one request to the slot: one frame per tick of the batch."""
         for frame in frames:
             if frame.shape != (FRAME_SAMPLES,) or frame.dtype != np.float32:
                 raise ValueError(
@@ -465,13 +409,15 @@ class MoshiStream(ModelStream):
         if not self._closed:
             self._closed = True
             self.cancel()
-            try:
-                self._place.call("close", self._key)
-            finally:
-                self._plugin._placed_off(self._place)
+            self._plugin._placed_off(self._place, self.slot)
+
+    @property
+    def place(self) -> int:
+        """The index of the place whose batch holds this stream's slot."""
+        return self._place.index
 
     def _tick(self, frames: list[np.ndarray]) -> list[np.ndarray | None]:
-        outs = self._place.call("tick", self._key, frames)
+        outs = self._place.scheduler.submit(self.slot, frames).result()
         self.ticks += len(frames)
         return outs
 
@@ -506,9 +452,16 @@ class MoshiPlugin(ModelPlugin):
         processes: int | None = None,
         threads: int | None = None,
         pin: bool = True,
+        slots: int | None = None,
+        record: bool = False,
     ) -> None:
-        """``seed`` draws the weights and seeds every session's sampling; ``sampling`` False decodes
-        greedily. ``processes`` defaults to 2 on a CPU and must be 0 (its default) on a GPU.
+        """``seed`` draws the weights and seeds each batch's sampling; ``sampling`` False decodes
+        greedily. ``slots`` is the batch of each place (1 to ``MAX_SLOTS``): the sessions it holds
+        at once. None sizes it at ``reserve(sessions)`` to ``ceil(sessions / places)``, or to
+        ``DEFAULT_SLOTS`` when a stream opens first; given, ``reserve`` refuses more sessions than
+        the places' slots hold. ``record`` keeps every batched tick's frames and joins
+        (``history``), to check a run against the vendor's batched loop.
+        ``processes`` defaults to 1 on a CPU and must be 0 (its default) on a GPU.
         ``threads`` is torch's intra-op thread count in each worker process (1 by default): the
         model is small enough that a tick is bound by per-operator overhead, and a second thread
         only contends for the cores the other workers and the event loop need. ``pin`` puts each
@@ -525,7 +478,9 @@ class MoshiPlugin(ModelPlugin):
             raise ValueError(f"unknown device {device!r} for Moshi; expected 'cpu' or 'cuda'")
         if max_reply_frames < 1:
             raise ValueError(f"max_reply_frames must be at least 1, got {max_reply_frames}")
-        processes = (2 if device == "cpu" else 0) if processes is None else processes
+        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS):
+            raise ValueError(f"slots must be a batch of 1 to {MAX_SLOTS} sessions per place, got {slots!r}")
+        processes = (1 if device == "cpu" else 0) if processes is None else processes
         if processes < 0:
             raise ValueError(f"processes must be 0 (ticks in the server process) or more, got {processes}")
         if device == "cuda" and processes:
@@ -548,10 +503,11 @@ class MoshiPlugin(ModelPlugin):
         self.size, self.device, self.seed, self.sampling = size, device, seed, sampling
         self.max_reply_frames, self.processes, self.threads = max_reply_frames, processes, threads
         self.config = dataclasses.replace(SIZES[size], seed=seed)
+        self.slots, self.record = slots, record
         self.streams = 0
         self.listened = self.replied = 0
-        self._keys = itertools.count()
         self._lock = threading.Lock()  # placement and counters: streams call from several threads
+        self._started: list[Future] = []  # each place's batch, being built or built
         self.cores: list[list[int]] = []  # of each worker process, when pinned
         if processes:
             available = sorted(os.sched_getaffinity(0))
@@ -582,21 +538,29 @@ class MoshiPlugin(ModelPlugin):
             frame_samples=FRAME_SAMPLES,
             description=(
                 f"Moshi {size.upper()} (Mimi {mimi / 1e6:.1f}M + LM {lm / 1e6:.1f}M parameters, random weights, seed "
-                f"{seed}) on {on}, full duplex at 12.5 frames/s through the cadence-fx transform, {where}; a "
-                f"reply lasts as long as the user's turn, at most {max_reply_frames * FRAME_SAMPLES / SAMPLE_RATE:g} s"
+                f"{seed}) on {on}, full duplex at 12.5 frames/s through the cadence-fx transform, {where}, each "
+                "place's sessions ticking as the slots of one batch; a reply lasts as long as the user's turn, at "
+                f"most {max_reply_frames * FRAME_SAMPLES / SAMPLE_RATE:g} s"
             ),
         )
 
     def open_stream(self) -> MoshiStream:
-        """On the place with the fewest open streams (the first such): no call to it yet."""
+        """In a free slot of the place with the fewest open streams (the first such); no call to
+        it yet. Raises ``SlotsFull`` when every slot of every place is taken."""
         with self._lock:
-            place = min(self._places, key=lambda p: p.streams)
+            self._start(DEFAULT_SLOTS if self.slots is None else self.slots)
+            open_places = [p for p in self._places if p.scheduler.free]
+            if not open_places:
+                raise SlotsFull(f"{self.name}: all {self._capacity()} slots are taken; a session needs a free slot")
+            place = min(open_places, key=lambda p: p.streams)
+            slot = place.scheduler.acquire()
             place.streams += 1
             self.streams += 1
-        return MoshiStream(self, place, next(self._keys))
+        return MoshiStream(self, place, slot)
 
-    def _placed_off(self, place: _Place) -> None:
+    def _placed_off(self, place: _Place, slot: int) -> None:
         with self._lock:
+            place.scheduler.release(slot)
             place.streams -= 1
 
     def _count(self, listened: int = 0, replied: int = 0) -> None:
@@ -604,28 +568,53 @@ class MoshiPlugin(ModelPlugin):
             self.listened += listened
             self.replied += replied
 
+    def _start(self, slots: int) -> None:
+        """Each place's batch of ``slots`` (once, under the lock): its scheduler now, its runtime
+        built by the place (queued ahead of any tick)."""
+        if self._started:
+            return
+        self.slots = slots
+        for place in self._places:
+            place.scheduler = SlotScheduler(slots, place.run_tick, name=f"{self.name}[{place.index}]", record=self.record)
+            self._started.append(place.submit("start", None, slots))
+
+    def _capacity(self) -> str:
+        places = len(self._places)
+        return f"{places * self.slots} ({places} place{'s' if places > 1 else ''} x {self.slots} slots)"
+
     def reserve(self, sessions: int) -> None:
-        """Replicas for ``sessions`` concurrent streams, built now, a line of progress per replica."""
-        per_place = -(-sessions // len(self._places))
-        total, done, started = per_place * len(self._places), [0], time.monotonic()
-        lock = threading.Lock()
-
-        def progress() -> None:
-            with lock:
-                done[0] += 1
-                print(f"{self.name}: replica {done[0]}/{total} ready ({time.monotonic() - started:.1f} s)",
-                      file=sys.stderr, flush=True)
-
-        for future in [p.submit("reserve", None, per_place, progress=progress) for p in self._places]:
+        """Slots for ``sessions`` concurrent streams, each place's batch built now (a line of
+        progress per place); refused when the slots, fixed by the option or a stream opened
+        earlier, hold fewer."""
+        places = len(self._places)
+        with self._lock:
+            self._start(-(-sessions // places) if self.slots is None else self.slots)
+            if sessions > places * self.slots:
+                raise ValueError(
+                    f"{self.name} holds {self._capacity()} sessions at once, not {sessions}: give it "
+                    f"slots={-(-sessions // places)} or admit at most {places * self.slots} sessions"
+                )
+        started = time.monotonic()
+        for place, future in zip(self._places, self._started):
             future.result()
+            print(f"{self.name}: {self.slots} slots ready in place {place.index} ({time.monotonic() - started:.1f} s)",
+                  file=sys.stderr, flush=True)
+
+    def history(self, place: int = 0) -> list[TickRecord]:
+        """Every batched tick of a place so far (with ``record=True``): its frames and joins."""
+        scheduler = self._places[place].scheduler
+        if scheduler is None or scheduler.history is None:
+            raise ValueError(f"{self.name} keeps no history: open it with record=True (and tick it)")
+        return list(scheduler.history)
 
     def describe(self) -> dict[str, Any]:
         """What the service runs, with the transform's stamps and the counters of all places."""
         parts = [p.submit("describe") for p in self._places]
         places = [part.result() for part in parts]
-        total: dict[str, Any] = {}
+        replays: dict[str, Any] = {}
         for part in places:
-            _merge(total, {k: part[k] for k in ("replicas", "replicas_on_demand", "ticks", "replays")})
+            _merge(replays, part["replays"])
+        schedulers = [p.scheduler for p in self._places if p.scheduler is not None]
         return {
             "model": self.name,
             "size": self.size,
@@ -637,27 +626,31 @@ class MoshiPlugin(ModelPlugin):
             "cores_per_process": self.cores or None,
             "max_reply_frames": self.max_reply_frames,
             "streams": self.streams,
-            "replicas": total["replicas"],
-            "replicas_per_process": [part["replicas"] for part in places],
-            "replicas_on_demand": total["replicas_on_demand"],
-            "frames": {
-                "ticks": total["ticks"],
+            "slots_per_process": [part["slots"] for part in places],
+            "slots_taken_per_process": [s.slots - s.free for s in schedulers],
+            "frames": {  # a session's frame, ticked in its slot
+                "ticks": sum(s.frames for s in schedulers),
                 "listened": self.listened,
                 "replied": self.replied,
-                "warm_up": WARM_UP_TICKS * total["replicas"],  # outside any session
             },
-            # Per process that ticks (the server process itself when processes is 0): seconds spent
-            # ticking (its load), of them on a core, and its open streams.
+            # Per process that ticks (the server process itself when processes is 0): its batched
+            # calls (each runs the frames of every slot that had one waiting), the warm-up calls of
+            # building its batch (outside any session), seconds spent ticking (its load) and of
+            # them on a core.
+            "batched_ticks_per_process": [part["ticks"] for part in places],
+            "warm_up_ticks_per_process": [WARM_UP_TICKS if part["slots"] else 0 for part in places],
             "tick_seconds_per_process": [part["tick_seconds"] for part in places],
             "tick_cpu_seconds_per_process": [part["tick_cpu_seconds"] for part in places],
-            "streams_open_per_process": [part["streams_open"] for part in places],
             "transform": {
                 "stamps": next((part["stamps"] for part in places if part["stamps"]), []),
-                "replays": total["replays"],
+                "replays": replays,
             },
         }
 
     def close(self) -> None:
+        for place in self._places:
+            if place.scheduler is not None:
+                place.scheduler.close()
         for place in self._places:
             place.close()
 

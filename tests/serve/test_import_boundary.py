@@ -21,7 +21,9 @@ ALLOWED = {
     "protocol": ({"numpy", "scipy"}, {"protocol"}),
     "session": ({"numpy", "scipy"}, {"session", "protocol", "plugins"}),
     # Model plugins run models: the tensor library and cadence-fx's models, never a web framework.
-    "plugins": ({"numpy", "torch", "cadence_fx"}, {"plugins"}),
+    "plugins": ({"numpy", "torch", "cadence_fx"}, {"plugins", "runtime"}),
+    # Where a plugin's sessions run (slots of a batch): the standard library only.
+    "runtime": (set(), {"runtime"}),
 }
 
 

@@ -1,0 +1,6 @@
+"""Where a plugin's sessions run: ``slots.py``, sessions as the slots of one batched model
+(admission is a free slot; every slot with a frame waiting runs it in one shared call)."""
+
+from .slots import SlotScheduler, SlotsFull
+
+__all__ = ["SlotScheduler", "SlotsFull"]

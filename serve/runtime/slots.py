@@ -1,0 +1,185 @@
+"""Sessions as the slots of one batched model.
+
+A model that runs B sessions as the rows of one batch (Moshi's ``models/moshi_slots.py``) is
+called once per tick for all of them. ``SlotScheduler`` stands between the sessions and that
+call:
+
+* **admission is a free slot.** ``acquire`` hands out the lowest free slot or raises
+  ``SlotsFull``; ``release`` gives it back. A slot's next session **joins** at the first tick
+  that runs it: the call is told so (``joins``), so the model resets that slot (and that slot
+  alone) right before its first frame.
+* **a tick runs every slot that has a frame waiting, one frame each, in one call.** A session
+  submits its frames (``submit``, one request in flight per slot); the scheduler's thread takes
+  the next frame of every waiting slot, calls ``run(frames, joins)`` once, and hands each slot
+  its output; a request of k frames is answered after the k ticks that ran them. Slots with
+  nothing waiting are left out of the call (the model masks them). The thread ticks as soon as
+  anything waits and for as long as anything does: requests that arrive while a tick runs ride
+  the next one together, so the more sessions wait, the more each call carries.
+* **a tick waits a moment for the slots of the last one.** A session asks for its next frame
+  only once the last one came back (a reply is computed frame by frame as the client plays it),
+  so right after a tick the slots it ran come back one by one. Ticking on the first would split
+  them into groups, each paying a whole call. So a tick waits up to ``gather_s`` for every slot
+  of the previous tick still taken to have a frame waiting again (slots that were not in it,
+  such as listeners between two frames of their user, hold nothing up).
+
+Ticks run in arrival order on one thread, so a slot's frames run in the order its session sent
+them. ``record=True`` keeps every tick's frames and joins (``history``), for checking a run
+against a reference that replays the same schedule.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["SlotScheduler", "SlotsFull", "TickRecord"]
+
+
+class SlotsFull(RuntimeError):
+    """Every slot is taken: the session is refused, nothing waits."""
+
+
+@dataclass(frozen=True)
+class TickRecord:
+    """One tick as it was called: each live slot's frame, and the slots that joined there."""
+
+    frames: dict[int, Any]
+    joins: tuple[int, ...]
+
+
+@dataclass
+class _Request:
+    frames: Sequence[Any]
+    future: Future
+    outputs: list[Any] = field(default_factory=list)
+
+
+class SlotScheduler:
+    """``slots`` slots over one ``run(frames: {slot: frame}, joins: (slot, ...)) -> {slot: output}``;
+    see the module docstring. ``run`` must return an output for every slot in ``frames``."""
+
+    def __init__(self, slots: int, run: Callable[[dict[int, Any], tuple[int, ...]], Mapping[int, Any]], *,
+                 name: str, gather_s: float = 0.005, record: bool = False) -> None:
+        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+            raise ValueError(f"{name}: slots must be a positive number of sessions, got {slots!r}")
+        if not gather_s >= 0:
+            raise ValueError(f"{name}: gather_s must be a non-negative number of seconds, got {gather_s!r}")
+        self.slots, self.name, self.gather_s, self._run = slots, name, gather_s, run
+        self.ticks = 0  # calls of ``run``
+        self.frames = 0  # frames they ran, all slots together
+        self.history: list[TickRecord] | None = [] if record else None
+        self._taken: set[int] = set()
+        self._joining: set[int] = set()  # taken, not yet run since
+        self._waiting: dict[int, _Request] = {}
+        self._last: tuple[int, ...] = ()  # the slots of the previous tick
+        self._closed = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name=f"{name}-slots", daemon=True)
+        self._thread.start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def free(self) -> int:
+        with self._cond:
+            return self.slots - len(self._taken)
+
+    def acquire(self) -> int:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"{self.name} is closed")
+            free = [slot for slot in range(self.slots) if slot not in self._taken]
+            if not free:
+                raise SlotsFull(f"{self.name}: all {self.slots} slots are taken; a session needs a free slot")
+            self._taken.add(free[0])
+            self._joining.add(free[0])
+            return free[0]
+
+    def release(self, slot: int) -> None:
+        with self._cond:
+            self._check_taken(slot)
+            if slot in self._waiting:
+                raise RuntimeError(f"{self.name}: slot {slot} is released with a request in flight")
+            self._taken.discard(slot)
+            self._cond.notify()  # a tick gathering for this slot need not wait for it
+
+    def submit(self, slot: int, frames: Sequence[Any]) -> Future:
+        """A future of ``frames``' outputs, in order. An empty request is answered at once."""
+        future: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"{self.name} is closed")
+            self._check_taken(slot)
+            if slot in self._waiting:
+                raise RuntimeError(f"{self.name}: slot {slot} already has a request in flight; one at a time per slot")
+            if not frames:
+                future.set_result([])
+                return future
+            self._waiting[slot] = _Request(list(frames), future)
+            self._cond.notify()
+        return future
+
+    def close(self) -> None:
+        """Stop ticking; requests still waiting fail."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _check_taken(self, slot: int) -> None:
+        if slot not in self._taken:
+            raise ValueError(f"{self.name}: slot {slot!r} is not taken (slots 0..{self.slots - 1}, taken {sorted(self._taken)})")
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._closed:
+                    self._cond.wait()
+                deadline = time.monotonic() + self.gather_s
+                while not self._closed and any(s in self._taken and s not in self._waiting for s in self._last):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                if self._closed:
+                    waiting, self._waiting = list(self._waiting.values()), {}
+                    break
+                requests = dict(sorted(self._waiting.items()))
+                frames = {slot: request.frames[len(request.outputs)] for slot, request in requests.items()}
+                joins = tuple(slot for slot in frames if slot in self._joining)
+                self._joining.difference_update(joins)
+                self._last = tuple(frames)
+            try:
+                outputs = self._run(frames, joins)
+                missing = [slot for slot in frames if slot not in outputs]
+                if missing:
+                    raise RuntimeError(f"{self.name}: the tick returned no output for slots {missing}")
+            except BaseException as error:  # noqa: BLE001 - every request in the tick learns why
+                with self._cond:
+                    self._joining.update(joins)  # a reset is idempotent: the next session's first tick resets again
+                    for slot in frames:
+                        del self._waiting[slot]
+                for request in requests.values():
+                    request.future.set_exception(error)
+                continue
+            done = []
+            with self._cond:
+                self.ticks += 1
+                self.frames += len(frames)
+                if self.history is not None:
+                    self.history.append(TickRecord(frames, joins))
+                for slot, request in requests.items():
+                    request.outputs.append(outputs[slot])
+                    if len(request.outputs) == len(request.frames):
+                        del self._waiting[slot]
+                        done.append(request)
+            for request in done:
+                request.future.set_result(request.outputs)
+        for request in waiting:
+            request.future.set_exception(RuntimeError(f"{self.name} closed with the request waiting"))
