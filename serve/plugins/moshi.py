@@ -164,6 +164,8 @@ class _Engine:
 
     def tick(self, frames: dict[int, np.ndarray], joins: tuple[int, ...]) -> dict[int, np.ndarray | None]:
         """One batched call: each live slot's 1920 output samples (None before its acoustic delay)."""
+        if self.runtime is None:
+            raise RuntimeError("this place has no batch: its start failed or never ran")
         out = self.runtime.tick(Tick({slot: torch.from_numpy(frame) for slot, frame in frames.items()}, joins))
         pcm = out.pcm.to("cpu").numpy()  # one copy for the batch
         self.ticks += 1
@@ -551,7 +553,7 @@ class MoshiPlugin(ModelPlugin):
             self._start(DEFAULT_SLOTS if self.slots is None else self.slots)
             open_places = [p for p in self._places if p.scheduler.free]
             if not open_places:
-                raise SlotsFull(f"{self.name}: all {self._capacity()} slots are taken; a session needs a free slot")
+                raise SlotsFull(f"{self.name}: all {self._capacity()} are taken; a session needs a free slot")
             place = min(open_places, key=lambda p: p.streams)
             slot = place.scheduler.acquire()
             place.streams += 1
@@ -578,22 +580,23 @@ class MoshiPlugin(ModelPlugin):
             place.scheduler = SlotScheduler(slots, place.run_tick, name=f"{self.name}[{place.index}]", record=self.record)
             self._started.append(place.submit("start", None, slots))
 
-    def _capacity(self) -> str:
-        places = len(self._places)
-        return f"{places * self.slots} ({places} place{'s' if places > 1 else ''} x {self.slots} slots)"
+    def _capacity(self, slots: int | None = None) -> str:
+        places, slots = len(self._places), self.slots if slots is None else slots
+        return f"{places * slots} slots ({places} place{'s' if places > 1 else ''} x {slots})"
 
     def reserve(self, sessions: int) -> None:
         """Slots for ``sessions`` concurrent streams, each place's batch built now (a line of
-        progress per place); refused when the slots, fixed by the option or a stream opened
+        progress per place); refused when the slots, fixed by the option or by a stream opened
         earlier, hold fewer."""
         places = len(self._places)
         with self._lock:
-            self._start(-(-sessions // places) if self.slots is None else self.slots)
-            if sessions > places * self.slots:
+            batch = -(-sessions // places) if self.slots is None else self.slots
+            if sessions > places * batch:
                 raise ValueError(
-                    f"{self.name} holds {self._capacity()} sessions at once, not {sessions}: give it "
-                    f"slots={-(-sessions // places)} or admit at most {places * self.slots} sessions"
+                    f"{self.name} holds {self._capacity(batch)}, not {sessions} sessions at once: give it "
+                    f"slots={-(-sessions // places)} or admit at most {places * batch} sessions"
                 )
+            self._start(batch)
         started = time.monotonic()
         for place, future in zip(self._places, self._started):
             future.result()

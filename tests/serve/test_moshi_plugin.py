@@ -1,7 +1,9 @@
-"""``moshi-tiny``, the default model: a stream's reply is the stock vendor stream of the same
-ticks and seed, bit for bit, whichever worker process ticks it and whatever the other sessions do;
-turns, cancel and clear map onto the duplex clock as documented; the replica pool is built ahead
-of the first session; and a real session over uvicorn delivers exactly the vendor's samples."""
+"""``moshi-tiny``, the default model: each place ticks its sessions as the slots of one batch,
+and a stream's reply is its slot's row of the vendor's own batched loop over the same ticks (the
+frames, joins and seed the place recorded), bit for bit, whatever the other sessions do; turns,
+cancel and clear map onto the duplex clock as documented; admission is a free slot; the batch
+is built ahead of the first session; and a real session over uvicorn delivers exactly the
+vendor's samples."""
 
 from __future__ import annotations
 
@@ -18,18 +20,22 @@ import pytest
 import torch
 from servekit import AUDIO, Server, deltas_of, drain, interleaved_replies, read_wav, run
 
-from cadence_fx.models.moshi_stream import SMALL, TINY, build_models, random_pcm, stream_reference
+from cadence_fx.models.moshi_slots import Tick, vendor_slots
+from cadence_fx.models.moshi_stream import SMALL, TINY, build_models, random_pcm
 from cadence_fx.serve.app import background_server
 from cadence_fx.serve.plugins import DEFAULT_PLUGIN, load_plugin, plugin_names
 from cadence_fx.serve.plugins.moshi import FRAME_SAMPLES, SILENCE, MoshiPlugin
 from cadence_fx.serve.protocol import PCM24K
 from cadence_fx.serve.protocol import audio as wire_audio
+from cadence_fx.serve.runtime import SlotsFull
 from cadence_fx.serve.session import Limits
+
+SLOTS = 4
 
 
 @pytest.fixture(scope="module")
 def plugin():
-    moshi = MoshiPlugin()
+    moshi = MoshiPlugin(slots=SLOTS, record=True)
     yield moshi
     moshi.close()
 
@@ -53,11 +59,30 @@ def user_frames(n: int, seed: int) -> list[np.ndarray]:
     return list(random_pcm(n, seed=seed).reshape(n, FRAME_SAMPLES).numpy())
 
 
-def stock(models, ticks: list[np.ndarray], seed: int = 0) -> np.ndarray:
-    """The vendor stream of these tick inputs (sampling on): row ``k`` is the output of tick ``k + 1``."""
-    pcm = torch.from_numpy(np.concatenate(ticks)).view(1, 1, -1)
-    out = stream_reference(models, pcm, sampling=True, seed=seed).pcm
-    return out.reshape(-1, FRAME_SAMPLES).numpy()
+def opened(plugin) -> tuple:
+    """A new stream and which of its slot's sessions it is (its slot's joins so far)."""
+    stream = plugin.open_stream()
+    return stream, sum(stream.slot in record.joins for record in plugin.history(stream.place))
+
+
+def vendor(models, plugin, place: int, slot: int, session: int) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
+    """What the ``session``-th session of ``slot`` sent, tick by tick, and what the vendor's
+    batched loop over the place's recorded ticks gave that slot (None before its acoustic delay)."""
+    history = plugin.history(place)
+    ticks = [Tick({s: torch.from_numpy(f) for s, f in r.frames.items()}, r.joins) for r in history]
+    outputs = vendor_slots(models, plugin.slots, ticks, sampling=plugin.sampling, seed=plugin.seed)
+    sent, got, seen = [], [], -1
+    for record, out in zip(history, outputs):
+        seen += slot in record.joins
+        if seen == session and slot in record.frames:
+            sent.append(record.frames[slot])
+            pcm = out.slot(slot)
+            got.append(None if pcm is None else pcm[1].numpy())
+    return sent, got
+
+
+def same(frames: list[np.ndarray], want: list[np.ndarray]) -> bool:
+    return len(frames) == len(want) and all(np.array_equal(a, b) for a, b in zip(frames, want))
 
 
 def feed(stream, frames: list[np.ndarray]) -> None:
@@ -86,7 +111,7 @@ def test_tiny_differs_from_small_only_in_depth_and_width(plugin):
     def changes(tiny: dict, small: dict) -> dict:
         return {key: (small[key], tiny[key]) for key in small if tiny[key] != small[key]}
 
-    assert plugin.config == TINY and plugin.processes == 2
+    assert plugin.config == TINY and plugin.processes == 1
     assert changes(TINY.lm_kwargs, SMALL.lm_kwargs) == {
         "dim": (128, 32),
         "num_layers": (2, 1),
@@ -116,16 +141,15 @@ def test_tiny_differs_from_small_only_in_depth_and_width(plugin):
     }
 
 
-def test_each_worker_process_ticks_on_a_core_of_its_own_when_there_are_enough(plugin):
+def test_the_worker_process_ticks_on_a_core_of_its_own(plugin):
     available = sorted(os.sched_getaffinity(0))
-    pinned = [[available[0]], [available[1]]] if len(available) >= 2 else []
-    assert plugin.cores == pinned
-    assert [sorted(os.sched_getaffinity(w.process.pid)) for w in plugin._places] == (pinned or [available] * 2)
+    assert plugin.cores == [[available[0]]]
+    assert [sorted(os.sched_getaffinity(w.process.pid)) for w in plugin._places] == [[available[0]]]
 
 
-def test_replies_are_the_vendor_stream_of_the_same_ticks_bit_for_bit(plugin, models):
+def test_replies_are_the_slots_row_of_the_vendors_batched_loop_bit_for_bit(plugin, models):
     first, second = user_frames(6, seed=11), user_frames(3, seed=12)
-    stream = plugin.open_stream()
+    stream, session = opened(plugin)
     feed(stream, first)
     reply_1 = reply(stream)
     feed(stream, second)
@@ -133,11 +157,11 @@ def test_replies_are_the_vendor_stream_of_the_same_ticks_bit_for_bit(plugin, mod
     listened = stream.listened
     stream.close()
 
-    # Ticks: 6 user, 6 silence (reply), 3 user, 3 silence (reply); tick k's output is row k - 1.
-    want = stock(models, first + [SILENCE] * 6 + second + [SILENCE] * 3)
-    assert np.array_equal(np.stack(reply_1), want[5:11])
-    assert np.array_equal(np.stack(reply_2), want[14:17])
-    assert listened == 5 + 3  # what Moshi said while the user spoke; tick 0 says nothing
+    # Ticks: 6 user, 6 silence (reply), 3 user, 3 silence (reply); tick 0 says nothing.
+    sent, got = vendor(models, plugin, stream.place, stream.slot, session)
+    assert same(sent, first + [SILENCE] * 6 + second + [SILENCE] * 3)
+    assert got[0] is None and same(reply_1, got[6:12]) and same(reply_2, got[15:18])
+    assert listened == 5 + 3  # what Moshi said while the user spoke
 
 
 @pytest.mark.parametrize(("fed", "frames", "ticks"), [(0, 1, 2), (1, 1, 2), (5, 5, 10)])
@@ -153,7 +177,7 @@ def test_a_reply_is_as_long_as_the_turn_in_whole_frames(plugin, fed, frames, tic
 
 def test_cancel_drops_the_rest_of_the_reply_and_the_clock_goes_on(plugin, models):
     first, second = user_frames(4, seed=14), user_frames(2, seed=15)
-    stream = plugin.open_stream()
+    stream, session = opened(plugin)
     feed(stream, first)
     stream.begin_response()
     assert stream.step() is not None
@@ -163,13 +187,14 @@ def test_cancel_drops_the_rest_of_the_reply_and_the_clock_goes_on(plugin, models
     after = reply(stream)
     stream.close()
 
-    want = stock(models, first + [SILENCE] + second + [SILENCE] * 2)
-    assert np.array_equal(np.stack(after), want[6:8])
+    sent, got = vendor(models, plugin, stream.place, stream.slot, session)
+    assert same(sent, first + [SILENCE] + second + [SILENCE] * 2)
+    assert same(after, got[7:9])
 
 
 def test_a_frame_fed_during_a_reply_is_the_replys_next_frame(plugin, models):
     turn, overlap = user_frames(3, seed=16), user_frames(1, seed=17)
-    stream = plugin.open_stream()
+    stream, session = opened(plugin)
     feed(stream, turn)
     stream.begin_response()
     out = [stream.step()]
@@ -178,60 +203,56 @@ def test_a_frame_fed_during_a_reply_is_the_replys_next_frame(plugin, models):
     next_turn = stream.turn_frames
     stream.close()
 
-    want = stock(models, turn + [SILENCE] + overlap + [SILENCE])
-    assert np.array_equal(np.stack(out), want[2:5])
+    sent, got = vendor(models, plugin, stream.place, stream.slot, session)
+    assert same(sent, turn + [SILENCE] + overlap + [SILENCE])
+    assert same(out, got[3:6])
     assert next_turn == 1
 
 
 def test_clear_input_shortens_the_turn_but_the_model_heard_it(plugin, models):
     cleared, kept = user_frames(5, seed=18), user_frames(2, seed=19)
-    stream = plugin.open_stream()
+    stream, session = opened(plugin)
     feed(stream, cleared)
     stream.clear_input()
     feed(stream, kept)
     out = reply(stream)
     stream.close()
 
-    want = stock(models, cleared + kept + [SILENCE] * 2)
-    assert np.array_equal(np.stack(out), want[6:8])
+    sent, got = vendor(models, plugin, stream.place, stream.slot, session)
+    assert same(sent, cleared + kept + [SILENCE] * 2)
+    assert same(out, got[7:9])
 
 
-def test_interleaved_sessions_each_get_their_own_replica_and_the_same_audio(plugin, models):
-    frames = user_frames(3, seed=20)
-    out_a, out_b = interleaved_replies(plugin.open_stream(), plugin.open_stream(), [frames, frames], 3)
-    before = plugin.describe()
-    c = plugin.open_stream()
-    feed(c, frames)
-    out_c = reply(c)
-    c.close()
-    after = plugin.describe()
-
-    want = stock(models, frames + [SILENCE] * 3)[2:5]
-    assert np.array_equal(np.stack(out_a), want) and np.array_equal(np.stack(out_b), want)
-    assert np.array_equal(np.stack(out_c), want)  # a reused replica starts from the base state
-    # a and b went to the two workers (fewest open streams first), c to the first one again.
-    assert before["replicas_per_process"] == after["replicas_per_process"] == [1, 1]
-    assert (after["replicas"], after["replicas_on_demand"]) == (2, 2)  # no reserve: built by the first ticks
-
-
-def test_sessions_ticking_at_once_on_both_workers_keep_their_own_audio(plugin, models):
-    turns = {seed: user_frames(4, seed=seed) for seed in (30, 31, 32, 33)}
+def test_sessions_at_once_share_batched_ticks_and_each_gets_its_slots_row(plugin, models):
+    """The first session's turn is one request of 10 frames (10 ticks); the others arrive while
+    it runs and ride its ticks."""
+    turns = {seed: user_frames(10 if seed == 30 else 4, seed=seed) for seed in (30, 31, 32, 33)}
+    streams = {seed: opened(plugin) for seed in turns}
     replies: dict[int, list[np.ndarray]] = {}
+    ticks_before = len(plugin.history())
 
     def converse(seed: int) -> None:
-        stream = plugin.open_stream()
-        feed(stream, turns[seed])
+        stream, _ = streams[seed]
+        stream.feed_frames(turns[seed])
         replies[seed] = reply(stream)
-        stream.close()
 
     threads = [threading.Thread(target=converse, args=(seed,)) for seed in turns]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    for stream, _ in streams.values():
+        stream.close()
 
-    for seed, frames in turns.items():
-        assert np.array_equal(np.stack(replies[seed]), stock(models, frames + [SILENCE] * 4)[3:7]), seed
+    assert sorted(stream.slot for stream, _ in streams.values()) == [0, 1, 2, 3]
+    for seed, (stream, session) in streams.items():
+        sent, got = vendor(models, plugin, stream.place, stream.slot, session)
+        n = len(turns[seed])
+        assert same(sent, turns[seed] + [SILENCE] * n), seed
+        assert same(replies[seed], got[n:]), seed
+    run_ticks = plugin.history()[ticks_before:]
+    assert sum(len(record.frames) for record in run_ticks) == 2 * (10 + 4 + 4 + 4)
+    assert max(len(record.frames) for record in run_ticks) > 1  # ticks carried several sessions
 
 
 def test_describe_counts_every_tick_in_the_transforms_replay_counters(plugin):
@@ -242,14 +263,17 @@ def test_describe_counts_every_tick_in_the_transforms_replay_counters(plugin):
     stream.close()
     after = plugin.describe()
 
-    ticks = after["frames"]["ticks"] - before["frames"]["ticks"]
+    frames = after["frames"]["ticks"] - before["frames"]["ticks"]
+    batched = after["batched_ticks_per_process"][0] - before["batched_ticks_per_process"][0]
     calls = {
         name: after["transform"]["replays"][name]["calls"] - before["transform"]["replays"][name]["calls"]
-        for name in ("mimi_encode", "lm_step", "mimi_decode")
+        for name in ("mimi_encode", "lm_step", "depformer_step", "mimi_decode")
     }
-    assert ticks == 4
-    assert calls == {"mimi_encode": 4, "lm_step": 4, "mimi_decode": 3}  # tick 0 decodes nothing
-    assert any(stamp.startswith("replay: mimi_encode K=1") for stamp in after["transform"]["stamps"])
+    assert frames == batched == 4  # alone in its batch: one frame per batched call
+    assert calls == {"mimi_encode": 4, "lm_step": 4, "depformer_step": 4, "mimi_decode": 4}
+    assert (after["slots_per_process"], after["slots_taken_per_process"], after["warm_up_ticks_per_process"]) == (
+        [SLOTS], [0], [2])
+    assert after["transform"]["stamps"][1] == "replay at batch 4: mimi_encode K=1, lm_step K=1, depformer_step K=1, mimi_decode K=1"
 
 
 def test_a_session_over_uvicorn_delivers_the_vendors_samples(models, capfd):
@@ -265,16 +289,16 @@ def test_a_session_over_uvicorn_delivers_the_vendors_samples(models, capfd):
         await sock.close()
         return events, ledgers
 
-    with background_server(lambda: MoshiPlugin(max_reply_frames=reply_frames), Limits(max_sessions=3)) as handle:
+    served = MoshiPlugin(max_reply_frames=reply_frames, record=True)
+    with background_server(lambda: served, Limits(max_sessions=3)) as handle:
         progress = capfd.readouterr().err
         events, ledgers = run(scenario(Server(handle)))
         described = httpx.get(handle.http_url + "/v1/models").json()["data"][0]["plugin"]
 
-    # The server reserved its 3 sessions' replicas at startup: 2 per worker, before any session.
-    lines = re.findall(r"moshi-tiny: replica (\d)/4 ready \(\d+\.\d s\)", progress)
-    assert lines == ["1", "2", "3", "4"]
-    assert (described["replicas_per_process"], described["replicas_on_demand"], described["streams"]) == ([2, 2], 0, 1)
-    assert described["frames"]["ticks"] == fed + reply_frames
+    # The server sized the batch for its 3 sessions at startup and built it before any session.
+    assert re.findall(r"moshi-tiny: (\d) slots ready in place (\d) \(\d+\.\d s\)", progress) == [("3", "0")]
+    assert (described["slots_per_process"], described["streams"]) == ([3], 1)
+    assert described["frames"]["ticks"] == described["batched_ticks_per_process"][0] == fed + reply_frames
 
     assert rate == 24_000
     committed = next(e for e in events if e["type"] == "input_audio_buffer.committed")
@@ -289,11 +313,11 @@ def test_a_session_over_uvicorn_delivers_the_vendors_samples(models, capfd):
     assert ledgers["playback"]["generated_samples"] == ledgers["playback"]["delivered_samples"] == reply_frames * 1920
 
     padded = np.concatenate([samples, np.zeros(fed * FRAME_SAMPLES - len(samples), dtype=np.float32)])
-    ticks = list(padded.reshape(fed, FRAME_SAMPLES)) + [SILENCE] * reply_frames
-    want = stock(models, ticks)[fed - 1 : fed - 1 + reply_frames]
+    sent, got = vendor(models, served, place=0, slot=0, session=0)
+    assert same(sent, list(padded.reshape(fed, FRAME_SAMPLES)) + [SILENCE] * reply_frames)
     audio = deltas_of(events)
     assert len(audio) == reply_frames * FRAME_SAMPLES * 2
-    assert audio == wire_audio.encode_samples(want.reshape(-1), PCM24K)
+    assert audio == wire_audio.encode_samples(np.concatenate(got[fed:]), PCM24K)
 
 
 def test_moshi_full_without_a_gpu_fails_at_once_naming_what_is_missing(monkeypatch):
@@ -314,6 +338,10 @@ def test_moshi_full_without_a_gpu_fails_at_once_naming_what_is_missing(monkeypat
         ({"size": "full", "processes": 2}, "on cuda the ticks run in the server process (processes=0), not in 2 "),
         ({"processes": 0, "threads": 2}, "threads is the torch thread count of each worker process; "),
         ({"threads": 0}, "threads must be at least 1, got 0"),
+        ({"slots": 0}, "slots must be a batch of 1 to 64 sessions per place, got 0"),
+        ({"slots": 65}, "slots must be a batch of 1 to 64 sessions per place, got 65"),
+        ({"slots": True}, "slots must be a batch of 1 to 64 sessions per place, got True"),
+        ({"slots": 2.0}, "slots must be a batch of 1 to 64 sessions per place, got 2.0"),
     ],
 )
 def test_a_bad_size_device_or_place_is_refused_before_anything_is_built(options, error):
@@ -322,17 +350,50 @@ def test_a_bad_size_device_or_place_is_refused_before_anything_is_built(options,
     assert str(refused.value).startswith(error)
 
 
-def test_ticks_in_the_server_process_are_the_vendor_stream_bit_for_bit(models):
-    """``processes=0``, the GPU's place, on a CPU: two interleaved streams, each the stock stream."""
+def test_ticks_in_the_server_process_are_the_vendors_batched_loop_bit_for_bit(models):
+    """``processes=0``, the GPU's place, on a CPU: two interleaved streams, each its slot's row."""
     turns = [user_frames(3, seed=40), user_frames(3, seed=41)]
-    local = MoshiPlugin(processes=0)
+    local = MoshiPlugin(processes=0, slots=2, record=True)
     try:
         out_a, out_b = interleaved_replies(local.open_stream(), local.open_stream(), turns, 3)
         described = local.describe()
     finally:
         local.close()
 
-    assert np.array_equal(np.stack(out_a), stock(models, turns[0] + [SILENCE] * 3)[2:5])
-    assert np.array_equal(np.stack(out_b), stock(models, turns[1] + [SILENCE] * 3)[2:5])
+    for slot, (turn, out) in enumerate(zip(turns, (out_a, out_b))):
+        sent, got = vendor(models, local, place=0, slot=slot, session=0)
+        assert same(sent, turn + [SILENCE] * 3) and same(out, got[3:6])
     assert (local.name, described["device"], described["processes"], described["threads"]) == ("moshi-tiny", "cpu", 0, None)
-    assert (described["replicas_per_process"], described["frames"]["ticks"]) == ([2], 12)
+    assert (described["slots_per_process"], described["frames"]["ticks"]) == ([2], 12)
+
+
+def test_admission_is_a_free_slot_and_a_session_beyond_them_is_refused_by_name():
+    local = MoshiPlugin(processes=0, slots=1)
+    try:
+        with pytest.raises(ValueError) as refused:
+            local.reserve(2)
+        assert str(refused.value) == (
+            "moshi-tiny holds 1 slots (1 place x 1), not 2 sessions at once: give it slots=2 or admit at most 1 sessions")
+        local.reserve(1)
+        first = local.open_stream()
+        with pytest.raises(SlotsFull) as full:
+            local.open_stream()
+        assert str(full.value) == "moshi-tiny: all 1 slots (1 place x 1) are taken; a session needs a free slot"
+        first.close()
+        second = local.open_stream()
+        assert (first.slot, second.slot) == (0, 0)
+        second.close()
+    finally:
+        local.close()
+
+
+def test_without_the_option_reserve_sizes_each_batch_for_the_servers_sessions(capfd):
+    local = MoshiPlugin(processes=0)
+    try:
+        local.reserve(3)
+        assert local.describe()["slots_per_process"] == [3]
+        assert re.findall(r"moshi-tiny: (\d) slots ready in place 0", capfd.readouterr().err) == ["3"]
+        with pytest.raises(ValueError, match="moshi-tiny holds 3 slots"):
+            local.reserve(4)  # the batch is built: its size stays
+    finally:
+        local.close()
