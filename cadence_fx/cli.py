@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo)
 
     bench = commands.add_parser("bench", help="run a family's benchmark (bench/FAMILY.py); options pass through")
-    bench.add_argument("family", choices=("token2wav", "moshi"))
+    bench.add_argument("family", choices=("token2wav", "moshi", "moshi_slots"))
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options, e.g. --out PATH")
     bench.set_defaults(run=_bench)
 

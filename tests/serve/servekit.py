@@ -173,6 +173,32 @@ def drain(stream) -> list[np.ndarray]:
     return chunks
 
 
+def slot_reference(models, plugin, place: int, slot: int, session: int) -> tuple[list[np.ndarray], list]:
+    """What the ``session``-th session of ``slot`` of a Moshi plugin's place sent (the plugin
+    opened with ``record=True``), tick by tick, and what the vendor's own batched loop over that
+    place's recorded ticks gave that slot: 1920 samples, None before its acoustic delay."""
+    import torch
+
+    from cadence_fx.models.moshi_slots import Tick, vendor_slots
+
+    history = plugin.history(place)
+    ticks = [Tick({s: torch.from_numpy(f) for s, f in r.frames.items()}, r.joins) for r in history]
+    outputs = vendor_slots(models, plugin.slots, ticks, sampling=plugin.sampling, seed=plugin.seed)
+    sent, got, seen = [], [], -1
+    for record, out in zip(history, outputs):
+        seen += slot in record.joins
+        if seen == session and slot in record.frames:
+            sent.append(record.frames[slot])
+            row = out.slot(slot)
+            got.append(None if row is None else row[1].cpu().numpy())
+    return sent, got
+
+
+def same(frames: list[np.ndarray], want: list[np.ndarray]) -> bool:
+    """Two lists of frames, equal frame for frame, bit for bit."""
+    return len(frames) == len(want) and all(np.array_equal(a, b) for a, b in zip(frames, want))
+
+
 def interleaved_replies(a, b, turns: list[list[np.ndarray]], steps: int) -> tuple[list, list]:
     """Two model streams fed their turns frame by frame in alternation, their replies' first
     ``steps`` chunks taken in alternation too; both streams are closed."""

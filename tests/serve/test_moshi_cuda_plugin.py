@@ -1,7 +1,8 @@
-"""Moshi served on a GPU: the plugin ticks in the server process, its stages replayed as CUDA
-graphs, and a session's audio is the vendor's own eager stream of the same ticks and seed, bit for
-bit. At SMALL size (``moshi-small-cuda``): the same plugin and device path as ``moshi-full``,
-with weights that build in seconds. ``bench/serve_load.py --plugin moshi-full`` measures FULL."""
+"""Moshi served on a GPU: the plugin ticks in the server process, its sessions the slots of one
+batch whose stages replay as CUDA graphs, and a session's audio is its slot's row of the vendor's
+own batched eager loop over the same ticks (frames, joins, seed), bit for bit. At SMALL size
+(``moshi-small-cuda``): the same plugin and device path as ``moshi-full``, with weights that build
+in seconds. ``bench/serve_load.py --plugin moshi-full`` measures FULL."""
 
 from __future__ import annotations
 
@@ -9,10 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from moshi.utils.compile import no_cuda_graph
-from servekit import AUDIO, Server, deltas_of, interleaved_replies, read_wav, run
+from servekit import AUDIO, Server, deltas_of, interleaved_replies, read_wav, run, same, slot_reference
 
-from cadence_fx.models.moshi_stream import SMALL, build_models, random_pcm, stream_reference
+from cadence_fx.models.moshi_stream import SMALL, build_models, random_pcm
 from cadence_fx.serve.app import background_server
 from cadence_fx.serve.plugins.moshi import FRAME_SAMPLES, SILENCE, MoshiPlugin
 from cadence_fx.serve.protocol import PCM24K
@@ -27,7 +27,8 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def models():
-    """The plugin's weights, built here on the GPU from SMALL and its seed as the plugin builds them."""
+    """The plugin's weights, built here on the GPU from SMALL and its seed as the plugin builds them.
+    The references run after the plugin's transform, so under the same pinned kernels."""
     return build_models(SMALL, device="cuda")
 
 
@@ -35,18 +36,9 @@ def user_frames(n: int, seed: int) -> list[np.ndarray]:
     return list(random_pcm(n, seed=seed).reshape(n, FRAME_SAMPLES).numpy())
 
 
-def stock(models, ticks: list[np.ndarray], seed: int = 0) -> np.ndarray:
-    """The vendor's eager stream of these tick inputs on the GPU (sampling on): row ``k`` is the
-    output of tick ``k + 1``. Run after the plugin's transform, so under the same pinned kernels."""
-    pcm = torch.from_numpy(np.concatenate(ticks)).view(1, 1, -1).to("cuda")
-    with no_cuda_graph():
-        out = stream_reference(models, pcm, sampling=True, seed=seed).pcm
-    return out.reshape(-1, FRAME_SAMPLES).cpu().numpy()
-
-
-def test_interleaved_streams_on_cuda_are_each_the_vendor_stream_and_every_call_replays(models):
+def test_interleaved_streams_on_cuda_are_each_their_slots_row_and_every_call_replays(models):
     turns = [user_frames(4, seed=50), user_frames(4, seed=51)]
-    plugin = MoshiPlugin(size="small", device="cuda")
+    plugin = MoshiPlugin(size="small", device="cuda", record=True)
     try:
         plugin.reserve(2)
         out_a, out_b = interleaved_replies(plugin.open_stream(), plugin.open_stream(), turns, 4)
@@ -54,14 +46,15 @@ def test_interleaved_streams_on_cuda_are_each_the_vendor_stream_and_every_call_r
     finally:
         plugin.close()
 
-    assert np.array_equal(np.stack(out_a), stock(models, turns[0] + [SILENCE] * 4)[3:7])
-    assert np.array_equal(np.stack(out_b), stock(models, turns[1] + [SILENCE] * 4)[3:7])
+    for slot, (turn, out) in enumerate(zip(turns, (out_a, out_b))):
+        sent, got = slot_reference(models, plugin, place=0, slot=slot, session=0)
+        assert same(sent, turn + [SILENCE] * 4) and same(out, got[4:8]), slot
     assert (plugin.name, described["device"], described["processes"]) == ("moshi-small-cuda", "cuda", 0)
-    assert (described["replicas"], described["replicas_on_demand"], described["frames"]["ticks"]) == (2, 0, 16)
+    assert (described["slots_per_process"], described["frames"]["ticks"]) == ([2], 16)
     replays = described["transform"]["replays"]
-    for name in ("mimi_encode", "lm_step", "mimi_decode", "depformer_step[sampling]"):
-        # Each replica captured its graphs while it was built; in the sessions every call replayed.
-        assert replays[name]["captures"] == 2 and replays[name]["eager"] == 0, (name, replays[name])
+    for name in ("mimi_encode", "lm_step", "depformer_step", "mimi_decode"):
+        # Each stage captured its graph while the batch was built; every call since replayed it.
+        assert replays[name]["captures"] == 1 and replays[name]["eager"] == 0, (name, replays[name])
         assert replays[name]["replays"] == replays[name]["calls"], (name, replays[name])
 
 
@@ -77,14 +70,14 @@ def test_a_session_over_uvicorn_on_cuda_delivers_the_vendors_samples(models):
         await sock.close()
         return events
 
-    factory = lambda: MoshiPlugin(size="small", device="cuda", max_reply_frames=reply_frames)  # noqa: E731
-    with background_server(factory, Limits(max_sessions=2)) as handle:
+    served = MoshiPlugin(size="small", device="cuda", max_reply_frames=reply_frames, record=True)
+    with background_server(lambda: served, Limits(max_sessions=2)) as handle:
         events = run(scenario(Server(handle)))
 
     deltas = [e for e in events if e["type"] == "response.output_audio.delta"]
     assert [d["audio_offset"] for d in deltas] == list(range(0, reply_frames * FRAME_SAMPLES, FRAME_SAMPLES))
     padded = np.concatenate([samples, np.zeros(fed * FRAME_SAMPLES - len(samples), dtype=np.float32)])
-    ticks = list(padded.reshape(fed, FRAME_SAMPLES)) + [SILENCE] * reply_frames
-    want = stock(models, ticks)[fed - 1 : fed - 1 + reply_frames]
+    sent, got = slot_reference(models, served, place=0, slot=0, session=0)
+    assert same(sent, list(padded.reshape(fed, FRAME_SAMPLES)) + [SILENCE] * reply_frames)
     assert rate == 24_000
-    assert deltas_of(events) == wire_audio.encode_samples(want.reshape(-1), PCM24K)
+    assert deltas_of(events) == wire_audio.encode_samples(np.concatenate(got[fed:]), PCM24K)

@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 
 import torch
-from servekit import AUDIO, Server, deltas_of, drain, interleaved_replies, read_wav, run
+from servekit import AUDIO, Server, deltas_of, drain, interleaved_replies, read_wav, run, same, slot_reference
 
-from cadence_fx.models.moshi_slots import Tick, vendor_slots
 from cadence_fx.models.moshi_stream import SMALL, TINY, build_models, random_pcm
 from cadence_fx.serve.app import background_server
 from cadence_fx.serve.plugins import DEFAULT_PLUGIN, load_plugin, plugin_names
@@ -63,26 +62,6 @@ def opened(plugin) -> tuple:
     """A new stream and which of its slot's sessions it is (its slot's joins so far)."""
     stream = plugin.open_stream()
     return stream, sum(stream.slot in record.joins for record in plugin.history(stream.place))
-
-
-def vendor(models, plugin, place: int, slot: int, session: int) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
-    """What the ``session``-th session of ``slot`` sent, tick by tick, and what the vendor's
-    batched loop over the place's recorded ticks gave that slot (None before its acoustic delay)."""
-    history = plugin.history(place)
-    ticks = [Tick({s: torch.from_numpy(f) for s, f in r.frames.items()}, r.joins) for r in history]
-    outputs = vendor_slots(models, plugin.slots, ticks, sampling=plugin.sampling, seed=plugin.seed)
-    sent, got, seen = [], [], -1
-    for record, out in zip(history, outputs):
-        seen += slot in record.joins
-        if seen == session and slot in record.frames:
-            sent.append(record.frames[slot])
-            pcm = out.slot(slot)
-            got.append(None if pcm is None else pcm[1].numpy())
-    return sent, got
-
-
-def same(frames: list[np.ndarray], want: list[np.ndarray]) -> bool:
-    return len(frames) == len(want) and all(np.array_equal(a, b) for a, b in zip(frames, want))
 
 
 def feed(stream, frames: list[np.ndarray]) -> None:
@@ -158,7 +137,7 @@ def test_replies_are_the_slots_row_of_the_vendors_batched_loop_bit_for_bit(plugi
     stream.close()
 
     # Ticks: 6 user, 6 silence (reply), 3 user, 3 silence (reply); tick 0 says nothing.
-    sent, got = vendor(models, plugin, stream.place, stream.slot, session)
+    sent, got = slot_reference(models, plugin, stream.place, stream.slot, session)
     assert same(sent, first + [SILENCE] * 6 + second + [SILENCE] * 3)
     assert got[0] is None and same(reply_1, got[6:12]) and same(reply_2, got[15:18])
     assert listened == 5 + 3  # what Moshi said while the user spoke
@@ -187,7 +166,7 @@ def test_cancel_drops_the_rest_of_the_reply_and_the_clock_goes_on(plugin, models
     after = reply(stream)
     stream.close()
 
-    sent, got = vendor(models, plugin, stream.place, stream.slot, session)
+    sent, got = slot_reference(models, plugin, stream.place, stream.slot, session)
     assert same(sent, first + [SILENCE] + second + [SILENCE] * 2)
     assert same(after, got[7:9])
 
@@ -203,7 +182,7 @@ def test_a_frame_fed_during_a_reply_is_the_replys_next_frame(plugin, models):
     next_turn = stream.turn_frames
     stream.close()
 
-    sent, got = vendor(models, plugin, stream.place, stream.slot, session)
+    sent, got = slot_reference(models, plugin, stream.place, stream.slot, session)
     assert same(sent, turn + [SILENCE] + overlap + [SILENCE])
     assert same(out, got[3:6])
     assert next_turn == 1
@@ -218,7 +197,7 @@ def test_clear_input_shortens_the_turn_but_the_model_heard_it(plugin, models):
     out = reply(stream)
     stream.close()
 
-    sent, got = vendor(models, plugin, stream.place, stream.slot, session)
+    sent, got = slot_reference(models, plugin, stream.place, stream.slot, session)
     assert same(sent, cleared + kept + [SILENCE] * 2)
     assert same(out, got[7:9])
 
@@ -246,7 +225,7 @@ def test_sessions_at_once_share_batched_ticks_and_each_gets_its_slots_row(plugin
 
     assert sorted(stream.slot for stream, _ in streams.values()) == [0, 1, 2, 3]
     for seed, (stream, session) in streams.items():
-        sent, got = vendor(models, plugin, stream.place, stream.slot, session)
+        sent, got = slot_reference(models, plugin, stream.place, stream.slot, session)
         n = len(turns[seed])
         assert same(sent, turns[seed] + [SILENCE] * n), seed
         assert same(replies[seed], got[n:]), seed
@@ -313,7 +292,7 @@ def test_a_session_over_uvicorn_delivers_the_vendors_samples(models, capfd):
     assert ledgers["playback"]["generated_samples"] == ledgers["playback"]["delivered_samples"] == reply_frames * 1920
 
     padded = np.concatenate([samples, np.zeros(fed * FRAME_SAMPLES - len(samples), dtype=np.float32)])
-    sent, got = vendor(models, served, place=0, slot=0, session=0)
+    sent, got = slot_reference(models, served, place=0, slot=0, session=0)
     assert same(sent, list(padded.reshape(fed, FRAME_SAMPLES)) + [SILENCE] * reply_frames)
     audio = deltas_of(events)
     assert len(audio) == reply_frames * FRAME_SAMPLES * 2
@@ -361,7 +340,7 @@ def test_ticks_in_the_server_process_are_the_vendors_batched_loop_bit_for_bit(mo
         local.close()
 
     for slot, (turn, out) in enumerate(zip(turns, (out_a, out_b))):
-        sent, got = vendor(models, local, place=0, slot=slot, session=0)
+        sent, got = slot_reference(models, local, place=0, slot=slot, session=0)
         assert same(sent, turn + [SILENCE] * 3) and same(out, got[3:6])
     assert (local.name, described["device"], described["processes"], described["threads"]) == ("moshi-tiny", "cpu", 0, None)
     assert (described["slots_per_process"], described["frames"]["ticks"]) == ([2], 12)
