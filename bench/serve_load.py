@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _start_server(port: int, plugin: str, sessions: int, timeout_s: float) -> subprocess.Popen:
-    """The server in its own process, once ``/health`` answers (the plugin's startup, replicas
+    """The server in its own process, once ``/health`` answers (the plugin's startup, its batch
     included, prints its progress on stderr meanwhile)."""
     code = (
         "from cadence_fx.serve.app import run_server; from cadence_fx.serve.session import Limits; "
@@ -94,22 +94,27 @@ def _stats_ms(seconds: list[float]) -> dict | None:
 
 def _model_load(plugin: dict, wall_s: float, sessions: int) -> dict | None:
     """For a plugin that ticks in tick places (``moshi-*``: worker processes on a CPU, a thread of
-    the server on a GPU): how busy they were and what a tick cost, against what real time asks
-    (12.5 ticks/s per session). On a CPU a tick's cost is its time on a core; on a GPU it is its
+    the server on a GPU), each place's sessions the slots of one batch: how busy the places were,
+    what a batched tick cost and how many session frames it carried, against what real time asks
+    (12.5 frames/s per session). On a CPU a tick's cost is its time on a core; on a GPU it is its
     wall time (the device's work is not on the thread's clock)."""
     if "tick_cpu_seconds_per_process" not in plugin:
         return None
-    ticks = plugin["frames"]["ticks"]
+    ticks = sum(plugin["batched_ticks_per_process"])
+    frames = plugin["frames"]["ticks"]
     cpu_ms_per_tick = 1e3 * sum(plugin["tick_cpu_seconds_per_process"]) / ticks
     wall_ms_per_tick = 1e3 * sum(plugin["tick_seconds_per_process"]) / ticks
     cost_ms = cpu_ms_per_tick if plugin["device"] == "cpu" else wall_ms_per_tick
     return {
-        "ticks": ticks,
+        "batched_ticks": ticks,
+        "session_frames": frames,
+        "frames_per_tick": round(frames / ticks, 2),
+        "slots_per_process": plugin["slots_per_process"],
         "worker_busy_fraction": [round(busy / wall_s, 3) for busy in plugin["tick_seconds_per_process"]],
         "cpu_ms_per_tick": round(cpu_ms_per_tick, 2),
         "wall_ms_per_tick": round(wall_ms_per_tick, 2),
-        "ticks_per_s_at_that_cost": round(len(plugin["tick_seconds_per_process"]) * 1e3 / cost_ms, 1),
-        "ticks_per_s_real_time_needs": sessions * 12.5,
+        "frames_per_s_at_that_cost_and_fill": round(len(plugin["tick_seconds_per_process"]) * frames / ticks * 1e3 / cost_ms, 1),
+        "frames_per_s_real_time_needs": sessions * 12.5,
     }
 
 

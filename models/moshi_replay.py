@@ -108,10 +108,13 @@ class _Slot:
 
 def _base(t: torch.Tensor) -> float | int | bool | torch.Tensor:
     """The value a fresh streaming entry writes into `t`: a scalar, or a copy in host memory (a
-    few per model, such as LMGen's initial tokens; a reset copies it in)."""
-    flat = t.reshape(-1)
-    if flat.numel() and bool((flat == flat[0]).all()):
-        return flat[0].item()
+    few per model, such as LMGen's initial tokens; a reset copies it in). Uniformity is read off
+    reductions, never an elementwise comparison: that would allocate a temporary as large as a
+    ring (1.6 GB per LM layer at batch 64)."""
+    if t.numel():
+        uniform = bool(t.all()) or not bool(t.any()) if t.dtype == torch.bool else bool(t.amin() == t.amax())
+        if uniform:
+            return t.reshape(-1)[0].item()
     return t.to("cpu", copy=True)
 
 
