@@ -100,8 +100,12 @@ class _Step(torch.nn.Module):
     out as results, on `roots`, a private copy of the state objects. The output's tensors are
     returned flat; `_structure` of a stock output rebuilds it."""
 
-    def __init__(self, method, roots: dict[str, Any], sites: list[Site]):
+    def __init__(self, model: Any, method, roots: dict[str, Any], sites: list[Site]):
         super().__init__()
+        if isinstance(model, torch.nn.Module):
+            # Registered, so the export lifts the model's weights as parameters the graphs share
+            # with it; unregistered, every class's graph would hold a copy of them as constants.
+            self.model = model
         self.method, self.roots, self.sites = method, roots, sites
 
     def forward(self, inputs: dict[str, Any], state: list):
@@ -319,7 +323,7 @@ class BoundOperator:
         cls = _Class(name, call, verify_left=self.binding.verify)
         started = time.perf_counter()
         private = copy.deepcopy(roots)
-        step = _Step(self.method, private, self.sites)
+        step = _Step(self.model, self.method, private, self.sites)
         example = [None if v is None else v.clone() for v in state]
         try:
             with torch.no_grad():

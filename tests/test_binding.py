@@ -109,3 +109,13 @@ def test_audit_compares_every_retention_with_the_stock_concat(model_and_tokens):
     assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
     audit = report.auditor.counters()
     assert (audit["mismatches"], audit["retentions"]) == (0, 4 * CALLS)  # 4 sites, every call
+
+
+def test_every_class_graph_shares_the_model_weights_instead_of_copying_them(model_and_tokens, transformed):
+    model, _, _ = model_and_tokens
+    _, report = transformed
+    weights = {p.data_ptr() for p in model.parameters()}
+    for name, (_, after) in report.graphs.items():
+        assert {p.data_ptr() for p in after.parameters()} == weights, name
+        constants = [t for t in vars(after).values() if isinstance(t, torch.Tensor)]
+        assert sum(t.numel() for t in constants) == 0, name
