@@ -40,6 +40,7 @@ from .passes.hoist import HostConstantHoist
 from .passes.window import Window, WindowCarry, WindowError, rewrite_windows
 from .replay import ExactShapeReplay, Signature
 from .report import format_bytes
+from .transformed import Transformed
 
 __all__ = ["BoundModel", "BoundOperator", "OperatorCounters", "transform_bound"]
 
@@ -468,9 +469,10 @@ def _count(dims: tuple[int, ...]) -> int:
     return n
 
 
-class BoundModel:
+class BoundModel(Transformed):
     """A model transformed from its contract and binding: call it as the stock model (its one
-    bound operator), or each operator through `operators[name]`."""
+    bound operator), or each operator through `operators[name]`. Several streams share its graphs
+    through `session_state` / `swap_in` / `swap_out` (`cadence_fx.transformed`)."""
 
     def __init__(self, model: Any, operators: dict[str, BoundOperator], report):
         self.model = model
@@ -493,6 +495,32 @@ class BoundModel:
 
     def explain(self) -> str:
         return "\n".join(op.explain() for op in self.operators.values())
+
+    def device(self) -> torch.device:
+        return next(iter(self.operators.values()))._device()
+
+    def _carries(self) -> list[WindowCarry]:
+        if not all(op.carries for op in self.operators.values()):
+            raise RuntimeError("the carries are allocated at each operator's first call: call the model once "
+                               "before taking or swapping session states")
+        return [carry for op in self.operators.values() for carry in op.carries.values()]
+
+    def resident(self) -> tuple[list[torch.Tensor], list[int]]:
+        carries = self._carries()
+        buffers = [self.report.carries[rb.region].buffer for op in self.operators.values() for rb in op.binding.regions]
+        return list({id(b): b for b in buffers}.values()), _WindowCounters(carries).read()
+
+    def set_counters(self, counters: list[int]) -> None:
+        _WindowCounters(self._carries()).write(counters)
+
+    def reset(self) -> None:
+        """A fresh stream: every carry empty (before the first call they are not even allocated)."""
+        if not all(op.carries for op in self.operators.values()):
+            return
+        for carry in self._carries():
+            carry.reset()
+        for buffer in self.resident()[0]:
+            buffer.zero_()
 
 
 def transform_bound(model: Any, contract: Contract, binding: Binding, catalog: Catalog, report, *, replay: bool) -> BoundModel:
