@@ -73,9 +73,10 @@ class MoshiCheckpoint:
 
     def config(self, lm_dtype: torch.dtype = torch.bfloat16) -> MoshiConfig:
         """The sizes this checkpoint builds (its `config.json`, else the vendor's 7B defaults)."""
+        info = self.info  # None, as get_mimi and get_moshi_lm read it: the vendor's defaults
         return MoshiConfig(
-            mimi=self.info.mimi_config or loaders._mimi_config,
-            lm_kwargs=self.info.lm_config or loaders._lm_kwargs,
+            mimi=loaders._mimi_config if info.mimi_config is None else info.mimi_config,
+            lm_kwargs=loaders._lm_kwargs if info.lm_config is None else info.lm_config,
             lm_dtype=lm_dtype,
         )
 
@@ -90,8 +91,9 @@ class MoshiCheckpoint:
     def differences(self, config: MoshiConfig) -> list[str]:
         """Each setting of `config` (LM keyword arguments, Mimi configuration) that this checkpoint
         does not share, as `name: checkpoint value (expected value)`; empty when it builds the
-        same model. Settings only the checkpoint has (file names, `conditioners: {}`) are not
-        compared: the vendor builds the model from them alike."""
+        same model. Settings only the checkpoint declares (`conditioners: {}`, `depformer_causal`)
+        are not compared: `config` sizes the contract, and the transform checks the model built
+        from the checkpoint against that contract."""
         own = self.config()
         return _differences("lm", own.lm_kwargs, config.lm_kwargs) + _differences("mimi", own.mimi, config.mimi)
 
@@ -160,6 +162,17 @@ def _names(raw: dict[str, Any]) -> dict[str, str]:
     return names
 
 
+def _read_config(path: Path, where: str) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointUnsupported(f"{where}: {CONFIG_NAME} is not JSON ({error})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointUnsupported(f"{where}: {CONFIG_NAME} holds a {type(raw).__name__}; expected an object of "
+                                    "the LM's keyword arguments")
+    return raw
+
+
 def _check_supported(raw: dict[str, Any], where: str) -> None:
     """Fail closed on what the Moshi adapter does not drive: another program than Moshi's
     (`model_type` hibiki, stt, tts...), LoRA adapters (the vendor leaves them unfused), a condition
@@ -177,8 +190,8 @@ def _check_supported(raw: dict[str, Any], where: str) -> None:
 
 def _from_directory(source: str, directory: Path) -> MoshiCheckpoint:
     config_path = directory / CONFIG_NAME
-    raw = json.loads(config_path.read_text()) if config_path.is_file() else {}
     where = f"Moshi checkpoint directory {str(directory)!r}"
+    raw = _read_config(config_path, where) if config_path.is_file() else {}
     _check_supported(raw, where)
     names = _names(raw)
     missing = [name for name in names.values() if not (directory / name).is_file()]
@@ -206,7 +219,7 @@ def _from_hub(repo: str) -> MoshiCheckpoint:
         except EntryNotFoundError:  # none (or, offline, none cached): from_hf_repo then assumes the 7B layout
             config_path = None
         else:  # checked before the weights are downloaded
-            _check_supported(json.loads(Path(config_path).read_text()), where)
+            _check_supported(_read_config(Path(config_path), where), where)
         info = loaders.CheckpointInfo.from_hf_repo(repo, config_path=config_path)
     except LocalEntryNotFoundError as error:
         cached = try_to_load_from_cache(repo, CONFIG_NAME)

@@ -46,14 +46,15 @@ def write_checkpoint(directory: Path, models: MoshiModels) -> Path:
     return directory
 
 
-def vendor_models(directory: Path, config: MoshiConfig) -> MoshiModels:
+def vendor_models(directory: Path, config: MoshiConfig, device: str = "cpu") -> MoshiModels:
     """The directory loaded by the vendor's functions themselves, called as `CheckpointInfo` calls
     them (`get_mimi` with the LM's codebook count, `get_moshi_lm` in `config.lm_dtype`)."""
     raw = json.loads((directory / "config.json").read_text())
     lm_kwargs = {k: v for k, v in raw.items() if k != "mimi_config_name"}
     mimi_config = json.loads((directory / raw["mimi_config_name"]).read_text())
-    mimi = loaders.get_mimi(directory / loaders.MIMI_NAME, mimi_config, num_codebooks=max(lm_kwargs["dep_q"], lm_kwargs["n_q"] - lm_kwargs["dep_q"]))
-    lm = loaders.get_moshi_lm(directory / loaders.MOSHI_NAME, lm_kwargs=lm_kwargs, dtype=config.lm_dtype)
+    codebooks = max(lm_kwargs["dep_q"], lm_kwargs["n_q"] - lm_kwargs["dep_q"])
+    mimi = loaders.get_mimi(directory / loaders.MIMI_NAME, mimi_config, device=device, num_codebooks=codebooks)
+    lm = loaders.get_moshi_lm(directory / loaders.MOSHI_NAME, lm_kwargs=lm_kwargs, device=device, dtype=config.lm_dtype)
     return MoshiModels(mimi=mimi, lm=lm, config=config)
 
 

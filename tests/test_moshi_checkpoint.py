@@ -9,6 +9,7 @@ import pytest
 import torch
 from huggingface_hub import constants
 from moshi.models import loaders
+from moshi.utils.compile import no_cuda_graph
 from moshi_checkpoint_kit import stored, vendor_models, write_checkpoint
 
 from cadence_fx import transform
@@ -85,6 +86,25 @@ def test_the_transformed_checkpoint_streams_the_vendors_tokens_and_pcm_bit_for_b
     assert torch.equal(got.pcm, want.pcm)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@torch.no_grad()
+def test_on_cuda_the_replayed_checkpoint_streams_the_vendors_eager_tokens_and_pcm(directory, bf16):
+    models = locate(directory).load("cuda", torch.bfloat16)
+    transformed, _ = transform(models, contract_for(models.config))
+    vendor = vendor_models(directory, bf16, device="cuda")  # run after the transform: under its pinned kernels
+    for sampling, seed in [(True, 7), (False, 0)]:
+        pcm = random_pcm(FRAMES, seed=seed + 100, device="cuda")
+        got = transformed.stream(pcm, sampling=sampling, seed=seed)
+        with no_cuda_graph():
+            want = stream_reference(vendor, pcm, sampling=sampling, seed=seed)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.pcm, want.pcm), (sampling, seed)
+    counters = transformed.counters()
+    for name in ("mimi_encode", "lm_step", "mimi_decode", "depformer_step[sampling]", "depformer_step[greedy]"):
+        assert counters[name]["captures"] == 1 and counters[name]["eager"] == 0, (name, counters[name])
+        assert counters[name]["replays"] == counters[name]["calls"], (name, counters[name])
+
+
 def test_a_checkpoint_moves_to_a_worker_as_json_and_back_unchanged(checkpoint):
     again = type(checkpoint).from_json(json.loads(json.dumps(checkpoint.to_json())))
     assert again == checkpoint
@@ -137,13 +157,16 @@ def test_offline_without_a_local_copy_names_the_repo_and_every_file(monkeypatch,
 @pytest.mark.parametrize(
     ("config", "problem"),
     [
-        ({"model_type": "hibiki"}, "model_type is 'hibiki', not 'moshi'"),
-        ({"lora": True, "lora_name": "lora.safetensors"}, "it carries LoRA weights (lora / lora_name)"),
-        ({"fuser": {"sum": ["control"]}}, "it is conditioned (fuser), so every step needs condition tensors"),
+        ({"model_type": "hibiki"}, "not a plain Moshi checkpoint: model_type is 'hibiki', not 'moshi'"),
+        ({"lora": True, "lora_name": "lora.safetensors"},
+         "not a plain Moshi checkpoint: it carries LoRA weights (lora / lora_name)"),
+        ({"fuser": {"sum": ["control"]}},
+         "not a plain Moshi checkpoint: it is conditioned (fuser), so every step needs condition tensors"),
+        (["dim", 4096], "config.json holds a list; expected an object of the LM's keyword arguments"),
     ],
 )
 def test_a_checkpoint_moshi_does_not_drive_is_refused_before_its_files_are_read(tmp_path, config, problem):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointUnsupported) as refused:
         locate(tmp_path)
-    assert str(refused.value) == f"Moshi checkpoint directory '{tmp_path}': not a plain Moshi checkpoint: {problem}"
+    assert str(refused.value) == f"Moshi checkpoint directory '{tmp_path}': {problem}"

@@ -5,8 +5,8 @@ Moshi (Mimi codec, LM and depformer) at a size of ``models/moshi_stream.py`` on 
 explicit (``MoshiPlugin(size=..., device=...)``; each size has its default device, ``DEVICES``):
 random weights from a fixed seed, nothing downloaded, real codebook counts, delays, vocabularies
 and ring capacities; or, with ``weights``, a published checkpoint of that size (``moshi-full``
-with ``kyutai/moshiko-pytorch-bf16`` or ``kyutai/moshika-pytorch-bf16``: the real Moshi). TINY is SMALL cut down for 8 sessions on 2 CPU cores (one layer per
-transformer, widths of 32, 8-dimensional codebook vectors, 4 SEANet filters and no residual
+with ``kyutai/moshiko-pytorch-bf16`` or ``kyutai/moshika-pytorch-bf16``: the real Moshi). TINY
+is SMALL cut down for 8 sessions on 2 CPU cores (one layer per transformer, widths of 32, 8-dimensional codebook vectors, 4 SEANet filters and no residual
 units; what it keeps is listed at its definition); ``bench/results/serve_load_moshi.json`` is
 what 8 sessions of it measured. FULL is Moshi 7B as shipped (the 7.7B-parameter LM in bfloat16
 and Mimi), on CUDA. Every size runs full duplex on its native clock through the cadence-fx
@@ -536,7 +536,8 @@ class MoshiPlugin(ModelPlugin):
         greedily. ``weights`` is a published checkpoint instead (a directory or a hub repo id, see
         ``models/moshi_checkpoint.py``), located (downloaded if need be) here, once, and loaded by
         every place from the same files; it must be Moshi at ``size`` (a checkpoint fixes the
-        size: the published Moshi 7B is ``full``), with the LM in the size's dtype. ``processes`` defaults to 2 on a CPU and must be 0 (its default) on a GPU.
+        size: the published Moshi 7B is ``full``), with the LM in the size's dtype. ``processes``
+        defaults to 2 on a CPU and must be 0 (its default) on a GPU.
         ``threads`` is torch's intra-op thread count in each worker process (1 by default): the
         model is small enough that a tick is bound by per-operator overhead, and a second thread
         only contends for the cores the other workers and the event loop need. ``pin`` puts each

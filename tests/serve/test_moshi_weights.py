@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from moshi.utils.compile import no_cuda_graph
 from moshi_checkpoint_kit import vendor_models, write_checkpoint
 from servekit import AUDIO, Server, deltas_of, drain, read_wav, run
 
@@ -48,21 +49,35 @@ def vendor(directory):
 
 
 def stock(models, ticks: list[np.ndarray], seed: int = 0) -> np.ndarray:
-    """The vendor stream of these tick inputs (sampling on): row ``k`` is the output of tick ``k + 1``."""
-    pcm = torch.from_numpy(np.concatenate(ticks)).view(1, 1, -1)
-    return stream_reference(models, pcm, sampling=True, seed=seed).pcm.reshape(-1, FRAME_SAMPLES).numpy()
+    """The vendor's eager stream of these tick inputs on the models' device (sampling on): row ``k``
+    is the output of tick ``k + 1``."""
+    device = next(models.lm.parameters()).device
+    pcm = torch.from_numpy(np.concatenate(ticks)).view(1, 1, -1).to(device)
+    with no_cuda_graph():
+        out = stream_reference(models, pcm, sampling=True, seed=seed).pcm
+    return out.reshape(-1, FRAME_SAMPLES).cpu().numpy()
+
+
+def user_frames(n: int, seed: int) -> list[np.ndarray]:
+    return list(random_pcm(n, seed=seed).reshape(n, FRAME_SAMPLES).numpy())
+
+
+def reply_to(plugin, frames: list[np.ndarray]) -> list[np.ndarray]:
+    """One stream: ``frames`` fed, then its reply, as long as the turn."""
+    stream = plugin.open_stream()
+    for frame in frames:
+        stream.feed(frame)
+    stream.begin_response()
+    reply = drain(stream)
+    stream.close()
+    return reply
 
 
 def test_a_worker_process_serves_the_checkpoint_as_the_vendor_streams_it(directory, vendor):
-    frames = list(random_pcm(4, seed=50).reshape(4, FRAME_SAMPLES).numpy())
+    frames = user_frames(4, seed=50)
     plugin = MoshiPlugin(weights=str(directory), processes=1)
     try:
-        stream = plugin.open_stream()
-        for frame in frames:
-            stream.feed(frame)
-        stream.begin_response()
-        reply = drain(stream)
-        stream.close()
+        reply = reply_to(plugin, frames)
         described = plugin.describe()
     finally:
         plugin.close()
@@ -70,6 +85,25 @@ def test_a_worker_process_serves_the_checkpoint_as_the_vendor_streams_it(directo
     assert np.array_equal(np.stack(reply), stock(vendor, frames + [SILENCE] * 4)[3:7])
     assert described["weights"] == str(directory)
     assert f" parameters, weights of {directory}) on CPU, " in plugin.info.description
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_on_cuda_the_server_process_serves_the_checkpoint_as_the_vendor_streams_it_every_call_replayed(directory):
+    frames = user_frames(4, seed=51)
+    plugin = MoshiPlugin(size="tiny", device="cuda", weights=str(directory))
+    try:
+        reply = reply_to(plugin, frames)
+        described = plugin.describe()
+    finally:
+        plugin.close()
+
+    # The vendor's side after the plugin's transform: under the same pinned kernels.
+    assert np.array_equal(np.stack(reply), stock(vendor_models(directory, TINY, device="cuda"), frames + [SILENCE] * 4)[3:7])
+    assert (plugin.name, described["weights"]) == ("moshi-tiny-cuda", str(directory))
+    for name in ("mimi_encode", "lm_step", "mimi_decode", "depformer_step[sampling]"):
+        replays = described["transform"]["replays"][name]
+        assert replays["eager"] == 0 and replays["replays"] == replays["calls"], (name, replays)
 
 
 def test_a_session_over_uvicorn_hears_the_vendor_stream_of_the_checkpoint(directory, vendor):
