@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -73,20 +74,6 @@ def reply_to(plugin, frames: list[np.ndarray]) -> list[np.ndarray]:
     return reply
 
 
-def test_a_worker_process_serves_the_checkpoint_as_the_vendor_streams_it(directory, vendor):
-    frames = user_frames(4, seed=50)
-    plugin = MoshiPlugin(weights=str(directory), processes=1)
-    try:
-        reply = reply_to(plugin, frames)
-        described = plugin.describe()
-    finally:
-        plugin.close()
-
-    assert np.array_equal(np.stack(reply), stock(vendor, frames + [SILENCE] * 4)[3:7])
-    assert described["weights"] == str(directory)
-    assert f" parameters, weights of {directory}) on CPU, " in plugin.info.description
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_on_cuda_the_server_process_serves_the_checkpoint_as_the_vendor_streams_it_every_call_replayed(directory):
@@ -106,7 +93,9 @@ def test_on_cuda_the_server_process_serves_the_checkpoint_as_the_vendor_streams_
         assert replays["eager"] == 0 and replays["replays"] == replays["calls"], (name, replays)
 
 
-def test_a_session_over_uvicorn_hears_the_vendor_stream_of_the_checkpoint(directory, vendor):
+def test_a_session_over_uvicorn_ticking_in_a_worker_hears_the_vendor_stream_of_the_checkpoint(directory, vendor):
+    """As ``serve --weights`` builds it (``load_plugin`` with ``weights``); the worker process loads
+    the files the server process located."""
     samples, _ = read_wav(AUDIO / "question_24k.wav")
     question = wire_audio.encode_samples(samples, PCM24K)
     fed, reply_frames = -(-len(samples) // FRAME_SAMPLES), 4
@@ -117,14 +106,19 @@ def test_a_session_over_uvicorn_hears_the_vendor_stream_of_the_checkpoint(direct
         await sock.close()
         return events
 
-    plugin = lambda: load_plugin("moshi-tiny", weights=str(directory), processes=0, max_reply_frames=reply_frames)  # noqa: E731
+    def plugin():
+        return load_plugin("moshi-tiny", weights=str(directory), processes=1, max_reply_frames=reply_frames)
+
     with background_server(plugin, Limits(max_sessions=1)) as handle:
         events = run(scenario(Server(handle)))
+        served = httpx.get(handle.http_url + "/v1/models").json()["data"][0]
 
     padded = np.concatenate([samples, np.zeros(fed * FRAME_SAMPLES - len(samples), dtype=np.float32)])
     ticks = list(padded.reshape(fed, FRAME_SAMPLES)) + [SILENCE] * reply_frames
     want = stock(vendor, ticks)[fed - 1 : fed - 1 + reply_frames]
     assert deltas_of(events) == wire_audio.encode_samples(want.reshape(-1), PCM24K)
+    assert (served["plugin"]["weights"], served["plugin"]["processes"]) == (str(directory), 1)
+    assert f" parameters, weights of {directory}) on CPU, " in served["description"]
 
 
 def test_a_checkpoint_of_another_size_is_refused_naming_the_size_it_is(directory):
