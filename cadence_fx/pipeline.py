@@ -40,6 +40,7 @@ from .passes.hoist import HostConstantHoist
 from .passes.window import Window, WindowCarry, WindowError, rewrite_windows
 from .replay import ExactShapeReplay, Signature
 from .report import format_bytes
+from .transformed import Transformed
 
 __all__ = ["BoundModel", "BoundOperator", "OperatorCounters", "transform_bound"]
 
@@ -100,8 +101,12 @@ class _Step(torch.nn.Module):
     out as results, on `roots`, a private copy of the state objects. The output's tensors are
     returned flat; `_structure` of a stock output rebuilds it."""
 
-    def __init__(self, method, roots: dict[str, Any], sites: list[Site]):
+    def __init__(self, model: Any, method, roots: dict[str, Any], sites: list[Site]):
         super().__init__()
+        if isinstance(model, torch.nn.Module):
+            # Registered, so the export lifts the model's weights as parameters the graphs share
+            # with it; unregistered, every class's graph would hold a copy of them as constants.
+            self.model = model
         self.method, self.roots, self.sites = method, roots, sites
 
     def forward(self, inputs: dict[str, Any], state: list):
@@ -319,7 +324,7 @@ class BoundOperator:
         cls = _Class(name, call, verify_left=self.binding.verify)
         started = time.perf_counter()
         private = copy.deepcopy(roots)
-        step = _Step(self.method, private, self.sites)
+        step = _Step(self.model, self.method, private, self.sites)
         example = [None if v is None else v.clone() for v in state]
         try:
             with torch.no_grad():
@@ -464,9 +469,10 @@ def _count(dims: tuple[int, ...]) -> int:
     return n
 
 
-class BoundModel:
+class BoundModel(Transformed):
     """A model transformed from its contract and binding: call it as the stock model (its one
-    bound operator), or each operator through `operators[name]`."""
+    bound operator), or each operator through `operators[name]`. Several streams share its graphs
+    through `session_state` / `swap_in` / `swap_out` (`cadence_fx.transformed`)."""
 
     def __init__(self, model: Any, operators: dict[str, BoundOperator], report):
         self.model = model
@@ -489,6 +495,32 @@ class BoundModel:
 
     def explain(self) -> str:
         return "\n".join(op.explain() for op in self.operators.values())
+
+    def device(self) -> torch.device:
+        return next(iter(self.operators.values()))._device()
+
+    def _carries(self) -> list[WindowCarry]:
+        if not all(op.carries for op in self.operators.values()):
+            raise RuntimeError("the carries are allocated at each operator's first call: call the model once "
+                               "before taking or swapping session states")
+        return [carry for op in self.operators.values() for carry in op.carries.values()]
+
+    def resident(self) -> tuple[list[torch.Tensor], list[int]]:
+        carries = self._carries()
+        buffers = [self.report.carries[rb.region].buffer for op in self.operators.values() for rb in op.binding.regions]
+        return list({id(b): b for b in buffers}.values()), _WindowCounters(carries).read()
+
+    def set_counters(self, counters: list[int]) -> None:
+        _WindowCounters(self._carries()).write(counters)
+
+    def reset(self) -> None:
+        """A fresh stream: every carry empty (before the first call they are not even allocated)."""
+        if not all(op.carries for op in self.operators.values()):
+            return
+        for carry in self._carries():
+            carry.reset()
+        for buffer in self.resident()[0]:
+            buffer.zero_()
 
 
 def transform_bound(model: Any, contract: Contract, binding: Binding, catalog: Catalog, report, *, replay: bool) -> BoundModel:

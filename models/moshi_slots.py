@@ -36,9 +36,9 @@ from one generator in one call (`utils/sampling.py::multinomial` draws
 `torch.empty_like(probs).exponential_(1)` of shape (B, k): the text token, then each of the
 depformer's codebooks), with one temperature, top-k and sampling switch for the batch. So a
 slot's draws depend on the batch size, its row, and every tick the runtime ran before (joins and
-idle ticks included), not on a seed of its own; this runtime seeds the batch's generators once
-(`seed`) and swaps them in for its ticks, so nothing else in the process draws from them or is
-disturbed by them. Greedy decoding (`sampling=False`) draws nothing, and a slot's tokens then
+idle ticks included), not on a seed of its own; this runtime seeds the batch's generator once
+(`seed`; the device's default generator, the one the vendor draws from) and swaps it in for its
+ticks, so nothing else in the process draws from it or is disturbed by it. Greedy decoding (`sampling=False`) draws nothing, and a slot's tokens then
 depend only on its own inputs. What is bit-identical, then: every slot's tokens and PCM against
 the vendor's own batched loop at the same B, with the same ticks, joins and seed
 (`vendor_ticks`, the reference here). Against the vendor's batch-1 loop a slot's results are not
@@ -74,6 +74,7 @@ from cadence_fx.passes.hoist import HostConstantHoist
 from cadence_fx.replay import TensorSpec
 from cadence_fx.report import format_bytes
 from cadence_fx.transform import TransformReport
+from cadence_fx.transformed import rng_get, rng_seeded, rng_set
 
 from .moshi_replay import OwnedState, Stage, _check_model, _classes, _ring_resizes, _used_codebooks
 from .moshi_stream import MoshiModels
@@ -138,18 +139,6 @@ def _check_tick(tick: Tick, slots: int, frame_size: int) -> None:
             raise ValueError(f"frames[{slot}]: a frame is {frame_size} float32 samples, shape ({frame_size},); got {got}")
 
 
-def _rng_states(device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The default generators a tick draws from: the host's, and the GPU's."""
-    host = torch.get_rng_state()
-    return (host,) if device.type != "cuda" else (host, torch.cuda.get_rng_state(device))
-
-
-def _set_rng_states(device: torch.device, states: tuple[torch.Tensor, ...]) -> None:
-    torch.set_rng_state(states[0])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(states[1], device)
-
-
 def vendor_ticks(models: MoshiModels, slots: int, ticks: Sequence[Tick], *, sampling: bool, seed: int,
                  cuda_graphs: bool = False) -> Iterator[TickOutput]:
     """The vendor's own batched loop, the reference of `MoshiSlots`: `mimi.streaming(B)` and
@@ -210,7 +199,7 @@ class MoshiSlots:
     stages: dict[str, Stage]
     report: TransformReport
     streaming: contextlib.ExitStack  # the modules' streaming entries, closed by `close`
-    rng: tuple[torch.Tensor, ...] = ()  # the batch's generator states between ticks
+    rng: torch.Tensor | None = None  # the batch's generator state between ticks (the device's)
     ran: list[int] = field(default_factory=list)  # per slot: the frames it ran since it joined
     ticks: int = 0
     closed: bool = False
@@ -229,14 +218,14 @@ class MoshiSlots:
 
     @contextlib.contextmanager
     def _generators(self) -> Iterator[None]:
-        """The batch's generator states swapped in for a tick; the caller's put back after it."""
-        caller = _rng_states(self.device)
-        _set_rng_states(self.device, self.rng)
+        """The batch's generator state swapped in for a tick; the caller's put back after it."""
+        caller = rng_get(self.device)
+        rng_set(self.device, self.rng)
         try:
             yield
         finally:
-            self.rng = _rng_states(self.device)
-            _set_rng_states(self.device, caller)
+            self.rng = rng_get(self.device)
+            rng_set(self.device, caller)
 
     def tick(self, tick: Tick) -> TickOutput:
         from moshi.utils.compile import no_compile
@@ -246,10 +235,9 @@ class MoshiSlots:
         _check_tick(tick, self.slots, self.frame_size)
         device, mimi, lm_gen = self.device, self.models.mimi, self.lm_gen
         live = tuple(sorted(tick.frames))
-        for slot in tick.joins:
-            self.ran[slot] = 0
+        ran = [0 if slot in tick.joins else count for slot, count in enumerate(self.ran)]
         # LMGen's offsets reach max_delay + 1 at a slot's (max_delay + 1)-th frame: its first real tokens.
-        speaking = tuple(slot for slot in live if self.ran[slot] + 1 > lm_gen.max_delay)
+        speaking = tuple(slot for slot in live if ran[slot] + 1 > lm_gen.max_delay)
         with self._generators(), no_compile(), torch.inference_mode():
             if tick.joins:
                 joins = _mask(self.slots, tick.joins, device)
@@ -260,8 +248,7 @@ class MoshiSlots:
             tokens = lm_gen.step(codes)
             self.glue.keep_addresses()  # LMGen rebinds its offsets each step
             pcm = self.stages["mimi_decode"](_mask(self.slots, speaking, device), tokens)
-        for slot in live:
-            self.ran[slot] += 1
+        self.ran = [count + (slot in live) for slot, count in enumerate(ran)]
         self.ticks += 1
         return TickOutput(live, speaking, tokens[:, :, 0], pcm[:, 0])
 
@@ -363,12 +350,11 @@ def transform_slots(models: MoshiModels, contract: Contract, *, sampling: bool, 
     runtime = MoshiSlots(models, lm_gen, slots, owned, glue, stages, report, streaming, ran=[0] * slots)
     devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), no_compile():
-        runtime.rng = _rng_states(device)
+        runtime.rng = rng_get(device)
         silence = torch.zeros(mimi.frame_size)
         for index in range(WARM_UP_TICKS):
             runtime.tick(Tick({slot: silence for slot in range(slots)}, joins=tuple(range(slots)) if index == 0 else ()))
-        torch.manual_seed(seed)
-        runtime.rng = _rng_states(device)
+    runtime.rng = rng_seeded(device, seed)
     owned.reset()  # the fresh streaming entry's values, written in place: every address kept
     runtime.ran, runtime.ticks = [0] * slots, 0
     return runtime, report

@@ -109,3 +109,46 @@ def test_audit_compares_every_retention_with_the_stock_concat(model_and_tokens):
     assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
     audit = report.auditor.counters()
     assert (audit["mismatches"], audit["retentions"]) == (0, 4 * CALLS)  # 4 sites, every call
+
+
+def test_every_class_graph_shares_the_model_weights_instead_of_copying_them(model_and_tokens, transformed):
+    model, _, _ = model_and_tokens
+    _, report = transformed
+    weights = {p.data_ptr() for p in model.parameters()}
+    for name, (_, after) in report.graphs.items():
+        assert {p.data_ptr() for p in after.parameters()} == weights, name
+        constants = [t for t in vars(after).values() if isinstance(t, torch.Tensor)]
+        assert sum(t.numel() for t in constants) == 0, name
+
+
+def test_two_interleaved_streams_share_the_graphs_through_their_session_states(model_and_tokens):
+    model, config, tokens = model_and_tokens
+    from transformers import DynamicCache
+
+    other = torch.randint(0, config.vocab_size, tokens.shape, generator=torch.Generator().manual_seed(2))
+    bound, report = transform(model, contract(), binding())
+    expected = {0: stream(model, config, tokens)[0], 1: stream(model, config, other)[0]}
+    caches = {0: DynamicCache(config=config), 1: DynamicCache(config=config)}
+    states, actual = {}, {0: [], 1: []}
+    with torch.no_grad():
+        for t in range(0, tokens.shape[1], TOKENS_PER_CALL):
+            for i, source in ((0, tokens), (1, other)):
+                if i in states:
+                    bound.swap_in(states[i])
+                else:
+                    bound.reset()
+                out = bound(input_ids=source[:, t:t + TOKENS_PER_CALL], position_ids=torch.arange(t, t + TOKENS_PER_CALL)[None],
+                            cache=caches[i], use_cache=True)
+                actual[i].append(out.logits)
+                states.setdefault(i, bound.session_state(seed=i))
+                bound.swap_out(states[i])
+    for i in (0, 1):
+        assert all(torch.equal(a, e) for a, e in zip(actual[i], expected[i], strict=True))
+    assert report.operators["decoder_step"].counters.stock == 0
+
+
+def test_session_states_wait_for_the_first_call(model_and_tokens):
+    model, _, _ = model_and_tokens
+    bound, _ = transform(model, contract(), binding())
+    with pytest.raises(RuntimeError, match="call the model once before taking or swapping session states"):
+        bound.session_state(seed=0)

@@ -3,7 +3,8 @@
 ``moshi-tiny`` (Moshi at its TINY size on a CPU, ``moshi.py``) is the service's default model;
 ``moshi-small`` is the same plugin at the SMALL size (more than 2 cores for 8 sessions) and
 ``moshi-full`` at Moshi 7B's own size on an NVIDIA GPU (it refuses to load without one). All three
-load torch and the vendor only when chosen. ``token2wav-full`` is MiniCPM-o 4.5's Token2Wav at full
+load torch and the vendor only when chosen, and load a published checkpoint instead of random
+weights when given ``weights`` (``loads_weights``). ``token2wav-full`` is MiniCPM-o 4.5's Token2Wav at full
 size on an NVIDIA GPU as a reply voice on stand-in speech tokens (``token2wav.py``), ``token2wav``
 the same at reduced depth on the CPU. ``tone`` is a test double used by the service's tests, not a
 model.
@@ -50,12 +51,23 @@ _REGISTRY: dict[str, PluginFactory] = {
 }
 
 
-def register_plugin(name: str, factory: PluginFactory) -> None:
+#: The plugins that take ``weights=`` (a checkpoint directory or hub repo id: ``serve --weights``).
+_LOADS_WEIGHTS = {"moshi-tiny", "moshi-small", "moshi-full"}
+
+
+def register_plugin(name: str, factory: PluginFactory, *, loads_weights: bool = False) -> None:
     _REGISTRY[name] = factory
+    if loads_weights:
+        _LOADS_WEIGHTS.add(name)
 
 
 def plugin_names() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def loads_weights(name: str) -> bool:
+    """Whether plugin ``name`` loads a checkpoint given as ``weights``."""
+    return name in _LOADS_WEIGHTS
 
 
 def load_plugin(name: str, **options: Any) -> ModelPlugin:
@@ -73,6 +85,7 @@ __all__ = [
     "PluginInfo",
     "ToneModel",
     "load_plugin",
+    "loads_weights",
     "plugin_names",
     "register_plugin",
 ]
