@@ -102,11 +102,27 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from cadence_fx.serve.app import run_server
+    from cadence_fx.serve.plugins import check_user_options
     from cadence_fx.serve.session import Limits
 
+    options = {name: getattr(args, name) for name in ("weights", "prompt") if getattr(args, name) is not None}
+    check_user_options(args.model, options)
     limits = Limits(max_sessions=args.max_sessions, idle_ttl_s=args.idle_ttl, grace_s=args.grace)
-    print(f"serving {args.model} on ws://{args.host}:{args.port}/v1/realtime", file=sys.stderr, flush=True)
-    run_server(args.host, args.port, args.model, limits)
+    print(f"loading {args.model}, then serving it on ws://{args.host}:{args.port}/v1/realtime", file=sys.stderr, flush=True)
+    run_server(args.host, args.port, args.model, limits, options)
+    return 0
+
+
+def _prompt(args: argparse.Namespace) -> int:
+    from cadence_fx.models import token2wav_checkpoint as checkpoint
+
+    found = checkpoint.locate_checkpoint(args.weights, checkpoint.PREPARE_FILES, reference_voice=args.wav is None)
+    wav = args.wav or found.reference_voice
+    print(f"preparing the prompt state of {wav} with {found.assets}...", file=sys.stderr, flush=True)
+    prompt = checkpoint.prepare_prompt(found, wav)
+    checkpoint.save_prompt(prompt, args.out, source=str(wav))
+    print(f"wrote {args.out}: {prompt.tokens.shape[1]} speech tokens, {prompt.mels.shape[1]} mel frames, "
+          f"a {prompt.spk.shape[1]}-dim speaker embedding")
     return 0
 
 
@@ -165,7 +181,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-sessions", type=_positive_int, default=16)
     serve.add_argument("--idle-ttl", type=float, default=300.0, help="seconds without traffic before a session expires")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds a disconnected session waits for a resume")
+    serve.add_argument("--weights", metavar="DIR_OR_REPO",
+                       help="a published checkpoint: a folder or a hub id (token2wav: openbmb/MiniCPM-o-4_5)")
+    serve.add_argument("--prompt", metavar="FILE",
+                       help="token2wav's speaker prompt: a file written by `cadence-fx prompt`, or a WAV "
+                            "(default with --weights: the model's reference voice)")
     serve.set_defaults(run=_serve)
+
+    prompt = commands.add_parser("prompt", help="prepare MiniCPM-o Token2Wav's speaker prompt from a WAV and save it")
+    prompt.add_argument("--weights", required=True, metavar="DIR_OR_REPO",
+                        help="the checkpoint whose speech tokenizer and speaker model prepare it (a folder or a hub id)")
+    prompt.add_argument("--wav", help="the prompt's audio (default: the model's reference voice)")
+    prompt.add_argument("--out", required=True, help="where to write the prompt file (safetensors)")
+    prompt.set_defaults(run=_prompt)
 
     client = commands.add_parser("client", help="stream a WAV file through a session in real time, write the reply")
     client.add_argument("--url", default="ws://127.0.0.1:8000")

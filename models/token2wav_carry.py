@@ -39,7 +39,16 @@ from cadence_fx.transform import Adapter, TransformReport, register_adapter
 
 from .token2wav_stream import Prompt, StockStream
 
-__all__ = ["ENVELOPES", "GLUE_TRIMS", "CarryStream", "SessionState", "Token2WavAdapter", "TransformedFlow"]
+__all__ = [
+    "ENVELOPES",
+    "GLUE_TRIMS",
+    "CarryStream",
+    "SessionState",
+    "Token2WavAdapter",
+    "TransformedFlow",
+    "contract_for_flow",
+    "reference_flow",
+]
 
 ENVELOPES = (
     Envelope("decoder.att_cache_buffer", "estimator_att_cache"),
@@ -423,20 +432,30 @@ class Token2WavAdapter(Adapter):
 register_adapter(Token2WavAdapter())
 
 
+def contract_for_flow(flow: torch.nn.Module, prompt_frames: int) -> Contract:
+    """The Token2Wav contract of this flow (its DiT and conformer depths) for a prompt of
+    ``prompt_frames`` mel frames, at the vendor's streaming operating point otherwise."""
+    from .token2wav import token2wav_contract
+
+    return token2wav_contract(
+        f_prompt=prompt_frames,
+        frames_per_token=flow.up_rate,
+        dit_depth=len(flow.decoder.estimator.blocks),
+        conformer_blocks=len(flow.encoder.encoders) + len(flow.encoder.up_encoders),
+    )
+
+
 def reference_flow(depth: str = "reduced", *, prompt_tokens: int | None = None):
     """The real vendor flow with random weights and its contract, for the CLI and the demo.
 
     `depth` is "reduced" (1 + 1 conformer blocks, 2 DiT blocks; a 51-token prompt, fast on a
     CPU) or "full" (the MiniCPM-o 4.5 configuration and its 151-token prompt).
     """
-    from .token2wav import token2wav_contract
     from .token2wav_stream import FULL_DEPTH, PROMPT_TOKENS, REDUCED_DEPTH, build_flow
 
     if depth not in ("reduced", "full"):
         raise ValueError(f"depth must be 'reduced' or 'full', got {depth!r}")
     layout = REDUCED_DEPTH if depth == "reduced" else FULL_DEPTH
     tokens = prompt_tokens or (51 if depth == "reduced" else PROMPT_TOKENS)
-    contract = token2wav_contract(
-        f_prompt=2 * tokens, dit_depth=layout.dit_blocks, conformer_blocks=layout.encoder_blocks + layout.up_blocks
-    )
-    return build_flow(layout), contract, tokens
+    flow = build_flow(layout)
+    return flow, contract_for_flow(flow, 2 * tokens), tokens

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, WebSocket
@@ -172,10 +173,16 @@ def uvicorn_config(app: FastAPI, host: str, port: int, limits: Limits) -> uvicor
     )
 
 
-def run_server(host: str, port: int, plugin_name: str, limits: Limits | None = None) -> None:
-    """Serve until interrupted (``cadence-fx serve``)."""
+def run_server(
+    host: str, port: int, plugin_name: str, limits: Limits | None = None, options: dict[str, Any] | None = None
+) -> None:
+    """Serve until interrupted (``cadence-fx serve``); ``options`` go to the plugin's constructor.
+
+    The plugin is built before the server starts, so a bad option (a missing checkpoint, say)
+    stops the command with its own error instead of failing the app's startup."""
     limits = limits or Limits()
-    app = create_app(lambda: load_plugin(plugin_name), limits)
+    plugin = load_plugin(plugin_name, **(options or {}))
+    app = create_app(lambda: plugin, limits)
     uvicorn.Server(uvicorn_config(app, host, port, limits)).run()
 
 

@@ -5,8 +5,8 @@
 ``moshi-full`` at Moshi 7B's own size on an NVIDIA GPU (it refuses to load without one). All three
 load torch and the vendor only when chosen. ``token2wav-full`` is MiniCPM-o 4.5's Token2Wav at full
 size on an NVIDIA GPU as a reply voice on stand-in speech tokens (``token2wav.py``), ``token2wav``
-the same at reduced depth on the CPU. ``tone`` is a test double used by the service's tests, not a
-model.
+the same at reduced depth on the CPU; both load a published checkpoint with ``weights`` and a
+speaker prompt with ``prompt``. ``tone`` is a test double used by the service's tests, not a model.
 """
 
 from __future__ import annotations
@@ -50,8 +50,16 @@ _REGISTRY: dict[str, PluginFactory] = {
 }
 
 
-def register_plugin(name: str, factory: PluginFactory) -> None:
+# Options a user may set from the command line (`cadence-fx serve --weights/--prompt`), per plugin.
+_USER_OPTIONS: dict[str, frozenset[str]] = {
+    "token2wav": frozenset({"weights", "prompt"}),
+    "token2wav-full": frozenset({"weights", "prompt"}),
+}
+
+
+def register_plugin(name: str, factory: PluginFactory, user_options: frozenset[str] = frozenset()) -> None:
     _REGISTRY[name] = factory
+    _USER_OPTIONS[name] = user_options
 
 
 def plugin_names() -> list[str]:
@@ -66,12 +74,21 @@ def load_plugin(name: str, **options: Any) -> ModelPlugin:
     return factory(**options)
 
 
+def check_user_options(name: str, options: dict[str, Any]) -> None:
+    """Refuse a command-line option the plugin does not take, naming the plugins that take it."""
+    allowed = _USER_OPTIONS.get(name, frozenset())
+    for option in sorted(set(options) - allowed):
+        takers = sorted(n for n, names in _USER_OPTIONS.items() if option in names)
+        raise ValueError(f"--{option} is not an option of --model {name}; the models that take it: {', '.join(takers)}")
+
+
 __all__ = [
     "DEFAULT_PLUGIN",
     "ModelPlugin",
     "ModelStream",
     "PluginInfo",
     "ToneModel",
+    "check_user_options",
     "load_plugin",
     "plugin_names",
     "register_plugin",
