@@ -222,7 +222,10 @@ class FlowConfig:
     @property
     def up_rate(self) -> int:
         """Mel frames per speech token (the encoder's up_stride; CausalMaskedDiffWithXvec.up_rate)."""
-        return int(self.kwargs["encoder"].kwargs["up_stride"])
+        try:
+            return int(self.kwargs["encoder"].kwargs["up_stride"])
+        except (KeyError, AttributeError):
+            raise CheckpointError("flow.yaml's flow has no `encoder` with an `up_stride`") from None
 
 
 class _FlowConfigLoader(yaml.SafeLoader):
@@ -265,7 +268,10 @@ def load_flow(checkpoint: Token2WavCheckpoint, *, seed: int = 0, device: str | t
     config = read_flow_config(checkpoint.file(FLOW_CONFIG))
     with torch.random.fork_rng(devices=[]):
         torch.random.default_generator.manual_seed(seed)
-        flow = config.build()
+        try:
+            flow = config.build()
+        except TypeError as error:  # an argument the vendor class does not take, or a tag in the wrong place
+            raise CheckpointError(f"{checkpoint.file(FLOW_CONFIG)} does not build the vendor flow: {error}") from None
     state = _load_state(checkpoint.file(FLOW_WEIGHTS))
     _load_strict(flow, state, checkpoint.file(FLOW_WEIGHTS), checkpoint.file(FLOW_CONFIG))
     return flow.to(device).eval()

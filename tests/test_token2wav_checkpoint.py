@@ -1,24 +1,22 @@
 """The published MiniCPM-o 4.5 Token2Wav checkpoint format, written here at reduced depth with
-random weights: cadence-fx loads it, transforms and streams it, and every mel frame and PCM sample
-equals the vendor's own ``stepaudio2.Token2wav`` loading the same files.
-
-The vendor's ``Token2wav.__init__`` runs itself, on the CPU: its ``.cuda()`` moves are made
-no-ops and its two prompt models (the speech tokenizer and the speaker model, which streaming does
-not use) are stubbed, since their ONNX files cannot be written here.
+random weights (``checkpointkit.py``): cadence-fx loads it, transforms and streams it, and every mel
+frame and PCM sample equals the vendor's own ``stepaudio2.Token2wav`` loading the same files (its
+``__init__`` itself, on the CPU; the stream is ``StockStream``, the vendor's ``Token2wav.stream``
+line for line, since that one places its inputs on CUDA). ``test_token2wav_checkpoint_cuda.py``
+does the same at full size on a GPU against the vendor's own ``Token2wav.stream``.
 """
 
 from __future__ import annotations
 
-import importlib
 import shutil
 import sys
-import types
 from pathlib import Path
 
 import huggingface_hub.constants
 import numpy as np
 import pytest
 import torch
+from checkpointkit import FLOW_YAML, vendor_token2wav, write_assets
 from safetensors.torch import save_file
 
 from cadence_fx import transform
@@ -26,15 +24,11 @@ from cadence_fx.cli import main
 from cadence_fx.models import token2wav_checkpoint as checkpoint
 from cadence_fx.models.token2wav_carry import CarryStream, contract_for_flow
 from cadence_fx.models.token2wav_stream import (
-    REDUCED_DEPTH,
     Prompt,
     StockStream,
-    build_flow,
-    build_hift,
     random_chunks,
     random_prompt,
 )
-from cadence_fx.models.vendor import token2wav_vendor
 from cadence_fx.serve.plugins.token2wav import FRAME_SAMPLES, INPUT_RATE, Token2WavPlugin, rng_seed, token_seed
 
 pytestmark = pytest.mark.slow
@@ -42,54 +36,7 @@ pytestmark = pytest.mark.slow
 SEED = 7  # draws CFM.rand_noise, which flow.pt does not hold, on both sides
 PROMPT_TOKENS = 51
 CHUNKS = 4  # extents P, P+50, P+100, then the flush at P+100
-
-# flow.yaml as the model repository ships it (hyperpyyaml tags, the vendor's keyword arguments),
-# with the depths left open: the file must describe the weights it comes with.
-FLOW_YAML = """\
-flow: !new:cosyvoice2.flow.flow.CausalMaskedDiffWithXvec
-    input_size: 512
-    output_size: 80
-    spk_embed_dim: 192
-    output_type: 'mel'
-    vocab_size: 6561
-    encoder: !new:cosyvoice2.transformer.upsample_encoder_v2.UpsampleConformerEncoderV2
-        input_size: 512
-        output_size: 512
-        input_layer: 'linear'
-        pre_lookahead_len: 3
-        num_blocks: {encoder_blocks}
-        num_up_blocks: {up_blocks}
-        up_stride: 2
-        up_scale_factor: 2
-        attention_heads: 8
-        pos_enc_layer_type: 'rel_pos_espnet'
-        selfattention_layer_type: 'rel_selfattn'
-        key_bias: true
-        linear_units: 2048
-        dropout_rate: 0.1
-        positional_dropout_rate: 0.1
-        attention_dropout_rate: 0.1
-        normalize_before: true
-    decoder: !new:cosyvoice2.flow.flow_matching.CausalConditionalCFM
-        inference_cfg_rate: 0.7
-        estimator: !new:cosyvoice2.flow.decoder_dit.DiT
-            in_channels: 320
-            out_channels: 80
-            mlp_ratio: 4.0
-            depth: {dit_blocks}
-            num_heads: 8
-            head_dim: 64
-            hidden_size: 512
-"""
-
-
-def write_assets(assets: Path, depth=REDUCED_DEPTH) -> None:
-    """flow.yaml, flow.pt and hift.pt as in the model repository's assets/token2wav."""
-    assets.mkdir(parents=True)
-    (assets / "flow.yaml").write_text(FLOW_YAML.format(**vars(depth)))
-    torch.save(build_flow(depth, seed=11).state_dict(), assets / "flow.pt")
-    torch.save(build_hift(seed=12).state_dict(), assets / "hift.pt")
-
+REPLY = random_chunks(token_seed(0, 0), CHUNKS)  # the plugin's first stream's first reply
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
@@ -109,29 +56,15 @@ def prompt_file(tmp_path_factory) -> tuple[Prompt, Path]:
 
 @pytest.fixture(scope="module")
 def vendor(model_dir):
-    """``stepaudio2.Token2wav(model_dir/assets/token2wav)``, its flow's noise drawn under SEED."""
-    token2wav_vendor()  # registers the placeholders stepaudio2.token2wav needs to import here
-    module = importlib.import_module("stepaudio2.token2wav")
-    patch = pytest.MonkeyPatch()
-    patch.setattr(module, "s3tokenizer", types.SimpleNamespace(load_model=lambda path: torch.nn.Identity()))
-    patch.setattr(module, "onnxruntime", types.SimpleNamespace(
-        SessionOptions=types.SimpleNamespace,
-        GraphOptimizationLevel=types.SimpleNamespace(ORT_ENABLE_ALL=None),
-        InferenceSession=lambda *args, **kwargs: None,
-    ))
-    patch.setattr(torch.nn.Module, "cuda", lambda self, device=None: self)
-    patch.setattr(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(SEED)
-            return module.Token2wav(str(model_dir / "assets" / "token2wav"))
-    finally:
-        patch.undo()
+    return vendor_token2wav(model_dir / "assets" / "token2wav", seed=SEED, on_cpu=True)
 
 
-def stock_run(vendor, prompt: Prompt, chunks, rng: int):
+@pytest.fixture(scope="module")
+def stock(vendor, prompt_file):
+    """The vendor's stream of the first reply the plugin below speaks: its tokens, its RNG seed."""
+    prompt, _ = prompt_file
     with torch.no_grad():
-        return StockStream(vendor.flow, vendor.hift, prompt).run(chunks, rng_seed=rng)
+        return StockStream(vendor.flow, vendor.hift, prompt).run(REPLY, rng_seed=rng_seed(SEED, 0))
 
 
 # -- loading ---------------------------------------------------------------------------------------
@@ -174,28 +107,28 @@ def test_a_generator_prefixed_hift_file_loads_as_the_vendor_strips_it(model_dir,
 
 
 @pytest.fixture(scope="module")
-def streamed(model_dir, vendor, prompt_file):
-    """The vendor's stream and the transformed stream of the loaded checkpoint, same tokens and RNG."""
-    prompt, path = prompt_file
+def streamed(model_dir, prompt_file):
+    """The loaded checkpoint, transformed, streaming the vendor stream's tokens from its RNG seed;
+    its prompt read back from the prompt file."""
+    _, path = prompt_file
     found = checkpoint.locate_checkpoint(model_dir)
     flow, hift = checkpoint.load_flow(found, seed=SEED), checkpoint.load_hift(found)
     loaded = checkpoint.load_prompt(path)
-    transformed, report = transform((flow, hift), contract_for_flow(flow, loaded.mels.shape[1]), audit=True, capture=False)
-    chunks = random_chunks(21, CHUNKS)
+    contract = contract_for_flow(flow, loaded.mels.shape[1])
+    transformed, report = transform((flow, hift), contract, audit=True, capture=False)
     with torch.no_grad():
-        carried = CarryStream(transformed, loaded).run(chunks, rng_seed=5)
-    return stock_run(vendor, prompt, chunks, 5), carried, report
+        return CarryStream(transformed, loaded).run(REPLY, rng_seed=rng_seed(SEED, 0)), report
 
 
-def test_transformed_checkpoint_streams_mel_and_pcm_bit_identical_to_the_vendor(streamed):
-    stock, carried, _ = streamed
+def test_transformed_checkpoint_streams_mel_and_pcm_bit_identical_to_the_vendor(stock, streamed):
+    carried, _ = streamed
     assert [tuple(out.mel.shape) for out in carried] == [(1, 80, 50)] * (CHUNKS - 1) + [(1, 80, 56)]
     assert [torch.equal(a.mel, b.mel) for a, b in zip(stock, carried)] == [True] * CHUNKS
     assert [torch.equal(a.speech, b.speech) for a, b in zip(stock, carried)] == [True] * CHUNKS
 
 
 def test_the_contract_follows_the_checkpoint_and_the_prompt(streamed):
-    _, _, report = streamed
+    _, report = streamed
     assert report.auditor.mismatches == 0
     assert report.catalog.operator("cfm_loop").grid == (102, 152, 202)
     assert report.catalog.region("estimator_att_cache").shape == (10, 2, 2, 8, 258, 128)
@@ -276,7 +209,7 @@ def test_weights_that_do_not_fit_the_config_name_both_files(model_dir, tmp_path)
     assets = tmp_path / "assets" / "token2wav"
     shutil.copytree(model_dir / "assets" / "token2wav", assets)
     (assets / "flow.yaml").write_text(FLOW_YAML.format(encoder_blocks=1, up_blocks=1, dit_blocks=3))
-    with pytest.raises(checkpoint.CheckpointError, match=rf"{assets}/flow.pt does not fit the CausalMaskedDiffWithXvec "
+    with pytest.raises(checkpoint.CheckpointError, match=rf"(?s){assets}/flow.pt does not fit the CausalMaskedDiffWithXvec "
                                                           rf"as {assets}/flow.yaml describes it: .*decoder.estimator.blocks.2"):
         checkpoint.load_flow(checkpoint.locate_checkpoint(tmp_path))
 
@@ -311,17 +244,15 @@ def test_a_wav_prompt_on_random_weights_is_refused():
         Token2WavPlugin("reduced", prompt="voice.wav")
 
 
-def test_the_service_on_the_checkpoint_speaks_the_vendors_stream(model_dir, vendor, prompt_file):
-    prompt, path = prompt_file
-    plugin = Token2WavPlugin("reduced", seed=SEED, max_reply_chunks=3, weights=model_dir, prompt=path)
+def test_the_service_on_the_checkpoint_speaks_the_vendors_stream(model_dir, prompt_file, stock):
+    _, path = prompt_file
+    plugin = Token2WavPlugin("reduced", seed=SEED, max_reply_chunks=CHUNKS, weights=model_dir, prompt=path)
     assert plugin.describe()["weights"] == str(model_dir)
     stream = plugin.open_stream()
-    for _ in range(round(3 * INPUT_RATE / FRAME_SAMPLES)):
+    for _ in range(round(CHUNKS * INPUT_RATE / FRAME_SAMPLES)):
         stream.feed(np.zeros(FRAME_SAMPLES, dtype=np.float32))
     stream.begin_response()
     heard = []
     while (chunk := stream.step()) is not None:
         heard.append(chunk)
-    stock = stock_run(vendor, prompt, random_chunks(token_seed(0, 0), 3), rng_seed(SEED, 0))
-    assert len(heard) == 3
-    assert all(np.array_equal(a, b.speech.reshape(-1).numpy()) for a, b in zip(heard, stock))
+    assert [np.array_equal(a, b.speech.reshape(-1).numpy()) for a, b in zip(heard, stock, strict=True)] == [True] * CHUNKS

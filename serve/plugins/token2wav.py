@@ -144,6 +144,11 @@ class Token2WavStream(ModelStream):
             self._plugin.open_streams -= 1
 
 
+def _is_wav(prompt: str | Path | None) -> bool:
+    """A prompt given as audio, to prepare, rather than as a saved prompt file."""
+    return prompt is not None and Path(prompt).suffix.lower() == ".wav"
+
+
 class Token2WavPlugin(ModelPlugin):
     def __init__(
         self,
@@ -194,19 +199,20 @@ class Token2WavPlugin(ModelPlugin):
     def _random(self, prompt: str | Path | None) -> tuple[torch.nn.Module, torch.nn.Module, Prompt]:
         """The reference flow at this depth with random weights; a random prompt unless a prompt
         file is given (a WAV needs the checkpoint's speech tokenizer and speaker model)."""
-        if prompt is not None and Path(prompt).suffix.lower() == ".wav":
+        if _is_wav(prompt):
             raise ValueError(f"--prompt {prompt} is a WAV; preparing it needs the checkpoint's speech tokenizer "
                              "and speaker model: pass --weights too, or a prompt file written by `cadence-fx prompt`")
         loaded = None if prompt is None else checkpoint.load_prompt(prompt, device=self.device)
         tokens = None if loaded is None else loaded.tokens.shape[1]
         flow, _, tokens = reference_flow(self.depth, prompt_tokens=tokens)
-        return (flow.to(self.device), build_hift(device=self.device),
-                loaded or random_prompt(self.seed, n_tokens=tokens, device=self.device))
+        if loaded is None:
+            loaded = random_prompt(self.seed, n_tokens=tokens, device=self.device)
+        return flow.to(self.device), build_hift(device=self.device), loaded
 
     def _loaded(self, weights: str | Path, prompt: str | Path | None) -> tuple[torch.nn.Module, torch.nn.Module, Prompt]:
         """A published checkpoint's flow and HiFT; the prompt from its file, or prepared from a WAV
         (the model's reference voice when none is given)."""
-        from_audio = prompt is None or Path(prompt).suffix.lower() == ".wav"
+        from_audio = prompt is None or _is_wav(prompt)
         files = checkpoint.STREAM_FILES + (checkpoint.PROMPT_FILES if from_audio else ())
         found = checkpoint.locate_checkpoint(weights, files, reference_voice=prompt is None)
         if not from_audio:
