@@ -1,10 +1,12 @@
 """cadence-fx: lossless compiler passes for full-duplex speech models.
 
-Public API: declare a family's `Contract`, derive its `Catalog` before any traffic, `transform`
-a model under it (state rule, carry, shadow audit), replay hot operators with `ExactShapeReplay`.
+Public API: declare a model's `Contract` and its `Binding` (where each region lives, which methods
+are hot), derive its `Catalog` before any traffic, `transform(model, contract, binding)` (state
+rule, carry, shadow audit, exact-shape replay), and read the report it returns.
 """
 
 from .audit import AuditMismatch, ShadowAuditor
+from .binding import Binding, BindingError, OperatorBinding, RegionBinding
 from .catalog import Catalog, CatalogClass, OperatorCatalog, RegionDerivation, derive
 from .contract import (
     Admission,
@@ -27,6 +29,10 @@ from .replay import Certificate, ExactShapeReplay, ShapeClass, Signature
 from .transform import TransformReport, transform
 
 __all__ = [
+    "Binding",
+    "BindingError",
+    "OperatorBinding",
+    "RegionBinding",
     "AuditMismatch",
     "Certificate",
     "ExactShapeReplay",

@@ -102,13 +102,23 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from cadence_fx.serve.app import run_server
-    from cadence_fx.serve.plugins import check_user_options
+    from cadence_fx.serve.plugins import loads_weights, plugin_names, takes_prompt
     from cadence_fx.serve.session import Limits
 
-    options = {name: getattr(args, name) for name in ("weights", "prompt") if getattr(args, name) is not None}
-    check_user_options(args.model, options)
+    options = {}
+    if args.weights is not None:
+        if not loads_weights(args.model):
+            takers = [name for name in plugin_names() if loads_weights(name)]
+            raise ValueError(f"--weights: {args.model} loads no checkpoint; the models that do: {', '.join(takers)}")
+        options["weights"] = args.weights
+    if args.prompt is not None:
+        if not takes_prompt(args.model):
+            takers = [name for name in plugin_names() if takes_prompt(name)]
+            raise ValueError(f"--prompt: {args.model} takes no speaker prompt; the models that do: {', '.join(takers)}")
+        options["prompt"] = args.prompt
     limits = Limits(max_sessions=args.max_sessions, idle_ttl_s=args.idle_ttl, grace_s=args.grace)
-    print(f"loading {args.model}, then serving it on ws://{args.host}:{args.port}/v1/realtime", file=sys.stderr, flush=True)
+    weights = f" with the weights of {args.weights}" if args.weights else ""
+    print(f"serving {args.model}{weights} on ws://{args.host}:{args.port}/v1/realtime", file=sys.stderr, flush=True)
     run_server(args.host, args.port, args.model, limits, options)
     return 0
 
@@ -178,11 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=_positive_int, default=8000)
     serve.add_argument("--model", choices=plugin_names(), default=DEFAULT_PLUGIN, help="the model plugin to serve")
+    serve.add_argument("--weights", metavar="DIR_OR_REPO",
+                       help="a published checkpoint to serve instead of random weights: a local directory or a "
+                            "Hugging Face hub repo id (moshi-full: kyutai/moshiko-pytorch-bf16; token2wav-full: "
+                            "openbmb/MiniCPM-o-4_5)")
     serve.add_argument("--max-sessions", type=_positive_int, default=16)
     serve.add_argument("--idle-ttl", type=float, default=300.0, help="seconds without traffic before a session expires")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds a disconnected session waits for a resume")
-    serve.add_argument("--weights", metavar="DIR_OR_REPO",
-                       help="a published checkpoint: a folder or a hub id (token2wav: openbmb/MiniCPM-o-4_5)")
     serve.add_argument("--prompt", metavar="FILE",
                        help="token2wav's speaker prompt: a file written by `cadence-fx prompt`, or a WAV "
                             "(default with --weights: the model's reference voice)")

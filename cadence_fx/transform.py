@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .audit import ShadowAuditor
+from .binding import Binding
 from .catalog import DEFAULT_BUDGET, Catalog, derive
 from .contract import Contract
+from .pipeline import transform_bound
 from .report import format_bytes, format_table
 
 __all__ = ["Adapter", "TransformReport", "register_adapter", "transform"]
@@ -34,6 +36,7 @@ class TransformReport:
     graphs: dict = field(default_factory=dict)  # name -> (before GraphModule, after GraphModule)
     replays: dict = field(default_factory=dict)  # operator -> replay.ExactShapeReplay
     determinism: dict = field(default_factory=dict)  # the kernel switches pinned for the run
+    operators: dict = field(default_factory=dict)  # operator -> pipeline.BoundOperator (bound models)
 
     def managed_bytes(self) -> dict[str, tuple[int, int]]:
         """Bytes of contract-managed state per region: (stock, after the transform)."""
@@ -49,6 +52,7 @@ class TransformReport:
             "audit": None if self.auditor is None else self.auditor.counters(),
             "replays": {name: engine.counters.as_dict() for name, engine in self.replays.items()},
             "determinism": dict(self.determinism),
+            "operators": {name: op.counters.as_dict() for name, op in self.operators.items()},
         }
 
     def __str__(self) -> str:
@@ -78,15 +82,15 @@ class TransformReport:
             "",
             "retention sites",
             sites,
-            "",
-            "state rule",
-            resizes,
-            f"contract-managed envelopes: {format_bytes(before)} -> {format_bytes(after)}",
         ]
+        if self.resizes:
+            lines += ["", "state rule", resizes, f"contract-managed envelopes: {format_bytes(before)} -> {format_bytes(after)}"]
         if self.auditor is not None:
             lines += ["", f"shadow audit: {self.auditor.counters()}"]
         for name, engine in self.replays.items():
             lines += ["", engine.explain()]
+        for op in self.operators.values():
+            lines += ["", op.explain()]
         if self.determinism:
             lines += ["", "determinism: " + ", ".join(f"{k}={v}" for k, v in self.determinism.items())]
         return "\n".join(lines)
@@ -115,6 +119,7 @@ def register_adapter(adapter: Adapter) -> Adapter:
 def transform(
     model: Any,
     contract: Contract,
+    binding: Binding | None = None,
     *,
     audit: bool = False,
     capture: bool = True,
@@ -122,6 +127,10 @@ def transform(
     budget: int = DEFAULT_BUDGET,
 ):
     """Transform `model` under `contract`: returns (transformed model, TransformReport).
+
+    With a `binding` (where each region lives, which methods are hot operators) the one generic
+    pipeline runs (`cadence_fx.pipeline`): any model, no adapter. Without one, the family's
+    registered adapter runs.
 
     The input model is left untouched. With `audit=True` a shadow auditor evaluates the stock
     retention beside every carry write and raises `AuditMismatch` on the first difference.
@@ -132,6 +141,11 @@ def transform(
     if not isinstance(contract, Contract):
         raise TypeError(f"contract must be a cadence_fx.Contract, got {type(contract).__name__}")
     catalog = derive(contract, budget=budget)
+    if binding is not None:
+        if not capture:
+            raise ValueError("a bound model's carries live in its rewritten graphs: capture=False has nothing to run")
+        report = TransformReport(family=contract.family, catalog=catalog, auditor=ShadowAuditor() if audit else None)
+        return transform_bound(model, contract, binding, catalog, report, replay=replay and not audit), report
     if contract.family not in _ADAPTERS:
         importlib.import_module("cadence_fx.models")  # adapters register themselves on import
     adapter = _ADAPTERS.get(contract.family)

@@ -1,27 +1,28 @@
 """Freeze-Omni under the window pass: the adapter behind `transform(encoder, freeze_omni_contract(...))`.
 
 Where the regions live in the in-repo encoder (`freeze_omni_encoder.py`): `infer` threads one flat
-list `[kv_0, cnn_0, kv_1, cnn_1, ...]` through its layers. Layer l's attention keeps
+list through its layers, `[kv_0, kv_1, ...]` with the linear feed-forward and
+`[kv_0, cnn_0, kv_1, cnn_1, ...]` with the conv one. Layer l's attention keeps
 ``kv_l = [keys, values]`` (None before the first chunk), each ``cat([kept, new], dim=2)[:, :, -W:]``
 (the region `attention_kv`, which holds the call's units: the concat is the attention operand);
-its convolution keeps ``cnn_l = cat([cnn_l, x], dim=2)[:, :, -lorder:]`` (`conv_left_context`,
-which holds only what it retains: the compact lorder-frame carry).
+a conv feed-forward keeps ``cnn_l = cat([cnn_l, x], dim=2)[:, :, -lorder:]``
+(`conv_left_context`, which holds only what it retains: the compact lorder-frame carry).
 
-The step is exported once per catalog class (no keys yet, then one chunk of keys), and the window
-pass (`passes/window.py`) rewrites every retention on the exported graph into in-place writes into
-carries allocated at the derived bounds, one physical address each for the life of the encoder.
-The transformed encoder keeps the stock interface (`init_buffers`, `init_pe_index`, `infer`), so the
-stock driver `stream_utterance` runs it unchanged; the buffer list it threads is then made of carry
-views. A new utterance (`init_buffers`) writes the base state into the carries in place.
+The step is exported once per catalog class (no keys yet, then 1 to `left_chunks` chunks of keys:
+K = left_chunks + 1), and the window pass (`passes/window.py`) rewrites every retention on the
+exported graph into in-place writes into carries allocated at the derived bounds, one physical
+address each for the life of the encoder. The transformed encoder keeps the stock interface
+(`init_buffers`, `init_pe_index`, `infer`), so the stock driver `stream_utterance` runs it
+unchanged; the buffer list it threads is then made of carry views. A new utterance
+(`init_buffers`) writes the base state into the carries in place.
 
-Replay: one `ExactShapeReplay` binding over the step, with the catalog's classes (K = 2: no keys
-retained yet, then one chunk of keys) as exact signatures, the buffer list (the carry views)
-aliased and the rewritten graphs as its modules. The window ops keep each carry's retained extent
-(and its write counts) in Python integers, which a replay, running no Python, would leave behind:
-the carries are the binding's `HostCounters`, so it rewinds them after its probe and moves them
-after each replay as the eager call of that class did. Under `audit=True` there is no replay: the
-auditor compares the stock retention with the carry on the host inside the step, which a graph
-cannot hold.
+Replay: one `ExactShapeReplay` binding over the step, with the catalog's classes as exact
+signatures, the buffer list (the carry views) aliased and the rewritten graphs as its modules.
+The window ops keep each carry's retained extent (and its write counts) in Python integers, which
+a replay, running no Python, would leave behind: the carries are the binding's `HostCounters`, so
+it rewinds them after its probe and moves them after each replay as the eager call of that class
+did. Under `audit=True` there is no replay: the auditor compares the stock retention with the
+carry on the host inside the step, which a graph cannot hold.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from cadence_fx.replay import ExactShapeReplay, ShapeClass, Signature, TensorSpe
 from cadence_fx.report import format_bytes
 from cadence_fx.transform import Adapter, TransformReport, register_adapter
 
-from .freeze_omni_encoder import FreezeOmniEncoder, InferStep
+from .freeze_omni_encoder import FreezeOmniEncoder, FreezeOmniEncoderConfig, InferStep
 
 __all__ = ["FreezeOmniAdapter", "TransformedEncoder", "class_name"]
 
@@ -67,12 +68,17 @@ class _Slot:
     index: tuple[int, ...]  # where its carry sits in the region's buffer
 
 
-def _slots(blocks: int) -> list[_Slot]:
+def _slots(config: FreezeOmniEncoderConfig) -> list[_Slot]:
+    """Every retention of the buffer list: per layer its keys and values, and, with the conv
+    feed-forward, its conv context in the next entry."""
+    per_layer = 2 if config.conv_feed_forward else 1
     slots = []
-    for layer in range(blocks):
+    for layer in range(config.num_blocks):
+        entry = per_layer * layer
         for j, name in enumerate(("keys", "values")):
-            slots.append(_Slot(f"{KV}[{layer}].{name}", KV, (2 * layer, j), (layer, j)))
-        slots.append(_Slot(f"{CONV}[{layer}]", CONV, (2 * layer + 1,), (layer,)))
+            slots.append(_Slot(f"{KV}[{layer}].{name}", KV, (entry, j), (layer, j)))
+        if config.conv_feed_forward:
+            slots.append(_Slot(f"{CONV}[{layer}]", CONV, (entry + 1,), (layer,)))
     return slots
 
 
@@ -119,7 +125,7 @@ class TransformedEncoder:
         self.carries = carries
         self.report = report
         self.auditor = report.auditor
-        self._base_context = encoder.init_buffers()[1::2]
+        self._base_context = [entry for entry in encoder.init_buffers() if entry is not None]  # conv only
         self._pe_index = encoder.init_pe_index()
         self.calls = {class_name(extent): 0 for extent in graphs}
         self.replay: ExactShapeReplay | None = None
@@ -146,8 +152,9 @@ class TransformedEncoder:
             buffer: list = []
             for layer in range(c.num_blocks):
                 keys, values = (self.carries[f"{KV}[{layer}].{part}"] for part in ("keys", "values"))
-                kv = None if extent == 0 else [spec(keys.view(extent)), spec(values.view(extent))]
-                buffer += [kv, spec(self.carries[f"{CONV}[{layer}]"].view(c.lorder))]
+                buffer.append(None if extent == 0 else [spec(keys.view(extent)), spec(values.view(extent))])
+                if c.conv_feed_forward:
+                    buffer.append(spec(self.carries[f"{CONV}[{layer}]"].view(c.lorder)))
             signature = Signature.of(TensorSpec((1, fbank, c.input_dim), dtype, device), buffer,
                                      TensorSpec((), torch.long, device))
             classes.append(ShapeClass(class_name(extent), signature, (("L", extent),)))
@@ -165,12 +172,15 @@ class TransformedEncoder:
         return self._graph(buffer)[1](chunk, buffer, pe_index)
 
     def init_buffers(self) -> list:
-        """A new utterance: no keys retained, the zero conv context written into the carries in place."""
+        """A new utterance: no keys retained, a conv feed-forward's zero context written into its
+        carries in place."""
         buffer: list = []
-        for layer, base in enumerate(self._base_context):
+        for layer in range(self.config.num_blocks):
             self.carries[f"{KV}[{layer}].keys"].reset()
             self.carries[f"{KV}[{layer}].values"].reset()
-            buffer += [None, self.carries[f"{CONV}[{layer}]"].reset(base)]
+            buffer.append(None)
+            if self.config.conv_feed_forward:
+                buffer.append(self.carries[f"{CONV}[{layer}]"].reset(self._base_context[layer]))
         return buffer
 
     def init_pe_index(self) -> torch.Tensor:
@@ -198,7 +208,11 @@ def _check_model(encoder: FreezeOmniEncoder, contract: Contract, catalog: Catalo
     for name, actual in found.items():
         if symbols[name] != actual:
             raise ValueError(f"contract quantity {name}={symbols[name]} but the encoder has {actual}: declare {name}={actual}")
-    retained = {KV: c.kv_frames, CONV: c.lorder}
+    names = tuple(region.name for region in contract.regions)
+    retained = {KV: c.kv_frames, CONV: c.lorder} if c.conv_feed_forward else {KV: c.kv_frames}
+    if names != tuple(retained):
+        raise ValueError(f"the contract declares regions {names} but the encoder ({c.feed_forward} feed-forward) "
+                         f"keeps {tuple(retained)}: derive the contract with encoder_contract(encoder.config)")
     for region, actual in retained.items():
         declared = _retained(catalog.region(region))
         if declared != actual:
@@ -218,8 +232,9 @@ def _example(encoder: FreezeOmniEncoder, contract: Contract, catalog: Catalog, e
 
     buffer: list = []
     for _ in range(c.num_blocks):
-        kv = None if extent == 0 else [randn(1, heads, kv_bound, d_k).narrow(2, 0, extent) for _ in range(2)]
-        buffer += [kv, randn(1, c.attention_dim, c.lorder)]
+        buffer.append(None if extent == 0 else [randn(1, heads, kv_bound, d_k).narrow(2, 0, extent) for _ in range(2)])
+        if c.conv_feed_forward:
+            buffer.append(randn(1, c.attention_dim, c.lorder))
     return randn(1, fbank, c.input_dim), buffer, encoder.init_pe_index()
 
 
@@ -248,7 +263,7 @@ class FreezeOmniAdapter(Adapter):
         report = TransformReport(family=self.family, catalog=catalog, auditor=ShadowAuditor() if audit else None)
         report.determinism = pin_deterministic()
         param = model.global_cmvn.mean
-        regions = {name: catalog.region(name) for name in (KV, CONV)}
+        regions = {region.name: catalog.region(region.name) for region in contract.regions}
         buffers = {}
         for name, region in regions.items():
             dtype = DTYPES[contract.region(name).dtype]
@@ -258,7 +273,7 @@ class FreezeOmniAdapter(Adapter):
             "state rule: carries at the derived bounds, "
             + ", ".join(f"{n} {'x'.join(map(str, r.shape))} ({format_bytes(r.bytes)})" for n, r in regions.items())
         )
-        slots = _slots(model.config.num_blocks)
+        slots = _slots(model.config)
         carries = {}
         for slot in slots:
             region = contract.region(slot.region)
@@ -317,14 +332,10 @@ def reference_encoder(depth: str = "reduced"):
 
     `depth` is "reduced" (2 blocks, 64 wide) or "full" (24 blocks, 1024 wide).
     """
-    from .freeze_omni import freeze_omni_contract
+    from .freeze_omni import encoder_contract
     from .freeze_omni_encoder import FreezeOmniEncoderConfig, build_encoder
 
     if depth not in ("reduced", "full"):
         raise ValueError(f"depth must be 'reduced' or 'full', got {depth!r}")
     config = FreezeOmniEncoderConfig.small() if depth == "reduced" else FreezeOmniEncoderConfig()
-    contract = freeze_omni_contract(
-        blocks=config.num_blocks, d_model=config.attention_dim, heads=config.attention_heads,
-        chunk_frames=config.chunk_size, left_chunks=config.left_chunks, lorder=config.lorder,
-    )
-    return build_encoder(config), contract
+    return build_encoder(config), encoder_contract(config)

@@ -1,7 +1,8 @@
 """Freeze-Omni's chunk-wise streaming speech encoder, in this repository, at its real size.
 
-Freeze-Omni (VITA-MLLM) ships no package and its weights cannot be reached here, so this module
-re-implements the encoder from the public source and builds it with random weights from a seed.
+Freeze-Omni (VITA-MLLM) ships no package, so this module re-implements the encoder from the
+public source, under upstream's parameter names; `build_encoder` gives it random weights from a
+seed, `freeze_omni_checkpoint.load_encoder` the published ones.
 What it follows, file by file (VITA-MLLM/Freeze-Omni and its forks, `models/encoder/`):
 
 - `encoder.py::speechEncoder`: global CMVN, then `enc = [Subsampling, Transformer]`; `infer`
@@ -14,21 +15,25 @@ What it follows, file by file (VITA-MLLM/Freeze-Omni and its forks, `models/enco
 - `transformer.py::Transformer.infer`: `embed` (Linear, LayerNorm, Dropout, ReLU); `pe_length` is
   the first layer's retained keys plus the new frames; `RelPositionalEncoding.infer` scales by
   sqrt(d), builds sin/cos rows for `arange(max(0, pe_index - full_chunk_size), ... + pe_length)`
-  and advances `pe_index` by `chunk_size`; every `TransformerLayer.infer` is pre-norm attention
-  then pre-norm feed-forward; `after_norm` at the end.
+  and advances `pe_index` by `chunk_size`; every `TransformerLayer.infer` is attention then
+  feed-forward, each LayerNorm before its block (`normalize_before`, with `after_norm` at the end)
+  or after its residual sum; `concat_after` routes the attention through `concat_linear`.
 - `attention.py::MultiHeadedAttention.infer`: `key_buffer = cat([kv_buffer[0], k], dim=2)` (the
   new keys alone on the first chunk), attend over the whole `key_buffer`, keep only its last
   `chunk_size * left_chunks` frames once longer. Relative-position scores are
   `(q + pos_bias_u) k^T + (q + pos_bias_v) p^T` without `rel_shift`, over sqrt(d_k).
-- `attention.py::Conv1dLinear.infer`: depthwise `Conv1d(k)` + pointwise `Conv1d` + ReLU +
-  `Linear`; `x = cat([cnn_buffer, x], dim=2)` and the last `lorder = k - 1` frames become the
-  next `cnn_buffer`.
+- `attention.py::PositionwiseFeedForward.infer`: `w_2(relu(w_1(x)))`, no retention (the
+  `transformer-positionwise-layer-type: linear` of the released encoder).
+- `attention.py::Conv1dLinear.infer` (`conv1d-linear`): depthwise `Conv1d(k)` + pointwise `Conv1d`
+  + ReLU + `Linear`; `x = cat([cnn_buffer, x], dim=2)` and the last `lorder = k - 1` frames
+  become the next `cnn_buffer`.
 
 Where this module departs from that source, and why:
 
-- One flat Python list holds every layer's retention, `[kv_0, cnn_0, kv_1, cnn_1, ...]`, threaded
-  by `buffer_index`. Upstream keeps K/V in a per-layer list but reads the conv buffer as a slice
-  of a flat tensor (`buffer[buffer_index : buffer_index + buffer_size]`) and writes it to
+- With the linear feed-forward the buffer list is upstream's own, `[kv_0, kv_1, ...]`. With the
+  conv feed-forward one flat Python list holds both retentions, `[kv_0, cnn_0, kv_1, cnn_1, ...]`,
+  threaded by `buffer_index`: upstream keeps K/V in a per-layer list but reads the conv buffer as a
+  slice of a flat tensor (`buffer[buffer_index : buffer_index + buffer_size]`) and writes it to
   `buffer_out`, so its conv feed-forward cannot run beside its own list-based K/V cache. The list
   keeps both retentions as plain `cat` + slice, each in its own slot.
 - `pe_index` is a 0-dim int64 tensor rather than a Python int, so one exported step serves every
@@ -38,11 +43,14 @@ Where this module departs from that source, and why:
   `(chunk, buffer, pe_index)`.
 
 Dimensions: 80 mel bins, width 1024, 16 heads, 4096 feed-forward units, 24 blocks, relative
-positions, 4x subsampling, chunk_size 4 encoder frames. None of those numbers is in the public
-code; they come from a third-party reconstruction of the checkpoint's `audiollm/train.yaml`
-(which also lists `positionwise-layer-type: linear` and `left_chunks: 16`). The conv
-feed-forward and one left chunk are this project's operator choice (DESIGN.md section 4): the
-attended extent is then 4 frames on the first call and 8 afterwards, two shape classes.
+positions, 4x subsampling, chunk_size 4 encoder frames: the published `audiollm/train.yaml` (as
+a public mirror of the release holds it; `FreezeOmniEncoderConfig.released()`), which also lists
+`positionwise-layer-type: linear`, `left_chunks: 16`, `normalize-before: true` and
+`concat-after: false`. The default configuration
+keeps this project's earlier operator choice (DESIGN.md section 4), the conv feed-forward with one
+left chunk: the attended extent is then 4 frames on the first call and 8 afterwards, two shape
+classes; with L left chunks it grows by 4 frames a call up to 4 (L + 1), L + 1 classes.
+`freeze_omni_checkpoint.py` loads a released checkpoint into this module.
 
 `forward` is upstream's non-streaming `forward`: the whole utterance at once under a static chunk
 mask. It is a different computation from `infer` (subsampling is aligned differently because of
@@ -67,27 +75,68 @@ __all__ = [
 ]
 
 
+#: The vendor's feed-forward types (`transformer-positionwise-layer-type`) this encoder builds:
+#: the plain linear one (the released encoder's) and the conv one, which keeps a left context.
+FEED_FORWARDS = ("linear", "conv1d-linear")
+
+
 @dataclass(frozen=True)
 class FreezeOmniEncoderConfig:
-    """Shape of the encoder. The defaults are the real size; `small()` is for CPU tests."""
+    """Shape and options of the encoder, named after the vendor's `train.yaml` entries.
+
+    The defaults are the real size with this project's operator choice (conv feed-forward, one
+    left chunk); `released()` is the configuration of the published checkpoint; `small()` is for
+    CPU tests. Options that have no streaming path (the vendor's `conv1d` feed-forward, absolute
+    positions, no left chunk) are refused here, with the reason.
+    """
 
     input_dim: int = 80
     attention_dim: int = 1024
     attention_heads: int = 16
     linear_units: int = 4096
     num_blocks: int = 24
+    feed_forward: str = "conv1d-linear"
     conv_kernel_size: int = 3
     left_chunks: int = 1
+    normalize_before: bool = True
+    concat_after: bool = False
+    pos_enc: str = "rel-enc"
     chunk_frames: int = 16
     chunk_overlap: int = 3
     pe_max_len: int = 5000
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if self.feed_forward not in FEED_FORWARDS:
+            raise ValueError(
+                f"feed_forward {self.feed_forward!r}: expected one of {FEED_FORWARDS} (the vendor's "
+                "'conv1d', MultiLayeredConv1d, has no streaming infer)"
+            )
+        if self.pos_enc != "rel-enc":
+            raise ValueError(
+                f"pos_enc {self.pos_enc!r}: only 'rel-enc' streams (the vendor's Transformer.infer calls "
+                "pe.infer, which only its RelPositionalEncoding has)"
+            )
+        if self.left_chunks < 1:
+            raise ValueError(f"left_chunks {self.left_chunks}: a streaming encoder attends to at least one left chunk")
+        if self.conv_feed_forward and self.conv_kernel_size < 2:
+            raise ValueError(
+                f"conv_kernel_size {self.conv_kernel_size}: the conv feed-forward needs a kernel of 2 or more "
+                "(a left context of kernel - 1 frames)"
+            )
+        if self.attention_dim % self.attention_heads:
+            raise ValueError(f"attention_dim {self.attention_dim} is not a multiple of attention_heads {self.attention_heads}")
+
     @classmethod
-    def small(cls, **overrides: int) -> FreezeOmniEncoderConfig:
+    def small(cls, **overrides) -> FreezeOmniEncoderConfig:
         return replace(
             cls(attention_dim=64, attention_heads=4, linear_units=128, num_blocks=2), **overrides
         )
+
+    @classmethod
+    def released(cls, **overrides) -> FreezeOmniEncoderConfig:
+        """The published encoder's options (`audiollm/train.yaml`): linear feed-forward, 16 left chunks."""
+        return replace(cls(feed_forward="linear", left_chunks=16), **overrides)
 
     @property
     def chunk_size(self) -> int:
@@ -96,7 +145,13 @@ class FreezeOmniEncoderConfig:
         return ((frames - 1) // 2 - 1) // 2
 
     @property
+    def conv_feed_forward(self) -> bool:
+        """Whether each layer's feed-forward keeps a conv left context (a second buffer-list slot)."""
+        return self.feed_forward == "conv1d-linear"
+
+    @property
     def lorder(self) -> int:
+        """Frames of conv left context each layer keeps (the conv feed-forward only)."""
         return self.conv_kernel_size - 1
 
     @property
@@ -171,6 +226,23 @@ class RelPositionalEncoding(nn.Module):
         pe[:, 0::2] = torch.sin(position * self.div_term)
         pe[:, 1::2] = torch.cos(position * self.div_term)
         return xs, pe.unsqueeze(0), pe_index + self.chunk_size
+
+
+class PositionwiseFeedForward(nn.Module):
+    """Linear feed-forward (the released encoder's): it retains nothing, so it has no buffer-list slot."""
+
+    def __init__(self, idim: int, hidden_units: int) -> None:
+        super().__init__()
+        self.w_1 = nn.Linear(idim, hidden_units)
+        self.w_2 = nn.Linear(hidden_units, idim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_2(torch.relu(self.w_1(x)))
+
+    def infer(
+        self, x: torch.Tensor, buffer: list, buffer_index: int
+    ) -> tuple[torch.Tensor, list, int]:
+        return self.forward(x), buffer, buffer_index
 
 
 class Conv1dLinear(nn.Module):
@@ -268,26 +340,60 @@ class MultiHeadedAttention(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, size: int, self_attn: MultiHeadedAttention, feed_forward: Conv1dLinear):
+    """Attention then feed-forward, each in a residual; `normalize_before` puts each LayerNorm
+    before its block (else after the residual sum), `concat_after` feeds the attention's input and
+    output through `concat_linear` instead of adding the output alone (upstream's options)."""
+
+    def __init__(
+        self,
+        size: int,
+        self_attn: MultiHeadedAttention,
+        feed_forward: PositionwiseFeedForward | Conv1dLinear,
+        normalize_before: bool,
+        concat_after: bool,
+    ) -> None:
         super().__init__()
         self.self_attn = self_attn
         self.feed_forward = feed_forward
         self.norm1 = nn.LayerNorm(size)
         self.norm2 = nn.LayerNorm(size)
+        self.normalize_before = normalize_before
+        self.concat_after = concat_after
+        if concat_after:
+            self.concat_linear = nn.Linear(size + size, size)
+
+    def _attention_residual(self, x: torch.Tensor, x_att: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self.concat_after:
+            x = residual + self.concat_linear(torch.cat((x, x_att), dim=-1))
+        else:
+            x = residual + x_att
+        return x if self.normalize_before else self.norm1(x)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, pos_emb: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.norm1(x), mask, pos_emb)
-        return x + self.feed_forward(self.norm2(x))
+        residual = x
+        if self.normalize_before:
+            x = self.norm1(x)
+        x = self._attention_residual(x, self.self_attn(x, mask, pos_emb), residual)
+        residual = x
+        if self.normalize_before:
+            x = self.norm2(x)
+        x = residual + self.feed_forward(x)
+        return x if self.normalize_before else self.norm2(x)
 
     def infer(
         self, x: torch.Tensor, pos_emb: torch.Tensor, buffer: list, buffer_index: int
     ) -> tuple[torch.Tensor, list, int]:
-        x_att, buffer, buffer_index = self.self_attn.infer(
-            self.norm1(x), pos_emb, buffer, buffer_index
-        )
-        x = x + x_att
-        x_feed, buffer, buffer_index = self.feed_forward.infer(self.norm2(x), buffer, buffer_index)
-        return x + x_feed, buffer, buffer_index
+        residual = x
+        if self.normalize_before:
+            x = self.norm1(x)
+        x_att, buffer, buffer_index = self.self_attn.infer(x, pos_emb, buffer, buffer_index)
+        x = self._attention_residual(x, x_att, residual)
+        residual = x
+        if self.normalize_before:
+            x = self.norm2(x)
+        x_feed, buffer, buffer_index = self.feed_forward.infer(x, buffer, buffer_index)
+        x = residual + x_feed
+        return (x if self.normalize_before else self.norm2(x)), buffer, buffer_index
 
 
 def subsequent_chunk_mask(size: int, chunk_size: int, left_chunks: int) -> torch.Tensor:
@@ -306,6 +412,7 @@ class Transformer(nn.Module):
         self.chunk_size = config.chunk_size
         self.left_chunks = config.left_chunks
         self.num_blocks = config.num_blocks
+        self.normalize_before = config.normalize_before
         self.embed = nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d), nn.Dropout(0.1), nn.ReLU())
         self.pe = RelPositionalEncoding(d, config.chunk_size, config.left_chunks, config.pe_max_len)
         self.encoders = nn.ModuleList(
@@ -314,11 +421,16 @@ class Transformer(nn.Module):
                 MultiHeadedAttention(
                     config.attention_heads, d, config.chunk_size, config.left_chunks
                 ),
-                Conv1dLinear(d, config.linear_units, config.conv_kernel_size),
+                Conv1dLinear(d, config.linear_units, config.conv_kernel_size)
+                if config.conv_feed_forward
+                else PositionwiseFeedForward(d, config.linear_units),
+                config.normalize_before,
+                config.concat_after,
             )
             for _ in range(config.num_blocks)
         )
-        self.after_norm = nn.LayerNorm(d)
+        if config.normalize_before:
+            self.after_norm = nn.LayerNorm(d)
 
     def forward(self, xs: torch.Tensor) -> torch.Tensor:
         mask = subsequent_chunk_mask(xs.size(1), self.chunk_size, self.left_chunks)
@@ -326,7 +438,7 @@ class Transformer(nn.Module):
         xs, pos_emb = self.pe(self.embed(xs))
         for layer in self.encoders:
             xs = layer(xs, mask, pos_emb)
-        return self.after_norm(xs)
+        return self.after_norm(xs) if self.normalize_before else xs
 
     def infer(
         self, xs: torch.Tensor, buffer: list, pe_index: torch.Tensor
@@ -340,11 +452,11 @@ class Transformer(nn.Module):
         buffer_index = 0
         for layer in self.encoders:
             xs, buffer, buffer_index = layer.infer(xs, pos_emb, buffer, buffer_index)
-        return self.after_norm(xs), buffer, pe_index
+        return (self.after_norm(xs) if self.normalize_before else xs), buffer, pe_index
 
 
 class FreezeOmniEncoder(nn.Module):
-    """CMVN, 4x conv2d subsampling, chunk-attention transformer with conv feed-forward.
+    """CMVN, 4x conv2d subsampling, chunk-attention transformer (linear or conv feed-forward).
 
     Parameter names follow upstream (`global_cmvn`, `enc.0.core.*`, `enc.1.encoders.N.*`).
     """
@@ -362,13 +474,16 @@ class FreezeOmniEncoder(nn.Module):
         return self.enc[1](self.enc[0](self.global_cmvn(feats)))
 
     def init_buffers(self) -> list:
-        """Retention before the first chunk: no keys yet, zero conv left context."""
+        """Retention before the first chunk: per layer, no keys yet (None), then, with the conv
+        feed-forward, its zero left context. The linear feed-forward's list is upstream's own,
+        `[None] * num_blocks`."""
         c = self.config
         param = self.global_cmvn.mean
-        cnn = torch.zeros(1, c.attention_dim, c.lorder, dtype=param.dtype, device=param.device)
         buffer: list = []
         for _ in range(c.num_blocks):
-            buffer += [None, cnn.clone()]
+            buffer.append(None)
+            if c.conv_feed_forward:
+                buffer.append(torch.zeros(1, c.attention_dim, c.lorder, dtype=param.dtype, device=param.device))
         return buffer
 
     def init_pe_index(self) -> torch.Tensor:

@@ -1,14 +1,13 @@
 """Stock Moshi streaming (Mimi + LM) with random weights: the reference cadence-fx must reproduce.
 
 Vendor package, installed without its dependency pins so that torch 2.13 stays in place
-(`moshi` 0.2.13 declares torch<2.10, numpy<2.3, safetensors<0.8, huggingface-hub<1.0)::
+(`moshi` 0.2.13 declares torch<2.10, numpy<2.3, safetensors<0.8, huggingface-hub<1.0); what its
+code imports at run time is installed with its own dependencies (`.ci/install` is the truth)::
 
     pip install --no-deps moshi==0.2.13
-    pip install --no-deps huggingface-hub==0.36.0 safetensors==0.7.0 sentencepiece==0.2.1
-    pip install --no-deps tqdm==4.67.1
+    pip install einops==0.8.1 sentencepiece==0.2.1 tqdm==4.67.1 'safetensors>=0.7' 'huggingface-hub>=1.17' requests
 
-with einops 0.8.1, numpy 2.4.6 and huggingface-hub's own dependencies (filelock, fsspec,
-packaging, pyyaml, requests, typing-extensions) as already installed. `moshi.models.loaders`
+`moshi.models.loaders`
 imports huggingface_hub (and through it tqdm), safetensors and sentencepiece at module import,
 although nothing here downloads or tokenizes.
 

@@ -220,10 +220,13 @@ def rewrite_windows(gm: torch.fx.GraphModule, windows: tuple[Window, ...], carri
         if cat.name in appends:
             kept, done = _rewrite_concat(gm, graph, w, carry, leaf, cat, tail, nodes.get(w.input), output)
             kind = "append"
-        elif tail is None and w.input is None:
-            if _extent(leaf, w.axis) != w.live:
+        elif w.input is None:
+            # The first call of a stream: whatever the step retains (the new units, or a trim of
+            # the concat with an empty state the stock code made itself) is copied into the carry.
+            expected = w.live if tail is None else min(w.live, w.keep)
+            if _extent(leaf, w.axis) != expected:
                 raise WindowError(f"{graph}: {w.site}: {leaf.name} has extent {_extent(leaf, w.axis)}, "
-                                  f"the catalog class declares {w.live}")
+                                  f"the catalog class declares {expected}")
             with gm.graph.inserting_before(output):
                 kept = gm.graph.call_function(window_adopt, (carry, leaf))
             output.replace_input_with(leaf, kept)

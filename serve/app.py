@@ -176,13 +176,9 @@ def uvicorn_config(app: FastAPI, host: str, port: int, limits: Limits) -> uvicor
 def run_server(
     host: str, port: int, plugin_name: str, limits: Limits | None = None, options: dict[str, Any] | None = None
 ) -> None:
-    """Serve until interrupted (``cadence-fx serve``); ``options`` go to the plugin's constructor.
-
-    The plugin is built before the server starts, so a bad option (a missing checkpoint, say)
-    stops the command with its own error instead of failing the app's startup."""
+    """Serve until interrupted (``cadence-fx serve``); ``options`` go to the plugin (``weights``)."""
     limits = limits or Limits()
-    plugin = load_plugin(plugin_name, **(options or {}))
-    app = create_app(lambda: plugin, limits)
+    app = create_app(lambda: load_plugin(plugin_name, **(options or {})), limits)
     uvicorn.Server(uvicorn_config(app, host, port, limits)).run()
 
 

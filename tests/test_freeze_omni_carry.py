@@ -1,14 +1,15 @@
 """The window pass on the Freeze-Omni encoder (small config, CPU): carries, audit, graph diff."""
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from cadence_fx import AuditMismatch, transform
+from cadence_fx import AuditMismatch, derive, transform
 from cadence_fx.diff import diff_graphs, render_text
-from cadence_fx.models.freeze_omni import freeze_omni_contract
+from cadence_fx.models.freeze_omni import encoder_contract, freeze_omni_contract
 from cadence_fx.models.freeze_omni_carry import class_name
 from cadence_fx.models.freeze_omni_encoder import FreezeOmniEncoderConfig, build_encoder, stream_utterance
 from cadence_fx.passes.carry import Carry, CarryError
@@ -253,3 +254,50 @@ def test_without_audit_one_binding_admits_both_classes_and_keeps_the_carries_in_
     assert all(c.admitted for c in replay.certificates.values())
     assert replay.counters.as_dict() == {"calls": sum(CHUNKS), "captures": 0, "replays": 0, "eager": sum(CHUNKS),
                                          "invalidations": 0, "fallbacks": {"no_cuda": sum(CHUNKS)}}
+
+
+@pytest.mark.parametrize(("left_chunks", "grid"), [
+    (1, (0, 4)), (2, (0, 4, 8)), (4, (0, 4, 8, 12, 16)), (16, tuple(range(0, 68, 4))),
+])
+def test_the_catalog_of_the_released_encoder_has_one_class_per_left_chunk_and_one_more(left_chunks, grid):
+    catalog = derive(encoder_contract(FreezeOmniEncoderConfig.released(left_chunks=left_chunks)))
+    op = catalog.operator("encoder_chunk")
+    assert (op.width, op.grid) == (left_chunks + 1, grid)
+    assert [(c.call, c.extent, c.flush) for c in op.classes] == [(4, extent, False) for extent in grid]
+    # The linear feed-forward retains nothing: keys and values are the only region.
+    assert [(r.name, r.shape) for r in catalog.regions] == [("attention_kv", (24, 2, 1, 16, 4 * (left_chunks + 1), 64))]
+
+
+def test_the_conv_feed_forward_adds_its_left_context_whatever_the_left_chunks():
+    catalog = derive(encoder_contract(FreezeOmniEncoderConfig(left_chunks=3)))
+    assert catalog.operator("encoder_chunk").grid == (0, 4, 8, 12)
+    assert [(r.name, r.shape) for r in catalog.regions] == [
+        ("attention_kv", (24, 2, 1, 16, 16, 64)), ("conv_left_context", (24, 1, 1024, 2))]
+
+
+def test_a_contract_with_a_conv_region_is_refused_for_a_linear_feed_forward():
+    config = FreezeOmniEncoderConfig.small(feed_forward="linear")
+    with pytest.raises(ValueError, match=re.escape(
+            "the contract declares regions ('attention_kv', 'conv_left_context') but the encoder (linear feed-forward) "
+            "keeps ('attention_kv',): derive the contract with encoder_contract(encoder.config)")):
+        transform(build_encoder(config), contract_for(config))
+
+
+def test_the_linear_feed_forward_with_three_left_chunks_carries_keys_and_values_only_bit_identically():
+    config = FreezeOmniEncoderConfig.small(feed_forward="linear", left_chunks=3)
+    encoder = build_encoder(config)
+    transformed, report = transform(encoder, encoder_contract(config), audit=True)
+    x = torch.randn(1, 6 * config.chunk_frames, config.input_dim, generator=torch.Generator().manual_seed(6))
+    pairs = zip(stream_utterance(encoder, x), stream_utterance(transformed, x), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    assert transformed.calls == {class_name(0): 1, class_name(4): 1, class_name(8): 1, class_name(12): 3}
+    blocks = config.num_blocks
+    assert sorted((s.graph, s.kind) for s in report.sites) == sorted(
+        [(class_name(0), "keep")] * 2 * blocks
+        + [(class_name(extent), "append") for extent in (4, 8, 12) for _ in range(2 * blocks)])
+    # Until the window is full the concat is kept whole; the last class evicts a chunk a call.
+    kept_whole = [s for s in report.sites if s.graph in (class_name(4), class_name(8))]
+    assert all(s.reason.endswith("kept whole") for s in kept_whole)
+    assert all("compacted in place" in s.reason for s in report.sites if s.graph == class_name(12))
+    assert report.auditor.counters()["mismatches"] == 0
+    assert report.auditor.counters()["retentions"] == 2 * blocks * 6

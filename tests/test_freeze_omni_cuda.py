@@ -1,8 +1,10 @@
 """Freeze-Omni's encoder at full size on CUDA: the window carries under replay, bit-exact.
 
 The transformed step (carries in place of the stock concat-and-slice retention) replays one CUDA
-graph per catalog class; every chunk of utterances crossing both classes is `torch.equal` to the
-stock encoder's eager output, under the deterministic settings the transform pins.
+graph per catalog class; every chunk of utterances crossing every class is `torch.equal` to the
+stock encoder's eager output, under the deterministic settings the transform pins. Two
+configurations: the default (conv feed-forward, one left chunk: K = 2) and the released one
+(linear feed-forward, 16 left chunks: K = 17, so 17 exports and captures at full size).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import pytest
 import torch
 
 from cadence_fx import transform
+from cadence_fx.models.freeze_omni import encoder_contract
 from cadence_fx.models.freeze_omni_carry import class_name, reference_encoder
-from cadence_fx.models.freeze_omni_encoder import stream_utterance
+from cadence_fx.models.freeze_omni_encoder import FreezeOmniEncoderConfig, build_encoder, stream_utterance
 
 pytestmark = [
     pytest.mark.cuda,
@@ -64,3 +67,28 @@ def test_full_size_encoder_replays_both_classes_bit_exact():
     assert {carry.extent for name, carry in transformed.carries.items() if name.startswith("attention_kv")} == {c.kv_frames}
     MEASURED["steady_chunk_eager_ms"] = _steady_chunk_ms(encoder, feats)
     MEASURED["steady_chunk_replay_ms"] = _steady_chunk_ms(transformed, feats)
+
+
+@torch.no_grad()
+def test_full_size_released_configuration_replays_all_seventeen_classes_bit_exact():
+    """The published encoder's options (linear feed-forward, 16 left chunks): K = 17 graphs."""
+    config = FreezeOmniEncoderConfig.released()
+    encoder = build_encoder(config).cuda()
+    transformed, report = transform(encoder, encoder_contract(config))
+    extents = [config.chunk_size * i for i in range(config.left_chunks + 1)]
+    chunks = (config.left_chunks + 3, config.left_chunks + 1)  # the second ends on the first steady call
+    generator = torch.Generator().manual_seed(1)
+    equal = []
+    for n in chunks:
+        feats = torch.randn(1, n * config.chunk_frames, config.input_dim, generator=generator).cuda()
+        pairs = zip(stream_utterance(encoder, feats), stream_utterance(transformed, feats), strict=True)
+        equal += [torch.equal(a, b) for a, b in pairs]
+    assert equal == [True] * sum(chunks)
+    assert list(report.carries) == ["attention_kv"]
+    assert transformed.calls == {class_name(e): len(chunks) for e in extents[:-1]} | {
+        class_name(extents[-1]): sum(chunks) - len(chunks) * config.left_chunks}
+    replay = transformed.replay
+    assert replay.counters.as_dict() == {"calls": sum(chunks), "captures": len(extents), "replays": sum(chunks),
+                                         "eager": 0, "invalidations": 0, "fallbacks": {}}
+    assert sorted(replay.certificates) == sorted(class_name(e) for e in extents)
+    assert all(cert.captured for cert in replay.certificates.values())

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -175,3 +177,39 @@ def test_real_size_encoder_streams_two_chunks():
     assert sum(p.numel() for p in encoder.parameters()) == 358_048_768
     outputs = stream_utterance(encoder, torch.randn(1, 32, 80))
     assert [tuple(y.shape) for y in outputs] == [(1, 4, 1024)] * 2
+
+
+def test_the_linear_feed_forward_keeps_upstreams_buffer_list_of_keys_and_values_only(feats):
+    config = FreezeOmniEncoderConfig.small(feed_forward="linear", left_chunks=2)
+    encoder = build_encoder(config)
+    buffer, pe_index = encoder.init_buffers(), encoder.init_pe_index()
+    assert buffer == [None] * config.num_blocks
+    d_k = config.attention_dim // config.attention_heads
+    extents = []
+    for chunk in feats.split(config.chunk_frames, dim=1)[:4]:
+        window = torch.cat([chunk.new_zeros(1, config.chunk_overlap, config.input_dim), chunk], dim=1)
+        _, buffer, pe_index = encoder.infer(window, buffer, pe_index)
+        assert len(buffer) == config.num_blocks
+        assert {tuple(t.shape) for kv in buffer for t in kv} == {(1, config.attention_heads, buffer[0][0].size(2), d_k)}
+        extents.append(buffer[0][0].size(2))
+    assert extents == [4, 8, 8, 8]
+    assert not any(".w_1.0." in key or ".w_1.1." in key for key in encoder.state_dict())
+
+
+def test_post_norm_drops_the_final_norm_and_concat_after_adds_its_linear():
+    keys = set(build_encoder(FreezeOmniEncoderConfig.small(normalize_before=False, concat_after=True)).state_dict())
+    assert not any(key.startswith("enc.1.after_norm.") for key in keys)
+    assert {key for key in keys if "concat_linear" in key} == {
+        f"enc.1.encoders.{i}.concat_linear.{p}" for i in range(SMALL.num_blocks) for p in ("weight", "bias")}
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"feed_forward": "conv1d"}, "feed_forward 'conv1d': expected one of ('linear', 'conv1d-linear')"),
+    ({"pos_enc": "abs-enc"}, "pos_enc 'abs-enc': only 'rel-enc' streams"),
+    ({"left_chunks": 0}, "left_chunks 0: a streaming encoder attends to at least one left chunk"),
+    ({"conv_kernel_size": 1}, "conv_kernel_size 1: the conv feed-forward needs a kernel of 2 or more"),
+    ({"attention_heads": 5}, "attention_dim 64 is not a multiple of attention_heads 5"),
+])
+def test_a_configuration_the_streaming_path_cannot_run_is_refused(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        FreezeOmniEncoderConfig.small(**overrides)

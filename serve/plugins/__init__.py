@@ -3,10 +3,12 @@
 ``moshi-tiny`` (Moshi at its TINY size on a CPU, ``moshi.py``) is the service's default model;
 ``moshi-small`` is the same plugin at the SMALL size (more than 2 cores for 8 sessions) and
 ``moshi-full`` at Moshi 7B's own size on an NVIDIA GPU (it refuses to load without one). All three
-load torch and the vendor only when chosen. ``token2wav-full`` is MiniCPM-o 4.5's Token2Wav at full
+load torch and the vendor only when chosen, and load a published checkpoint instead of random
+weights when given ``weights`` (``loads_weights``). ``token2wav-full`` is MiniCPM-o 4.5's Token2Wav at full
 size on an NVIDIA GPU as a reply voice on stand-in speech tokens (``token2wav.py``), ``token2wav``
-the same at reduced depth on the CPU; both load a published checkpoint with ``weights`` and a
-speaker prompt with ``prompt``. ``tone`` is a test double used by the service's tests, not a model.
+the same at reduced depth on the CPU; both load a published checkpoint too, and take a speaker
+prompt as ``prompt`` (``takes_prompt``). ``tone`` is a test double used by the service's tests, not
+a model.
 """
 
 from __future__ import annotations
@@ -50,20 +52,30 @@ _REGISTRY: dict[str, PluginFactory] = {
 }
 
 
-# Options a user may set from the command line (`cadence-fx serve --weights/--prompt`), per plugin.
-_USER_OPTIONS: dict[str, frozenset[str]] = {
-    "token2wav": frozenset({"weights", "prompt"}),
-    "token2wav-full": frozenset({"weights", "prompt"}),
-}
+#: The plugins that take ``weights=`` (a checkpoint directory or hub repo id: ``serve --weights``).
+_LOADS_WEIGHTS = {"moshi-tiny", "moshi-small", "moshi-full", "token2wav", "token2wav-full"}
+#: The plugins that take ``prompt=`` (Token2Wav's speaker prompt: ``serve --prompt``).
+_TAKES_PROMPT = {"token2wav", "token2wav-full"}
 
 
-def register_plugin(name: str, factory: PluginFactory, user_options: frozenset[str] = frozenset()) -> None:
+def register_plugin(name: str, factory: PluginFactory, *, loads_weights: bool = False) -> None:
     _REGISTRY[name] = factory
-    _USER_OPTIONS[name] = user_options
+    if loads_weights:
+        _LOADS_WEIGHTS.add(name)
 
 
 def plugin_names() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def loads_weights(name: str) -> bool:
+    """Whether plugin ``name`` loads a checkpoint given as ``weights``."""
+    return name in _LOADS_WEIGHTS
+
+
+def takes_prompt(name: str) -> bool:
+    """Whether plugin ``name`` takes a speaker prompt given as ``prompt``."""
+    return name in _TAKES_PROMPT
 
 
 def load_plugin(name: str, **options: Any) -> ModelPlugin:
@@ -74,22 +86,15 @@ def load_plugin(name: str, **options: Any) -> ModelPlugin:
     return factory(**options)
 
 
-def check_user_options(name: str, options: dict[str, Any]) -> None:
-    """Refuse a command-line option the plugin does not take, naming the plugins that take it."""
-    allowed = _USER_OPTIONS.get(name, frozenset())
-    for option in sorted(set(options) - allowed):
-        takers = sorted(n for n, names in _USER_OPTIONS.items() if option in names)
-        raise ValueError(f"--{option} is not an option of --model {name}; the models that take it: {', '.join(takers)}")
-
-
 __all__ = [
     "DEFAULT_PLUGIN",
     "ModelPlugin",
     "ModelStream",
     "PluginInfo",
     "ToneModel",
-    "check_user_options",
     "load_plugin",
+    "loads_weights",
     "plugin_names",
     "register_plugin",
+    "takes_prompt",
 ]

@@ -4,8 +4,9 @@
 Moshi (Mimi codec, LM and depformer) at a size of ``models/moshi_stream.py`` on a device, both
 explicit (``MoshiPlugin(size=..., device=...)``; each size has its default device, ``DEVICES``):
 random weights from a fixed seed, nothing downloaded, real codebook counts, delays, vocabularies
-and ring capacities. TINY is SMALL cut down for 8 sessions on 2 CPU cores (one layer per
-transformer, widths of 32, 8-dimensional codebook vectors, 4 SEANet filters and no residual
+and ring capacities; or, with ``weights``, a published checkpoint of that size (``moshi-full``
+with ``kyutai/moshiko-pytorch-bf16`` or ``kyutai/moshika-pytorch-bf16``: the real Moshi). TINY
+is SMALL cut down for 8 sessions on 2 CPU cores (one layer per transformer, widths of 32, 8-dimensional codebook vectors, 4 SEANet filters and no residual
 units; what it keeps is listed at its definition); ``bench/results/serve_load_moshi.json`` is
 what 8 sessions of it measured. FULL is Moshi 7B as shipped (the 7.7B-parameter LM in bfloat16
 and Mimi), on CUDA. Every size runs full duplex on its native clock through the cadence-fx
@@ -98,6 +99,7 @@ import numpy as np
 import torch
 
 from cadence_fx import transform
+from cadence_fx.models.moshi_checkpoint import MoshiCheckpoint, locate
 from cadence_fx.models.moshi_replay import TransformedMoshi, contract_for
 from cadence_fx.models.moshi_stream import (
     FULL,
@@ -154,11 +156,14 @@ class _Ticker:
 
 
 class _Engine:
-    """A place's weights, replica pool and streams' clocks, on one device."""
+    """A place's weights (a checkpoint's, else random from the seed), replica pool and streams'
+    clocks, on one device."""
 
-    def __init__(self, config: MoshiConfig, sampling: bool, device: str) -> None:
+    def __init__(self, config: MoshiConfig, sampling: bool, device: str, checkpoint: MoshiCheckpoint | None) -> None:
         self.config, self.sampling, self.device = config, sampling, torch.device(device)
-        self.models = build_models(config, self.device)
+        self.models = (
+            build_models(config, self.device) if checkpoint is None else checkpoint.load(self.device, config.lm_dtype)
+        )
         self.replicas: list[TransformedMoshi] = []
         self.free: list[TransformedMoshi] = []
         self.on_demand = 0
@@ -271,8 +276,9 @@ def _worker_main() -> None:
     torch.set_num_threads(options["threads"])
     torch.set_grad_enabled(False)
     config = dataclasses.replace(SIZES[options["size"]], seed=options["seed"])
+    checkpoint = None if options["weights"] is None else MoshiCheckpoint.from_json(options["weights"])
     with no_compile():
-        engine = _Engine(config, options["sampling"], "cpu")
+        engine = _Engine(config, options["sampling"], "cpu", checkpoint)
         while True:
             try:
                 request = conn.recv()
@@ -314,16 +320,18 @@ class _InProcess(_Place):
     """Ticks on one thread of the server process (a GPU's place): the engine is built there and
     every request runs there, so the thread's grad mode and the device's state stay its own."""
 
-    def __init__(self, name: str, config: MoshiConfig, sampling: bool, device: str) -> None:
+    def __init__(
+        self, name: str, config: MoshiConfig, sampling: bool, device: str, checkpoint: MoshiCheckpoint | None
+    ) -> None:
         self.index, self.name, self.streams = 0, name, 0
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-ticks")
         self._flags = contextlib.ExitStack()
-        self._engine = self._thread.submit(self._start, config, sampling, device)
+        self._engine = self._thread.submit(self._start, config, sampling, device, checkpoint)
 
-    def _start(self, config: MoshiConfig, sampling: bool, device: str) -> _Engine:
+    def _start(self, config: MoshiConfig, sampling: bool, device: str, checkpoint: MoshiCheckpoint | None) -> _Engine:
         torch.set_grad_enabled(False)  # this thread's mode only
         self._flags.enter_context(no_compile())  # process-wide, for as long as the plugin is open
-        return _Engine(config, sampling, device)
+        return _Engine(config, sampling, device, checkpoint)
 
     def submit(
         self, op: str, key: int | None = None, *args: Any, progress: Callable[[], None] = lambda: None
@@ -489,6 +497,22 @@ def _require_cuda(name: str) -> None:
         )
 
 
+def _checkpoint_of_size(name: str, size: str, weights: str) -> MoshiCheckpoint:
+    """The checkpoint at ``weights``, refused unless it is Moshi at ``size``: its sizes are fixed."""
+    checkpoint = locate(weights)
+    differences = checkpoint.differences(SIZES[size])
+    if differences:
+        fits = [other for other, config in SIZES.items() if not checkpoint.differences(config)]
+        hint = (f"it is Moshi at the {fits[0].upper()} size: serve it with --model moshi-{fits[0]}" if fits
+                else f"it is none of the sizes {', '.join(SIZES)}")
+        raise ValueError(
+            f"{name} serves Moshi at the {size.upper()} size, but checkpoint {weights!r} differs in "
+            f"{len(differences)} setting{'s' if len(differences) > 1 else ''} (checkpoint value, then "
+            f"{size.upper()}'s): {'; '.join(differences)}; {hint}"
+        )
+    return checkpoint
+
+
 class MoshiPlugin(ModelPlugin):
     """Moshi at ``size`` (``tiny``, ``small`` or ``full``) on ``device`` (``cpu`` or ``cuda``;
     None: the size's own, ``DEVICES``), full duplex on 24 kHz frames of 80 ms, ticking in
@@ -506,9 +530,14 @@ class MoshiPlugin(ModelPlugin):
         processes: int | None = None,
         threads: int | None = None,
         pin: bool = True,
+        weights: str | None = None,
     ) -> None:
         """``seed`` draws the weights and seeds every session's sampling; ``sampling`` False decodes
-        greedily. ``processes`` defaults to 2 on a CPU and must be 0 (its default) on a GPU.
+        greedily. ``weights`` is a published checkpoint instead (a directory or a hub repo id, see
+        ``models/moshi_checkpoint.py``), located (downloaded if need be) here, once, and loaded by
+        every place from the same files; it must be Moshi at ``size`` (a checkpoint fixes the
+        size: the published Moshi 7B is ``full``), with the LM in the size's dtype. ``processes``
+        defaults to 2 on a CPU and must be 0 (its default) on a GPU.
         ``threads`` is torch's intra-op thread count in each worker process (1 by default): the
         model is small enough that a tick is bound by per-operator overhead, and a second thread
         only contends for the cores the other workers and the event loop need. ``pin`` puts each
@@ -516,7 +545,7 @@ class MoshiPlugin(ModelPlugin):
         there are enough for all: a worker sleeps between requests while the event loop and the
         other workers run, and one that wakes on another core finds its caches cold (8 sessions on
         2 cores measured 14.8 ms of CPU per tick pinned, 17.8 ms not). Fails before building
-        anything when the device is not there.
+        anything (or downloading a checkpoint) when the device is not there.
         """
         if size not in SIZES:
             raise ValueError(f"unknown Moshi size {size!r}; expected one of {', '.join(SIZES)}")
@@ -548,6 +577,7 @@ class MoshiPlugin(ModelPlugin):
         self.size, self.device, self.seed, self.sampling = size, device, seed, sampling
         self.max_reply_frames, self.processes, self.threads = max_reply_frames, processes, threads
         self.config = dataclasses.replace(SIZES[size], seed=seed)
+        self.checkpoint = None if weights is None else _checkpoint_of_size(self.name, size, weights)
         self.streams = 0
         self.listened = self.replied = 0
         self._keys = itertools.count()
@@ -557,14 +587,15 @@ class MoshiPlugin(ModelPlugin):
             available = sorted(os.sched_getaffinity(0))
             if pin and processes * threads <= len(available):
                 self.cores = [available[i * threads : (i + 1) * threads] for i in range(processes)]
-            options = {"size": size, "seed": seed, "sampling": sampling, "threads": threads}
+            options = {"size": size, "seed": seed, "sampling": sampling, "threads": threads,
+                       "weights": None if self.checkpoint is None else self.checkpoint.to_json()}
             self._places: list[_Place] = [
                 _Worker(i, self.name, options | {"cores": self.cores[i] if self.cores else None})
                 for i in range(processes)
             ]
             where = f"in {processes} worker process{'es' if processes > 1 else ''}"
         else:
-            self._places = [_InProcess(self.name, self.config, sampling, device)]
+            self._places = [_InProcess(self.name, self.config, sampling, device, self.checkpoint)]
             where = "in the server process, on one thread"
         try:
             counts = [p.submit("parameters") for p in self._places]  # answered once a place has built its weights
@@ -575,14 +606,15 @@ class MoshiPlugin(ModelPlugin):
             self.close()
             raise
         on = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+        loaded = f"random weights, seed {seed}" if self.checkpoint is None else f"weights of {self.checkpoint.source}"
         self.info = PluginInfo(
             name=self.name,
             input_rate=SAMPLE_RATE,
             output_rate=SAMPLE_RATE,
             frame_samples=FRAME_SAMPLES,
             description=(
-                f"Moshi {size.upper()} (Mimi {mimi / 1e6:.1f}M + LM {lm / 1e6:.1f}M parameters, random weights, seed "
-                f"{seed}) on {on}, full duplex at 12.5 frames/s through the cadence-fx transform, {where}; a "
+                f"Moshi {size.upper()} (Mimi {mimi / 1e6:.1f}M + LM {lm / 1e6:.1f}M parameters, {loaded}) "
+                f"on {on}, full duplex at 12.5 frames/s through the cadence-fx transform, {where}; a "
                 f"reply lasts as long as the user's turn, at most {max_reply_frames * FRAME_SAMPLES / SAMPLE_RATE:g} s"
             ),
         )
@@ -630,6 +662,7 @@ class MoshiPlugin(ModelPlugin):
             "model": self.name,
             "size": self.size,
             "device": self.device,
+            "weights": None if self.checkpoint is None else self.checkpoint.source,
             "seed": self.seed,
             "sampling": self.sampling,
             "processes": self.processes,

@@ -1,0 +1,256 @@
+"""The binding: where a contract's regions live in a model, and which callables are its hot operators.
+
+A contract says what a model does (clocks, retention, catalog); a binding says where: for each
+region, the paths of the tensors that hold its state, and for each operator, the method that runs
+it, the argument axis that carries a call's new units and the host-side values the call moves.
+Like a contract, a binding is data (frozen dataclasses); `transform(model, contract, binding)` reads
+it and runs one pipeline (`cadence_fx.pipeline`) whatever the model.
+
+Paths are dotted, rooted at an argument of the operator's method by its parameter name:
+``"cache.layers.*.keys"`` is attribute ``keys`` of every element of ``cache.layers``. A segment is
+an attribute name, a mapping key or a sequence index; ``*`` matches every index of a sequence, in
+order, and a slice ``[start:stop:step]`` every index it selects (``buffer.[0::2]``: the even
+elements). A region bound at several paths (``keys`` and ``values``) lays them out along one more
+leading dimension, after the wildcards': site ``layers.3.values`` is ``region[3, 1]``. A value of
+None on the way (a cache not filled yet) is state not retained yet.
+
+Where the call mutates its state argument (a cache object), `at` is all it takes. Where it returns
+the new state instead (a functional step), `out` gives the matching paths rooted at ``return``,
+the call's result (``"return.1.[0::2].0"``); the caller then threads the returned state back in.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from .contract import Contract, SlidingWindow
+
+__all__ = ["Binding", "BindingError", "OperatorBinding", "RegionBinding", "Site", "check_binding", "resolve"]
+
+WILDCARD = "*"
+
+
+class BindingError(ValueError):
+    """A binding that does not fit its contract or its model. `field` is the path into the binding."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"binding.{field}: {message}")
+
+
+@dataclass(frozen=True)
+class RegionBinding:
+    """Region `region` of the contract lives at `at` (one or more paths, see the module docstring)."""
+
+    region: str
+    at: tuple[str, ...]
+    out: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class OperatorBinding:
+    """Operator `operator` of the contract is `method` of the model (a dotted attribute path).
+
+    `units` = (path, axis): the argument axis whose size is a call's new units on the operator's
+    region (``("input_ids", 1)``: one unit per token), or an int when every call brings as many. `counters` are host-side values the call
+    moves (positions, lengths, flags); a transformed call moves them as the stock call of its
+    class did. Every other argument is a copied input.
+    """
+
+    operator: str
+    method: str = "forward"
+    units: tuple[str, int] | int = ("input_ids", 1)
+    counters: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Binding:
+    """`regions` and `operators` of one model. `verify`: the first visits of each catalog class
+    that run the stock call beside the transformed one and compare every output bit for bit."""
+
+    regions: tuple[RegionBinding, ...]
+    operators: tuple[OperatorBinding, ...]
+    verify: int = 2
+
+    def region(self, name: str) -> RegionBinding:
+        for binding in self.regions:
+            if binding.region == name:
+                return binding
+        raise KeyError(name)
+
+
+@dataclass(frozen=True)
+class Site:
+    """One tensor of a region: its concrete path and its index in the region's leading dimensions."""
+
+    region: str
+    path: str
+    index: tuple[int, ...]
+    out: str | None = None  # where the call returns the site's new state, when it returns it
+
+
+def _segments(path: str) -> list[str]:
+    return path.split(".")
+
+
+_SLICE = re.compile(r"^\[(-?\d*):(-?\d*)(?::(-?\d*))?\]$")
+RETURN = "return"
+
+
+def _is_pattern(segment: str) -> bool:
+    return segment == WILDCARD or _SLICE.match(segment) is not None
+
+
+def _selected(segment: str, length: int) -> range:
+    if segment == WILDCARD:
+        return range(length)
+    start, stop, step = (int(x) if x else None for x in _SLICE.match(segment).groups())
+    return range(length)[slice(start, stop, step)]
+
+
+def _child(value: Any, segment: str) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return value[segment]
+    if isinstance(value, (list, tuple)) and segment.lstrip("-").isdigit():
+        return value[int(segment)]
+    return getattr(value, segment)
+
+
+def resolve(root: Any, path: str) -> Iterator[tuple[tuple[int, ...], str, Any]]:
+    """Every (wildcard indices, concrete path, value) that `path` (its argument segment already
+    applied: `root` is that argument) reaches."""
+
+    def walk(value, rest, indices, concrete):
+        if not rest:
+            yield indices, concrete, value
+            return
+        head, tail = rest[0], rest[1:]
+        if _is_pattern(head):
+            if not isinstance(value, (list, tuple, torch.nn.ModuleList)):
+                raise TypeError(f"{head!r} after {concrete!r} needs a sequence, found {type(value).__name__}")
+            for i, position in enumerate(_selected(head, len(value))):
+                yield from walk(value[position], tail, indices + (i,), f"{concrete}.{position}")
+        else:
+            yield from walk(_child(value, head), tail, indices, f"{concrete}.{head}")
+
+    first, *rest = _segments(path)
+    yield from walk(root, rest, (), first)
+
+
+def get_path(roots: dict[str, Any], path: str) -> Any:
+    first, *rest = _segments(path)
+    value = roots[first]
+    for segment in rest:
+        value = _child(value, segment)
+    return value
+
+
+def set_path(roots: dict[str, Any], path: str, value: Any) -> None:
+    first, *rest = _segments(path)
+    if not rest:
+        raise ValueError(f"{path!r} names a whole argument; a bound path must reach inside it")
+    parent = get_path(roots, ".".join([first, *rest[:-1]]))
+    if parent is None:
+        if value is None:  # no state there yet, and none to put
+            return
+        raise ValueError(f"{path!r}: cannot place state under a None")
+    last = rest[-1]
+    if isinstance(parent, dict):
+        parent[last] = value
+    elif isinstance(parent, list) and last.isdigit():
+        parent[int(last)] = value
+    else:
+        setattr(parent, last, value)
+
+
+def method_of(model: Any, dotted: str):
+    target = model
+    for part in dotted.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def concrete_out(pattern: str, at: str, concrete_at: str) -> str:
+    """The `out` path of one site: `pattern`'s wildcards and slices take the positions that the
+    matching segments of `at` took in `concrete_at` (the patterns must select alike)."""
+    positions = [c for a, c in zip(_segments(at)[1:], _segments(concrete_at)[1:]) if _is_pattern(a)]
+    parts, taken = [], iter(positions)
+    for segment in _segments(pattern):
+        parts.append(next(taken) if _is_pattern(segment) else segment)
+    return ".".join(parts)
+
+
+def sites(binding: RegionBinding, roots: dict[str, Any]) -> list[Site]:
+    """The concrete sites of a region in the current arguments, in region order."""
+    found = []
+    many = len(binding.at) > 1
+    for j, path in enumerate(binding.at):
+        for indices, concrete, _ in resolve(roots[_segments(path)[0]], path):
+            out = concrete_out(binding.out[j], path, concrete) if binding.out else None
+            found.append(Site(binding.region, concrete, indices + ((j,) if many else ()), out))
+    return sorted(found, key=lambda s: s.index)
+
+
+def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str, inspect.Signature]:
+    """Check the binding against the contract and the model; returns each operator's method signature.
+
+    Raises `BindingError` naming the field and what was expected.
+    """
+    if not isinstance(binding, Binding):
+        raise TypeError(f"binding must be a cadence_fx.Binding, got {type(binding).__name__}")
+    regions = {r.name: r for r in contract.regions}
+    for i, rb in enumerate(binding.regions):
+        if rb.region not in regions:
+            raise BindingError(f"regions[{i}].region", f"the contract declares no region {rb.region!r}; declared: {sorted(regions)}")
+        if not rb.at or not all(isinstance(p, str) and "." in p for p in rb.at):
+            raise BindingError(f"regions[{i}].at", f"needs one or more paths 'argument.attribute...', got {rb.at!r}")
+        if rb.out and (len(rb.out) != len(rb.at) or not all(
+                isinstance(p, str) and _segments(p)[0] == RETURN and sum(map(_is_pattern, _segments(p))) == sum(map(_is_pattern, _segments(a)))
+                for p, a in zip(rb.out, rb.at))):
+            raise BindingError(f"regions[{i}].out", f"needs one path per `at` path, rooted at {RETURN!r} and with as many "
+                                                    f"wildcards or slices as it, got {rb.out!r} for {rb.at!r}")
+        retention = regions[rb.region].retention
+        if not isinstance(retention, SlidingWindow):
+            raise BindingError(f"regions[{i}]", f"region {rb.region!r} retains by {type(retention).__name__}: the "
+                                                "binding pipeline rewrites SlidingWindow retention (concat then trim); "
+                                                "ring and prompt-plus-history regions run through their family adapters")
+    bound = {rb.region for rb in binding.regions}
+    operators = {op.name: op for op in contract.operators}
+    if not binding.operators:
+        raise BindingError("operators", "binds no operator")
+    signatures = {}
+    for i, ob in enumerate(binding.operators):
+        if ob.operator not in operators:
+            raise BindingError(f"operators[{i}].operator",
+                               f"the contract declares no operator {ob.operator!r}; declared: {sorted(operators)}")
+        if operators[ob.operator].region not in bound:
+            raise BindingError(f"operators[{i}]", f"its region {operators[ob.operator].region!r} is not bound in regions")
+        try:
+            method = method_of(model, ob.method)
+        except AttributeError:
+            raise BindingError(f"operators[{i}].method", f"{type(model).__name__} has no {ob.method!r}") from None
+        if not callable(method):
+            raise BindingError(f"operators[{i}].method", f"{ob.method!r} is not callable")
+        signature = inspect.signature(method)
+        parameters = set(signature.parameters)
+        if not (isinstance(ob.units, int) and ob.units > 0 or isinstance(ob.units, tuple) and len(ob.units) == 2
+                and isinstance(ob.units[0], str) and isinstance(ob.units[1], int)):
+            raise BindingError(f"operators[{i}].units", f"must be (path, axis) or a positive int, got {ob.units!r}")
+        units = [] if isinstance(ob.units, int) else [(f"operators[{i}].units", ob.units[0])]
+        paths = units + [(f"operators[{i}].counters[{j}]", p) for j, p in enumerate(ob.counters)]
+        paths += [(f"regions[{k}].at", p) for k, rb in enumerate(binding.regions) for p in rb.at]
+        for field, path in paths:
+            if _segments(path)[0] not in parameters:
+                raise BindingError(field, f"{path!r} starts at {_segments(path)[0]!r}, which is not an argument of "
+                                          f"{ob.method}; its arguments: {sorted(parameters)}")
+        signatures[ob.operator] = signature
+    if binding.verify < 1:
+        raise BindingError("verify", f"at least the first visit of each class is verified against the stock call; got {binding.verify}")
+    return signatures

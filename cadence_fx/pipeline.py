@@ -1,0 +1,539 @@
+"""The one pipeline behind `transform(model, contract, binding)`, for models cadence-fx has never seen.
+
+For each bound operator, per catalog class, at the class's first visit:
+
+1. **check**: the call's state sites (found by the binding's paths) have the contract's shapes, and
+   the call (its new units against its retained extent) is a class of the catalog; anything else
+   runs the stock call, counted by reason (fail closed);
+2. **capture**: the call as an explicit-state step ``step(inputs, sites) -> (outputs, sites)`` is
+   exported with `torch.export` (non-strict) on a copy of the state objects, so the model's own
+   state never holds a traced value;
+3. **retention rewrite**: the window pass (`passes/window.py`) finds each site's concat-then-trim on
+   the exported graph and rewrites it into in-place writes into the site's carry, a view of its
+   region's buffer allocated once at the derived bound (the state rule);
+4. **verify**: the first `binding.verify` visits of the class also run the stock call (on clones of
+   the state, the RNG rewound between the two) and compare every output and every retained tensor
+   with `torch.equal`; a difference refuses the class for good (the stock result is kept);
+5. **replay** (CUDA): verified classes run through one `ExactShapeReplay` per operator, the sites
+   aliased (one address for the life of the stream), the copied inputs staged.
+
+A graph runs no Python, so the host-side values the stock call moves (the binding's `counters`:
+lengths, positions, flags) are moved by the transformed call exactly as the stock call of the same
+class moved them when it was verified; a class whose stock calls moved them differently is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .binding import RETURN, Binding, OperatorBinding, Site, get_path, method_of, resolve, set_path, sites
+from .catalog import Catalog, CatalogClass
+from .contract import DTYPES, Contract
+from .passes.hoist import HostConstantHoist
+from .passes.window import Window, WindowCarry, WindowError, rewrite_windows
+from .replay import ExactShapeReplay, Signature
+from .report import format_bytes
+from .transformed import Transformed
+
+__all__ = ["BoundModel", "BoundOperator", "OperatorCounters", "transform_bound"]
+
+
+@dataclass
+class OperatorCounters:
+    """What a bound operator did with its calls, and why."""
+
+    calls: int = 0
+    graph_calls: int = 0  # rewritten graph, eager or replayed
+    verified: int = 0  # calls run beside the stock call and found bit-identical
+    stock: int = 0  # calls that ran the stock code
+    adopted: int = 0  # sites whose tensor was not the carry's and was copied into it
+    stock_by_reason: dict[str, int] = field(default_factory=dict)
+
+    def fallback(self, reason: str) -> None:
+        self.stock += 1
+        self.stock_by_reason[reason] = self.stock_by_reason.get(reason, 0) + 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**{k: v for k, v in vars(self).items() if k != "stock_by_reason"}, "stock_by_reason": dict(self.stock_by_reason)}
+
+
+@dataclass
+class _Class:
+    """One catalog class of an operator, as met in traffic."""
+
+    name: str
+    call: CatalogClass
+    graph: torch.fx.GraphModule | None = None
+    outputs: tuple | None = None  # (treespec, non-tensor leaves by position) of the method's output
+    effects: dict[str, tuple[str, Any]] | None = None  # counter path -> ("add", delta) or ("set", value)
+    verify_left: int = 0
+    refused: str | None = None
+    capture_ms: float = 0.0
+
+
+class _WindowCounters:
+    """The carries' host-side integers, as the replay engine's `HostCounters`."""
+
+    FIELDS = ("extent", "writes", "retentions")
+
+    def __init__(self, carries: list[WindowCarry]):
+        self.carries = carries
+
+    def read(self) -> list[int]:
+        return [getattr(c, name) for c in self.carries for name in self.FIELDS]
+
+    def write(self, values) -> None:
+        values = list(values)
+        for i, carry in enumerate(self.carries):
+            for j, name in enumerate(self.FIELDS):
+                setattr(carry, name, values[i * len(self.FIELDS) + j])
+
+
+class _Step(torch.nn.Module):
+    """The operator's call with its state made explicit: the sites come in as arguments and go
+    out as results, on `roots`, a private copy of the state objects. The output's tensors are
+    returned flat; `_structure` of a stock output rebuilds it."""
+
+    def __init__(self, model: Any, method, roots: dict[str, Any], sites: list[Site]):
+        super().__init__()
+        if isinstance(model, torch.nn.Module):
+            # Registered, so the export lifts the model's weights as parameters the graphs share
+            # with it; unregistered, every class's graph would hold a copy of them as constants.
+            self.model = model
+        self.method, self.roots, self.sites = method, roots, sites
+
+    def forward(self, inputs: dict[str, Any], state: list):
+        for site, value in zip(self.sites, state):
+            set_path(self.roots, site.path, value)
+        out = self.method(**inputs, **self.roots)
+        leaves, _ = _structure(out, self.roots)
+        return [x for x in leaves if isinstance(x, torch.Tensor)], _new_state(self.sites, self.roots, out)
+
+
+def _new_state(sites: list[Site], roots: dict[str, Any], out: Any) -> list:
+    """Each site's state after a call: in the state object it mutated, or in what it returned."""
+    return [get_path({RETURN: out}, s.out) if s.out else get_path(roots, s.path) for s in sites]
+
+
+def _structure(out: Any, roots: dict[str, Any]) -> tuple[list, tuple]:
+    """The output's leaves (the state objects kept whole) and (treespec, its non-tensor leaves by
+    position, a state object by its argument name)."""
+    leaves, spec = pytree.tree_flatten(out, is_leaf=lambda x: any(x is r for r in roots.values()))
+    others = {}
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            root = next((name for name, r in roots.items() if r is leaf), None)
+            others[i] = ("root", root) if root is not None else ("value", leaf)
+    return leaves, (spec, others)
+
+
+def _rng_state(device: torch.device):
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _set_rng_state(device: torch.device, state) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def _equal(a: Any, b: Any) -> str | None:
+    """None when every tensor leaf of `a` equals `b`'s bit for bit (same shape and dtype), else where not."""
+    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    ta = [x for x in la if isinstance(x, torch.Tensor)]
+    tb = [x for x in lb if isinstance(x, torch.Tensor)]
+    if len(ta) != len(tb):
+        return f"{len(ta)} tensors against the stock call's {len(tb)}"
+    for i, (x, y) in enumerate(zip(ta, tb)):
+        if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x, y):
+            return f"tensor {i}: {tuple(x.shape)} {x.dtype} differs from the stock call's {tuple(y.shape)} {y.dtype}"
+    return None
+
+
+class BoundOperator:
+    """One hot operator of a bound model: call it as the stock method."""
+
+    def __init__(self, model: Any, contract: Contract, catalog: Catalog, binding: Binding, ob: OperatorBinding,
+                 signature: inspect.Signature, report, *, replay: bool):
+        self.model, self.contract, self.catalog, self.binding, self.ob = model, contract, catalog, binding, ob
+        self.method = method_of(model, ob.method)
+        self.signature = signature
+        self.report = report
+        self.op = next(op for op in contract.operators if op.name == ob.operator)
+        self.op_catalog = catalog.operator(ob.operator)
+        self.roots = {p.split(".")[0] for rb in binding.regions for p in rb.at} | {p.split(".")[0] for p in ob.counters}
+        self.counters = OperatorCounters()
+        self.classes: dict[tuple, _Class] = {}
+        self.carries: dict[str, WindowCarry] = {}
+        self.sites: list[Site] = []
+        self._holder = torch.nn.Module()  # owns the carries, so the replay engine rewinds their buffers
+        self._replay_wanted = replay
+        self.replay: ExactShapeReplay | None = None
+        self._names: dict[tuple, str] = {}
+        self._current: _Class | None = None
+
+    # -- the call ----------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.counters.calls += 1
+        arguments = self.signature.bind(*args, **kwargs).arguments
+        roots = {name: arguments[name] for name in self.roots if name in arguments}
+        missing = self.roots - set(roots)
+        if missing:
+            raise TypeError(f"{self.ob.operator}: the call passes no {sorted(missing)}, where the binding keeps its state")
+        inputs = {k: v for k, v in arguments.items() if k not in self.roots}
+        if not self.carries:
+            self._allocate(roots)
+        extent = self._retained(roots)
+        units = self._units(arguments)
+        call = self._catalog_class(units, extent)
+        if call is None:
+            return self._stock(roots, inputs, "not_in_catalog")
+        state = [self._carry_view(roots, site) for site in self.sites]
+        try:
+            key = (units, extent, Signature.of(inputs, state).catalog_key)
+        except TypeError:
+            return self._stock(roots, inputs, "unkeyable")
+        cls = self.classes.get(key)
+        if cls is None:
+            cls = self.classes[key] = self._capture(roots, inputs, state, call, key)
+        if cls.refused is not None:
+            return self._stock(roots, inputs, "refused")
+        if cls.verify_left > 0:
+            return self._verify(cls, roots, inputs, state)
+        self._current = cls
+        runner = self.replay if self.replay is not None else cls.graph
+        outputs, new_state = runner(inputs, state)
+        self.counters.graph_calls += 1
+        self._commit(cls, roots, new_state)
+        for path, (kind, value) in cls.effects.items():
+            set_path(roots, path, get_path(roots, path) + value if kind == "add" else value)
+        return self._rebuild(cls, outputs, roots)
+
+    # -- state -------------------------------------------------------------------------------
+
+    def _device(self) -> torch.device:
+        tensors = [*self.model.parameters(), *self.model.buffers()] if isinstance(self.model, torch.nn.Module) else []
+        return tensors[0].device if tensors else torch.device("cpu")
+
+    def _allocate(self, roots: dict[str, Any]) -> None:
+        """The state rule: each bound region's buffer at its derived bound, one carry per site."""
+        device = self._device()
+        for rb in self.binding.regions:
+            region, derived = self.contract.region(rb.region), self.catalog.region(rb.region)
+            found = sites(rb, roots)
+            lead = len(found[0].index) if found else 0
+            if not found or [s.index for s in found] != [tuple(i) for i in _grid(derived.shape[:lead])]:
+                raise ValueError(f"region {rb.region!r}: the binding's paths {rb.at} reach {len(found)} tensors "
+                                 f"({[s.path for s in found][:4]}...), the contract's leading dims "
+                                 f"{derived.shape[:lead]} ask for {_count(derived.shape[:lead])}")
+            if region.axis < lead:
+                raise ValueError(f"region {rb.region!r}: its retention axis {region.axis} is one of the {lead} "
+                                 "leading dims the binding's paths index; bind the tensors that hold the axis")
+            buffer = torch.zeros(derived.shape, dtype=DTYPES[region.dtype], device=device)
+            for site in found:
+                carry = WindowCarry(site.path, rb.region, buffer[site.index], region.axis - lead, auditor=self.report.auditor)
+                self.carries[site.path] = carry
+                self._holder.add_module(f"carry{len(self.sites)}", carry)
+                self.sites.append(site)
+            self.report.carries[rb.region] = WindowCarry(rb.region, rb.region, buffer, region.axis)
+            self.report.stamps.append(f"state rule: {rb.region} at {'x'.join(map(str, derived.shape))} "
+                                      f"({format_bytes(derived.bytes)}), {len(found)} sites at one address each")
+        if self._replay_wanted and device.type == "cuda" and self.report.auditor is None:
+            self.replay = ExactShapeReplay(self._run, self._admit, name=self.ob.operator, aliased=[1],
+                                           modules=[self.model, self._holder] if isinstance(self.model, torch.nn.Module) else [self._holder],
+                                           host_counters=_WindowCounters(list(self.carries.values())),
+                                           hooks=(HostConstantHoist(),))
+            self.report.replays[self.ob.operator] = self.replay
+
+    def _site_shape_error(self, site: Site, value: torch.Tensor) -> str | None:
+        carry = self.carries[site.path]
+        expected = list(carry.buffer.shape)
+        actual = list(value.shape)
+        if value.dtype != carry.buffer.dtype or len(actual) != len(expected) or any(
+                a != e for i, (a, e) in enumerate(zip(actual, expected)) if i != carry.axis):
+            return (f"{site.path} holds {value.dtype} {tuple(actual)}, the contract declares {carry.buffer.dtype} "
+                    f"{tuple(expected[:carry.axis])} x extent x {tuple(expected[carry.axis + 1:])}")
+        return None
+
+    def _retained(self, roots: dict[str, Any]) -> int | None:
+        """The operator region's retained extent (0 before any state); None when its sites disagree."""
+        extents = set()
+        for site in self.sites:
+            if site.region != self.op.region:
+                continue
+            value = get_path(roots, site.path)
+            if value is None:
+                extents.add(0)
+                continue
+            error = self._site_shape_error(site, value)
+            if error is not None:
+                raise ValueError(f"{self.ob.operator}: {error}")
+            extents.add(value.shape[self.carries[site.path].axis])
+        return extents.pop() if len(extents) == 1 else None
+
+    def _carry_view(self, roots: dict[str, Any], site: Site) -> torch.Tensor | None:
+        """The site's state as its carry's view: adopted into the carry when it is another tensor."""
+        value = get_path(roots, site.path)
+        if value is None:
+            return None
+        carry = self.carries[site.path]
+        view = carry.view()
+        if value.data_ptr() != view.data_ptr() or value.shape != view.shape or value.stride() != view.stride():
+            view = carry.adopt(value)
+            if site.out is None:  # a returned state is the caller's to thread: their object stays as it is
+                set_path(roots, site.path, view)
+            self.counters.adopted += 1
+        return view
+
+    def _commit(self, cls: _Class, roots: dict[str, Any], new_state: list) -> None:
+        """Mutated state objects get the carry views back; returned state is in the output already."""
+        for site, value in zip(self.sites, new_state):
+            if site.out is None:
+                set_path(roots, site.path, value)
+
+    def _counter_paths(self, roots: dict[str, Any]) -> list[str]:
+        return [concrete for path in self.ob.counters for _, concrete, _ in resolve(roots[path.split(".")[0]], path)]
+
+    def _units(self, arguments: dict[str, Any]) -> int:
+        if isinstance(self.ob.units, int):
+            return self.ob.units
+        path, axis = self.ob.units
+        value = get_path(arguments, path)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{self.ob.operator}: units path {path!r} is {type(value).__name__}, expected a tensor")
+        return int(value.shape[axis])
+
+    def _catalog_class(self, units: int, extent: int | None) -> CatalogClass | None:
+        for call in self.op_catalog.classes:
+            if call.call == units and call.extent == extent:
+                return call
+        return None
+
+    # -- capture, verification, fallback -----------------------------------------------------
+
+    def _capture(self, roots, inputs, state, call: CatalogClass, key) -> _Class:
+        name = f"{self.ob.operator}[n={call.call},L={call.extent}]" + ("(flush)" if call.flush else "")
+        cls = _Class(name, call, verify_left=self.binding.verify)
+        started = time.perf_counter()
+        private = copy.deepcopy(roots)
+        step = _Step(self.model, self.method, private, self.sites)
+        example = [None if v is None else v.clone() for v in state]
+        try:
+            with torch.no_grad():
+                program = torch.export.export(step, (inputs, example), strict=False)
+        except Exception as error:  # the model does not export at this class: it runs stock, and says why
+            cls.refused = f"torch.export failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            self.report.stamps.append(f"{name}: refused, {cls.refused}")
+            return cls
+        gm = program.module()
+        placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        positions = {}
+        for i, (path, _) in enumerate(pytree.tree_flatten_with_path(((inputs, example), {}))[0]):
+            positions[pytree.keystr(path)] = placeholders[i]
+        out_leaves = pytree.tree_unflatten(list(range(gm._out_spec.num_leaves)), gm._out_spec)[1]
+        windows = []
+        for i, site in enumerate(self.sites):
+            region, derived = self.contract.region(site.region), self.catalog.region(site.region)
+            keep = derived.lower + derived.window
+            retained = call.extent if site.region == self.op.region else keep
+            windows.append(Window(
+                site=site.path, region=site.region, output=out_leaves[i],
+                input=None if example[i] is None else positions.get(f"[0][1][{i}]"),
+                axis=self.carries[site.path].axis, keep=keep,
+                live=retained + call.call,
+                held=region.holds_call,
+            ))
+        try:
+            after, found, stamp = rewrite_windows(gm, tuple(windows), self.carries, graph=name)
+        except WindowError as error:
+            cls.refused = f"retention rewrite: {error}"
+            self.report.stamps.append(f"{name}: refused, {cls.refused}")
+            return cls
+        cls.graph = after
+        cls.capture_ms = (time.perf_counter() - started) * 1e3
+        self.report.sites.extend(found)
+        self.report.graphs[name] = (gm, after)
+        self.report.stamps.append(f"{stamp}; capture and rewrite of {name} took {cls.capture_ms:.0f} ms")
+        self._names[Signature.of(inputs, state).catalog_key] = name
+        return cls
+
+    def _stock_call(self, roots, inputs):
+        with torch.no_grad():
+            return self.method(**inputs, **roots)
+
+    def _verify(self, cls: _Class, roots, inputs, state) -> Any:
+        """The stock call on clones of the state beside the rewritten graph on the carries."""
+        device = self._device()
+        counters_before = {p: get_path(roots, p) for p in self._counter_paths(roots)}
+        originals = [get_path(roots, s.path) for s in self.sites]
+        rng = _rng_state(device)
+        for site, value in zip(self.sites, state):
+            set_path(roots, site.path, None if value is None else value.clone())
+        expected = self._stock_call(roots, inputs)
+        if cls.outputs is None:
+            cls.outputs = _structure(expected, roots)[1]
+        expected_state = _new_state(self.sites, roots, expected)
+        effects = {}
+        for path, before in counters_before.items():
+            after = get_path(roots, path)
+            effects[path] = ("set", after) if isinstance(after, bool) or not isinstance(after, int) else ("add", after - before)
+        counters_after = {p: get_path(roots, p) for p in counters_before}
+        _set_rng_state(device, rng)
+        for site, value, original in zip(self.sites, state, originals):
+            set_path(roots, site.path, value if site.out is None else original)
+        outputs, new_state = cls.graph(inputs, state)
+        self.counters.graph_calls += 1
+        self._commit(cls, roots, new_state)
+        for path, value in counters_after.items():
+            set_path(roots, path, value)
+        actual = self._rebuild(cls, outputs, roots)
+        why = _equal((actual, new_state), (expected, expected_state))
+        if why is None and cls.effects is not None and cls.effects != effects:
+            why = f"host counters moved {effects}, an earlier call of the class moved them {cls.effects}"
+        if why is not None:
+            cls.refused = f"verification: {why}"
+            self.report.stamps.append(f"{cls.name}: refused, {cls.refused}")
+            for site, value in zip(self.sites, expected_state):
+                if site.out is None:
+                    set_path(roots, site.path, value)
+                    self._carry_view(roots, site)
+            self.counters.fallback("verification")
+            return expected
+        cls.effects = effects
+        cls.verify_left -= 1
+        self.counters.verified += 1
+        return actual
+
+    def _stock(self, roots, inputs, reason: str) -> Any:
+        """Fail closed: the stock call, its retained state then taken into the carries."""
+        for site in self.sites:
+            value = get_path(roots, site.path)
+            if value is not None:
+                set_path(roots, site.path, value.clone())
+        out = self._stock_call(roots, inputs)
+        for site in self.sites:
+            value = get_path(roots, site.path)
+            if site.out is None and value is not None and self._site_shape_error(site, value) is None:
+                self._carry_view(roots, site)
+        self.counters.fallback(reason)
+        return out
+
+    def _rebuild(self, cls: _Class, tensors: list, roots: dict[str, Any]) -> Any:
+        spec, others = cls.outputs
+        leaves, it = [], iter(tensors)
+        for i in range(spec.num_leaves):
+            if i in others:
+                kind, value = others[i]
+                leaves.append(roots[value] if kind == "root" else value)
+            else:
+                leaves.append(next(it))
+        return pytree.tree_unflatten(leaves, spec)
+
+    # -- replay ------------------------------------------------------------------------------
+
+    def _run(self, inputs, state):
+        return self._current.graph(inputs, state)
+
+    def _admit(self, signature: Signature):
+        return self._names.get(signature.catalog_key)
+
+    def explain(self) -> str:
+        lines = [f"{self.ob.operator}: {self.counters.as_dict()}"]
+        for cls in self.classes.values():
+            status = f"refused: {cls.refused}" if cls.refused else f"verified {self.binding.verify - cls.verify_left} call(s)"
+            lines.append(f"  {cls.name}: capture {cls.capture_ms:.0f} ms, {status}")
+        return "\n".join(lines)
+
+
+def _grid(dims: tuple[int, ...]):
+    if not dims:
+        yield ()
+        return
+    for i in range(dims[0]):
+        for rest in _grid(dims[1:]):
+            yield (i, *rest)
+
+
+def _count(dims: tuple[int, ...]) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
+class BoundModel(Transformed):
+    """A model transformed from its contract and binding: call it as the stock model (its one
+    bound operator), or each operator through `operators[name]`. Several streams share its graphs
+    through `session_state` / `swap_in` / `swap_out` (`cadence_fx.transformed`)."""
+
+    def __init__(self, model: Any, operators: dict[str, BoundOperator], report):
+        self.model = model
+        self.operators = operators
+        self.report = report
+        self._methods = {op.ob.method: op for op in operators.values()}
+
+    def __getattr__(self, name: str) -> Any:
+        """A drop-in for the model: a bound method is its operator, anything else the model's own."""
+        if name.startswith("_") or name in ("model", "operators", "report"):
+            raise AttributeError(name)
+        if name in self._methods:
+            return self._methods[name]
+        return getattr(self.model, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if len(self.operators) != 1:
+            raise TypeError(f"this model binds {len(self.operators)} operators: call operators[name], one of {sorted(self.operators)}")
+        return next(iter(self.operators.values()))(*args, **kwargs)
+
+    def explain(self) -> str:
+        return "\n".join(op.explain() for op in self.operators.values())
+
+    def device(self) -> torch.device:
+        return next(iter(self.operators.values()))._device()
+
+    def _carries(self) -> list[WindowCarry]:
+        if not all(op.carries for op in self.operators.values()):
+            raise RuntimeError("the carries are allocated at each operator's first call: call the model once "
+                               "before taking or swapping session states")
+        return [carry for op in self.operators.values() for carry in op.carries.values()]
+
+    def resident(self) -> tuple[list[torch.Tensor], list[int]]:
+        carries = self._carries()
+        buffers = [self.report.carries[rb.region].buffer for op in self.operators.values() for rb in op.binding.regions]
+        return list({id(b): b for b in buffers}.values()), _WindowCounters(carries).read()
+
+    def set_counters(self, counters: list[int]) -> None:
+        _WindowCounters(self._carries()).write(counters)
+
+    def reset(self) -> None:
+        """A fresh stream: every carry empty (before the first call they are not even allocated)."""
+        if not all(op.carries for op in self.operators.values()):
+            return
+        for carry in self._carries():
+            carry.reset()
+        for buffer in self.resident()[0]:
+            buffer.zero_()
+
+
+def transform_bound(model: Any, contract: Contract, binding: Binding, catalog: Catalog, report, *, replay: bool) -> BoundModel:
+    from .binding import check_binding
+
+    signatures = check_binding(model, contract, binding)
+    for op in catalog.operators:
+        if op.name in signatures and not op.in_scope:
+            raise ValueError(f"operator {op.name!r}: {op.verdict}; raise the budget (transform(..., budget=N), "
+                             f"`--budget N` on the CLI) to capture all {op.width} classes")
+    operators = {ob.operator: BoundOperator(model, contract, catalog, binding, ob, signatures[ob.operator], report, replay=replay)
+                 for ob in binding.operators}
+    report.stamps.append(f"binding: {len(binding.regions)} region(s), {len(binding.operators)} operator(s); classes are "
+                         f"captured at their first visit and verified against the stock call on {binding.verify}")
+    report.operators = operators
+    return BoundModel(model, operators, report)

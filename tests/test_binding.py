@@ -1,0 +1,154 @@
+"""`transform(model, contract, binding)` on a model cadence-fx has no code for: a transformers
+Mistral decoder with a sliding-window DynamicCache (tests/byom_example.py, public API only)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from byom_example import TOKENS_PER_CALL, WINDOW, binding, build_model, contract, stream
+
+from cadence_fx import Binding, BindingError, OperatorBinding, RegionBinding, derive, transform
+
+CALLS = 8  # 16 tokens: the 4-token window is refilled four times over
+
+
+@pytest.fixture(scope="module")
+def model_and_tokens():
+    model, config = build_model()
+    tokens = torch.randint(0, config.vocab_size, (1, CALLS * TOKENS_PER_CALL), generator=torch.Generator().manual_seed(1))
+    return model, config, tokens
+
+
+@pytest.fixture(scope="module")
+def transformed(model_and_tokens):
+    model, config, tokens = model_and_tokens
+    return transform(model, contract(), binding())
+
+
+def test_the_catalog_is_every_retained_extent_of_the_window():
+    op = derive(contract()).operator("decoder_step")
+    assert (op.width, op.grid) == (3, (0, 2, 4))
+    assert derive(contract()).region("kv").shape == (2, 2, 1, 2, WINDOW - 1 + TOKENS_PER_CALL, 8)
+
+
+def test_two_streams_equal_the_stock_model_bit_for_bit(model_and_tokens, transformed):
+    model, config, tokens = model_and_tokens
+    bound, report = transformed
+    expected, _ = stream(model, config, tokens)
+    for _ in range(2):  # the second stream starts from a new DynamicCache, on the same carries
+        actual, addresses = stream(bound, config, tokens)
+        assert len(actual) == CALLS
+        assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
+        # each site keeps one address for the whole stream, from its first call on
+        assert len(set(addresses)) == 1
+    counters = report.operators["decoder_step"].counters.as_dict()
+    assert counters == {"calls": 2 * CALLS, "graph_calls": 2 * CALLS, "verified": 6, "stock": 0, "adopted": 0,
+                        "stock_by_reason": {}}
+    classes = [cls.name for cls in report.operators["decoder_step"].classes.values()]
+    assert classes == ["decoder_step[n=2,L=0]", "decoder_step[n=2,L=2]", "decoder_step[n=2,L=4]"]
+    assert {s.kind for s in report.sites} == {"keep", "append"} and all(s.rewritten for s in report.sites)
+    assert len(report.sites) == 3 * 4  # every class, every layer's keys and values
+
+
+def test_a_call_outside_the_catalog_runs_the_stock_model_and_says_why(model_and_tokens):
+    model, config, tokens = model_and_tokens
+    bound, report = transform(model, contract(), binding())
+    from transformers import DynamicCache
+
+    stock_cache, cache = DynamicCache(config=config), DynamicCache(config=config)
+    with torch.no_grad():
+        three = dict(input_ids=tokens[:, :3], position_ids=torch.arange(3)[None], use_cache=True)
+        expected = model(**three, cache=stock_cache).logits
+        actual = bound(**three, cache=cache).logits
+    assert torch.equal(actual, expected)
+    assert report.operators["decoder_step"].counters.stock_by_reason == {"not_in_catalog": 1}
+
+
+def test_a_graph_that_bakes_a_host_value_is_refused_and_the_stream_stays_exact(model_and_tokens):
+    """Without position_ids the model computes its positions from the cache's length, a host int
+    that the steady class's graph would freeze: its second visit differs and it is refused."""
+    model, config, tokens = model_and_tokens
+    bound, report = transform(model, contract(), binding())
+    expected, _ = stream(model, config, tokens, positions=False)
+    actual, _ = stream(bound, config, tokens, positions=False)
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
+    op = report.operators["decoder_step"]
+    steady = op.classes[next(k for k in op.classes if k[1] == 4)]
+    assert steady.refused is not None and steady.refused.startswith("verification: tensor 0")
+    assert op.counters.stock_by_reason == {"verification": 1, "refused": CALLS - 4}
+
+
+def test_a_binding_that_does_not_fit_is_refused_naming_the_field(model_and_tokens):
+    model, _, _ = model_and_tokens
+    with pytest.raises(BindingError, match=r"binding.regions\[0\].region: the contract declares no region 'cache'"):
+        transform(model, contract(), Binding(regions=(RegionBinding("cache", ("cache.layers.*.keys",)),),
+                                             operators=binding().operators))
+    with pytest.raises(BindingError, match=r"binding.operators\[0\].method: MistralForCausalLM has no 'step'"):
+        transform(model, contract(), dataclasses.replace(binding(), operators=(OperatorBinding("decoder_step", "step"),)))
+    with pytest.raises(BindingError, match=r"binding.regions\[0\].at: 'past.layers.\*.keys' starts at 'past', which is "
+                                           r"not an argument of forward"):
+        transform(model, contract(), dataclasses.replace(binding(), regions=(RegionBinding("kv", ("past.layers.*.keys",)),)))
+    with pytest.raises(BindingError, match=r"binding.operators\[0\].operator: the contract declares no operator 'decode'"):
+        transform(model, contract(), dataclasses.replace(binding(), operators=(OperatorBinding("decode"),)))
+
+
+def test_a_budget_refusal_names_the_flag_that_lifts_it(model_and_tokens):
+    model, _, _ = model_and_tokens
+    with pytest.raises(ValueError, match=r"K = 3 exceeds the budget of 2 classes; raise the budget \(transform\(\.\.\., "
+                                         r"budget=N\), `--budget N` on the CLI\)"):
+        transform(model, contract(), binding(), budget=2)
+
+
+def test_audit_compares_every_retention_with_the_stock_concat(model_and_tokens):
+    model, config, tokens = model_and_tokens
+    bound, report = transform(model, contract(), binding(), audit=True)
+    expected, _ = stream(model, config, tokens)
+    actual, _ = stream(bound, config, tokens)
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
+    audit = report.auditor.counters()
+    assert (audit["mismatches"], audit["retentions"]) == (0, 4 * CALLS)  # 4 sites, every call
+
+
+def test_every_class_graph_shares_the_model_weights_instead_of_copying_them(model_and_tokens, transformed):
+    model, _, _ = model_and_tokens
+    _, report = transformed
+    weights = {p.data_ptr() for p in model.parameters()}
+    for name, (_, after) in report.graphs.items():
+        assert {p.data_ptr() for p in after.parameters()} == weights, name
+        constants = [t for t in vars(after).values() if isinstance(t, torch.Tensor)]
+        assert sum(t.numel() for t in constants) == 0, name
+
+
+def test_two_interleaved_streams_share_the_graphs_through_their_session_states(model_and_tokens):
+    model, config, tokens = model_and_tokens
+    from transformers import DynamicCache
+
+    other = torch.randint(0, config.vocab_size, tokens.shape, generator=torch.Generator().manual_seed(2))
+    bound, report = transform(model, contract(), binding())
+    expected = {0: stream(model, config, tokens)[0], 1: stream(model, config, other)[0]}
+    caches = {0: DynamicCache(config=config), 1: DynamicCache(config=config)}
+    states, actual = {}, {0: [], 1: []}
+    with torch.no_grad():
+        for t in range(0, tokens.shape[1], TOKENS_PER_CALL):
+            for i, source in ((0, tokens), (1, other)):
+                if i in states:
+                    bound.swap_in(states[i])
+                else:
+                    bound.reset()
+                out = bound(input_ids=source[:, t:t + TOKENS_PER_CALL], position_ids=torch.arange(t, t + TOKENS_PER_CALL)[None],
+                            cache=caches[i], use_cache=True)
+                actual[i].append(out.logits)
+                states.setdefault(i, bound.session_state(seed=i))
+                bound.swap_out(states[i])
+    for i in (0, 1):
+        assert all(torch.equal(a, e) for a, e in zip(actual[i], expected[i], strict=True))
+    assert report.operators["decoder_step"].counters.stock == 0
+
+
+def test_session_states_wait_for_the_first_call(model_and_tokens):
+    model, _, _ = model_and_tokens
+    bound, _ = transform(model, contract(), binding())
+    with pytest.raises(RuntimeError, match="call the model once before taking or swapping session states"):
+        bound.session_state(seed=0)
