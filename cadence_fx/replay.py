@@ -144,8 +144,20 @@ class TensorSpec:
     def key(self) -> tuple:
         shape = tuple(int(s) for s in self.shape)
         stride = _layout_strides(shape, tuple(self.stride)) if self.stride is not None else _contiguous_strides(shape)
-        fmt = "contiguous" if stride == _contiguous_strides(shape) else "strided"
-        return (_T, shape, stride, self.dtype, torch.device(self.device), self.requires_grad, fmt)
+        # The format of the tensor it describes, decided by torch itself (a zero-size view is
+        # contiguous whatever its strides), so the key is the one that tensor's call computes.
+        fmt = _memory_format(torch.empty_strided(shape, stride, device="meta"))
+        return (_T, shape, stride, self.dtype, _indexed(self.device), self.requires_grad, fmt)
+
+
+def _indexed(device: torch.device | str) -> torch.device:
+    """`device` with its index: a tensor placed on "cuda" reports the current device (cuda:0)."""
+    device = torch.device(device)
+    if device.index is not None or device.type in ("cpu", "meta"):
+        return device
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    current = accelerator is not None and accelerator.type == device.type
+    return torch.device(device.type, torch.accelerator.current_device_index() if current else 0)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

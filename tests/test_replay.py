@@ -58,6 +58,23 @@ def test_tensor_spec_keys_like_the_tensor_it_describes():
     assert Signature.of(TensorSpec((2, 80, 50), torch.float16), 3) != Signature.of(x, 3)
 
 
+def test_a_spec_on_the_current_cuda_device_keys_like_one_that_names_its_index():
+    # A tensor on the current CUDA device always reports its index (cuda:0), never bare "cuda".
+    index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    assert Signature.of(TensorSpec((2, 3), device="cuda")) == Signature.of(TensorSpec((2, 3), device=f"cuda:{index}"))
+    assert Signature.of(TensorSpec((2, 3), device="cuda")).leaves[0][4] == torch.device("cuda", index)
+
+
+def test_a_spec_of_a_zero_size_view_keys_like_the_view_so_a_streams_first_call_is_admitted():
+    carry = torch.zeros(1, 2, 8, 3)
+    empty = carry.narrow(2, 0, 0)  # nothing retained yet: a view of the carry's first 0 units
+    spec = TensorSpec(tuple(empty.shape), stride=tuple(empty.stride()))
+    assert Signature.of(spec) == Signature.of(empty)
+    engine = ExactShapeReplay(lambda kept: kept.sum(2), [Signature.of(spec)])
+    engine(empty)
+    assert engine.counters.fallbacks == {"no_cuda": 1}
+
+
 def scaled(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     return x * scale + 1
 
