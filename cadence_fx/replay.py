@@ -179,7 +179,10 @@ def _memory_format(t: torch.Tensor) -> str:
 
 
 def _dense(t: torch.Tensor) -> bool:
-    """Non-overlapping and dense: some permutation of `t` is contiguous, so it can be staged."""
+    """Non-overlapping and dense: some permutation of `t` is contiguous (or it has no elements),
+    so it can be staged."""
+    if t.numel() == 0:
+        return True
     expected = 1
     for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
         if stride != expected:
@@ -780,6 +783,13 @@ class ExactShapeReplay:
     def certificates(self) -> dict[str, Certificate]:
         return {st.shape_class.name: st.certificate for st in self._classes.values() if st.certificate}
 
+    @property
+    def module_state(self) -> tuple[torch.Tensor, ...]:
+        """The parameters and buffers of `modules`, each once: the tensors whose addresses every
+        replay checks. The graphs of a binding's classes share the model's tensors, so the check
+        does not grow with the number of classes."""
+        return tuple({id(t): t for m in self.modules for t in (*m.parameters(), *m.buffers())}.values())
+
     def phase(self, shape_class: str) -> Phase:
         for st in self._classes.values():
             if st.shape_class.name == shape_class:
@@ -1015,12 +1025,11 @@ class ExactShapeReplay:
         elif shared := _shares_module_state(names, leaves, st.aliased, buffers):
             refusal = Miss(MissReason.LAYOUT, (f"{shared} share memory with module state the callable "
                                                "writes; a staged copy would go stale: declare them aliased",))
-        elif device is not None:
-            overlapping = [names[i] for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)
-                           and i not in st.aliased and not _dense(x)]
-            if overlapping:
-                refusal = Miss(MissReason.LAYOUT, (f"{overlapping} overlap in memory and cannot be staged; "
-                                                   "declare them aliased",))
+        elif sparse := [f"{names[i]} {tuple(x.shape)} strides {x.stride()}" for i, x in enumerate(leaves)
+                        if isinstance(x, torch.Tensor) and i not in st.aliased and not _dense(x)]:
+            refusal = Miss(MissReason.LAYOUT, tuple(
+                f"{arg} is not dense (its strides leave gaps or repeat elements): the engine stages only dense "
+                "tensors; declare it aliased or pass a dense tensor" for arg in sparse))
         if refusal is not None:
             st.phase = Phase.EAGER
             st.refused = refusal
@@ -1121,7 +1130,7 @@ class ExactShapeReplay:
         st.write_back = [(i, buf) for i, buf in copy_in if names[i] in written]
         persistent = {leaves[i].untyped_storage().data_ptr() for i in st.aliased}
         if not self._state_tensors:
-            self._state_tensors = [t for m in self.modules for t in (*m.parameters(), *m.buffers())]
+            self._state_tensors = list(self.module_state)
             self._state_ptrs = [t.data_ptr() for t in self._state_tensors]
         persistent |= {t.untyped_storage().data_ptr() for t in self._state_tensors}
         out_leaves, st.out_spec = pytree.tree_flatten(out)

@@ -266,6 +266,39 @@ def test_a_copied_argument_that_views_module_state_is_refused():
     assert torch.equal(m.cache, torch.tensor([[0.0] * 8, [1.0] * 8, [1.0] * 8, [1.0] * 8]))
 
 
+@pytest.mark.parametrize(
+    ("make", "described"),
+    [(lambda: torch.randn(4, 16)[:, ::2], "args[0] (4, 8) strides (16, 2)"),
+     (lambda: torch.randn(4, 1).expand(4, 8), "args[0] (4, 8) strides (1, 0)")],
+    ids=["gaps", "repeated"],
+)
+@torch.no_grad()
+def test_a_copied_argument_that_is_not_dense_is_refused_as_not_dense(make, described):
+    x = make()
+    engine = ExactShapeReplay(scaled, [Signature.of(x, 2.0)])
+    assert torch.equal(engine(x, 2.0), scaled(x, 2.0))
+    assert engine.counters.fallbacks == {"layout": 1}
+    assert engine.certificates["class0"].reason == (
+        f"layout: {described} is not dense (its strides leave gaps or repeat elements): the engine stages "
+        "only dense tensors; declare it aliased or pass a dense tensor")
+
+
+@torch.no_grad()
+def test_an_aliased_argument_need_not_be_dense():
+    carry = torch.zeros(4, 16)
+    engine = ExactShapeReplay(carry_step, [Signature.of(torch.ones(4, 8), carry[:, :8])], aliased=[1])
+    engine(torch.ones(4, 8), carry[:, :8])
+    assert engine.counters.fallbacks == {"no_cuda": 1}
+    assert engine.certificates["class0"].admitted
+
+
+def test_module_state_holds_each_tensor_once_however_many_class_graphs_share_it():
+    m = Affine()
+    graphs = [torch.export.export(m, (torch.randn(n, 8),), strict=False).module() for n in (2, 3, 4)]
+    engine = ExactShapeReplay(graphs[0], lambda sig: True, modules=graphs)
+    assert [id(t) for t in engine.module_state] == [id(p) for p in m.parameters()]
+
+
 def test_rebinding_a_buffer_is_refused():
     x = torch.ones(4, 8)
     m = Rebinds()
