@@ -2,7 +2,7 @@
 
 The transformed step (carries in place of the stock concat-and-slice retention) replays one CUDA
 graph per catalog class; every chunk of utterances crossing both classes is `torch.equal` to the
-stock encoder's eager output, under the deterministic settings the transform pins.
+stock encoder's eager output, under deterministic settings the test pins for both.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from cadence_fx import transform
+from cadence_fx import determinism, transform
 from cadence_fx.models.freeze_omni_carry import class_name, reference_encoder
 from cadence_fx.models.freeze_omni_encoder import stream_utterance
 
@@ -20,6 +20,14 @@ pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
 ]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _deterministic():
+    """The determinism envelope, pinned by the caller for both arms (a transform sets no switch)."""
+    with determinism.deterministic() as settings:
+        yield settings
+
 
 CHUNKS = (3, 6, 4)  # chunks per utterance: each crosses both classes
 MEASURED: dict[str, float] = {}  # recorded by bench/gpu_tests.py, never asserted

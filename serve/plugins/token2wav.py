@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from cadence_fx import transform
+from cadence_fx.determinism import pin_deterministic
 from cadence_fx.models.token2wav_carry import CarryStream, SessionState, TransformedFlow, reference_flow
 from cadence_fx.models.token2wav_stream import build_hift, random_chunks, random_prompt
 
@@ -139,6 +140,8 @@ class Token2WavPlugin(ModelPlugin):
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"{name} runs MiniCPM-o 4.5's Token2Wav at full size on a CUDA device, and "
                                "torch.cuda.is_available() is False here; `token2wav` is the reduced depth on the CPU")
+        if self.device.type == "cuda":
+            pin_deterministic()  # for the process's life: a stream is bit-exact against deterministic eager
         self.info = PluginInfo(
             name=name, input_rate=INPUT_RATE, output_rate=OUTPUT_RATE, frame_samples=FRAME_SAMPLES,
             description=f"MiniCPM-o 4.5 Token2Wav ({depth} depth, random weights) transformed by cadence-fx, "
