@@ -37,7 +37,7 @@ from cadence_fx.replay import NOT_HANDLED, CaptureContext, HoistedConstant, Miss
 __all__ = ["HostConstantHoist"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_SKIP_FILES = {__file__, sys.modules["cadence_fx.replay"].__file__}
+_SKIP_FILES = {__file__, sys.modules["cadence_fx.replay.capture"].__file__}
 _COPY_REASON = "host data: a per-call CPU tensor copied to the device"
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from cadence_fx.passes.hoist import HostConstantHoist
-from cadence_fx.replay import CaptureContext, ExactShapeReplay, MissReason, Signature, _HookMode
+from cadence_fx.replay import CaptureContext, ExactShapeReplay, MissReason, Signature
+from cadence_fx.replay.capture import _HookMode
 
 META = torch.device("meta")
 
