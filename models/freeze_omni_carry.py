@@ -37,7 +37,7 @@ from cadence_fx.audit import ShadowAuditor
 from cadence_fx.capture import capture as export_operator
 from cadence_fx.catalog import Catalog, RegionDerivation
 from cadence_fx.contract import DTYPES, Contract
-from cadence_fx.determinism import pin_deterministic
+from cadence_fx.determinism import envelope, settings
 from cadence_fx.passes.carry import Carry
 from cadence_fx.passes.hoist import HostConstantHoist
 from cadence_fx.passes.state import Resize
@@ -261,7 +261,8 @@ class FreezeOmniAdapter(Adapter):
             raise ValueError("freeze_omni: the carries live in the rewritten exported step, so capture cannot be skipped")
         _check_model(model, contract, catalog)
         report = TransformReport(family=self.family, catalog=catalog, auditor=ShadowAuditor() if audit else None)
-        report.determinism = pin_deterministic()
+        report.determinism = settings()
+        report.stamps.append(envelope())
         param = model.global_cmvn.mean
         regions = {region.name: catalog.region(region.name) for region in contract.regions}
         buffers = {}

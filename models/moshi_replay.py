@@ -52,7 +52,7 @@ import torch
 
 from cadence_fx.catalog import Catalog
 from cadence_fx.contract import DTYPES, Contract
-from cadence_fx.determinism import pin_deterministic
+from cadence_fx.determinism import envelope, settings
 from cadence_fx.passes.hoist import HostConstantHoist
 from cadence_fx.passes.state import Resize
 from cadence_fx.replay import ExactShapeReplay, ShapeClass, Signature, TensorSpec
@@ -388,7 +388,8 @@ class MoshiAdapter(Adapter):
         mimi, lm = model.mimi, model.lm
         _check_model(model, contract)
         report = TransformReport(family=self.family, catalog=catalog)
-        report.determinism = pin_deterministic()
+        report.determinism = settings()
+        report.stamps.append(envelope())
         with torch.no_grad():
             for codebook in _used_codebooks(mimi):
                 if codebook._embedding is None:

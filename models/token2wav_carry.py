@@ -30,7 +30,7 @@ from cadence_fx.capture import capture as export_operator
 from cadence_fx.catalog import Catalog
 from cadence_fx.contract import Contract
 from cadence_fx.passes.carry import Carry, find_retention_sites, rewrite_trims, stock_trim, trace_trim
-from cadence_fx.determinism import pin_deterministic
+from cadence_fx.determinism import envelope, settings
 from cadence_fx.passes.hoist import HostConstantHoist
 from cadence_fx.passes.piecewise import Piecewise
 from cadence_fx.passes.state import Envelope, apply_state_rule, shed_envelopes
@@ -380,7 +380,8 @@ class Token2WavAdapter(Adapter):
         flow = copy.deepcopy(stock_flow, shed_envelopes(stock_flow, ENVELOPES))
         hift = None if stock_hift is None else copy.deepcopy(stock_hift)
         report = TransformReport(family=self.family, catalog=catalog, auditor=ShadowAuditor() if audit else None)
-        report.determinism = pin_deterministic()
+        report.determinism = settings()
+        report.stamps.append(envelope())
         device = stock_flow.decoder.att_cache_buffer.device
         resizes, stamp = apply_state_rule(flow, ENVELOPES, catalog, device=device)
         report.resizes.extend(resizes)
