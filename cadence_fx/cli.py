@@ -142,26 +142,24 @@ def _client(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    """A positive integer."""
+def _integer_at_least(text: str, minimum: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a {what} integer, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected a {what} integer, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    """A positive integer."""  # the CLI reference (cadence_fx/docs.py) shows a type by its docstring
+    return _integer_at_least(text, 1, "positive")
 
 
 def _non_negative_int(text: str) -> int:
     """A non-negative integer."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
-    return value
+    return _integer_at_least(text, 0, "non-negative")
 
 
 def build_parser() -> argparse.ArgumentParser:

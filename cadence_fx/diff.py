@@ -16,6 +16,7 @@ import html
 import re
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import networkx
 import torch
@@ -25,6 +26,10 @@ from torch.utils import _pytree as pytree
 from .capture import node_shape
 from .catalog import Catalog
 from .report import format_bytes
+
+if TYPE_CHECKING:
+    from .replay import Certificate, ExactShapeReplay
+    from .transform import TransformReport
 
 __all__ = ["GraphDiff", "diff_graphs", "render_html", "render_text", "readable"]
 
@@ -221,23 +226,18 @@ def _marks(name: str, before: torch.fx.GraphModule, after: torch.fx.GraphModule,
             for user in carry.users:
                 links_after.setdefault(user.name, target)
 
-    def side(lines: dict[str, str], other: dict[str, str], gone: str, links: dict[str, str]) -> _Marks:
+    def side(lines: dict[str, str], other: dict[str, str], gone: str, carries: set[str],
+             links: dict[str, str]) -> _Marks:
         marks = {}
         for node, line in lines.items():
-            found = []
-            if node not in other:
-                found.append(gone)
-            elif other[node] != line:
-                found.append("changed")
-            if lines is lines_after and node in carry_nodes:
-                found.append("carry")
-            if node in site_nodes:
-                found.append("site")
+            found = [gone] if node not in other else ["changed"] if other[node] != line else []
+            found += ["carry"] * (node in carries) + ["site"] * (node in site_nodes)
             if found:
                 marks[node] = tuple(found)
         return _Marks(marks, links)
 
-    return side(lines_before, lines_after, "removed", links_before), side(lines_after, lines_before, "added", links_after)
+    return (side(lines_before, lines_after, "removed", set(), links_before),
+            side(lines_after, lines_before, "added", set(carry_nodes), links_after))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,7 +352,7 @@ def _link(kind: str, name: str) -> str:
     return f'<a href="#{_anchor(kind, name)}">{_e(name)}</a>'
 
 
-def _regions(report, catalog: Catalog) -> str:
+def _regions(report: TransformReport, catalog: Catalog) -> str:
     rows = []
     for r in catalog.regions:
         rows.append(({"id": _anchor("region", r.name), "data-region": r.name}, [
@@ -388,7 +388,7 @@ def _regions(report, catalog: Catalog) -> str:
     )
 
 
-def _sites(report, catalog: Catalog) -> str:
+def _sites(report: TransformReport, catalog: Catalog) -> str:
     rows = [({"id": _anchor("site", s.graph, s.node), "data-site": f"{s.graph}:{s.node}"}, [
         f'<a href="#{_anchor("graph", s.graph)}">{_e(s.graph)}</a>', f"<code>{_e(s.node)}</code>",
         _link("region", s.region) if s.region in {r.name for r in catalog.regions} else _e(s.region),
@@ -398,7 +398,7 @@ def _sites(report, catalog: Catalog) -> str:
             "did with it.</p>" + _table(["graph", "node", "region", "axis", "kind", "rewritten", "why"], rows))
 
 
-def _graphs(report) -> str:
+def _graphs(report: TransformReport) -> str:
     sections = ['<h2>Graphs, before and after</h2><p>The rewritten subgraph: every node the transform removed '
                 '(<span class="key removed">red</span>), added (<span class="key added">green</span>) or rewired '
                 '(<span class="key changed">yellow</span>: new arguments or a new shape), every carry '
@@ -428,7 +428,7 @@ def _graphs(report) -> str:
     return "".join(sections)
 
 
-def _certificate(cert) -> str:
+def _certificate(cert: Certificate) -> str:
     verdict = "admitted" if cert.admitted else "refused"
     if cert.captured:
         verdict += f", captured as {cert.segments} graph segment(s)"
@@ -450,7 +450,7 @@ def _certificate(cert) -> str:
     return f'<dl class="certificate {"admitted" if cert.admitted else "refused"}">{items}</dl>'
 
 
-def _catalog(report, catalog: Catalog, stream: str | None) -> str:
+def _catalog(report: TransformReport, catalog: Catalog, stream: str | None) -> str:
     out = [f"<h2>Catalog</h2><p>Every call shape each hot operator can see, derived before any traffic "
            f"(budget {catalog.budget} classes per operator). Where the transform replays an operator, its replay "
            "engine holds one exact signature per class and writes a certificate when a class is first called: "
@@ -482,7 +482,7 @@ def _catalog(report, catalog: Catalog, stream: str | None) -> str:
     return "".join(out)
 
 
-def _engine(engine) -> str:
+def _engine(engine: ExactShapeReplay) -> str:
     certificates = engine.certificates
     listed = {sc.name for sc in engine.shape_classes}
     rows = []
@@ -505,7 +505,7 @@ def _engine(engine) -> str:
     )
 
 
-def _audit(report) -> str:
+def _audit(report: TransformReport) -> str:
     if report.auditor is None:
         return ("<h2>Shadow audit</h2><p>Not attached to this transform (<code>transform(..., audit=True)</code> "
                 "runs the stock retention beside every carry write and compares elementwise).</p>")
@@ -538,7 +538,7 @@ dl.certificate dt{color:#555} dl.certificate dd{margin:0} dl.refused dd:first-of
 """
 
 
-def render_html(report, catalog: Catalog, *, title: str | None = None, stream: str | None = None) -> str:
+def render_html(report: TransformReport, catalog: Catalog, *, title: str | None = None, stream: str | None = None) -> str:
     """The report page of one transform: `report` (a `TransformReport`) and the `catalog` it was
     derived under. `stream` says what ran through the transformed model before the page was
     written, if anything did (certificates are written on a class's first call).
