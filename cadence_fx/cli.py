@@ -20,35 +20,60 @@ def _catalog(args: argparse.Namespace) -> int:
 
 
 def _reference(family: str, depth: str):
-    """A family's reference model (real vendor code or the in-repo encoder, random weights)."""
+    """A family's reference model (real vendor code or the in-repo encoder, random weights), its
+    contract, and a short stream through its transformed model: `stream(transformed, chunks)`
+    runs `chunks` chunks and says what it ran."""
     if family == "token2wav":
-        from cadence_fx.models.token2wav_carry import reference_flow
+        from cadence_fx.models.token2wav_carry import CarryStream, reference_flow
+        from cadence_fx.models.token2wav_stream import random_chunks, random_prompt
 
-        flow, contract, _ = reference_flow(depth)
-        return flow, contract
+        flow, contract, prompt_tokens = reference_flow(depth)
+
+        def stream(transformed, chunks: int) -> str:
+            carried = CarryStream(transformed, random_prompt(0, n_tokens=prompt_tokens))
+            carried.setup()
+            for i, tokens in enumerate(random_chunks(0, chunks)):
+                carried.flow_chunk(tokens, last_chunk=i == chunks - 1)
+            return f"{chunks} chunks of random speech tokens after a {prompt_tokens}-token prompt, the last one flushing"
+
+        return flow, contract, stream
     if family == "freeze_omni":
-        from cadence_fx.models.freeze_omni_carry import reference_encoder
+        import torch
 
-        return reference_encoder(depth)
+        from cadence_fx.models.freeze_omni_carry import reference_encoder
+        from cadence_fx.models.freeze_omni_encoder import stream_utterance
+
+        encoder, contract = reference_encoder(depth)
+
+        def stream(transformed, chunks: int) -> str:
+            c = encoder.config
+            feats = torch.randn(1, chunks * c.chunk_frames, c.input_dim, generator=torch.Generator().manual_seed(0))
+            stream_utterance(transformed, feats)
+            return f"one utterance of {chunks} chunks of random fbank features"
+
+        return encoder, contract, stream
     raise ValueError(f"the diff builds reference models for 'token2wav' and 'freeze_omni' only, got {family!r}")
 
 
 def _diff(args: argparse.Namespace) -> int:
     from cadence_fx.diff import diff_graphs, render_html, render_text
-
     from cadence_fx.transform import transform
 
     print(f"building the {args.family} reference model ({args.depth} depth, random weights)...", file=sys.stderr)
-    model, contract = _reference(args.family, args.depth)
+    model, contract, stream = _reference(args.family, args.depth)
     print("transforming (state rule, carry pass, capture of the hot operators)...", file=sys.stderr, flush=True)
-    _, report = transform(model, contract, replay=False)
+    transformed, report = transform(model, contract, audit=args.audit)
+    streamed = None
+    if args.chunks:
+        print(f"streaming {args.chunks} chunks through the transformed model...", file=sys.stderr, flush=True)
+        streamed = stream(transformed, args.chunks)
     diffs = [diff_graphs(name, before, after) for name, (before, after) in report.graphs.items()]
     print(report)
     print()
     print(render_text(diffs))
     if args.html:
         with open(args.html, "w", encoding="utf-8") as page:
-            page.write(render_html(diffs, f"cadence-fx diff: {args.family}"))
+            page.write(render_html(report, report.catalog, title=f"cadence-fx diff: {args.family}", stream=streamed))
         print(f"wrote {args.html}", file=sys.stderr)
     return 0
 
@@ -143,14 +168,24 @@ def _client(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
+def _integer_at_least(text: str, minimum: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a {what} integer, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected a {what} integer, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    """A positive integer."""  # the CLI reference (cadence_fx/docs.py) shows a type by its docstring
+    return _integer_at_least(text, 1, "positive")
+
+
+def _non_negative_int(text: str) -> int:
+    """A non-negative integer."""
+    return _integer_at_least(text, 0, "non-negative")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,7 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     diff = commands.add_parser("diff", help="transform a family's reference model and show the before/after graphs")
     diff.add_argument("family", choices=sorted(FAMILIES))
     diff.add_argument("--depth", choices=("reduced", "full"), default="reduced")
-    diff.add_argument("--html", metavar="PATH", help="also write a self-contained HTML page")
+    diff.add_argument("--html", metavar="PATH", help="also write the report as one self-contained HTML page")
+    diff.add_argument("--chunks", type=_non_negative_int, default=0,
+                      help="stream this many chunks through the transformed model first, so the report shows "
+                      "replay certificates and counters (0: none)")
+    diff.add_argument("--audit", action="store_true",
+                      help="attach the shadow auditor (Freeze-Omni then runs its step without replay)")
     diff.set_defaults(run=_diff)
 
     demo = commands.add_parser("demo", help="stream the vendor Token2Wav flow stock and transformed, side by side")

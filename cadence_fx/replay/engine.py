@@ -175,6 +175,12 @@ class ExactShapeReplay:
     # -- public views ------------------------------------------------------------------------
 
     @property
+    def shape_classes(self) -> tuple[ShapeClass, ...]:
+        """The catalog's classes, as given; empty for a predicate catalog, whose classes are only
+        named as calls arrive (their certificates then say which)."""
+        return tuple(self._catalog.values())
+
+    @property
     def certificates(self) -> dict[str, Certificate]:
         return {st.shape_class.name: st.certificate for st in self._classes.values() if st.certificate}
 
