@@ -8,6 +8,7 @@ ERROR_CODES = frozenset(
         "invalid_json",
         "frame_too_large",
         "unknown_event_type",
+        "unknown_parameter",
         "missing_field",
         "invalid_value",
         "invalid_base64",

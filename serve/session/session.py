@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..plugins import ModelPlugin
-from ..protocol import ProtocolError, SessionConfig, StreamResampler, encode_event
+from ..protocol import ProtocolError, ResponseParams, SessionConfig, StreamResampler, encode_event
 from ..protocol import audio as wire_audio
 from ..protocol import events as ev
 from .journal import Journal
@@ -127,7 +127,7 @@ class _Response:
     item_id: str
     epoch: int
     turn_id: int
-    output_format: wire_audio.AudioFormat
+    params: ResponseParams
     previous_item_id: str | None
     out_samples: int = 0  # delivered, in output-format samples
     acked_ms: int = 0
@@ -387,12 +387,15 @@ class Session:
     # ------------------------------------------------------------ commands
 
     async def _session_update(self, cmd: ev.SessionUpdate) -> None:
-        config = self.config.apply(cmd.session)
-        if config.input_format != self.config.input_format:
-            self._resampler = StreamResampler(config.input_format.rate, self.plugin.info.input_rate)
+        config, old = self.config.apply(cmd.session), self.config
         self.config = config
-        self._vad = self._new_vad(self._vad.samples if self._vad is not None else 0)
-        self._vad_item_id = None
+        if config.input_format != old.input_format:
+            self._resampler = StreamResampler(config.input_format.rate, self.plugin.info.input_rate)
+        # The VAD is rebuilt only when what it runs on changed: an update of anything else (a
+        # client's tracing update, say) must not restart a turn mid-speech.
+        if config.turn_detection != old.turn_detection or config.input_format.rate != old.input_format.rate:
+            self._vad = self._new_vad(self._vad.samples if self._vad is not None else 0)
+            self._vad_item_id = None
         self.emit(ev.SessionUpdated(session=self._session_wire()))
 
     async def _append(self, cmd: ev.InputAudioBufferAppend) -> None:
@@ -492,12 +495,16 @@ class Session:
         if any(i["id"] == item.get("id") for i in self.history):
             raise ProtocolError("invalid_value", f"item id {item['id']!r} already exists", "item.id")
         previous = cmd.previous_item_id
-        if previous is not None and self._find(previous) is None:
+        if previous is not None and previous != "root" and self._find(previous) is None:
             raise ProtocolError("item_not_found", f"no item {previous!r}", "previous_item_id")
         item.setdefault("id", _new_id("item"))
         item["object"] = "realtime.item"
         item.setdefault("status", "completed")
-        self._add_item(item, previous if previous is not None else (self.history[-1]["id"] if self.history else None))
+        if previous is None:
+            previous = self.history[-1]["id"] if self.history else None
+        elif previous == "root":  # GA: insert at the start of the conversation
+            previous = None
+        self._add_item(item, previous)
 
     async def _item_retrieve(self, cmd: ev.ConversationItemRetrieve) -> None:
         item = self._require_item(cmd.item_id)
@@ -513,7 +520,7 @@ class Session:
             raise ProtocolError("invalid_value", "only assistant audio items can be truncated", "item_id")
         if cmd.content_index != 0:
             raise ProtocolError("invalid_value", "assistant audio items have one content part", "content_index")
-        played_ms = response.output_format.ms(response.out_samples)
+        played_ms = response.params.output_format.ms(response.out_samples)
         if cmd.audio_end_ms > played_ms:
             raise ProtocolError(
                 "invalid_value", f"audio_end_ms {cmd.audio_end_ms} is past the item's {played_ms} ms", "audio_end_ms"
@@ -529,9 +536,12 @@ class Session:
         self.emit(ev.ConversationItemDeleted(item_id=cmd.item_id))
 
     async def _response_create(self, cmd: ev.ResponseCreate | None = None) -> None:
+        params = ResponseParams.parse(None if cmd is None else cmd.response, self.config)
         if self.active is not None:
             raise ProtocolError(
-                "conversation_already_has_active_response", f"response {self.active.id} is still in progress"
+                "conversation_already_has_active_response",
+                f"Conversation already has an active response in progress: {self.active.id}. "
+                "Wait until the response is finished before creating a new one.",
             )
         await self._flush_frame()
         await self.port.call(self.stream.begin_response)
@@ -542,7 +552,7 @@ class Session:
             item_id=item_id,
             epoch=self.epoch,
             turn_id=self.turn_id,
-            output_format=self.config.output_format,
+            params=params,
             previous_item_id=previous,
         )
         self.active = resp
@@ -551,12 +561,16 @@ class Session:
         self.ledgers.responses.created += 1
         self.emit(
             ev.ResponseCreated(
-                response=self._response_wire(resp, "in_progress", []), epoch=resp.epoch, turn_id=resp.turn_id
+                response=self._response_wire(resp, "in_progress", []),
+                epoch=resp.epoch,
+                turn_id=resp.turn_id,
+                instructions=params.instructions,
             )
         )
         item = _assistant_item(item_id, "in_progress", [])
         self.emit(ev.ResponseOutputItemAdded(response_id=resp.id, output_index=0, item=item))
-        self._add_item(item, previous, done=False)
+        if params.in_conversation:
+            self._add_item(item, previous, done=False)
         self.emit(
             ev.ResponseContentPartAdded(
                 response_id=resp.id,
@@ -570,7 +584,8 @@ class Session:
 
     async def _response_cancel(self, cmd: ev.ResponseCancel) -> None:
         if self.active is None or (cmd.response_id is not None and cmd.response_id != self.active.id):
-            raise ProtocolError("response_cancel_not_active", "no such response is in progress", "response_id")
+            # OpenAI's wording: clients match on its prefix ("Cancellation failed").
+            raise ProtocolError("response_cancel_not_active", "Cancellation failed: no active response found", "response_id")
         await self._cancel("client_cancelled")
 
     async def _output_clear(self, cmd: ev.OutputAudioBufferClear) -> None:
@@ -591,7 +606,7 @@ class Session:
         response = self.responses.get(cmd.response_id)
         if response is None:
             raise ProtocolError("invalid_value", f"no response {cmd.response_id!r}", "response_id")
-        played = min(cmd.audio_end_ms, response.output_format.ms(response.out_samples))
+        played = min(cmd.audio_end_ms, response.params.output_format.ms(response.out_samples))
         if played > response.acked_ms:
             self.ledgers.playback.acked_ms += played - response.acked_ms
             response.acked_ms = played
@@ -650,14 +665,14 @@ class Session:
     # ------------------------------------------------------------ responses
 
     async def _run_reply(self, resp: _Response) -> None:
-        resampler = StreamResampler(self.plugin.info.output_rate, resp.output_format.rate)
+        resampler = StreamResampler(self.plugin.info.output_rate, resp.params.output_format.rate)
 
         def current() -> bool:
             return self.epoch == resp.epoch and not self.closed
 
         try:
             while True:
-                rendered = await self.port.call(self._render, resampler, resp.output_format, guard=current)
+                rendered = await self.port.call(self._render, resampler, resp.params.output_format, guard=current)
                 if rendered is None:
                     break
                 self.mailbox.put_nowait(_Chunk(resp.epoch, resp.id, *rendered))
@@ -685,7 +700,7 @@ class Session:
         playback.delivered_samples += msg.model_samples
         playback.delivered_bytes += len(msg.data)
         offset = resp.out_samples
-        resp.out_samples += resp.output_format.samples(len(msg.data))
+        resp.out_samples += resp.params.output_format.samples(len(msg.data))
         self.emit(
             ev.ResponseOutputAudioDelta(
                 response_id=resp.id,
@@ -734,11 +749,12 @@ class Session:
         self.emit(ev.ResponseOutputAudioDone(**common, epoch=resp.epoch))
         self.emit(ev.ResponseContentPartDone(**common, part={"type": "audio", "transcript": ""}))
         self.emit(ev.ResponseOutputItemDone(response_id=resp.id, output_index=0, item=item))
-        self.emit(ev.ConversationItemDone(item=item, previous_item_id=resp.previous_item_id))
+        if resp.params.in_conversation:
+            self.emit(ev.ConversationItemDone(item=item, previous_item_id=resp.previous_item_id))
         playback = {
             "audio_samples": resp.out_samples,
-            "audio_ms": resp.output_format.ms(resp.out_samples),
-            "format": resp.output_format.to_wire(),
+            "audio_ms": resp.params.output_format.ms(resp.out_samples),
+            "format": resp.params.output_format.to_wire(),
         }
         self.emit(
             ev.ResponseDone(
@@ -841,12 +857,12 @@ class Session:
             "status": status,
             "status_details": details,
             "output": output,
-            "conversation_id": self.conversation_id,
+            "conversation_id": self.conversation_id if resp.params.in_conversation else None,
             "output_modalities": ["audio"],
             "max_output_tokens": "inf",
-            "audio": {"output": {"format": resp.output_format.to_wire(), "voice": self.config.voice}},
+            "audio": {"output": {"format": resp.params.output_format.to_wire(), "voice": resp.params.voice}},
             "usage": None,
-            "metadata": None,
+            "metadata": resp.params.metadata,
         }
 
     def _add_item(self, item: dict, previous: str | None, done: bool = True) -> None:
