@@ -101,20 +101,44 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cadence_fx.serve.app import run_server
+    from pathlib import Path
+
+    from cadence_fx.serve.app import Tls, run_server
     from cadence_fx.serve.session import Limits
 
+    tls = None
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both (PEM files) or neither")
+    if args.ssl_keyfile is not None:
+        for path in (args.ssl_keyfile, args.ssl_certfile):
+            if not Path(path).is_file():
+                raise ValueError(f"no such file {path!r} (expected a PEM key or certificate)")
+        tls = Tls(args.ssl_keyfile, args.ssl_certfile)
     limits = Limits(max_sessions=args.max_sessions, idle_ttl_s=args.idle_ttl, grace_s=args.grace)
-    print(f"serving {args.model} on ws://{args.host}:{args.port}/v1/realtime", file=sys.stderr, flush=True)
-    run_server(args.host, args.port, args.model, limits)
+    print(f"loading {args.model}...", file=sys.stderr, flush=True)
+
+    def ready(base: str, health: dict) -> None:
+        ws = base.replace("http", "ws", 1)
+        print(
+            f"ready: {health['model']} on {ws}/v1/realtime ({health['max_sessions']} session slots); page at {base}/",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    run_server(args.host, args.port, args.model, limits, tls, on_ready=ready)
     return 0
 
 
 def _client(args: argparse.Namespace) -> int:
-    from cadence_fx.serve.client import run_client
+    from cadence_fx.serve.client import ClientError, run_client
 
-    run_client(args.url, args.wav, args.out)
-    return 0
+    try:
+        report = run_client(args.url, args.wav, args.out)
+    except ClientError as error:
+        print(f"cadence-fx client: {error}", file=sys.stderr)
+        return 1
+    print(report.summary(args.out), file=sys.stderr)
+    return 1 if report.failure else 0
 
 
 def _positive_int(text: str) -> int:
@@ -165,10 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-sessions", type=_positive_int, default=16)
     serve.add_argument("--idle-ttl", type=float, default=300.0, help="seconds without traffic before a session expires")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds a disconnected session waits for a resume")
+    serve.add_argument("--ssl-keyfile", metavar="PEM", help="serve https:// and wss:// with this private key")
+    serve.add_argument("--ssl-certfile", metavar="PEM", help="... and this certificate (chain)")
     serve.set_defaults(run=_serve)
 
     client = commands.add_parser("client", help="stream a WAV file through a session in real time, write the reply")
-    client.add_argument("--url", default="ws://127.0.0.1:8000")
+    client.add_argument(
+        "--url", default="ws://127.0.0.1:8000", help="the server (ws://HOST:PORT) or a route: .../v1/realtime, .../v1/duplex"
+    )
     client.add_argument("--wav", required=True, help="input WAV (16-bit PCM, mono)")
     client.add_argument("--out", required=True, help="where to write the reply WAV")
     client.set_defaults(run=_client)
