@@ -125,7 +125,7 @@ def _serve(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    run_server(args.host, args.port, args.model, limits, tls, on_ready=ready)
+    run_server(args.host, args.port, args.model, limits, tls, on_ready=ready, plugin_options=dict(args.plugin_option))
     return 0
 
 
@@ -149,6 +149,17 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def _plugin_option(text: str) -> tuple[str, object]:
+    """NAME=VALUE, the value read as JSON where it parses (numbers, true/false) and as text otherwise."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        return name, json.loads(value)
+    except ValueError:
+        return name, value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-sessions", type=_positive_int, default=16)
     serve.add_argument("--idle-ttl", type=float, default=300.0, help="seconds without traffic before a session expires")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds a disconnected session waits for a resume")
+    serve.add_argument(
+        "--plugin-option", metavar="NAME=VALUE", type=_plugin_option, action="append", default=[],
+        help="a keyword argument of the model plugin (repeatable), e.g. step_delay_s=0.04 for tone",
+    )
     serve.add_argument("--ssl-keyfile", metavar="PEM", help="serve https:// and wss:// with this private key")
     serve.add_argument("--ssl-certfile", metavar="PEM", help="... and this certificate (chain)")
     serve.set_defaults(run=_serve)

@@ -208,11 +208,12 @@ def run_server(
     limits: Limits | None = None,
     tls: Tls | None = None,
     on_ready: Callable[[str, dict], None] | None = None,
+    plugin_options: dict[str, object] | None = None,
 ) -> None:
     """Serve until interrupted (``cadence-fx serve``). ``on_ready(base_url, health)`` is called
     once the model is loaded and ``/health`` answers."""
     limits = limits or Limits()
-    app = create_app(lambda: load_plugin(plugin_name), limits)
+    app = create_app(lambda: load_plugin(plugin_name, **(plugin_options or {})), limits)
     server = uvicorn.Server(uvicorn_config(app, host, port, limits, tls))
     if on_ready is not None:
         base = f"{'https' if tls else 'http'}://{host}:{port}"
