@@ -136,7 +136,8 @@ async def _connect(url: str) -> RealtimeSocket:
         return await RealtimeSocket.connect(url)
     except websockets.InvalidStatus as exc:
         status = exc.response.status_code
-        raise ClientError(f"{url} answered HTTP {status}: not a realtime route of a running cadence-fx serve") from None
+        hint = " (no such route: is a cadence-fx serve listening there?)" if status == 404 else ""
+        raise ClientError(f"{url} refused the WebSocket handshake with HTTP {status}{hint}") from None
     except ssl.SSLCertVerificationError as exc:
         raise ClientError(
             f"the certificate of {url} is not trusted ({exc.verify_message}); SSL_CERT_FILE=cert.pem trusts a self-signed one"

@@ -132,6 +132,10 @@ class _Response:
     out_samples: int = 0  # delivered, in output-format samples
     acked_ms: int = 0
 
+    @property
+    def output_format(self) -> wire_audio.AudioFormat:
+        return self.params.output_format
+
 
 class Session:
     def __init__(
@@ -520,7 +524,7 @@ class Session:
             raise ProtocolError("invalid_value", "only assistant audio items can be truncated", "item_id")
         if cmd.content_index != 0:
             raise ProtocolError("invalid_value", "assistant audio items have one content part", "content_index")
-        played_ms = response.params.output_format.ms(response.out_samples)
+        played_ms = response.output_format.ms(response.out_samples)
         if cmd.audio_end_ms > played_ms:
             raise ProtocolError(
                 "invalid_value", f"audio_end_ms {cmd.audio_end_ms} is past the item's {played_ms} ms", "audio_end_ms"
@@ -606,7 +610,7 @@ class Session:
         response = self.responses.get(cmd.response_id)
         if response is None:
             raise ProtocolError("invalid_value", f"no response {cmd.response_id!r}", "response_id")
-        played = min(cmd.audio_end_ms, response.params.output_format.ms(response.out_samples))
+        played = min(cmd.audio_end_ms, response.output_format.ms(response.out_samples))
         if played > response.acked_ms:
             self.ledgers.playback.acked_ms += played - response.acked_ms
             response.acked_ms = played
@@ -665,14 +669,14 @@ class Session:
     # ------------------------------------------------------------ responses
 
     async def _run_reply(self, resp: _Response) -> None:
-        resampler = StreamResampler(self.plugin.info.output_rate, resp.params.output_format.rate)
+        resampler = StreamResampler(self.plugin.info.output_rate, resp.output_format.rate)
 
         def current() -> bool:
             return self.epoch == resp.epoch and not self.closed
 
         try:
             while True:
-                rendered = await self.port.call(self._render, resampler, resp.params.output_format, guard=current)
+                rendered = await self.port.call(self._render, resampler, resp.output_format, guard=current)
                 if rendered is None:
                     break
                 self.mailbox.put_nowait(_Chunk(resp.epoch, resp.id, *rendered))
@@ -700,7 +704,7 @@ class Session:
         playback.delivered_samples += msg.model_samples
         playback.delivered_bytes += len(msg.data)
         offset = resp.out_samples
-        resp.out_samples += resp.params.output_format.samples(len(msg.data))
+        resp.out_samples += resp.output_format.samples(len(msg.data))
         self.emit(
             ev.ResponseOutputAudioDelta(
                 response_id=resp.id,
@@ -753,8 +757,8 @@ class Session:
             self.emit(ev.ConversationItemDone(item=item, previous_item_id=resp.previous_item_id))
         playback = {
             "audio_samples": resp.out_samples,
-            "audio_ms": resp.params.output_format.ms(resp.out_samples),
-            "format": resp.params.output_format.to_wire(),
+            "audio_ms": resp.output_format.ms(resp.out_samples),
+            "format": resp.output_format.to_wire(),
         }
         self.emit(
             ev.ResponseDone(
@@ -860,7 +864,7 @@ class Session:
             "conversation_id": self.conversation_id if resp.params.in_conversation else None,
             "output_modalities": ["audio"],
             "max_output_tokens": "inf",
-            "audio": {"output": {"format": resp.params.output_format.to_wire(), "voice": resp.params.voice}},
+            "audio": {"output": {"format": resp.output_format.to_wire(), "voice": resp.params.voice}},
             "usage": None,
             "metadata": resp.params.metadata,
         }

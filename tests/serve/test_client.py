@@ -4,7 +4,9 @@ WAV, say in one sentence why a connection failed, keep whatever reply arrived.""
 from __future__ import annotations
 
 import asyncio
+import threading
 import wave
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from servekit import AUDIO, running, tone_reply_pcm
@@ -81,6 +83,34 @@ def test_a_refused_connection_is_one_sentence_and_exit_code_1(tmp_path, capsys):
     assert code == 1 and err == (
         f"cadence-fx client: could not connect to ws://127.0.0.1:{port}/v1/duplex: connection refused "
         "(is `cadence-fx serve` running there?)\n"
+    )
+
+
+class _NotFound(BaseHTTPRequestHandler):
+    """An HTTP/1.1 server with no routes at all."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        self.send_error(404)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_server_without_the_route_is_one_sentence(tmp_path, capsys):
+    port = free_port()
+    http = ThreadingHTTPServer(("127.0.0.1", port), _NotFound)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    try:
+        code = main(["client", "--url", f"ws://127.0.0.1:{port}", "--wav", str(AUDIO / "question_24k.wav"),
+                     "--out", str(tmp_path / "r.wav")])
+    finally:
+        http.shutdown()
+        http.server_close()
+    assert code == 1 and capsys.readouterr().err == (
+        f"cadence-fx client: ws://127.0.0.1:{port}/v1/duplex refused the WebSocket handshake with HTTP 404 "
+        "(no such route: is a cadence-fx serve listening there?)\n"
     )
 
 

@@ -62,3 +62,15 @@ def test_ready_line_over_tls(tmp_path):
 def test_bad_tls_options_are_one_sentence(options, sentence, capsys):
     assert main(["serve", "--model", "tone", *options]) == 2
     assert capsys.readouterr().err == f"cadence-fx serve: error: {sentence}\n"
+
+
+def test_plugin_options_are_read_as_json_values_or_text(capsys):
+    from cadence_fx.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "--plugin-option", "step_delay_s=0.04", "--plugin-option", "threads=2", "--plugin-option", "size=tiny"]
+    )
+    assert args.plugin_option == [("step_delay_s", 0.04), ("threads", 2), ("size", "tiny")]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--plugin-option", "step_delay_s"])
+    assert "expected NAME=VALUE, got 'step_delay_s'" in capsys.readouterr().err
