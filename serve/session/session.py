@@ -497,7 +497,7 @@ class Session:
     async def _item_create(self, cmd: ev.ConversationItemCreate) -> None:
         item = dict(cmd.item)
         if any(i["id"] == item.get("id") for i in self.history):
-            raise ProtocolError("invalid_value", f"item id {item['id']!r} already exists", "item.id")
+            raise ProtocolError("item_create_duplicate_item_id", f"Item with id {item['id']!r} already exists.", "item.id")
         previous = cmd.previous_item_id
         if previous is not None and previous != "root" and self._find(previous) is None:
             raise ProtocolError("item_not_found", f"no item {previous!r}", "previous_item_id")
@@ -511,14 +511,14 @@ class Session:
         self._add_item(item, previous)
 
     async def _item_retrieve(self, cmd: ev.ConversationItemRetrieve) -> None:
-        item = self._require_item(cmd.item_id)
+        item = self._require_item(cmd.item_id, "retrieve")
         if cmd.item_id in self._user_audio:
             audio = wire_audio.b64encode(self._user_audio[cmd.item_id])
             item = {**item, "content": [{"type": "input_audio", "transcript": None, "audio": audio}]}
         self.emit(ev.ConversationItemRetrieved(item=item))
 
     async def _item_truncate(self, cmd: ev.ConversationItemTruncate) -> None:
-        self._require_item(cmd.item_id)
+        self._require_item(cmd.item_id, "truncate")
         response = next((r for r in self.responses.values() if r.item_id == cmd.item_id), None)
         if response is None:
             raise ProtocolError("invalid_value", "only assistant audio items can be truncated", "item_id")
@@ -533,7 +533,7 @@ class Session:
         self.emit(ev.ConversationItemTruncated(item_id=cmd.item_id, content_index=0, audio_end_ms=cmd.audio_end_ms))
 
     async def _item_delete(self, cmd: ev.ConversationItemDelete) -> None:
-        item = self._require_item(cmd.item_id)
+        item = self._require_item(cmd.item_id, "delete")
         self.history.remove(item)
         self._user_audio.pop(cmd.item_id, None)
         self.ledgers.history_items = len(self.history)
@@ -880,10 +880,15 @@ class Session:
     def _find(self, item_id: str) -> dict | None:
         return next((item for item in self.history if item["id"] == item_id), None)
 
-    def _require_item(self, item_id: str) -> dict:
+    def _require_item(self, item_id: str, verb: str) -> dict:
+        """The item, or OpenAI's error for ``verb`` (retrieve, truncate, delete) on a missing one."""
         item = self._find(item_id)
         if item is None:
-            raise ProtocolError("item_not_found", f"no item {item_id!r}", "item_id")
+            raise ProtocolError(
+                f"item_{verb}_invalid_item_id",
+                f"Error {verb.removesuffix('e')}ing item: the item with id '{item_id}' does not exist.",
+                "item_id",
+            )
         return item
 
 

@@ -109,6 +109,31 @@ def test_response_cancel_with_nothing_active_uses_openais_wording(server):
     }
 
 
+def test_missing_and_duplicate_items_get_openais_codes(server):
+    item = {"id": "item_x", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+
+    async def scenario():
+        sock = await server.connect("/v1/realtime")
+        await sock.send({"type": "conversation.item.create", "item": item})
+        await sock.recv_until("conversation.item.done")
+        answers = []
+        for frame in (
+            {"type": "conversation.item.create", "item": item},
+            {"type": "conversation.item.retrieve", "item_id": "item_gone"},
+            {"type": "conversation.item.truncate", "item_id": "item_gone", "content_index": 0, "audio_end_ms": 0},
+        ):
+            await sock.send(frame)
+            answers.append((await sock.recv())["error"])
+        await sock.close()
+        return answers
+
+    assert [(e["code"], e["message"]) for e in run(scenario())] == [
+        ("item_create_duplicate_item_id", "Item with id 'item_x' already exists."),
+        ("item_retrieve_invalid_item_id", "Error retrieving item: the item with id 'item_gone' does not exist."),
+        ("item_truncate_invalid_item_id", "Error truncating item: the item with id 'item_gone' does not exist."),
+    ]
+
+
 def test_semantic_vad_turns_are_cut_by_the_server_vad(server):
     turns = wav_pcm("turns_24k.wav")
     split = 6_600 * 48  # the first turn ends (VAD, 500 ms of silence) at 6,050 ms
