@@ -216,7 +216,7 @@ def run_server(
     app = create_app(lambda: load_plugin(plugin_name, **(plugin_options or {})), limits)
     server = uvicorn.Server(uvicorn_config(app, host, port, limits, tls))
     if on_ready is not None:
-        base = f"{'https' if tls else 'http'}://{host}:{port}"
+        base = f"{'https' if tls else 'http'}://{f'[{host}]' if ':' in host else host}:{port}"
         threading.Thread(target=_announce, args=(server, base, on_ready), name="ready", daemon=True).start()
     server.run()
 
