@@ -126,25 +126,45 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cadence_fx.serve.app import run_server
+    from pathlib import Path
+
+    from cadence_fx.serve.app import Tls, run_server
     from cadence_fx.serve.plugins import loads_weights, plugin_names, takes_prompt
     from cadence_fx.serve.session import Limits
 
-    options = {}
-    if args.weights is not None:
-        if not loads_weights(args.model):
-            takers = [name for name in plugin_names() if loads_weights(name)]
-            raise ValueError(f"--weights: {args.model} loads no checkpoint; the models that do: {', '.join(takers)}")
-        options["weights"] = args.weights
-    if args.prompt is not None:
-        if not takes_prompt(args.model):
-            takers = [name for name in plugin_names() if takes_prompt(name)]
-            raise ValueError(f"--prompt: {args.model} takes no speaker prompt; the models that do: {', '.join(takers)}")
-        options["prompt"] = args.prompt
+    options = dict(args.plugin_option)
+    for flag, value, accepts, what in (("--weights", args.weights, loads_weights, "loads no checkpoint"),
+                                       ("--prompt", args.prompt, takes_prompt, "takes no speaker prompt")):
+        if value is None:
+            continue
+        if not accepts(args.model):
+            takers = [name for name in plugin_names() if accepts(name)]
+            raise ValueError(f"{flag}: {args.model} {what}; the models that do: {', '.join(takers)}")
+        key = flag.removeprefix("--")
+        if key in options:
+            raise ValueError(f"{flag} and --plugin-option {key}=... both set {key}: give one")
+        options[key] = value
+    tls = None
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both (PEM files) or neither")
+    if args.ssl_keyfile is not None:
+        for path in (args.ssl_keyfile, args.ssl_certfile):
+            if not Path(path).is_file():
+                raise ValueError(f"no such file {path!r} (expected a PEM key or certificate)")
+        tls = Tls(args.ssl_keyfile, args.ssl_certfile)
     limits = Limits(max_sessions=args.max_sessions, idle_ttl_s=args.idle_ttl, grace_s=args.grace)
     weights = f" with the weights of {args.weights}" if args.weights else ""
-    print(f"serving {args.model}{weights} on ws://{args.host}:{args.port}/v1/realtime", file=sys.stderr, flush=True)
-    run_server(args.host, args.port, args.model, limits, options)
+    print(f"loading {args.model}{weights}...", file=sys.stderr, flush=True)
+
+    def ready(base: str, health: dict) -> None:
+        ws = base.replace("http", "ws", 1)
+        print(
+            f"ready: {health['model']} on {ws}/v1/realtime ({health['max_sessions']} session slots); page at {base}/",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    run_server(args.host, args.port, args.model, limits, tls, on_ready=ready, plugin_options=options)
     return 0
 
 
@@ -162,10 +182,15 @@ def _prompt(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace) -> int:
-    from cadence_fx.serve.client import run_client
+    from cadence_fx.serve.client import ClientError, run_client
 
-    run_client(args.url, args.wav, args.out)
-    return 0
+    try:
+        report = run_client(args.url, args.wav, args.out)
+    except ClientError as error:
+        print(f"cadence-fx client: {error}", file=sys.stderr)
+        return 1
+    print(report.summary(args.out), file=sys.stderr)
+    return 1 if report.failure else 0
 
 
 def _integer_at_least(text: str, minimum: int, what: str) -> int:
@@ -186,6 +211,17 @@ def _positive_int(text: str) -> int:
 def _non_negative_int(text: str) -> int:
     """A non-negative integer."""
     return _integer_at_least(text, 0, "non-negative")
+
+
+def _plugin_option(text: str) -> tuple[str, object]:
+    """NAME=VALUE, the value read as JSON where it parses (numbers, true/false) and as text otherwise."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        return name, json.loads(value)
+    except ValueError:
+        return name, value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -238,6 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prompt", metavar="FILE",
                        help="token2wav's speaker prompt: a file written by `cadence-fx prompt`, or a WAV "
                             "(default with --weights: the model's reference voice)")
+    serve.add_argument(
+        "--plugin-option", metavar="NAME=VALUE", type=_plugin_option, action="append", default=[],
+        help="a keyword argument of the model plugin (repeatable), e.g. step_delay_s=0.04 for tone",
+    )
+    serve.add_argument("--ssl-keyfile", metavar="PEM", help="serve https:// and wss:// with this private key")
+    serve.add_argument("--ssl-certfile", metavar="PEM", help="... and this certificate (chain)")
     serve.set_defaults(run=_serve)
 
     prompt = commands.add_parser("prompt", help="prepare MiniCPM-o Token2Wav's speaker prompt from a WAV and save it")
@@ -248,7 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.set_defaults(run=_prompt)
 
     client = commands.add_parser("client", help="stream a WAV file through a session in real time, write the reply")
-    client.add_argument("--url", default="ws://127.0.0.1:8000")
+    client.add_argument(
+        "--url", default="ws://127.0.0.1:8000", help="the server (ws://HOST:PORT) or a route: .../v1/realtime, .../v1/duplex"
+    )
     client.add_argument("--wav", required=True, help="input WAV (16-bit PCM, mono)")
     client.add_argument("--out", required=True, help="where to write the reply WAV")
     client.set_defaults(run=_client)

@@ -20,8 +20,11 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
         check=True,
     )
     (wheel,) = (tmp_path / "dist").glob("cadence_fx-*.whl")
-    top_level = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    names = zipfile.ZipFile(wheel).namelist()
+    top_level = {name.split("/")[0] for name in names}
     assert top_level == {"cadence_fx", wheel.name.split("-py")[0] + ".dist-info"}
+    page = {"index.html", "app.js", "capture-worklet.js", "style.css"}
+    assert {n.removeprefix("cadence_fx/serve/static/") for n in names if n.startswith("cadence_fx/serve/static/")} == page
 
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False)
