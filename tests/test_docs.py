@@ -76,7 +76,7 @@ def commands() -> list[tuple[Path, list[str]]]:
 def test_every_cadence_fx_command_in_the_docs_parses():
     found = commands()
     assert len(found) > 20
-    assert {argv[0] for _, argv in found} == {"catalog", "diff", "demo", "bench", "serve", "client"}
+    assert {argv[0] for _, argv in found} == {"catalog", "diff", "demo", "bench", "serve", "client", "prompt"}
     parser = build_parser()
     for page, argv in found:
         try:
@@ -117,3 +117,14 @@ def test_the_contract_reference_names_every_field_of_every_contract_class():
         for f in dataclasses.fields(cls)
     ]
     assert "## Binding reference" in text
+
+
+def test_the_binding_reference_names_every_field_of_every_binding_class():
+    import cadence_fx.binding as binding_module
+
+    text = (DOCS / "contract.md").read_text()
+    section = text[text.index("## Binding reference"):text.index("## The rules")]
+    named = re.findall(r"^\| `(\w+)\.(\w+)` \|", section, re.M)
+    expected = [(cls.__name__, f.name) for cls in (binding_module.Binding, binding_module.RegionBinding,
+                                                    binding_module.OperatorBinding) for f in dataclasses.fields(cls)]
+    assert sorted(named) == sorted(expected)
