@@ -11,48 +11,24 @@ __all__ = ["main"]
 
 def _catalog(args: argparse.Namespace) -> int:
     from cadence_fx.catalog import derive
-    from cadence_fx.models import family_contract
+    from cadence_fx.families import family, load
     from cadence_fx.report import catalog_table
 
-    catalog = derive(family_contract(args.family), budget=args.budget)
+    catalog = derive(load(family(args.family).contract)(), budget=args.budget)
     print(json.dumps(catalog.to_dict(), indent=2) if args.json else catalog_table(catalog))
     return 0
 
 
-def _reference(family: str, depth: str):
-    """A family's reference model (real vendor code or the in-repo encoder, random weights), its
-    contract, and a short stream through its transformed model: `stream(transformed, chunks)`
-    runs `chunks` chunks and says what it ran."""
-    if family == "token2wav":
-        from cadence_fx.models.token2wav_carry import CarryStream, reference_flow
-        from cadence_fx.models.token2wav_stream import random_chunks, random_prompt
+def _reference(name: str, depth: str):
+    """A family's reference model (random weights), its contract, and a short stream through its
+    transformed model: `stream(transformed, chunks)` runs `chunks` chunks and says what it ran."""
+    from cadence_fx.families import families, family, load
 
-        flow, contract, prompt_tokens = reference_flow(depth)
-
-        def stream(transformed, chunks: int) -> str:
-            carried = CarryStream(transformed, random_prompt(0, n_tokens=prompt_tokens))
-            carried.setup()
-            for i, tokens in enumerate(random_chunks(0, chunks)):
-                carried.flow_chunk(tokens, last_chunk=i == chunks - 1)
-            return f"{chunks} chunks of random speech tokens after a {prompt_tokens}-token prompt, the last one flushing"
-
-        return flow, contract, stream
-    if family == "freeze_omni":
-        import torch
-
-        from cadence_fx.models.freeze_omni_carry import reference_encoder
-        from cadence_fx.models.freeze_omni_encoder import stream_utterance
-
-        encoder, contract = reference_encoder(depth)
-
-        def stream(transformed, chunks: int) -> str:
-            c = encoder.config
-            feats = torch.randn(1, chunks * c.chunk_frames, c.input_dim, generator=torch.Generator().manual_seed(0))
-            stream_utterance(transformed, feats)
-            return f"one utterance of {chunks} chunks of random fbank features"
-
-        return encoder, contract, stream
-    raise ValueError(f"the diff builds reference models for 'token2wav' and 'freeze_omni' only, got {family!r}")
+    declared = family(name).reference
+    if declared is None:
+        having = sorted(n for n, f in families().items() if f.reference)
+        raise ValueError(f"the diff builds reference models for {having} only, got {name!r}")
+    return load(declared)(depth)
 
 
 def _diff(args: argparse.Namespace) -> int:
@@ -225,19 +201,19 @@ def _plugin_option(text: str) -> tuple[str, object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cadence_fx.models import FAMILIES
+    from cadence_fx.families import families
 
     parser = argparse.ArgumentParser(prog="cadence-fx", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     catalog = commands.add_parser("catalog", help="derive a family's extents, bounds, bytes and shape classes")
-    catalog.add_argument("family", choices=sorted(FAMILIES))
+    catalog.add_argument("family", choices=sorted(families()))
     catalog.add_argument("--budget", type=_positive_int, default=64, help="widest catalog still captured (classes)")
     catalog.add_argument("--json", action="store_true", help="print the derivation as JSON")
     catalog.set_defaults(run=_catalog)
 
     diff = commands.add_parser("diff", help="transform a family's reference model and show the before/after graphs")
-    diff.add_argument("family", choices=sorted(FAMILIES))
+    diff.add_argument("family", choices=sorted(families()))
     diff.add_argument("--depth", choices=("reduced", "full"), default="reduced")
     diff.add_argument("--html", metavar="PATH", help="also write the report as one self-contained HTML page")
     diff.add_argument("--chunks", type=_non_negative_int, default=0,

@@ -57,7 +57,7 @@ from cadence_fx.passes.hoist import HostConstantHoist
 from cadence_fx.passes.state import Resize
 from cadence_fx.replay import ExactShapeReplay, ShapeClass, Signature, TensorSpec
 from cadence_fx.report import format_bytes
-from cadence_fx.transform import Adapter, TransformReport, register_adapter
+from cadence_fx.transform import Adapter, TransformReport
 
 from .moshi import moshi_contract
 
@@ -449,4 +449,4 @@ class MoshiAdapter(Adapter):
         return TransformedMoshi(model, lm_gen, owned, glue, stages, depformer, report), report
 
 
-register_adapter(MoshiAdapter())
+ADAPTER = MoshiAdapter()

@@ -79,4 +79,4 @@ def test_diff_refuses_a_negative_chunk_count(capsys):
 
 def test_diff_of_a_family_without_a_reference_model_says_so(capsys):
     assert main(["diff", "moshi"]) == 2
-    assert "the diff builds reference models for 'token2wav' and 'freeze_omni' only, got 'moshi'" in capsys.readouterr().err
+    assert "the diff builds reference models for ['freeze_omni', 'token2wav'] only, got 'moshi'" in capsys.readouterr().err
