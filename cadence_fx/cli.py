@@ -165,6 +165,9 @@ def _client(args: argparse.Namespace) -> int:
     except ClientError as error:
         print(f"cadence-fx client: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the streamer wrote what had arrived on its way out
+        print(f"cadence-fx client: interrupted; {args.out} holds the reply audio that had arrived", file=sys.stderr)
+        return 130
     print(report.summary(args.out), file=sys.stderr)
     return 1 if report.failure else 0
 

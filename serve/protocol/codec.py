@@ -13,9 +13,9 @@ import types
 import typing
 from typing import Any
 
+from .config import known
 from .errors import ProtocolError
 from .events import COMMANDS, EVENTS, ClientCommand, ServerEvent
-
 
 
 @functools.cache
@@ -77,7 +77,7 @@ def decode_command(text: str | bytes) -> ClientCommand:
             _check(obj[name], kinds, optional, name)
             values[name] = obj[name]
         if cls.TYPE == "conversation.item.create":
-            check_item(values["item"])
+            _check_item(values["item"])
         return cls(**values)
     except ProtocolError as err:
         err.event_id = client_event_id
@@ -100,43 +100,40 @@ _PARTS = {
 _PART_FIELDS = {"type", "text", "audio", "transcript", "image_url", "detail"}
 
 
-def check_item(item: dict[str, Any], param: str = "item") -> None:
+def _check_item(item: dict[str, Any]) -> None:
     """``item`` has one GA conversation item's shape, or a ProtocolError names the field."""
     kind = item.get("type")
     if kind not in _ITEM_FIELDS:
-        raise ProtocolError("invalid_value", f"{param}.type must be one of {sorted(_ITEM_FIELDS)}", f"{param}.type")
+        raise ProtocolError("invalid_value", f"item.type must be one of {sorted(_ITEM_FIELDS)}", "item.type")
     own, required = _ITEM_FIELDS[kind]
-    for key in item:
-        if key not in own | _ITEM_COMMON:
-            raise ProtocolError("unknown_parameter", f"Unknown parameter: '{param}.{key}'.", f"{param}.{key}")
+    known(item, own | _ITEM_COMMON, "item")
     for key in sorted(required):
         if key not in item:
-            raise ProtocolError("missing_field", f"a {kind} item requires field {key!r}", f"{param}.{key}")
+            raise ProtocolError("missing_field", f"a {kind} item requires field {key!r}", f"item.{key}")
     for key in ("id", "name", "arguments", "call_id", "output"):
         if key in item and not isinstance(item[key], str):
-            raise ProtocolError("invalid_value", f"{param}.{key} must be a string", f"{param}.{key}")
+            raise ProtocolError("invalid_value", f"item.{key} must be a string", f"item.{key}")
     if item.get("object", "realtime.item") != "realtime.item":
-        raise ProtocolError("invalid_value", f"{param}.object must be 'realtime.item'", f"{param}.object")
+        raise ProtocolError("invalid_value", "item.object must be 'realtime.item'", "item.object")
     if item.get("status", "completed") not in ("completed", "incomplete", "in_progress"):
-        raise ProtocolError("invalid_value", f"{param}.status must be completed, incomplete or in_progress",
-                            f"{param}.status")
+        raise ProtocolError("invalid_value", "item.status must be completed, incomplete or in_progress",
+                            "item.status")
     if kind != "message":
         return
     role = item["role"]
     if role not in _PARTS:
-        raise ProtocolError("invalid_value", f"{param}.role must be one of {sorted(_PARTS)}", f"{param}.role")
+        raise ProtocolError("invalid_value", f"item.role must be one of {sorted(_PARTS)}", "item.role")
     content = item["content"]
     if not isinstance(content, list) or not all(isinstance(c, dict) for c in content):
-        raise ProtocolError("invalid_value", f"{param}.content must be a list of objects", f"{param}.content")
+        raise ProtocolError("invalid_value", "item.content must be a list of objects", "item.content")
     for i, part in enumerate(content):
-        at = f"{param}.content[{i}]"
+        at = f"item.content[{i}]"
         if part.get("type") not in _PARTS[role]:
             raise ProtocolError(
                 "invalid_value", f"a {role} message's content type must be one of {sorted(_PARTS[role])}", f"{at}.type"
             )
+        known(part, _PART_FIELDS, at)
         for key, value in part.items():
-            if key not in _PART_FIELDS:
-                raise ProtocolError("unknown_parameter", f"Unknown parameter: '{at}.{key}'.", f"{at}.{key}")
             if key != "type" and value is not None and not isinstance(value, str):
                 raise ProtocolError("invalid_value", f"{at}.{key} must be a string", f"{at}.{key}")
 

@@ -275,10 +275,9 @@ def _metadata(value: Any) -> dict:
     return dict(value)
 
 
-def typed(value: Any, kind: type | tuple[type, ...], param: str) -> Any:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise ProtocolError("invalid_value", f"{param} must be of type {kinds[0].__name__}", param)
+def typed(value: Any, kind: type, param: str) -> Any:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise ProtocolError("invalid_value", f"{param} must be of type {kind.__name__}", param)
     return value
 
 

@@ -8,7 +8,7 @@ import ssl
 import httpx
 import openai
 import websockets
-from servekit import CheckedSocket, GA_SCHEMA, run, running
+from servekit import GA_SCHEMA, CheckedSocket, run
 from tlskit import self_signed
 
 from cadence_fx.serve.app import background_server
