@@ -52,12 +52,12 @@ import torch
 
 from cadence_fx.catalog import Catalog
 from cadence_fx.contract import DTYPES, Contract
-from cadence_fx.determinism import pin_deterministic
+from cadence_fx.determinism import envelope, settings
 from cadence_fx.passes.hoist import HostConstantHoist
 from cadence_fx.passes.state import Resize
 from cadence_fx.replay import ExactShapeReplay, ShapeClass, Signature, TensorSpec
 from cadence_fx.report import format_bytes
-from cadence_fx.transform import Adapter, TransformReport, register_adapter
+from cadence_fx.transform import Adapter, TransformReport
 
 from .moshi import moshi_contract
 
@@ -396,7 +396,8 @@ class MoshiAdapter(Adapter):
                              "at batch 1; sessions as slots of one batch: models/moshi_slots.py transform_slots")
         _check_model(model, contract)
         report = TransformReport(family=self.family, catalog=catalog)
-        report.determinism = pin_deterministic()
+        report.determinism = settings()
+        report.stamps.append(envelope())
         with torch.no_grad():
             for codebook in _used_codebooks(mimi):
                 if codebook._embedding is None:
@@ -456,4 +457,4 @@ class MoshiAdapter(Adapter):
         return TransformedMoshi(model, lm_gen, owned, glue, stages, depformer, report), report
 
 
-register_adapter(MoshiAdapter())
+ADAPTER = MoshiAdapter()

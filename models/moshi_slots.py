@@ -69,7 +69,7 @@ import torch
 
 from cadence_fx.contract import Contract
 from cadence_fx.catalog import derive
-from cadence_fx.determinism import pin_deterministic
+from cadence_fx.determinism import envelope, settings
 from cadence_fx.passes.hoist import HostConstantHoist
 from cadence_fx.replay import TensorSpec
 from cadence_fx.report import format_bytes
@@ -276,7 +276,9 @@ def transform_slots(models: MoshiModels, contract: Contract, *, sampling: bool, 
                     replay: bool = True) -> tuple[MoshiSlots, TransformReport]:
     """A `MoshiSlots` at the contract's batch (quantity `slots`) on `models`' weights (shared,
     not copied; the lazily derived codebook caches the calls read are filled in `models` first, as
-    the vendor's first call would). `sampling` and `seed` are the batch's (module docstring)."""
+    the vendor's first call would). `sampling` and `seed` are the batch's (module docstring).
+    Like every transform it pins no kernel switch: on a GPU the caller pins deterministic kernels
+    first (`cadence_fx.determinism.pin_deterministic`), and the report says what it found."""
     from moshi.models import LMGen
     from moshi.utils.compile import no_compile
 
@@ -286,7 +288,8 @@ def transform_slots(models: MoshiModels, contract: Contract, *, sampling: bool, 
     _check_model(models, contract)
     catalog = derive(contract)
     report = TransformReport(family=contract.family, catalog=catalog)
-    report.determinism = pin_deterministic()
+    report.determinism = settings()
+    report.stamps.append(envelope())
     with torch.no_grad():
         for codebook in _used_codebooks(models.mimi):
             if codebook._embedding is None:

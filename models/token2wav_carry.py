@@ -30,16 +30,25 @@ from cadence_fx.capture import capture as export_operator
 from cadence_fx.catalog import Catalog
 from cadence_fx.contract import Contract
 from cadence_fx.passes.carry import Carry, find_retention_sites, rewrite_trims, stock_trim, trace_trim
-from cadence_fx.determinism import pin_deterministic
+from cadence_fx.determinism import envelope, settings
 from cadence_fx.passes.hoist import HostConstantHoist
 from cadence_fx.passes.piecewise import Piecewise
 from cadence_fx.passes.state import Envelope, apply_state_rule, shed_envelopes
 from cadence_fx.replay import ExactShapeReplay, ShapeClass, Signature, TensorSpec
-from cadence_fx.transform import Adapter, TransformReport, register_adapter
+from cadence_fx.transform import Adapter, TransformReport
 
 from .token2wav_stream import Prompt, StockStream
 
-__all__ = ["ENVELOPES", "GLUE_TRIMS", "CarryStream", "SessionState", "Token2WavAdapter", "TransformedFlow"]
+__all__ = [
+    "ENVELOPES",
+    "GLUE_TRIMS",
+    "CarryStream",
+    "SessionState",
+    "Token2WavAdapter",
+    "TransformedFlow",
+    "contract_for_flow",
+    "reference_flow",
+]
 
 ENVELOPES = (
     Envelope("decoder.att_cache_buffer", "estimator_att_cache"),
@@ -371,7 +380,8 @@ class Token2WavAdapter(Adapter):
         flow = copy.deepcopy(stock_flow, shed_envelopes(stock_flow, ENVELOPES))
         hift = None if stock_hift is None else copy.deepcopy(stock_hift)
         report = TransformReport(family=self.family, catalog=catalog, auditor=ShadowAuditor() if audit else None)
-        report.determinism = pin_deterministic()
+        report.determinism = settings()
+        report.stamps.append(envelope())
         device = stock_flow.decoder.att_cache_buffer.device
         resizes, stamp = apply_state_rule(flow, ENVELOPES, catalog, device=device)
         report.resizes.extend(resizes)
@@ -420,7 +430,20 @@ class Token2WavAdapter(Adapter):
         return TransformedFlow(flow, hift, contract, report), report
 
 
-register_adapter(Token2WavAdapter())
+ADAPTER = Token2WavAdapter()
+
+
+def contract_for_flow(flow: torch.nn.Module, prompt_frames: int) -> Contract:
+    """The Token2Wav contract of this flow (its DiT and conformer depths) for a prompt of
+    ``prompt_frames`` mel frames, at the vendor's streaming operating point otherwise."""
+    from .token2wav import token2wav_contract
+
+    return token2wav_contract(
+        f_prompt=prompt_frames,
+        frames_per_token=flow.up_rate,
+        dit_depth=len(flow.decoder.estimator.blocks),
+        conformer_blocks=len(flow.encoder.encoders) + len(flow.encoder.up_encoders),
+    )
 
 
 def reference_flow(depth: str = "reduced", *, prompt_tokens: int | None = None):
@@ -429,14 +452,28 @@ def reference_flow(depth: str = "reduced", *, prompt_tokens: int | None = None):
     `depth` is "reduced" (1 + 1 conformer blocks, 2 DiT blocks; a 51-token prompt, fast on a
     CPU) or "full" (the MiniCPM-o 4.5 configuration and its 151-token prompt).
     """
-    from .token2wav import token2wav_contract
     from .token2wav_stream import FULL_DEPTH, PROMPT_TOKENS, REDUCED_DEPTH, build_flow
 
     if depth not in ("reduced", "full"):
         raise ValueError(f"depth must be 'reduced' or 'full', got {depth!r}")
     layout = REDUCED_DEPTH if depth == "reduced" else FULL_DEPTH
     tokens = prompt_tokens or (51 if depth == "reduced" else PROMPT_TOKENS)
-    contract = token2wav_contract(
-        f_prompt=2 * tokens, dit_depth=layout.dit_blocks, conformer_blocks=layout.encoder_blocks + layout.up_blocks
-    )
-    return build_flow(layout), contract, tokens
+    flow = build_flow(layout)
+    return flow, contract_for_flow(flow, 2 * tokens), tokens
+
+
+def reference_stream(depth: str):
+    """The reference flow, its contract, and a short stream through its transformed flow, for the
+    CLI's diff: `stream(transformed, chunks)` runs `chunks` chunks and says what it ran."""
+    from .token2wav_stream import random_chunks, random_prompt
+
+    flow, contract, prompt_tokens = reference_flow(depth)
+
+    def stream(transformed, chunks: int) -> str:
+        carried = CarryStream(transformed, random_prompt(0, n_tokens=prompt_tokens))
+        carried.setup()
+        for i, tokens in enumerate(random_chunks(0, chunks)):
+            carried.flow_chunk(tokens, last_chunk=i == chunks - 1)
+        return f"{chunks} chunks of random speech tokens after a {prompt_tokens}-token prompt, the last one flushing"
+
+    return flow, contract, stream

@@ -202,6 +202,9 @@ class Prompt:
     mels: torch.Tensor  # (1, 302, 80) prompt mel, time-major
     spk: torch.Tensor  # (1, 192) speaker embedding
 
+    def to(self, device: str | torch.device) -> Prompt:
+        return Prompt(self.tokens.to(device), self.mels.to(device), self.spk.to(device))
+
 
 def random_prompt(
     seed: int = 0,

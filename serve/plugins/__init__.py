@@ -6,8 +6,9 @@
 load torch and the vendor only when chosen, and load a published checkpoint instead of random
 weights when given ``weights`` (``loads_weights``). ``token2wav-full`` is MiniCPM-o 4.5's Token2Wav at full
 size on an NVIDIA GPU as a reply voice on stand-in speech tokens (``token2wav.py``), ``token2wav``
-the same at reduced depth on the CPU. ``tone`` is a test double used by the service's tests, not a
-model.
+the same at reduced depth on the CPU; both load a published checkpoint too, and take a speaker
+prompt as ``prompt`` (``takes_prompt``). ``tone`` is a test double used by the service's tests, not
+a model.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ _REGISTRY: dict[str, PluginFactory] = {
 
 
 #: The plugins that take ``weights=`` (a checkpoint directory or hub repo id: ``serve --weights``).
-_LOADS_WEIGHTS = {"moshi-tiny", "moshi-small", "moshi-full"}
+_LOADS_WEIGHTS = {"moshi-tiny", "moshi-small", "moshi-full", "token2wav", "token2wav-full"}
+#: The plugins that take ``prompt=`` (Token2Wav's speaker prompt: ``serve --prompt``).
+_TAKES_PROMPT = {"token2wav", "token2wav-full"}
 
 
 def register_plugin(name: str, factory: PluginFactory, *, loads_weights: bool = False) -> None:
@@ -68,6 +71,11 @@ def plugin_names() -> list[str]:
 def loads_weights(name: str) -> bool:
     """Whether plugin ``name`` loads a checkpoint given as ``weights``."""
     return name in _LOADS_WEIGHTS
+
+
+def takes_prompt(name: str) -> bool:
+    """Whether plugin ``name`` takes a speaker prompt given as ``prompt``."""
+    return name in _TAKES_PROMPT
 
 
 def load_plugin(name: str, **options: Any) -> ModelPlugin:
@@ -88,4 +96,5 @@ __all__ = [
     "loads_weights",
     "plugin_names",
     "register_plugin",
+    "takes_prompt",
 ]

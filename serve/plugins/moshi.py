@@ -62,8 +62,9 @@ it resets that slot alone.
   and a CUDA context, and a single-threaded worker buys nothing when the work is on the device: a
   replayed tick launches a few CUDA graphs, and torch lets go of the GIL while it waits for the
   device, so the event loop stays responsive. The thread sets no process-wide torch option but
-  the vendor's no-compile flag (held while the plugin is open) and the transform's deterministic
-  kernels. A CPU plugin can tick there too (``processes=0``), which the CPU tests use.
+  the vendor's no-compile flag (held while the plugin is open) and, on a GPU, deterministic
+  kernels (``pin_deterministic``, for the life of the process). A CPU plugin can tick there too
+  (``processes=0``), which the CPU tests use.
 
 The batch samples from torch's default generator of the device; its runtime swaps the batch's
 own generator states (seeded once with ``seed``) in for each tick, so nothing else in the
@@ -103,6 +104,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cadence_fx.determinism import pin_deterministic
 from cadence_fx.models.moshi_checkpoint import MoshiCheckpoint, locate
 from cadence_fx.models.moshi_replay import contract_for
 from cadence_fx.models.moshi_slots import WARM_UP_TICKS, MoshiSlots, Tick, transform_slots
@@ -271,6 +273,8 @@ class _InProcess(_Place):
     def _start(self, config: MoshiConfig, sampling: bool, device: str, checkpoint: MoshiCheckpoint | None) -> _Engine:
         torch.set_grad_enabled(False)  # this thread's mode only
         self._flags.enter_context(no_compile())  # process-wide, for as long as the plugin is open
+        if device == "cuda":
+            pin_deterministic()  # for the process's life: a stream is bit-exact against deterministic eager
         return _Engine(config, sampling, device, checkpoint)
 
     def submit(

@@ -1,12 +1,21 @@
 """``token2wav-full`` and ``token2wav``: MiniCPM-o 4.5's speech back end as the reply voice.
 
 What runs. Token2Wav (the flow: conformer encoder and a 10-step CFM over a DiT; then the HiFT
-vocoder) from minicpmo-utils 1.0.6 with random weights, transformed by cadence-fx
+vocoder) from minicpmo-utils 1.0.6, transformed by cadence-fx
 (``transform((flow, hift), contract)``, ``models/token2wav_carry.py``): carries at the derived
 bounds and, on a GPU, the CFM loop, the conformer encoder and HiFT replayed as CUDA graphs (the
 SRc arm of ``bench/token2wav.py``). ``token2wav-full`` is the MiniCPM-o 4.5 configuration on a
 CUDA device; ``token2wav`` is the reduced depth (1 + 1 conformer blocks, 2 DiT blocks) on the CPU,
 for tests and for trying the mapping without a GPU. It does not keep real time there.
+
+Weights. By default the weights are random (the reduced or the full configuration) and so is the
+prompt state. ``weights`` (``--weights``) loads a published checkpoint instead, from a folder or
+a hub id (``models/token2wav_checkpoint.py``), at the size its flow.yaml describes: the full
+MiniCPM-o 4.5 flow on ``token2wav-full``; on the CPU (``token2wav``) whatever size it is.
+``prompt`` (``--prompt``) is the speaker prompt: a prompt file written by ``cadence-fx prompt``,
+or a WAV prepared at start-up by the vendor's own code (needs the prompt packages and CUDA); with
+weights and no prompt, the model's reference voice (``assets/system_ref_audio.wav``) is prepared.
+The contract follows the loaded flow's depth and the prompt's length.
 
 What it says. In MiniCPM-o the LLM writes the speech tokens (25 a second) that Token2Wav turns
 into 24 kHz speech. The LLM is not part of this plugin (no weights can be downloaded here), so a
@@ -34,14 +43,23 @@ chunk pays for a capture.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from cadence_fx import transform
-from cadence_fx.models.token2wav_carry import CarryStream, SessionState, TransformedFlow, reference_flow
-from cadence_fx.models.token2wav_stream import build_hift, random_chunks, random_prompt
+from cadence_fx.determinism import pin_deterministic
+from cadence_fx.models import token2wav_checkpoint as checkpoint
+from cadence_fx.models.token2wav_carry import (
+    CarryStream,
+    SessionState,
+    TransformedFlow,
+    contract_for_flow,
+    reference_flow,
+)
+from cadence_fx.models.token2wav_stream import Prompt, build_hift, random_chunks, random_prompt
 
 from .base import ModelPlugin, ModelStream, PluginInfo
 
@@ -127,8 +145,21 @@ class Token2WavStream(ModelStream):
             self._plugin.open_streams -= 1
 
 
+def _is_wav(prompt: str | Path | None) -> bool:
+    """A prompt given as audio, to prepare, rather than as a saved prompt file."""
+    return prompt is not None and Path(prompt).suffix.lower() == ".wav"
+
+
 class Token2WavPlugin(ModelPlugin):
-    def __init__(self, depth: str = "full", *, seed: int = 0, max_reply_chunks: int = 8) -> None:
+    def __init__(
+        self,
+        depth: str = "full",
+        *,
+        seed: int = 0,
+        max_reply_chunks: int = 8,
+        weights: str | Path | None = None,
+        prompt: str | Path | None = None,
+    ) -> None:
         if depth not in DEPTHS:
             raise ValueError(f"depth must be one of {sorted(DEPTHS)}, got {depth!r}")
         if max_reply_chunks < MIN_REPLY_CHUNKS:
@@ -139,20 +170,27 @@ class Token2WavPlugin(ModelPlugin):
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"{name} runs MiniCPM-o 4.5's Token2Wav at full size on a CUDA device, and "
                                "torch.cuda.is_available() is False here; `token2wav` is the reduced depth on the CPU")
+        if self.device.type == "cuda":
+            pin_deterministic()  # for the process's life: a stream is bit-exact against deterministic eager
+        self.depth, self.seed, self.max_reply_chunks = depth, seed, max_reply_chunks
+        self.weights = None if weights is None else str(weights)
+        if weights is None:
+            flow, hift, self.prompt = self._random(prompt)
+            what = f"{depth} depth, random weights"
+        else:
+            flow, hift, self.prompt = self._loaded(weights, prompt)
+            what = f"weights from {weights}"
+        checkpoint.prompt_frames_fit(self.prompt, flow.up_rate, str(prompt or "the prompt"))
+        contract = contract_for_flow(flow, self.prompt.mels.shape[1])
         self.info = PluginInfo(
             name=name, input_rate=INPUT_RATE, output_rate=OUTPUT_RATE, frame_samples=FRAME_SAMPLES,
-            description=f"MiniCPM-o 4.5 Token2Wav ({depth} depth, random weights) transformed by cadence-fx, "
-                        "on stand-in speech tokens",
+            description=f"MiniCPM-o 4.5 Token2Wav ({what}) transformed by cadence-fx, on stand-in speech tokens",
         )
-        self.depth, self.seed, self.max_reply_chunks = depth, seed, max_reply_chunks
         self.lock = threading.Lock()
         self.open_streams = self.streams = self.chunks = 0
-        flow, contract, prompt_tokens = reference_flow(depth)
-        hift = build_hift(device=self.device)
-        self.prompt = random_prompt(seed, n_tokens=prompt_tokens, device=self.device)
         with torch.no_grad():
             self.transformed: TransformedFlow
-            self.transformed, self.report = transform((flow.to(self.device), hift), contract, capture=False)
+            self.transformed, self.report = transform((flow, hift), contract, capture=False)
             del flow
             warm = CarryStream(self.transformed, self.prompt)
             warm.setup()  # the prompt state every reply starts from
@@ -160,6 +198,32 @@ class Token2WavPlugin(ModelPlugin):
             tokens = random_chunks(WARM_UP_SEED, WARM_UP_CHUNKS, device=self.device)
             for i, chunk in enumerate(tokens):
                 warm.step(chunk, last_chunk=i == WARM_UP_CHUNKS - 1)
+
+    def _random(self, prompt: str | Path | None) -> tuple[torch.nn.Module, torch.nn.Module, Prompt]:
+        """The reference flow at this depth with random weights; a random prompt unless a prompt
+        file is given (a WAV needs the checkpoint's speech tokenizer and speaker model)."""
+        if _is_wav(prompt):
+            raise ValueError(f"--prompt {prompt} is a WAV; preparing it needs the checkpoint's speech tokenizer "
+                             "and speaker model: pass --weights too, or a prompt file written by `cadence-fx prompt`")
+        loaded = None if prompt is None else checkpoint.load_prompt(prompt, device=self.device)
+        tokens = None if loaded is None else loaded.tokens.shape[1]
+        flow, _, tokens = reference_flow(self.depth, prompt_tokens=tokens)
+        if loaded is None:
+            loaded = random_prompt(self.seed, n_tokens=tokens, device=self.device)
+        return flow.to(self.device), build_hift(device=self.device), loaded
+
+    def _loaded(self, weights: str | Path, prompt: str | Path | None) -> tuple[torch.nn.Module, torch.nn.Module, Prompt]:
+        """A published checkpoint's flow and HiFT; the prompt from its file, or prepared from a WAV
+        (the model's reference voice when none is given)."""
+        from_audio = prompt is None or _is_wav(prompt)
+        files = checkpoint.STREAM_FILES + (checkpoint.PROMPT_FILES if from_audio else ())
+        found = checkpoint.locate_checkpoint(weights, files, reference_voice=prompt is None)
+        if not from_audio:
+            loaded = checkpoint.load_prompt(prompt, device=self.device)
+        else:
+            loaded = checkpoint.prepare_prompt(found, prompt or found.reference_voice).to(self.device)
+        flow = checkpoint.load_flow(found, seed=self.seed, device=self.device)
+        return flow, checkpoint.load_hift(found, device=self.device), loaded
 
     def open_stream(self) -> Token2WavStream:
         stream = Token2WavStream(self, self.streams)
@@ -171,6 +235,7 @@ class Token2WavPlugin(ModelPlugin):
         return {
             "model": self.info.name,
             "depth": self.depth,
+            "weights": self.weights or "random",
             "device": str(self.device),
             "streams": self.streams,
             "streams_open": self.open_streams,
