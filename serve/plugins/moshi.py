@@ -52,8 +52,9 @@ it resets that slot alone.
 * On a CPU (``processes`` >= 1, 1 by default): worker processes. A tick is bound by per-operator
   overhead in Python (thousands of small operator calls; the depformer's eight codebooks alone
   are about 40% of it), so it holds the GIL for most of its time, and a batch of B slots costs
-  little more than one: at the TINY size, one call for 8 slots took 36 ms of CPU where one slot
-  took 31 ms (measured on this 2-core machine under load). So one worker process ticks all the
+  little more than one: at the TINY size, one call for 8 live slots took 63 ms of CPU where one
+  for 1 slot took 39 ms (measured on this 2-core machine at a load average of 12, where one
+  session alone takes 15 ms when the machine is idle). So one worker process ticks all the
   sessions in one batch, with one torch thread, pinned to a core of its own (``pin``), and the
   vendor's process-wide no-compile flag held for its life; the other core is the server's. A
   worker builds the same weights from the seed.
@@ -127,7 +128,7 @@ DEVICES: dict[str, str] = {"tiny": "cpu", "small": "cpu", "full": "cuda"}  # eac
 FRAME_SAMPLES = 1920  # 80 ms at 24 kHz: one tick
 SILENCE = np.zeros(FRAME_SAMPLES, dtype=np.float32)
 WORKER_OPS = ("tick", "start", "parameters", "describe")
-MAX_SLOTS = 64  # the largest batch per place: what Moshi 7B's rings at batch 64 leave room for on one H200
+MAX_SLOTS = 64  # the largest batch per place: the vendor's own batch of 64 measured 110 GiB on one H200 (issue 13)
 DEFAULT_SLOTS = 8  # a place's batch when a stream opens before any ``reserve``
 
 
