@@ -6,7 +6,8 @@ it, the argument axis that carries a call's new units and the host-side values t
 Like a contract, a binding is data (frozen dataclasses); `transform(model, contract, binding)` reads
 it and runs one pipeline (`cadence_fx.pipeline`) whatever the model.
 
-Paths are dotted, rooted at an argument of the operator's method by its parameter name:
+Paths are dotted, rooted at an argument of the operator's method by its parameter name, or at
+``self``, the model itself (``"self.layers.*.attn.k_cache"``: a buffer the model reassigns):
 ``"cache.layers.*.keys"`` is attribute ``keys`` of every element of ``cache.layers``. A segment is
 an attribute name, a mapping key or a sequence index; ``*`` matches every index of a sequence, in
 order, and a slice ``[start:stop:step]`` every index it selects (``buffer.[0::2]``: the even
@@ -98,6 +99,7 @@ def _segments(path: str) -> list[str]:
     return path.split(".")
 
 
+SELF = "self"  # a path rooted at the model itself: its modules' buffers and attributes
 _SLICE = re.compile(r"^\[(-?\d*):(-?\d*)(?::(-?\d*))?\]$")
 RETURN = "return"
 
@@ -239,7 +241,7 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
         if not callable(method):
             raise BindingError(f"operators[{i}].method", f"{ob.method!r} is not callable")
         signature = inspect.signature(method)
-        parameters = set(signature.parameters)
+        parameters = set(signature.parameters) | {SELF}
         if not (isinstance(ob.units, int) and ob.units > 0 or isinstance(ob.units, tuple) and len(ob.units) == 2
                 and isinstance(ob.units[0], str) and isinstance(ob.units[1], int)):
             raise BindingError(f"operators[{i}].units", f"must be (path, axis) or a positive int, got {ob.units!r}")

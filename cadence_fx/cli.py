@@ -11,44 +11,45 @@ __all__ = ["main"]
 
 def _catalog(args: argparse.Namespace) -> int:
     from cadence_fx.catalog import derive
-    from cadence_fx.models import family_contract
+    from cadence_fx.families import family, load
     from cadence_fx.report import catalog_table
 
-    catalog = derive(family_contract(args.family), budget=args.budget)
+    catalog = derive(load(family(args.family).contract)(), budget=args.budget)
     print(json.dumps(catalog.to_dict(), indent=2) if args.json else catalog_table(catalog))
     return 0
 
 
-def _reference(family: str, depth: str):
-    """A family's reference model (real vendor code or the in-repo encoder, random weights)."""
-    if family == "token2wav":
-        from cadence_fx.models.token2wav_carry import reference_flow
+def _reference(name: str, depth: str):
+    """A family's reference model (random weights), its contract, and a short stream through its
+    transformed model: `stream(transformed, chunks)` runs `chunks` chunks and says what it ran."""
+    from cadence_fx.families import families, family, load
 
-        flow, contract, _ = reference_flow(depth)
-        return flow, contract
-    if family == "freeze_omni":
-        from cadence_fx.models.freeze_omni_carry import reference_encoder
-
-        return reference_encoder(depth)
-    raise ValueError(f"the diff builds reference models for 'token2wav' and 'freeze_omni' only, got {family!r}")
+    declared = family(name).reference
+    if declared is None:
+        having = sorted(n for n, f in families().items() if f.reference)
+        raise ValueError(f"the diff builds reference models for {having} only, got {name!r}")
+    return load(declared)(depth)
 
 
 def _diff(args: argparse.Namespace) -> int:
     from cadence_fx.diff import diff_graphs, render_html, render_text
-
     from cadence_fx.transform import transform
 
     print(f"building the {args.family} reference model ({args.depth} depth, random weights)...", file=sys.stderr)
-    model, contract = _reference(args.family, args.depth)
+    model, contract, stream = _reference(args.family, args.depth)
     print("transforming (state rule, carry pass, capture of the hot operators)...", file=sys.stderr, flush=True)
-    _, report = transform(model, contract, replay=False)
+    transformed, report = transform(model, contract, audit=args.audit)
+    streamed = None
+    if args.chunks:
+        print(f"streaming {args.chunks} chunks through the transformed model...", file=sys.stderr, flush=True)
+        streamed = stream(transformed, args.chunks)
     diffs = [diff_graphs(name, before, after) for name, (before, after) in report.graphs.items()]
     print(report)
     print()
     print(render_text(diffs))
     if args.html:
         with open(args.html, "w", encoding="utf-8") as page:
-            page.write(render_html(diffs, f"cadence-fx diff: {args.family}"))
+            page.write(render_html(report, report.catalog, title=f"cadence-fx diff: {args.family}", stream=streamed))
         print(f"wrote {args.html}", file=sys.stderr)
     return 0
 
@@ -101,25 +102,45 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cadence_fx.serve.app import run_server
+    from pathlib import Path
+
+    from cadence_fx.serve.app import Tls, run_server
     from cadence_fx.serve.plugins import loads_weights, plugin_names, takes_prompt
     from cadence_fx.serve.session import Limits
 
-    options = {}
-    if args.weights is not None:
-        if not loads_weights(args.model):
-            takers = [name for name in plugin_names() if loads_weights(name)]
-            raise ValueError(f"--weights: {args.model} loads no checkpoint; the models that do: {', '.join(takers)}")
-        options["weights"] = args.weights
-    if args.prompt is not None:
-        if not takes_prompt(args.model):
-            takers = [name for name in plugin_names() if takes_prompt(name)]
-            raise ValueError(f"--prompt: {args.model} takes no speaker prompt; the models that do: {', '.join(takers)}")
-        options["prompt"] = args.prompt
+    options = dict(args.plugin_option)
+    for flag, value, accepts, what in (("--weights", args.weights, loads_weights, "loads no checkpoint"),
+                                       ("--prompt", args.prompt, takes_prompt, "takes no speaker prompt")):
+        if value is None:
+            continue
+        if not accepts(args.model):
+            takers = [name for name in plugin_names() if accepts(name)]
+            raise ValueError(f"{flag}: {args.model} {what}; the models that do: {', '.join(takers)}")
+        key = flag.removeprefix("--")
+        if key in options:
+            raise ValueError(f"{flag} and --plugin-option {key}=... both set {key}: give one")
+        options[key] = value
+    tls = None
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both (PEM files) or neither")
+    if args.ssl_keyfile is not None:
+        for path in (args.ssl_keyfile, args.ssl_certfile):
+            if not Path(path).is_file():
+                raise ValueError(f"no such file {path!r} (expected a PEM key or certificate)")
+        tls = Tls(args.ssl_keyfile, args.ssl_certfile)
     limits = Limits(max_sessions=args.max_sessions, idle_ttl_s=args.idle_ttl, grace_s=args.grace)
     weights = f" with the weights of {args.weights}" if args.weights else ""
-    print(f"serving {args.model}{weights} on ws://{args.host}:{args.port}/v1/realtime", file=sys.stderr, flush=True)
-    run_server(args.host, args.port, args.model, limits, options)
+    print(f"loading {args.model}{weights}...", file=sys.stderr, flush=True)
+
+    def ready(base: str, health: dict) -> None:
+        ws = base.replace("http", "ws", 1)
+        print(
+            f"ready: {health['model']} on {ws}/v1/realtime ({health['max_sessions']} session slots); page at {base}/",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    run_server(args.host, args.port, args.model, limits, tls, on_ready=ready, plugin_options=options)
     return 0
 
 
@@ -137,38 +158,72 @@ def _prompt(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace) -> int:
-    from cadence_fx.serve.client import run_client
+    from cadence_fx.serve.client import ClientError, run_client
 
-    run_client(args.url, args.wav, args.out)
-    return 0
+    try:
+        report = run_client(args.url, args.wav, args.out)
+    except ClientError as error:
+        print(f"cadence-fx client: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # the streamer wrote what had arrived on its way out
+        print(f"cadence-fx client: interrupted; {args.out} holds the reply audio that had arrived", file=sys.stderr)
+        return 130
+    print(report.summary(args.out), file=sys.stderr)
+    return 1 if report.failure else 0
 
 
-def _positive_int(text: str) -> int:
+def _integer_at_least(text: str, minimum: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a {what} integer, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected a {what} integer, got {value}")
     return value
 
 
+def _positive_int(text: str) -> int:
+    """A positive integer."""  # the CLI reference (cadence_fx/docs.py) shows a type by its docstring
+    return _integer_at_least(text, 1, "positive")
+
+
+def _non_negative_int(text: str) -> int:
+    """A non-negative integer."""
+    return _integer_at_least(text, 0, "non-negative")
+
+
+def _plugin_option(text: str) -> tuple[str, object]:
+    """NAME=VALUE, the value read as JSON where it parses (numbers, true/false) and as text otherwise."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        return name, json.loads(value)
+    except ValueError:
+        return name, value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from cadence_fx.models import FAMILIES
+    from cadence_fx.families import families
 
     parser = argparse.ArgumentParser(prog="cadence-fx", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     catalog = commands.add_parser("catalog", help="derive a family's extents, bounds, bytes and shape classes")
-    catalog.add_argument("family", choices=sorted(FAMILIES))
+    catalog.add_argument("family", choices=sorted(families()))
     catalog.add_argument("--budget", type=_positive_int, default=64, help="widest catalog still captured (classes)")
     catalog.add_argument("--json", action="store_true", help="print the derivation as JSON")
     catalog.set_defaults(run=_catalog)
 
     diff = commands.add_parser("diff", help="transform a family's reference model and show the before/after graphs")
-    diff.add_argument("family", choices=sorted(FAMILIES))
+    diff.add_argument("family", choices=sorted(families()))
     diff.add_argument("--depth", choices=("reduced", "full"), default="reduced")
-    diff.add_argument("--html", metavar="PATH", help="also write a self-contained HTML page")
+    diff.add_argument("--html", metavar="PATH", help="also write the report as one self-contained HTML page")
+    diff.add_argument("--chunks", type=_non_negative_int, default=0,
+                      help="stream this many chunks through the transformed model first, so the report shows "
+                      "replay certificates and counters (0: none)")
+    diff.add_argument("--audit", action="store_true",
+                      help="attach the shadow auditor (Freeze-Omni then runs its step without replay)")
     diff.set_defaults(run=_diff)
 
     demo = commands.add_parser("demo", help="stream the vendor Token2Wav flow stock and transformed, side by side")
@@ -198,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prompt", metavar="FILE",
                        help="token2wav's speaker prompt: a file written by `cadence-fx prompt`, or a WAV "
                             "(default with --weights: the model's reference voice)")
+    serve.add_argument(
+        "--plugin-option", metavar="NAME=VALUE", type=_plugin_option, action="append", default=[],
+        help="a keyword argument of the model plugin (repeatable), e.g. step_delay_s=0.04 for tone",
+    )
+    serve.add_argument("--ssl-keyfile", metavar="PEM", help="serve https:// and wss:// with this private key")
+    serve.add_argument("--ssl-certfile", metavar="PEM", help="... and this certificate (chain)")
     serve.set_defaults(run=_serve)
 
     prompt = commands.add_parser("prompt", help="prepare MiniCPM-o Token2Wav's speaker prompt from a WAV and save it")
@@ -208,7 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.set_defaults(run=_prompt)
 
     client = commands.add_parser("client", help="stream a WAV file through a session in real time, write the reply")
-    client.add_argument("--url", default="ws://127.0.0.1:8000")
+    client.add_argument(
+        "--url", default="ws://127.0.0.1:8000", help="the server (ws://HOST:PORT) or a route: .../v1/realtime, .../v1/duplex"
+    )
     client.add_argument("--wav", required=True, help="input WAV (16-bit PCM, mono)")
     client.add_argument("--out", required=True, help="where to write the reply WAV")
     client.set_defaults(run=_client)

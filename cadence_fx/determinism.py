@@ -5,6 +5,11 @@ HiFT's convolutions picked a nondeterministic algorithm and two eager runs from 
 differed). So every arm that claims bit-exactness pins deterministic kernels, reports the settings
 it ran under, and first checks eager against itself with `check_repeatable`.
 
+The switches are process-wide, so pinning them is the caller's explicit step, taken once before
+any stream runs, the reference stream included: `pin_deterministic()`, or `deterministic()` for a
+scope. A transform sets none of them; its report records those it found (`settings()`) and says
+whether they are pinned (`envelope()`).
+
 `RngState` and `StateSnapshot` are the two halves of "run this call again from the same state":
 the replay engine uses them to make its probationary call invisible.
 """
@@ -26,6 +31,8 @@ __all__ = [
     "StateSnapshot",
     "Repeatability",
     "settings",
+    "pinned",
+    "envelope",
     "pin_deterministic",
     "deterministic",
     "check_repeatable",
@@ -51,6 +58,21 @@ def settings() -> dict[str, Any]:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
     return report
+
+
+def pinned() -> bool:
+    """Whether the switches bit-exactness is defined under are in force: cuDNN deterministic, its
+    autotuning off."""
+    return torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+
+
+def envelope() -> str:
+    """One line for a report: the determinism envelope found in force, and what to do if it is not."""
+    if pinned():
+        return "determinism envelope: pinned (cudnn.deterministic=True, cudnn.benchmark=False)"
+    return (f"determinism envelope: NOT pinned (cudnn.deterministic={torch.backends.cudnn.deterministic}, "
+            f"cudnn.benchmark={torch.backends.cudnn.benchmark}): eager may not repeat itself on a GPU, so neither "
+            "can the transformed model; call cadence_fx.determinism.pin_deterministic() before running any stream")
 
 
 def pin_deterministic(*, algorithms: bool = False) -> dict[str, Any]:

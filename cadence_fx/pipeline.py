@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .binding import RETURN, Binding, OperatorBinding, Site, get_path, method_of, resolve, set_path, sites
+from .binding import RETURN, SELF, Binding, OperatorBinding, Site, get_path, method_of, resolve, set_path, sites
 from .catalog import Catalog, CatalogClass
 from .contract import DTYPES, Contract
 from .passes.hoist import HostConstantHoist
@@ -112,9 +112,24 @@ class _Step(torch.nn.Module):
     def forward(self, inputs: dict[str, Any], state: list):
         for site, value in zip(self.sites, state):
             set_path(self.roots, site.path, value)
-        out = self.method(**inputs, **self.roots)
+        out = self.method(**inputs, **_arguments(self.roots))
         leaves, _ = _structure(out, self.roots)
         return [x for x in leaves if isinstance(x, torch.Tensor)], _new_state(self.sites, self.roots, out)
+
+
+def _arguments(roots: dict[str, Any]) -> dict[str, Any]:
+    """The state roots that are the method's arguments (not the model itself)."""
+    return {name: value for name, value in roots.items() if name != SELF}
+
+
+def _private(roots: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the state roots for a trace: state objects copied whole, the model's modules copied
+    around the very same weight and buffer tensors (a traced write lands on the copy's attribute)."""
+    memo: dict[int, Any] = {}
+    model = roots.get(SELF)
+    if isinstance(model, torch.nn.Module):
+        memo.update({id(t): t for t in (*model.parameters(), *model.buffers())})
+    return copy.deepcopy(roots, memo)
 
 
 def _new_state(sites: list[Site], roots: dict[str, Any], out: Any) -> list:
@@ -185,6 +200,8 @@ class BoundOperator:
         self.counters.calls += 1
         arguments = self.signature.bind(*args, **kwargs).arguments
         roots = {name: arguments[name] for name in self.roots if name in arguments}
+        if SELF in self.roots:
+            roots[SELF] = self.model
         missing = self.roots - set(roots)
         if missing:
             raise TypeError(f"{self.ob.operator}: the call passes no {sorted(missing)}, where the binding keeps its state")
@@ -323,8 +340,9 @@ class BoundOperator:
         name = f"{self.ob.operator}[n={call.call},L={call.extent}]" + ("(flush)" if call.flush else "")
         cls = _Class(name, call, verify_left=self.binding.verify)
         started = time.perf_counter()
-        private = copy.deepcopy(roots)
-        step = _Step(self.model, self.method, private, self.sites)
+        private = _private(roots)
+        method = method_of(private[SELF], self.ob.method) if SELF in private else self.method
+        step = _Step(self.model, method, private, self.sites)
         example = [None if v is None else v.clone() for v in state]
         try:
             with torch.no_grad():
@@ -367,7 +385,7 @@ class BoundOperator:
 
     def _stock_call(self, roots, inputs):
         with torch.no_grad():
-            return self.method(**inputs, **roots)
+            return self.method(**inputs, **_arguments(roots))
 
     def _verify(self, cls: _Class, roots, inputs, state) -> Any:
         """The stock call on clones of the state beside the rewritten graph on the carries."""

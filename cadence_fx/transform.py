@@ -1,14 +1,14 @@
 """`transform(model, contract)`: the entry point, and the report it returns.
 
-The family's adapter (registered by `cadence_fx.models`) knows where the model keeps each region;
-the passes do the rewriting; this module derives the catalog, dispatches and reports.
+With a binding, the one pipeline (`pipeline.py`) runs on any model. Without one, the family's
+adapter, found through the family registry (`families.py`), knows where the model keeps each
+region. The passes do the rewriting; this module derives the catalog, dispatches and reports.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,10 +16,11 @@ from .audit import ShadowAuditor
 from .binding import Binding
 from .catalog import DEFAULT_BUDGET, Catalog, derive
 from .contract import Contract
+from .families import families, load
 from .pipeline import transform_bound
 from .report import format_bytes, format_table
 
-__all__ = ["Adapter", "TransformReport", "register_adapter", "transform"]
+__all__ = ["Adapter", "TransformReport", "transform"]
 
 
 @dataclass
@@ -108,12 +109,6 @@ class Adapter(abc.ABC):
         """Return the transformed model (the input left untouched) and the report."""
 
 
-_ADAPTERS: dict[str, Adapter] = {}
-
-
-def register_adapter(adapter: Adapter) -> Adapter:
-    _ADAPTERS[adapter.family] = adapter
-    return adapter
 
 
 def transform(
@@ -146,9 +141,10 @@ def transform(
             raise ValueError("a bound model's carries live in its rewritten graphs: capture=False has nothing to run")
         report = TransformReport(family=contract.family, catalog=catalog, auditor=ShadowAuditor() if audit else None)
         return transform_bound(model, contract, binding, catalog, report, replay=replay and not audit), report
-    if contract.family not in _ADAPTERS:
-        importlib.import_module("cadence_fx.models")  # adapters register themselves on import
-    adapter = _ADAPTERS.get(contract.family)
-    if adapter is None:
-        raise ValueError(f"no adapter for family {contract.family!r}; adapters: {sorted(_ADAPTERS)}")
+    declared = families().get(contract.family)
+    if declared is None or declared.adapter is None:
+        having = sorted(name for name, f in families().items() if f.adapter)
+        raise ValueError(f"no binding given, and {contract.family!r} is no family with its own adapter ({having}): "
+                         "pass transform(model, contract, binding) (README: Bring your own model)")
+    adapter = load(declared.adapter)
     return adapter.transform(model, contract, catalog, audit=audit, capture=capture, replay=replay)

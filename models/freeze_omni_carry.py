@@ -37,14 +37,14 @@ from cadence_fx.audit import ShadowAuditor
 from cadence_fx.capture import capture as export_operator
 from cadence_fx.catalog import Catalog, RegionDerivation
 from cadence_fx.contract import DTYPES, Contract
-from cadence_fx.determinism import pin_deterministic
+from cadence_fx.determinism import envelope, settings
 from cadence_fx.passes.carry import Carry
 from cadence_fx.passes.hoist import HostConstantHoist
 from cadence_fx.passes.state import Resize
 from cadence_fx.passes.window import Window, WindowCarry, rewrite_windows
 from cadence_fx.replay import ExactShapeReplay, ShapeClass, Signature, TensorSpec
 from cadence_fx.report import format_bytes
-from cadence_fx.transform import Adapter, TransformReport, register_adapter
+from cadence_fx.transform import Adapter, TransformReport
 
 from .freeze_omni_encoder import FreezeOmniEncoder, FreezeOmniEncoderConfig, InferStep
 
@@ -261,7 +261,8 @@ class FreezeOmniAdapter(Adapter):
             raise ValueError("freeze_omni: the carries live in the rewritten exported step, so capture cannot be skipped")
         _check_model(model, contract, catalog)
         report = TransformReport(family=self.family, catalog=catalog, auditor=ShadowAuditor() if audit else None)
-        report.determinism = pin_deterministic()
+        report.determinism = settings()
+        report.stamps.append(envelope())
         param = model.global_cmvn.mean
         regions = {region.name: catalog.region(region.name) for region in contract.regions}
         buffers = {}
@@ -324,7 +325,7 @@ class FreezeOmniAdapter(Adapter):
         return TransformedEncoder(model, graphs, carries, report, replay=replay), report
 
 
-register_adapter(FreezeOmniAdapter())
+ADAPTER = FreezeOmniAdapter()
 
 
 def reference_encoder(depth: str = "reduced"):
@@ -339,3 +340,19 @@ def reference_encoder(depth: str = "reduced"):
         raise ValueError(f"depth must be 'reduced' or 'full', got {depth!r}")
     config = FreezeOmniEncoderConfig.small() if depth == "reduced" else FreezeOmniEncoderConfig()
     return build_encoder(config), encoder_contract(config)
+
+
+def reference_stream(depth: str):
+    """The reference encoder, its contract, and a short stream through its transformed encoder, for
+    the CLI's diff: `stream(transformed, chunks)` runs `chunks` chunks and says what it ran."""
+    from .freeze_omni_encoder import stream_utterance
+
+    encoder, contract = reference_encoder(depth)
+
+    def stream(transformed, chunks: int) -> str:
+        c = encoder.config
+        feats = torch.randn(1, chunks * c.chunk_frames, c.input_dim, generator=torch.Generator().manual_seed(0))
+        stream_utterance(transformed, feats)
+        return f"one utterance of {chunks} chunks of random fbank features"
+
+    return encoder, contract, stream

@@ -52,12 +52,12 @@ import torch
 
 from cadence_fx.catalog import Catalog
 from cadence_fx.contract import DTYPES, Contract
-from cadence_fx.determinism import pin_deterministic
+from cadence_fx.determinism import envelope, settings
 from cadence_fx.passes.hoist import HostConstantHoist
 from cadence_fx.passes.state import Resize
 from cadence_fx.replay import ExactShapeReplay, ShapeClass, Signature, TensorSpec
 from cadence_fx.report import format_bytes
-from cadence_fx.transform import Adapter, TransformReport, register_adapter
+from cadence_fx.transform import Adapter, TransformReport
 
 from .moshi import moshi_contract
 
@@ -388,7 +388,8 @@ class MoshiAdapter(Adapter):
         mimi, lm = model.mimi, model.lm
         _check_model(model, contract)
         report = TransformReport(family=self.family, catalog=catalog)
-        report.determinism = pin_deterministic()
+        report.determinism = settings()
+        report.stamps.append(envelope())
         with torch.no_grad():
             for codebook in _used_codebooks(mimi):
                 if codebook._embedding is None:
@@ -448,4 +449,4 @@ class MoshiAdapter(Adapter):
         return TransformedMoshi(model, lm_gen, owned, glue, stages, depformer, report), report
 
 
-register_adapter(MoshiAdapter())
+ADAPTER = MoshiAdapter()

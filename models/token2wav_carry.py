@@ -30,12 +30,12 @@ from cadence_fx.capture import capture as export_operator
 from cadence_fx.catalog import Catalog
 from cadence_fx.contract import Contract
 from cadence_fx.passes.carry import Carry, find_retention_sites, rewrite_trims, stock_trim, trace_trim
-from cadence_fx.determinism import pin_deterministic
+from cadence_fx.determinism import envelope, settings
 from cadence_fx.passes.hoist import HostConstantHoist
 from cadence_fx.passes.piecewise import Piecewise
 from cadence_fx.passes.state import Envelope, apply_state_rule, shed_envelopes
 from cadence_fx.replay import ExactShapeReplay, ShapeClass, Signature, TensorSpec
-from cadence_fx.transform import Adapter, TransformReport, register_adapter
+from cadence_fx.transform import Adapter, TransformReport
 
 from .token2wav_stream import Prompt, StockStream
 
@@ -380,7 +380,8 @@ class Token2WavAdapter(Adapter):
         flow = copy.deepcopy(stock_flow, shed_envelopes(stock_flow, ENVELOPES))
         hift = None if stock_hift is None else copy.deepcopy(stock_hift)
         report = TransformReport(family=self.family, catalog=catalog, auditor=ShadowAuditor() if audit else None)
-        report.determinism = pin_deterministic()
+        report.determinism = settings()
+        report.stamps.append(envelope())
         device = stock_flow.decoder.att_cache_buffer.device
         resizes, stamp = apply_state_rule(flow, ENVELOPES, catalog, device=device)
         report.resizes.extend(resizes)
@@ -429,7 +430,7 @@ class Token2WavAdapter(Adapter):
         return TransformedFlow(flow, hift, contract, report), report
 
 
-register_adapter(Token2WavAdapter())
+ADAPTER = Token2WavAdapter()
 
 
 def contract_for_flow(flow: torch.nn.Module, prompt_frames: int) -> Contract:
@@ -459,3 +460,20 @@ def reference_flow(depth: str = "reduced", *, prompt_tokens: int | None = None):
     tokens = prompt_tokens or (51 if depth == "reduced" else PROMPT_TOKENS)
     flow = build_flow(layout)
     return flow, contract_for_flow(flow, 2 * tokens), tokens
+
+
+def reference_stream(depth: str):
+    """The reference flow, its contract, and a short stream through its transformed flow, for the
+    CLI's diff: `stream(transformed, chunks)` runs `chunks` chunks and says what it ran."""
+    from .token2wav_stream import random_chunks, random_prompt
+
+    flow, contract, prompt_tokens = reference_flow(depth)
+
+    def stream(transformed, chunks: int) -> str:
+        carried = CarryStream(transformed, random_prompt(0, n_tokens=prompt_tokens))
+        carried.setup()
+        for i, tokens in enumerate(random_chunks(0, chunks)):
+            carried.flow_chunk(tokens, last_chunk=i == chunks - 1)
+        return f"{chunks} chunks of random speech tokens after a {prompt_tokens}-token prompt, the last one flushing"
+
+    return flow, contract, stream

@@ -8,7 +8,8 @@ copy cannot be captured, so such a call has no graph until these copies are gone
 
 `HostConstantHoist` is a `CaptureHook`: while the engine probes and warms a class up, every copy
 of a CPU tensor to a device (`Tensor.to`, `Tensor.cuda`, `dst.copy_(cpu)`, `torch.tensor(...,
-device=...)`) is run once exactly as the stock code runs it (CPU value, then the same copy call),
+device=...)`, and in an exported graph the `aten.to.*`, `aten._to_copy` and `aten.copy_` calls
+they become) is run once exactly as the stock code runs it (CPU value, then the same copy call),
 and the device result is kept. During capture the same call site with the same CPU bytes gets that
 device buffer back, so the graph reads a resident constant and no bit changes. If the callable
 writes a handed-out constant in place, each call gets a device-side clone of it instead (captured
@@ -36,7 +37,7 @@ from cadence_fx.replay import NOT_HANDLED, CaptureContext, HoistedConstant, Miss
 __all__ = ["HostConstantHoist"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_SKIP_FILES = {__file__, sys.modules["cadence_fx.replay"].__file__}
+_SKIP_FILES = {__file__, sys.modules["cadence_fx.replay.capture"].__file__}
 _COPY_REASON = "host data: a per-call CPU tensor copied to the device"
 
 
@@ -65,10 +66,31 @@ def _device_of(value: Any) -> torch.device | None:
     return torch.device(value)
 
 
+_ATEN_TO = frozenset(getattr(torch.ops.aten.to, name) for name in torch.ops.aten.to.overloads()) | {
+    torch.ops.aten._to_copy.default}
+_COPIES = (torch.Tensor.copy_, torch.ops.aten.copy_.default)
+
+
+def _aten_target(func: torch._ops.OpOverload, args: tuple, kwargs: dict[str, Any]) -> tuple[torch.device | None, tuple]:
+    """The device an `aten.to.*` / `aten._to_copy` call copies to, and every argument but the
+    source (a tensor `other` by its device and dtype), by its schema's names."""
+    bound = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
+    other = bound.pop("other", None)
+    if isinstance(other, torch.Tensor):
+        bound.update(device=other.device, dtype=other.dtype)
+    bound.pop("self")
+    return _device_of(bound.get("device")), tuple(sorted(bound.items()))
+
+
 def _transfer(func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any] | None:
     """(CPU source, hashable description of the target) if this call copies a CPU tensor off the
     host, else None."""
-    if func is torch.Tensor.to and args and isinstance(args[0], torch.Tensor):
+    if func in _ATEN_TO and args and isinstance(args[0], torch.Tensor):
+        src = args[0]
+        device, target = _aten_target(func, args, kwargs)
+        if src.device.type == "cpu" and device is not None and device.type != "cpu":
+            return src, (str(func), target)
+    elif func is torch.Tensor.to and args and isinstance(args[0], torch.Tensor):
         src = args[0]
         try:
             device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
@@ -81,7 +103,7 @@ def _transfer(func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> 
         if src.device.type == "cpu":
             device = args[1] if len(args) > 1 else kwargs.get("device")
             return src, ("cuda", str(device))
-    elif func is torch.Tensor.copy_ and len(args) >= 2 and isinstance(args[1], torch.Tensor):
+    elif func in _COPIES and len(args) >= 2 and isinstance(args[1], torch.Tensor):
         dst, src = args[0], args[1]
         if src.device.type == "cpu" and dst.device.type != "cpu":
             return src, ("copy_", str(dst.device), dst.dtype)
@@ -139,19 +161,19 @@ class HostConstantHoist:
                 ctx.reject(MissReason.HOST_DATA, f"{_site()}: copies to the device a CPU tensor computed "
                                                  "from per-call host data; a graph would freeze it")
             key = (_site(), target, src.dtype, tuple(src.shape), src.stride(), _bytes(src))
-            return self._serve(ctx, key, func, args, kwargs, src_index=0 if func is not torch.Tensor.copy_ else 1)
+            return self._serve(ctx, key, func, args, kwargs)
         factory = _host_factory(func, args, kwargs)
         if factory is not None:
             host, target = factory
             key = (_site(), target, host.dtype, tuple(host.shape), host.stride(), _bytes(host))
-            return self._serve(ctx, key, func, args, kwargs, src_index=None)
+            return self._serve(ctx, key, func, args, kwargs)
         if ctx.has_host_data or self._derived:
             return self._propagate(ctx, func, args, kwargs)
         return NOT_HANDLED
 
-    def _serve(self, ctx: CaptureContext, key: tuple, func, args, kwargs, src_index: int | None) -> Any:
+    def _serve(self, ctx: CaptureContext, key: tuple, func, args, kwargs) -> Any:
         entry = self._entries.get(key)
-        if func is torch.Tensor.copy_:
+        if func in _COPIES:
             # dst.copy_(cpu): stage the CPU value as a device constant, then copy device to device.
             dst = args[0]
             if entry is None:
@@ -159,7 +181,7 @@ class HostConstantHoist:
                     ctx.reject(MissReason.UNCAPTURABLE, f"{key[0]}: host constant first seen during capture")
                 entry = self._entries[key] = _Entry(key[0], args[1].to(dst.device))
             ctx.add_constant(entry.record())
-            return dst.copy_(entry.device_value, *args[2:], **kwargs)
+            return func(dst, entry.device_value, *args[2:], **kwargs)
         if entry is None:
             if ctx.capturing:
                 ctx.reject(MissReason.UNCAPTURABLE, f"{key[0]}: host constant first seen during capture")

@@ -12,8 +12,9 @@ A cut whose result is a Python value (`.item()`) was baked into the following se
 replay re-checks it (a guard): if the value changed, a call without in-place effects is rewound
 (device RNG) and run eagerly (`cut_guard`); otherwise the engine raises `ReplayError`.
 
-Cut points are torch functions matched by identity (`CutPoint(torch.istft, ...)`), or a Python
-method an adapter names with `cut_method(owner, "attr", reason)`.
+Cut points are torch functions matched by identity (`CutPoint(torch.istft, ...)`), together with
+the aten operator an exported graph calls in their place (`aten.istft`), or a Python method an
+adapter names with `cut_method(owner, "attr", reason)`.
 """
 
 from __future__ import annotations
@@ -31,20 +32,23 @@ __all__ = ["CutPoint", "ISTFT", "ITEM", "DEFAULT_CUTS", "Piecewise", "cut_method
 
 @dataclass(frozen=True)
 class CutPoint:
-    """A torch function (matched by identity) that is run eagerly between graph segments."""
+    """A torch function (matched by identity) that is run eagerly between graph segments; `aten`
+    is the operator (every overload of it) that an exported graph calls instead."""
 
     target: Callable[..., Any]
     reason: str
     name: str = ""
+    aten: torch._ops.OpOverloadPacket | None = None
 
     @property
     def label(self) -> str:
         return self.name or getattr(self.target, "__qualname__", repr(self.target))
 
 
-ISTFT = CutPoint(torch.istft, "host sync: istft checks its window envelope on the host", "torch.istft")
+ISTFT = CutPoint(torch.istft, "host sync: istft checks its window envelope on the host", "torch.istft",
+                 torch.ops.aten.istft)
 ITEM = CutPoint(torch.Tensor.item, "host sync: .item() reads a device value on the host "
-                "(baked into the next segment and guarded on every replay)", "Tensor.item")
+                "(baked into the next segment and guarded on every replay)", "Tensor.item", torch.ops.aten.item)
 DEFAULT_CUTS: tuple[CutPoint, ...] = (ISTFT,)
 
 
@@ -54,9 +58,10 @@ class Piecewise:
     def __init__(self, cuts: Sequence[CutPoint] = DEFAULT_CUTS):
         self.cuts = tuple(cuts)
         self._by_target = {c.target: c for c in self.cuts}
+        self._by_target.update({c.aten: c for c in self.cuts if c.aten is not None})
 
     def intercept(self, ctx: CaptureContext, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
-        cut = self._by_target.get(func)
+        cut = self._by_target.get(func) or self._by_target.get(getattr(func, "overloadpacket", None))
         if cut is None:
             return NOT_HANDLED
         return ctx.cut(cut.label, cut.reason, func, args, kwargs)

@@ -112,20 +112,27 @@ def window_append(carry: WindowCarry, retained: torch.Tensor, new: torch.Tensor)
     return carry.view()
 
 
+def _tail(t: torch.Tensor, axis: int, keep: int) -> torch.Tensor:
+    """``t[..., -keep:]`` along `axis`: the whole of `t` while it is no longer than `keep`."""
+    n = t.shape[axis]
+    return t.narrow(axis, max(n - keep, 0), min(n, keep))
+
+
 def window_evict(carry: WindowCarry, operand: torch.Tensor, keep: int) -> torch.Tensor:
-    """``operand[..., -keep:]`` as the retained state: compacted to the carry's front in place."""
+    """``operand[..., -keep:]`` as the retained state: compacted to the carry's front in place
+    (nothing moves while the window is not yet full)."""
+    evicted = operand.shape[carry.axis] > keep
     retained = carry.keep(operand, ((-keep, None),))
     stock = carry._stock_operand
-    carry._audit(None if stock is None else stock.narrow(carry.axis, stock.shape[carry.axis] - keep, keep), evicted=True)
+    carry._audit(None if stock is None else _tail(stock, carry.axis, keep), evicted=evicted)
     return retained
 
 
 def window_keep(carry: WindowCarry, retained: torch.Tensor, full: torch.Tensor, keep: int) -> torch.Tensor:
     """``full[..., -keep:]`` (an operand built outside the carry) copied into the carry in place."""
     carry._check_retained(retained)
-    n = full.shape[carry.axis]
     kept = carry.keep(full, ((-keep, None),))
-    carry._audit(full.narrow(carry.axis, n - keep, keep), evicted=n > keep)
+    carry._audit(_tail(full, carry.axis, keep), evicted=full.shape[carry.axis] > keep)
     return kept
 
 

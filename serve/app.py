@@ -1,23 +1,30 @@
 """The FastAPI app: OpenAI Realtime over WebSocket, served by uvicorn.
 
 Routes: ``/v1/realtime`` (WebSocket; Tier 1 only, or the duplex extensions with ``?duplex=1``),
-``/v1/duplex`` (WebSocket, always duplex), ``/v1/models``, ``/health``.
+``/v1/duplex`` (WebSocket, always duplex), ``/v1/models``, ``/health``, and the browser page at
+``/`` (its files under ``/static``, shipped in the package).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import socket
+import ssl
 import threading
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, WebSocket
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.websockets import WebSocketDisconnect
 
 from .plugins import ModelPlugin, load_plugin
@@ -26,6 +33,11 @@ from .session import Connection, Limits, SessionManager, Transport
 log = logging.getLogger("cadence_fx.serve")
 
 CLOSE_SLOW_CONSUMER = 4008
+STATIC = Path(__file__).resolve().parent / "static"
+# OpenAI's browser clients offer these subprotocols (a browser cannot set headers on a WebSocket);
+# the handshake must echo "realtime". The key entry ("openai-insecure-api-key.<key>") is the
+# auth layer's to check, never echoed.
+REALTIME_SUBPROTOCOL = "realtime"
 
 
 class WebSocketTransport(Transport):
@@ -87,7 +99,8 @@ def create_app(plugin_factory: Callable[[], ModelPlugin], limits: Limits | None 
 
     async def serve_socket(ws: WebSocket, duplex: bool, session_id: str | None) -> None:
         manager: SessionManager = state["manager"]  # type: ignore[assignment]
-        await ws.accept()
+        offered = ws.scope.get("subprotocols", [])
+        await ws.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in offered else None)
         transport = WebSocketTransport(ws, limits.max_outbound_events)
         writer = asyncio.create_task(transport.run())
         connection = Connection(manager, transport, duplex)
@@ -137,6 +150,12 @@ def create_app(plugin_factory: Callable[[], ModelPlugin], limits: Limits | None 
             ],
         }
 
+    @app.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(STATIC / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
     @app.get("/health")
     async def health() -> dict:
         manager: SessionManager = state["manager"]  # type: ignore[assignment]
@@ -159,7 +178,15 @@ def frame_ceiling(limits: Limits) -> int:
     return 4 * limits.max_frame_bytes + (1 << 16)
 
 
-def uvicorn_config(app: FastAPI, host: str, port: int, limits: Limits) -> uvicorn.Config:
+@dataclass(frozen=True)
+class Tls:
+    """The PEM files uvicorn serves ``https://`` and ``wss://`` with."""
+
+    keyfile: str
+    certfile: str
+
+
+def uvicorn_config(app: FastAPI, host: str, port: int, limits: Limits, tls: Tls | None = None) -> uvicorn.Config:
     """The one uvicorn configuration of every server this package starts (``run_server``,
     ``cadence-fx serve``, ``background_server``)."""
     return uvicorn.Config(
@@ -170,16 +197,54 @@ def uvicorn_config(app: FastAPI, host: str, port: int, limits: Limits) -> uvicor
         ws_max_size=frame_ceiling(limits),
         log_level="warning",
         lifespan="on",
+        ssl_keyfile=None if tls is None else tls.keyfile,
+        ssl_certfile=None if tls is None else tls.certfile,
     )
 
 
 def run_server(
-    host: str, port: int, plugin_name: str, limits: Limits | None = None, options: dict[str, Any] | None = None
+    host: str,
+    port: int,
+    plugin_name: str,
+    limits: Limits | None = None,
+    tls: Tls | None = None,
+    on_ready: Callable[[str, dict], None] | None = None,
+    plugin_options: dict[str, object] | None = None,
 ) -> None:
-    """Serve until interrupted (``cadence-fx serve``); ``options`` go to the plugin (``weights``)."""
+    """Serve until interrupted (``cadence-fx serve``). ``on_ready(base_url, health)`` is called
+    once the model is loaded and ``/health`` answers."""
     limits = limits or Limits()
-    app = create_app(lambda: load_plugin(plugin_name, **(options or {})), limits)
-    uvicorn.Server(uvicorn_config(app, host, port, limits)).run()
+    app = create_app(lambda: load_plugin(plugin_name, **(plugin_options or {})), limits)
+    server = uvicorn.Server(uvicorn_config(app, host, port, limits, tls))
+    if on_ready is not None:
+        base = f"{'https' if tls else 'http'}://{f'[{host}]' if ':' in host else host}:{port}"
+        threading.Thread(target=_announce, args=(server, base, on_ready), name="ready", daemon=True).start()
+    server.run()
+
+
+def _announce(server: uvicorn.Server, base: str, on_ready: Callable[[str, dict], None]) -> None:
+    """Waits for uvicorn's startup (the plugin loads in the lifespan, before it), then for
+    ``/health`` to answer over the server's own scheme, then calls ``on_ready``."""
+    while not server.started:
+        if server.should_exit:
+            return
+        time.sleep(0.05)
+    probe = base.replace("://0.0.0.0:", "://127.0.0.1:").replace("://[::]:", "://[::1]:")
+    context = None
+    if base.startswith("https"):
+        # The probe talks to this very process, whose certificate may be self-signed.
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    while not server.should_exit:
+        try:
+            with urllib.request.urlopen(probe + "/health", timeout=2, context=context) as answer:
+                health = json.load(answer)
+        except OSError:
+            time.sleep(0.1)
+            continue
+        on_ready(base, health)
+        return
 
 
 @dataclass
@@ -190,14 +255,15 @@ class BackgroundServer:
     thread: threading.Thread
     host: str
     port: int
+    tls: Tls | None = None
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     @property
     def ws_url(self) -> str:
-        return f"ws://{self.host}:{self.port}"
+        return f"{'wss' if self.tls else 'ws'}://{self.host}:{self.port}"
 
     @property
     def manager(self) -> SessionManager:
@@ -229,12 +295,13 @@ def background_server(
     limits: Limits | None = None,
     host: str = "127.0.0.1",
     start_timeout_s: float = 120.0,
+    tls: Tls | None = None,
 ) -> Iterator[BackgroundServer]:
     """``start_timeout_s`` covers the plugin's startup (its ``reserve``), which a model may take a
     while over."""
     limits = limits or Limits()
     port = free_port(host)
-    server = uvicorn.Server(uvicorn_config(create_app(plugin_factory, limits), host, port, limits))
+    server = uvicorn.Server(uvicorn_config(create_app(plugin_factory, limits), host, port, limits, tls))
     thread = threading.Thread(target=server.run, name=f"uvicorn:{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout_s
@@ -244,7 +311,7 @@ def background_server(
         if time.monotonic() > deadline:
             raise RuntimeError(f"uvicorn did not start within {start_timeout_s:g} s")
         threading.Event().wait(0.01)
-    handle = BackgroundServer(server, thread, host, port)
+    handle = BackgroundServer(server, thread, host, port, tls)
     try:
         yield handle
     finally:

@@ -1,15 +1,18 @@
 """A client for the service: a thin Realtime socket, and a WAV streamer (``cadence-fx client``).
 
 ``run_client(url, wav_in, wav_out)`` streams a WAV file through a duplex session in real time,
-lets server VAD cut it into turns, and writes every reply, in order, to ``wav_out``.
+lets server VAD cut it into turns, and writes every reply, in order, to ``wav_out``. A refused
+connection, a wrong URL or an unreadable WAV raises ``ClientError`` with one sentence.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import sys
 import time
+import urllib.parse
 import wave
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -76,6 +79,11 @@ def write_wav(path: str | Path, pcm16: bytes, rate: int) -> None:
         wav.writeframes(pcm16)
 
 
+class ClientError(Exception):
+    """A client failure told in one sentence (no traceback): a refused connection, a wrong URL,
+    an unreadable WAV."""
+
+
 @dataclass
 class ClientReport:
     session_id: str = ""
@@ -85,6 +93,65 @@ class ClientReport:
     reply_s: float = 0.0
     first_audio_latency_s: list[float] = field(default_factory=list)  # speech_stopped -> first delta
     errors: list[dict] = field(default_factory=list)
+    failure: str | None = None  # why the session ended early (what was received is still written)
+
+    def summary(self, wav_out: str | Path) -> str:
+        """One line: what was written, how much reply audio, how fast it came."""
+        line = f"wrote {wav_out}: {self.responses_done} replies, {self.reply_s:.2f} s of reply audio"
+        if self.first_audio_latency_s:
+            latencies = sorted(self.first_audio_latency_s)
+            line += (
+                f"; first audio {1000 * latencies[len(latencies) // 2]:.0f} ms after the turn ended"
+                f" (median of {len(latencies)})"
+            )
+        if self.errors:
+            line += f"; {len(self.errors)} error events (first: {self.errors[0].get('message')})"
+        if self.failure:
+            line += f"; ended early: {self.failure}"
+        return line
+
+
+def route_url(url: str) -> tuple[str, bool]:
+    """The WebSocket URL for ``url`` (a server's base, or either route, over ws/wss or http/https)
+    and whether it speaks the duplex extensions; a ClientError for anything else."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = {"ws": "ws", "wss": "wss", "http": "ws", "https": "wss"}.get(parts.scheme)
+    if scheme is None or not parts.netloc:
+        raise ClientError(f"{url!r} is not a server URL: expected ws://HOST:PORT (or wss://, http://, https://)")
+    path = parts.path.rstrip("/")
+    if path == "":
+        path = "/v1/duplex"
+    elif path not in ("/v1/realtime", "/v1/duplex"):
+        raise ClientError(
+            f"{url!r} names no realtime route: expected the server's base URL, or one ending in /v1/realtime or /v1/duplex"
+        )
+    query = urllib.parse.parse_qs(parts.query)
+    duplex = path == "/v1/duplex" or query.get("duplex", ["0"])[0].lower() in ("1", "true", "yes", "on")
+    return urllib.parse.urlunsplit((scheme, parts.netloc, path, parts.query, "")), duplex
+
+
+async def _connect(url: str) -> RealtimeSocket:
+    """The socket, or a ClientError that says in one sentence why there is none."""
+    try:
+        return await RealtimeSocket.connect(url)
+    except websockets.InvalidStatus as exc:
+        status = exc.response.status_code
+        hint = " (no such route: is a cadence-fx serve listening there?)" if status == 404 else ""
+        raise ClientError(f"{url} refused the WebSocket handshake with HTTP {status}{hint}") from None
+    except ssl.SSLCertVerificationError as exc:
+        raise ClientError(
+            f"the certificate of {url} is not trusted ({exc.verify_message}); SSL_CERT_FILE=cert.pem trusts a self-signed one"
+        ) from None
+    except ssl.SSLError as exc:
+        raise ClientError(f"TLS with {url} failed ({exc.reason}): is the server serving wss:// there?") from None
+    except (websockets.InvalidHandshake, EOFError) as exc:
+        raise ClientError(f"{url} did not answer as a WebSocket server ({exc}): ws:// against a TLS server?") from None
+    except ConnectionRefusedError:
+        raise ClientError(f"could not connect to {url}: connection refused (is `cadence-fx serve` running there?)") from None
+    except (TimeoutError, asyncio.TimeoutError):
+        raise ClientError(f"could not connect to {url}: no answer within 5 s") from None
+    except OSError as exc:
+        raise ClientError(f"could not connect to {url}: {exc.strerror or exc}") from None
 
 
 def _print_progress(report: ClientReport, total_s: float) -> None:
@@ -105,7 +172,13 @@ async def stream_wav(
     tail_silence_s: float = 1.0,
     progress: Callable[[ClientReport, float], None] | None = _print_progress,
 ) -> ClientReport:
-    samples, rate = read_wav(wav_in)
+    """Streams ``wav_in`` to ``url`` (a route's WebSocket URL) and writes every reply, in order,
+    to ``wav_out``; whatever arrived is written even when the session ends early."""
+    url, duplex = route_url(url)
+    try:
+        samples, rate = read_wav(wav_in)
+    except (OSError, ValueError, EOFError, wave.Error) as exc:
+        raise ClientError(f"cannot read {wav_in} as a 16-bit PCM WAV: {exc}") from None
     audio = StreamResampler(rate, PCM24K.rate).process(samples)
     audio = np.concatenate([audio, np.zeros(int(tail_silence_s * PCM24K.rate), dtype=np.float32)])
     pcm = wire_audio.encode_samples(audio, PCM24K)
@@ -124,11 +197,7 @@ async def stream_wav(
             last_shown = time.monotonic()
             progress(report, total_s)
 
-    sock = await RealtimeSocket.connect(url)
-    created = await sock.recv()
-    if created["type"] != "session.created":
-        raise RuntimeError(f"expected session.created, got {created}")
-    report.session_id = created["session"]["id"]
+    sock = await _connect(url)
 
     async def send() -> None:
         start = time.monotonic()
@@ -171,21 +240,29 @@ async def stream_wav(
             show()
 
     try:
+        created = await sock.recv()
+        if created["type"] != "session.created":
+            raise ClientError(f"expected session.created first, got {created['type']}: {created.get('error', created)}")
+        report.session_id = created["session"]["id"]
         await asyncio.gather(send(), receive())
-        await sock.send(ev.SessionClose())
-        await sock.recv_until("session.closed", timeout=5.0)
+        if duplex:
+            await sock.send(ev.SessionClose())
+            await sock.recv_until("session.closed", timeout=5.0)
+    except websockets.ConnectionClosed as exc:
+        report.failure = f"the server closed the connection ({exc.rcvd.code if exc.rcvd else 'no close frame'})"
+    except (asyncio.TimeoutError, OSError) as exc:
+        report.failure = f"the connection failed ({type(exc).__name__})"
     finally:
         await sock.close()
-    show(final=True)
-    if progress is _print_progress:
-        sys.stderr.write("\n")
-    write_wav(wav_out, b"".join(bytes(replies[r]) for r in order), PCM24K.rate)
+        show(final=True)
+        if progress is _print_progress:
+            sys.stderr.write("\n")
+        write_wav(wav_out, b"".join(bytes(replies[r]) for r in order), PCM24K.rate)
     return report
 
 
 def run_client(url: str, wav_in: str | Path, wav_out: str | Path) -> ClientReport:
-    """Stream ``wav_in`` through a duplex session in real time and write the reply to ``wav_out``
-    (``cadence-fx client``). ``url`` is the server's base (``ws://host:port``) or a full route."""
-    if "/v1/" not in url:
-        url = url.rstrip("/") + "/v1/duplex"
+    """Stream ``wav_in`` through a session in real time and write the reply to ``wav_out``
+    (``cadence-fx client``). ``url`` is the server's base (``ws://host:port``, a duplex session)
+    or either route's full URL."""
     return asyncio.run(stream_wav(url, wav_in, wav_out))

@@ -45,7 +45,10 @@ def test_diff_prints_every_rewritten_site_and_writes_a_page(capsys, tmp_path):
     assert out.count("rewritten: in-place writes of ((0, 102), (-100, None)) into the carry") == 2
     assert "=== estimator_att_cache_trim ===" in out and "=== conformer_att_cache_trim ===" in out
     assert "removed nodes: cat x1, getitem x2" in out
-    assert page.read_text().startswith("<!DOCTYPE html>")
+    text = page.read_text()
+    assert text.startswith("<!DOCTYPE html>") and "://" not in text
+    assert 'data-graph="estimator_att_cache_trim"' in text and 'data-graph="conformer_att_cache_trim"' in text
+    assert "No replayed operator has been called yet" in text
 
 
 @pytest.mark.slow
@@ -56,13 +59,24 @@ def test_demo_streams_bit_identical_chunks(capsys):
     assert "all 6 chunks bit-identical to the vendor stream: True" in out
 
 
-def test_diff_of_freeze_omni_shows_its_window_rewrites(capsys):
-    assert main(["diff", "freeze_omni"]) == 0
+def test_diff_of_freeze_omni_shows_its_window_rewrites_and_certifies_both_classes(capsys, tmp_path):
+    page = tmp_path / "report.html"
+    assert main(["diff", "freeze_omni", "--chunks", "2", "--html", str(page)]) == 0
     out = capsys.readouterr().out
     assert "=== encoder_chunk[L=0] ===" in out and "=== encoder_chunk[L=4] ===" in out
     assert "retention sites" in out
+    assert "ExactShapeReplay encoder_chunk: 2 calls, 0 captures, 0 replays, 2 eager, 0 invalidations" in out
+    text = page.read_text()
+    assert "after a short stream: one utterance of 2 chunks of random fbank features." in text
+    assert text.count('<dl class="certificate admitted">') == 2
+
+
+def test_diff_refuses_a_negative_chunk_count(capsys):
+    with pytest.raises(SystemExit):
+        main(["diff", "freeze_omni", "--chunks", "-1"])
+    assert "expected a non-negative integer, got -1" in capsys.readouterr().err
 
 
 def test_diff_of_a_family_without_a_reference_model_says_so(capsys):
     assert main(["diff", "moshi"]) == 2
-    assert "the diff builds reference models for 'token2wav' and 'freeze_omni' only, got 'moshi'" in capsys.readouterr().err
+    assert "the diff builds reference models for ['freeze_omni', 'token2wav'] only, got 'moshi'" in capsys.readouterr().err

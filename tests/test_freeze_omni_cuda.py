@@ -2,7 +2,7 @@
 
 The transformed step (carries in place of the stock concat-and-slice retention) replays one CUDA
 graph per catalog class; every chunk of utterances crossing every class is `torch.equal` to the
-stock encoder's eager output, under the deterministic settings the transform pins. Two
+stock encoder's eager output, under the deterministic settings the test pins for both arms. Two
 configurations: the default (conv feed-forward, one left chunk: K = 2) and the released one
 (linear feed-forward, 16 left chunks: K = 17, so 17 exports and captures at full size).
 """
@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from cadence_fx import transform
+from cadence_fx import determinism, transform
 from cadence_fx.models.freeze_omni import encoder_contract
 from cadence_fx.models.freeze_omni_carry import class_name, reference_encoder
 from cadence_fx.models.freeze_omni_encoder import FreezeOmniEncoderConfig, build_encoder, stream_utterance
@@ -23,6 +23,14 @@ pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
 ]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _deterministic():
+    """The determinism envelope, pinned by the caller for both arms (a transform sets no switch)."""
+    with determinism.deterministic() as settings:
+        yield settings
+
 
 CHUNKS = (3, 6, 4)  # chunks per utterance: each crosses both classes
 MEASURED: dict[str, float] = {}  # recorded by bench/gpu_tests.py, never asserted

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from cadence_fx.passes.hoist import HostConstantHoist
-from cadence_fx.replay import CaptureContext, ExactShapeReplay, MissReason, Signature, _HookMode
+from cadence_fx.replay import CaptureContext, ExactShapeReplay, MissReason, Signature
+from cadence_fx.replay.capture import _HookMode
 
 META = torch.device("meta")
 
@@ -124,3 +126,66 @@ def test_without_the_hook_nothing_is_hoisted():
 def test_cpu_only_calls_have_no_host_constants():
     _, cert = _certify(TimestepEmbedder(), torch.rand(2))
     assert cert.host_constants == ()
+
+
+def _exported(module, *args, decompose=False):
+    program = torch.export.export(module, args, strict=False)
+    return (program.run_decompositions() if decompose else program).module()
+
+
+@pytest.mark.parametrize("decompose", [False, True], ids=["aten.to", "aten._to_copy"])
+def test_an_exported_graphs_host_to_device_copies_are_hoisted(decompose):
+    t = torch.rand(2, device=META)
+    graph = _exported(TimestepEmbedder(), t, decompose=decompose)
+    op = torch.ops.aten._to_copy.default if decompose else torch.ops.aten.to.device
+    assert op in [n.target for n in graph.graph.nodes]
+    _, cert = _certify(graph, t)
+    (const,) = cert.host_constants
+    assert (const.shape, const.dtype, const.device, const.nbytes, const.shared) == ((128,), torch.float32, "meta", 512, True)
+
+
+@pytest.mark.parametrize("decompose", [False, True], ids=["aten.to", "aten._to_copy"])
+def test_an_exported_vocoders_window_and_harmonic_table_are_both_hoisted(decompose):
+    f0 = torch.rand(1, 100, 1, device=META)
+    _, cert = _certify(_exported(Vocoder(), f0, decompose=decompose), f0)
+    assert sorted(c.shape for c in cert.host_constants) == [(1, 1, 9), (16,)]
+
+
+@pytest.mark.parametrize(
+    "copy",
+    [
+        lambda table, x: torch.ops.aten.to.device(table, x.device, table.dtype),
+        lambda table, x: torch.ops.aten.to.dtype_layout(table, dtype=torch.float64, layout=torch.strided, device=x.device),
+        lambda table, x: torch.ops.aten.to.other(table, x),
+        lambda table, x: torch.ops.aten._to_copy.default(table, device=x.device),
+        lambda table, x: torch.ops.aten.copy_.default(torch.empty(4, device=x.device), table),
+    ],
+    ids=["to.device", "to.dtype_layout", "to.other", "_to_copy", "copy_"],
+)
+def test_every_aten_copy_of_a_host_table_to_the_device_is_a_constant(copy):
+    def f(x):
+        return x * copy(torch.arange(4.0), x)
+
+    _, cert = _certify(f, torch.rand(4, device=META))
+    (const,) = cert.host_constants
+    assert const.shape == (4,) and const.device == "meta"
+
+
+def test_an_aten_copy_within_the_host_leaves_nothing_to_hoist():
+    def f(x):
+        return x * torch.ops.aten._to_copy.default(torch.arange(4.0), dtype=torch.float64)
+
+    _, cert = _certify(f, torch.rand(4, dtype=torch.float64))
+    assert cert.host_constants == ()
+
+
+def test_an_exported_graphs_copy_of_a_cpu_argument_is_a_cut_and_of_a_value_computed_from_one_a_refusal():
+    class Lengths(torch.nn.Module):
+        def forward(self, x, lengths):
+            return x * lengths.to(x.device), x * (lengths * 2).to(x.device)
+
+    x, lengths = torch.rand(3, device=META), torch.arange(3.0)
+    graph = _exported(Lengths(), x, lengths)
+    engine, cert = _certify(graph, x, lengths)
+    assert cert.host_constants == () and not cert.admitted
+    assert engine.counters.fallbacks == {MissReason.HOST_DATA.value: 1}

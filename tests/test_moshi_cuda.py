@@ -11,7 +11,7 @@ import torch
 
 from moshi.utils.compile import no_cuda_graph
 
-from cadence_fx import transform
+from cadence_fx import determinism, transform
 from cadence_fx.models.moshi_replay import contract_for
 from cadence_fx.models.moshi_stream import SMALL, build_models, random_pcm, stream_reference
 
@@ -19,6 +19,14 @@ pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
 ]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _deterministic():
+    """The determinism envelope, pinned by the caller for both arms (a transform sets no switch)."""
+    with determinism.deterministic() as settings:
+        yield settings
+
 
 FRAMES = 20
 STREAMS = [(True, 7), (False, 3), (True, 8)]  # (sampling, seed)

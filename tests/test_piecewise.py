@@ -80,3 +80,28 @@ def test_custom_cut_point_by_identity():
 def test_no_cut_without_the_hook():
     _, cert, _ = _certificate(ISTFTHead(), torch.randn(1, 18, 20), hooks=[])
     assert cert.cuts == ()
+
+
+def _exported(module, *args):
+    return torch.export.export(module, args, strict=False).module()
+
+
+def test_an_exported_graphs_istft_is_the_same_named_cut():
+    x = torch.randn(1, 18, 20)
+    graph = _exported(ISTFTHead(), x)
+    assert torch.ops.aten.istft.default in [n.target for n in graph.graph.nodes]
+    _, cert, out = _certificate(graph, x, hooks=[Piecewise(), HostConstantHoist()])
+    assert cert.cuts == (CutRecord("torch.istft", ISTFT.reason, 1),)
+    assert torch.equal(out, ISTFTHead()(x))
+
+
+def test_an_exported_graphs_item_is_the_same_named_cut_when_declared():
+    class Normalise(torch.nn.Module):
+        def forward(self, x):
+            return x / x.abs().max().item()
+
+    x = torch.randn(8)
+    _, cert, out = _certificate(_exported(Normalise(), x), x, hooks=[Piecewise([ITEM])])
+    assert cert.cuts == (CutRecord("Tensor.item", ITEM.reason, 1),)
+    assert torch.equal(out, Normalise()(x))
+

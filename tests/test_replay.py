@@ -58,6 +58,23 @@ def test_tensor_spec_keys_like_the_tensor_it_describes():
     assert Signature.of(TensorSpec((2, 80, 50), torch.float16), 3) != Signature.of(x, 3)
 
 
+def test_a_spec_on_the_current_cuda_device_keys_like_one_that_names_its_index():
+    # A tensor on the current CUDA device always reports its index (cuda:0), never bare "cuda".
+    index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    assert Signature.of(TensorSpec((2, 3), device="cuda")) == Signature.of(TensorSpec((2, 3), device=f"cuda:{index}"))
+    assert Signature.of(TensorSpec((2, 3), device="cuda")).leaves[0][4] == torch.device("cuda", index)
+
+
+def test_a_spec_of_a_zero_size_view_keys_like_the_view_so_a_streams_first_call_is_admitted():
+    carry = torch.zeros(1, 2, 8, 3)
+    empty = carry.narrow(2, 0, 0)  # nothing retained yet: a view of the carry's first 0 units
+    spec = TensorSpec(tuple(empty.shape), stride=tuple(empty.stride()))
+    assert Signature.of(spec) == Signature.of(empty)
+    engine = ExactShapeReplay(lambda kept: kept.sum(2), [Signature.of(spec)])
+    engine(empty)
+    assert engine.counters.fallbacks == {"no_cuda": 1}
+
+
 def scaled(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     return x * scale + 1
 
@@ -247,6 +264,39 @@ def test_a_copied_argument_that_views_module_state_is_refused():
     assert engine.counters.fallbacks == {"layout": 1}
     assert "args[0] ~ buffer cache" in engine.certificates["class0"].reason
     assert torch.equal(m.cache, torch.tensor([[0.0] * 8, [1.0] * 8, [1.0] * 8, [1.0] * 8]))
+
+
+@pytest.mark.parametrize(
+    ("make", "described"),
+    [(lambda: torch.randn(4, 16)[:, ::2], "args[0] (4, 8) strides (16, 2)"),
+     (lambda: torch.randn(4, 1).expand(4, 8), "args[0] (4, 8) strides (1, 0)")],
+    ids=["gaps", "repeated"],
+)
+@torch.no_grad()
+def test_a_copied_argument_that_is_not_dense_is_refused_as_not_dense(make, described):
+    x = make()
+    engine = ExactShapeReplay(scaled, [Signature.of(x, 2.0)])
+    assert torch.equal(engine(x, 2.0), scaled(x, 2.0))
+    assert engine.counters.fallbacks == {"layout": 1}
+    assert engine.certificates["class0"].reason == (
+        f"layout: {described} is not dense (its strides leave gaps or repeat elements): the engine stages "
+        "only dense tensors; declare it aliased or pass a dense tensor")
+
+
+@torch.no_grad()
+def test_an_aliased_argument_need_not_be_dense():
+    carry = torch.zeros(4, 16)
+    engine = ExactShapeReplay(carry_step, [Signature.of(torch.ones(4, 8), carry[:, :8])], aliased=[1])
+    engine(torch.ones(4, 8), carry[:, :8])
+    assert engine.counters.fallbacks == {"no_cuda": 1}
+    assert engine.certificates["class0"].admitted
+
+
+def test_module_state_holds_each_tensor_once_however_many_class_graphs_share_it():
+    m = Affine()
+    graphs = [torch.export.export(m, (torch.randn(n, 8),), strict=False).module() for n in (2, 3, 4)]
+    engine = ExactShapeReplay(graphs[0], lambda sig: True, modules=graphs)
+    assert [id(t) for t in engine.module_state] == [id(p) for p in m.parameters()]
 
 
 def test_rebinding_a_buffer_is_refused():

@@ -20,7 +20,7 @@ import torch
 from cadence_fx import determinism
 from cadence_fx.passes.hoist import HostConstantHoist
 from cadence_fx.passes.piecewise import Piecewise
-from cadence_fx.replay import ExactShapeReplay, Phase, ShapeClass, Signature
+from cadence_fx.replay import ExactShapeReplay, Phase, ShapeClass, Signature, TensorSpec
 
 pytestmark = [
     pytest.mark.cuda,
@@ -87,6 +87,14 @@ def test_replay_equals_eager_for_each_catalog_class(block):
             assert torch.equal(engine(fresh, 0.5), block(fresh, 0.5))
     assert engine.counters.captures == 2 and engine.counters.replays == 6 and engine.counters.eager == 0
     assert engine.phase("T=50") is Phase.REPLAY
+
+
+@torch.no_grad()
+def test_a_catalog_declared_on_bare_cuda_admits_tensors_on_the_current_device(block):
+    engine = ExactShapeReplay(block, [Signature.of(TensorSpec((2, 50, 256), device="cuda"), 0.5)])
+    x = torch.randn(2, 50, 256, device=DEVICE)
+    assert torch.equal(engine(x, 0.5), block(x, 0.5))
+    assert (engine.counters.captures, engine.counters.replays, engine.counters.eager) == (1, 1, 0)
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ from cadence_fx.models.token2wav import token2wav_contract
 from cadence_fx.models.token2wav_carry import ENVELOPES, CarryStream, reference_flow
 from cadence_fx.models.token2wav_stream import StockStream, build_hift, random_chunks, random_prompt
 from cadence_fx.passes.carry import rewrite_trims, trace_trim
+from pagekit import Page
 
 pytestmark = pytest.mark.slow
 
@@ -160,8 +161,49 @@ def test_the_diff_report_shows_every_rewritten_site(streamed, tmp_path):
     assert text.count("+carry_keep = carry_keep(") == 2
     assert "-cat = cat([getitem, getitem_1], dim=4)" in text
     assert "-cat = cat([getitem, getitem_1], dim=3)" in text
-    page = render_html(list(diffs.values()), "token2wav")
-    assert page.startswith("<!DOCTYPE html>") and "carry_keep" in page
+
+
+def test_the_report_page_draws_each_trim_rewrite_and_links_its_carry_to_the_site(streamed):
+    _, report = streamed
+    page = Page(render_html(report, report.catalog, stream="the streams of this module"))
+    assert page.errors == [] and page.external() == [] and "://" not in page.text
+    for name in ("estimator_att_cache_trim", "conformer_att_cache_trim"):
+        carry = "carry_" + name.removesuffix("_trim")
+        before, after = f"svg-{name}-before", f"svg-{name}-after"
+        assert set(page.svgs[before]) == {"cache", "getitem", "getitem_1", "cat", "output"}
+        assert page.marked(before, "removed") == {"getitem", "getitem_1", "cat"}
+        assert page.marked(before, "site") == {"cat"}
+        assert page.marked(after, "added") == {carry, "carry_keep"}
+        assert page.marked(after, "carry") == {carry}
+        assert page.marked(before, "changed") == page.marked(after, "changed") == {"output"}
+        assert page.links(after) == {carry: f"#site-{name}-cat", "carry_keep": f"#site-{name}-cat"}
+    # The DiT's buffers shrank to demand; its prepend concats are sites left in place.
+    assert page.marked("svg-dit_estimator-before", "changed") == {
+        "estimator_att_cache_buffer", "estimator_cnn_cache_buffer", "select_4", "select_8", "slice_7"}
+    assert page.marked("svg-dit_estimator-after", "site") == {"cat_4", "cat_5", "cat_10", "cat_11"}
+    assert page.marked("svg-dit_estimator-after", "added") == set()
+
+
+def test_the_report_page_lists_exactly_the_derivation_and_certifies_every_streamed_class(streamed):
+    _, report = streamed
+    catalog = report.catalog
+    page = Page(render_html(report, catalog))
+    assert page.values("data-region") == [r.name for r in catalog.regions]
+    assert page.values("data-carry") == ["estimator_att_cache", "conformer_att_cache"]
+    assert page.values("data-operator") == ["cfm_loop", "dit_estimator", "conformer_encoder", "hift"]
+    assert page.values("data-class") == [
+        f"{op}:{call}@{extent}{flush}" for op in ("cfm_loop", "dit_estimator", "conformer_encoder")
+        for call, extent, flush in ((50, 102, ""), (50, 152, ""), (50, 202, ""), (56, 202, ":flush"))
+    ] + ["hift:50@0", "hift:50@8", "hift:56@8:flush"]
+    assert page.values("data-replay-class") == [
+        "steady f=50 L=102", "steady f=50 L=152", "steady f=50 L=202", "flush f=56 L=202",
+        "steady L=102", "steady L=152", "steady L=202", "flush L=202",
+    ]
+    # Every class was called in the module's streams: each has its certificate, none refused.
+    assert page.text.count('<dl class="certificate admitted">') == 8
+    assert 'class="certificate refused"' not in page.text
+    assert page.text.count("No replay engine for this operator in this transform.") == 2
+    assert f"{report.auditor.retentions} retentions checked" in page.text and "<b>0 mismatches</b>" in page.text
 
 
 def test_a_contract_for_another_depth_is_refused(reference):

@@ -20,8 +20,11 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
         check=True,
     )
     (wheel,) = (tmp_path / "dist").glob("cadence_fx-*.whl")
-    top_level = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    names = zipfile.ZipFile(wheel).namelist()
+    top_level = {name.split("/")[0] for name in names}
     assert top_level == {"cadence_fx", wheel.name.split("-py")[0] + ".dist-info"}
+    page = {"index.html", "app.js", "capture-worklet.js", "style.css"}
+    assert {n.removeprefix("cadence_fx/serve/static/") for n in names if n.startswith("cadence_fx/serve/static/")} == page
 
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False)
@@ -38,7 +41,8 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
         "from cadence_fx import transform, derive, Contract, ContractError, ExactShapeReplay\n"
         "assert cadence_fx.__file__.startswith(%r), cadence_fx.__file__\n"
         "assert all(importlib.util.find_spec(n) is None for n in ('models', 'serve', 'passes'))\n"
-        "print(derive(cadence_fx.models.family_contract('token2wav')).operator('cfm_loop').width)\n"
+        "from cadence_fx.families import family, load\n"
+        "print(derive(load(family('token2wav').contract)()).operator('cfm_loop').width)\n"
     ) % str(env_dir)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([str(python), "-c", probe], check=True, capture_output=True, text=True, cwd=tmp_path, env=env)

@@ -50,8 +50,9 @@ request for all its frames); each new stream goes to the place with the fewest o
   and a CUDA context, and a single-threaded worker buys nothing when the work is on the device: a
   replayed tick launches a few CUDA graphs, and torch lets go of the GIL while it waits for the
   device, so the event loop stays responsive. The thread sets no process-wide torch option but
-  the vendor's no-compile flag (held while the plugin is open) and ``transform``'s deterministic
-  kernels. A CPU plugin can tick there too (``processes=0``), which the CPU tests use.
+  the vendor's no-compile flag (held while the plugin is open) and, on a GPU, deterministic
+  kernels (``pin_deterministic``, for the life of the process). A CPU plugin can tick there too
+  (``processes=0``), which the CPU tests use.
 
 The vendor samples from torch's default generator of the device, so each stream swaps its own
 generator states (the host's and, on a GPU, the device's) in for its ticks: one session's audio
@@ -99,6 +100,7 @@ import numpy as np
 import torch
 
 from cadence_fx import transform
+from cadence_fx.determinism import pin_deterministic
 from cadence_fx.models.moshi_checkpoint import MoshiCheckpoint, locate
 from cadence_fx.models.moshi_replay import TransformedMoshi, contract_for
 from cadence_fx.models.moshi_stream import (
@@ -331,6 +333,8 @@ class _InProcess(_Place):
     def _start(self, config: MoshiConfig, sampling: bool, device: str, checkpoint: MoshiCheckpoint | None) -> _Engine:
         torch.set_grad_enabled(False)  # this thread's mode only
         self._flags.enter_context(no_compile())  # process-wide, for as long as the plugin is open
+        if device == "cuda":
+            pin_deterministic()  # for the process's life: a stream is bit-exact against deterministic eager
         return _Engine(config, sampling, device, checkpoint)
 
     def submit(

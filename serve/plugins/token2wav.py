@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from cadence_fx import transform
+from cadence_fx.determinism import pin_deterministic
 from cadence_fx.models import token2wav_checkpoint as checkpoint
 from cadence_fx.models.token2wav_carry import (
     CarryStream,
@@ -169,6 +170,8 @@ class Token2WavPlugin(ModelPlugin):
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"{name} runs MiniCPM-o 4.5's Token2Wav at full size on a CUDA device, and "
                                "torch.cuda.is_available() is False here; `token2wav` is the reduced depth on the CPU")
+        if self.device.type == "cuda":
+            pin_deterministic()  # for the process's life: a stream is bit-exact against deterministic eager
         self.depth, self.seed, self.max_reply_chunks = depth, seed, max_reply_chunks
         self.weights = None if weights is None else str(weights)
         if weights is None:

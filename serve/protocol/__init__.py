@@ -6,7 +6,7 @@ This layer imports no engine, model or web framework (tests/serve/test_import_bo
 from . import events
 from .audio import PCM24K, PCMA, PCMU, AudioFormat, StreamResampler, parse_format
 from .codec import decode_command, decode_event, encode_command, encode_event, event_to_dict
-from .config import SessionConfig, TurnDetection
+from .config import ResponseParams, SessionConfig, TurnDetection
 from .errors import ERROR_CODES, ProtocolError
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "PCMU",
     "AudioFormat",
     "ProtocolError",
+    "ResponseParams",
     "SessionConfig",
     "StreamResampler",
     "TurnDetection",

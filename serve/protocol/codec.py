@@ -13,11 +13,9 @@ import types
 import typing
 from typing import Any
 
+from .config import known
 from .errors import ProtocolError
 from .events import COMMANDS, EVENTS, ClientCommand, ServerEvent
-
-_ITEM_TYPES = {"message", "function_call", "function_call_output"}
-_ROLES = {"user", "system", "assistant"}
 
 
 @functools.cache
@@ -86,18 +84,58 @@ def decode_command(text: str | bytes) -> ClientCommand:
         raise
 
 
+# GA item shapes: per item type, its own fields (beyond id, type, object, status) and which of them
+# are required; per message role, the content part types it may carry.
+_ITEM_COMMON = {"id", "type", "object", "status"}
+_ITEM_FIELDS = {
+    "message": ({"role", "content"}, {"role", "content"}),
+    "function_call": ({"name", "arguments", "call_id"}, {"name", "arguments"}),
+    "function_call_output": ({"call_id", "output"}, {"call_id", "output"}),
+}
+_PARTS = {
+    "system": {"input_text"},
+    "user": {"input_text", "input_audio", "input_image"},
+    "assistant": {"output_text", "output_audio"},
+}
+_PART_FIELDS = {"type", "text", "audio", "transcript", "image_url", "detail"}
+
+
 def _check_item(item: dict[str, Any]) -> None:
+    """``item`` has one GA conversation item's shape, or a ProtocolError names the field."""
     kind = item.get("type")
-    if kind not in _ITEM_TYPES:
-        raise ProtocolError("invalid_value", f"item.type must be one of {sorted(_ITEM_TYPES)}", "item.type")
-    if kind == "message":
-        if item.get("role") not in _ROLES:
-            raise ProtocolError("invalid_value", f"item.role must be one of {sorted(_ROLES)}", "item.role")
-        content = item.get("content")
-        if not isinstance(content, list) or not all(isinstance(c, dict) for c in content):
-            raise ProtocolError("invalid_value", "item.content must be a list of objects", "item.content")
-    if "id" in item and not isinstance(item["id"], str):
-        raise ProtocolError("invalid_value", "item.id must be a string", "item.id")
+    if kind not in _ITEM_FIELDS:
+        raise ProtocolError("invalid_value", f"item.type must be one of {sorted(_ITEM_FIELDS)}", "item.type")
+    own, required = _ITEM_FIELDS[kind]
+    known(item, own | _ITEM_COMMON, "item")
+    for key in sorted(required):
+        if key not in item:
+            raise ProtocolError("missing_field", f"a {kind} item requires field {key!r}", f"item.{key}")
+    for key in ("id", "name", "arguments", "call_id", "output"):
+        if key in item and not isinstance(item[key], str):
+            raise ProtocolError("invalid_value", f"item.{key} must be a string", f"item.{key}")
+    if item.get("object", "realtime.item") != "realtime.item":
+        raise ProtocolError("invalid_value", "item.object must be 'realtime.item'", "item.object")
+    if item.get("status", "completed") not in ("completed", "incomplete", "in_progress"):
+        raise ProtocolError("invalid_value", "item.status must be completed, incomplete or in_progress",
+                            "item.status")
+    if kind != "message":
+        return
+    role = item["role"]
+    if role not in _PARTS:
+        raise ProtocolError("invalid_value", f"item.role must be one of {sorted(_PARTS)}", "item.role")
+    content = item["content"]
+    if not isinstance(content, list) or not all(isinstance(c, dict) for c in content):
+        raise ProtocolError("invalid_value", "item.content must be a list of objects", "item.content")
+    for i, part in enumerate(content):
+        at = f"item.content[{i}]"
+        if part.get("type") not in _PARTS[role]:
+            raise ProtocolError(
+                "invalid_value", f"a {role} message's content type must be one of {sorted(_PARTS[role])}", f"{at}.type"
+            )
+        known(part, _PART_FIELDS, at)
+        for key, value in part.items():
+            if key != "type" and value is not None and not isinstance(value, str):
+                raise ProtocolError("invalid_value", f"{at}.{key} must be a string", f"{at}.{key}")
 
 
 def event_to_dict(event: ServerEvent, *, duplex: bool) -> dict[str, Any]:

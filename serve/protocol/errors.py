@@ -8,6 +8,7 @@ ERROR_CODES = frozenset(
         "invalid_json",
         "frame_too_large",
         "unknown_event_type",
+        "unknown_parameter",
         "missing_field",
         "invalid_value",
         "invalid_base64",
@@ -25,6 +26,11 @@ ERROR_CODES = frozenset(
         "conversation_already_has_active_response",
         "response_cancel_not_active",
         "item_not_found",
+        # OpenAI's codes for a missing or duplicate item, which clients match on (pipecat, livekit)
+        "item_retrieve_invalid_item_id",
+        "item_truncate_invalid_item_id",
+        "item_delete_invalid_item_id",
+        "item_create_duplicate_item_id",
         "server_error",
     }
 )

@@ -239,6 +239,8 @@ class ResponseCreated(ServerEvent):
     response: dict
     epoch: int | None = _t2()
     turn_id: int | None = _t2()
+    # The response's own instructions (response.create), which GA's response object has no field for.
+    instructions: str | None = _t2()
 
 
 @dataclass(kw_only=True)

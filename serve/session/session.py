@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..plugins import ModelPlugin
-from ..protocol import ProtocolError, SessionConfig, StreamResampler, encode_event
+from ..protocol import ProtocolError, ResponseParams, SessionConfig, StreamResampler, encode_event
 from ..protocol import audio as wire_audio
 from ..protocol import events as ev
 from .journal import Journal
@@ -127,10 +127,14 @@ class _Response:
     item_id: str
     epoch: int
     turn_id: int
-    output_format: wire_audio.AudioFormat
+    params: ResponseParams
     previous_item_id: str | None
     out_samples: int = 0  # delivered, in output-format samples
     acked_ms: int = 0
+
+    @property
+    def output_format(self) -> wire_audio.AudioFormat:
+        return self.params.output_format
 
 
 class Session:
@@ -387,12 +391,15 @@ class Session:
     # ------------------------------------------------------------ commands
 
     async def _session_update(self, cmd: ev.SessionUpdate) -> None:
-        config = self.config.apply(cmd.session)
-        if config.input_format != self.config.input_format:
-            self._resampler = StreamResampler(config.input_format.rate, self.plugin.info.input_rate)
+        config, old = self.config.apply(cmd.session), self.config
         self.config = config
-        self._vad = self._new_vad(self._vad.samples if self._vad is not None else 0)
-        self._vad_item_id = None
+        if config.input_format != old.input_format:
+            self._resampler = StreamResampler(config.input_format.rate, self.plugin.info.input_rate)
+        # The VAD is rebuilt only when what it runs on changed: an update of anything else (a
+        # client's tracing update, say) must not restart a turn mid-speech.
+        if config.turn_detection != old.turn_detection or config.input_format.rate != old.input_format.rate:
+            self._vad = self._new_vad(self._vad.samples if self._vad is not None else 0)
+            self._vad_item_id = None
         self.emit(ev.SessionUpdated(session=self._session_wire()))
 
     async def _append(self, cmd: ev.InputAudioBufferAppend) -> None:
@@ -490,24 +497,28 @@ class Session:
     async def _item_create(self, cmd: ev.ConversationItemCreate) -> None:
         item = dict(cmd.item)
         if any(i["id"] == item.get("id") for i in self.history):
-            raise ProtocolError("invalid_value", f"item id {item['id']!r} already exists", "item.id")
+            raise ProtocolError("item_create_duplicate_item_id", f"Item with id {item['id']!r} already exists.", "item.id")
         previous = cmd.previous_item_id
-        if previous is not None and self._find(previous) is None:
+        if previous is not None and previous != "root" and self._find(previous) is None:
             raise ProtocolError("item_not_found", f"no item {previous!r}", "previous_item_id")
         item.setdefault("id", _new_id("item"))
         item["object"] = "realtime.item"
         item.setdefault("status", "completed")
-        self._add_item(item, previous if previous is not None else (self.history[-1]["id"] if self.history else None))
+        if previous is None:
+            previous = self.history[-1]["id"] if self.history else None
+        elif previous == "root":  # GA: insert at the start of the conversation
+            previous = None
+        self._add_item(item, previous)
 
     async def _item_retrieve(self, cmd: ev.ConversationItemRetrieve) -> None:
-        item = self._require_item(cmd.item_id)
+        item = self._require_item(cmd.item_id, "retrieve")
         if cmd.item_id in self._user_audio:
             audio = wire_audio.b64encode(self._user_audio[cmd.item_id])
             item = {**item, "content": [{"type": "input_audio", "transcript": None, "audio": audio}]}
         self.emit(ev.ConversationItemRetrieved(item=item))
 
     async def _item_truncate(self, cmd: ev.ConversationItemTruncate) -> None:
-        self._require_item(cmd.item_id)
+        self._require_item(cmd.item_id, "truncate")
         response = next((r for r in self.responses.values() if r.item_id == cmd.item_id), None)
         if response is None:
             raise ProtocolError("invalid_value", "only assistant audio items can be truncated", "item_id")
@@ -522,16 +533,19 @@ class Session:
         self.emit(ev.ConversationItemTruncated(item_id=cmd.item_id, content_index=0, audio_end_ms=cmd.audio_end_ms))
 
     async def _item_delete(self, cmd: ev.ConversationItemDelete) -> None:
-        item = self._require_item(cmd.item_id)
+        item = self._require_item(cmd.item_id, "delete")
         self.history.remove(item)
         self._user_audio.pop(cmd.item_id, None)
         self.ledgers.history_items = len(self.history)
         self.emit(ev.ConversationItemDeleted(item_id=cmd.item_id))
 
     async def _response_create(self, cmd: ev.ResponseCreate | None = None) -> None:
+        params = ResponseParams.parse(None if cmd is None else cmd.response, self.config)
         if self.active is not None:
             raise ProtocolError(
-                "conversation_already_has_active_response", f"response {self.active.id} is still in progress"
+                "conversation_already_has_active_response",
+                f"Conversation already has an active response in progress: {self.active.id}. "
+                "Wait until the response is finished before creating a new one.",
             )
         await self._flush_frame()
         await self.port.call(self.stream.begin_response)
@@ -542,7 +556,7 @@ class Session:
             item_id=item_id,
             epoch=self.epoch,
             turn_id=self.turn_id,
-            output_format=self.config.output_format,
+            params=params,
             previous_item_id=previous,
         )
         self.active = resp
@@ -551,12 +565,16 @@ class Session:
         self.ledgers.responses.created += 1
         self.emit(
             ev.ResponseCreated(
-                response=self._response_wire(resp, "in_progress", []), epoch=resp.epoch, turn_id=resp.turn_id
+                response=self._response_wire(resp, "in_progress", []),
+                epoch=resp.epoch,
+                turn_id=resp.turn_id,
+                instructions=params.instructions,
             )
         )
         item = _assistant_item(item_id, "in_progress", [])
         self.emit(ev.ResponseOutputItemAdded(response_id=resp.id, output_index=0, item=item))
-        self._add_item(item, previous, done=False)
+        if params.in_conversation:
+            self._add_item(item, previous, done=False)
         self.emit(
             ev.ResponseContentPartAdded(
                 response_id=resp.id,
@@ -570,7 +588,8 @@ class Session:
 
     async def _response_cancel(self, cmd: ev.ResponseCancel) -> None:
         if self.active is None or (cmd.response_id is not None and cmd.response_id != self.active.id):
-            raise ProtocolError("response_cancel_not_active", "no such response is in progress", "response_id")
+            # OpenAI's wording: clients match on its prefix ("Cancellation failed").
+            raise ProtocolError("response_cancel_not_active", "Cancellation failed: no active response found", "response_id")
         await self._cancel("client_cancelled")
 
     async def _output_clear(self, cmd: ev.OutputAudioBufferClear) -> None:
@@ -734,7 +753,8 @@ class Session:
         self.emit(ev.ResponseOutputAudioDone(**common, epoch=resp.epoch))
         self.emit(ev.ResponseContentPartDone(**common, part={"type": "audio", "transcript": ""}))
         self.emit(ev.ResponseOutputItemDone(response_id=resp.id, output_index=0, item=item))
-        self.emit(ev.ConversationItemDone(item=item, previous_item_id=resp.previous_item_id))
+        if resp.params.in_conversation:
+            self.emit(ev.ConversationItemDone(item=item, previous_item_id=resp.previous_item_id))
         playback = {
             "audio_samples": resp.out_samples,
             "audio_ms": resp.output_format.ms(resp.out_samples),
@@ -841,12 +861,12 @@ class Session:
             "status": status,
             "status_details": details,
             "output": output,
-            "conversation_id": self.conversation_id,
+            "conversation_id": self.conversation_id if resp.params.in_conversation else None,
             "output_modalities": ["audio"],
             "max_output_tokens": "inf",
-            "audio": {"output": {"format": resp.output_format.to_wire(), "voice": self.config.voice}},
+            "audio": {"output": {"format": resp.output_format.to_wire(), "voice": resp.params.voice}},
             "usage": None,
-            "metadata": None,
+            "metadata": resp.params.metadata,
         }
 
     def _add_item(self, item: dict, previous: str | None, done: bool = True) -> None:
@@ -860,10 +880,15 @@ class Session:
     def _find(self, item_id: str) -> dict | None:
         return next((item for item in self.history if item["id"] == item_id), None)
 
-    def _require_item(self, item_id: str) -> dict:
+    def _require_item(self, item_id: str, verb: str) -> dict:
+        """The item, or OpenAI's error for ``verb`` (retrieve, truncate, delete) on a missing one."""
         item = self._find(item_id)
         if item is None:
-            raise ProtocolError("item_not_found", f"no item {item_id!r}", "item_id")
+            raise ProtocolError(
+                f"item_{verb}_invalid_item_id",
+                f"Error {verb.removesuffix('e')}ing item: the item with id '{item_id}' does not exist.",
+                "item_id",
+            )
         return item
 
 

@@ -61,7 +61,7 @@ BAD_FRAMES = [
         "session_not_found",
         "session_id",
     ),
-    ('{"type": "conversation.item.retrieve", "item_id": "item_nope"}', "item_not_found", "item_id"),
+    ('{"type": "conversation.item.retrieve", "item_id": "item_nope"}', "item_retrieve_invalid_item_id", "item_id"),
     ('{"type": "input_audio_buffer.commit"}', "input_audio_buffer_commit_empty", None),
     ('{"type": "response.cancel"}', "response_cancel_not_active", "response_id"),
 ]

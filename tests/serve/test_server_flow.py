@@ -266,7 +266,10 @@ def test_conversation_items_create_retrieve_truncate_delete(server, question_pcm
     assert (truncated["type"], truncated["audio_end_ms"]) == ("conversation.item.truncated", 200)
     assert (too_far["error"]["code"], too_far["error"]["param"]) == ("invalid_value", "audio_end_ms")
     assert (deleted["type"], deleted["item_id"]) == ("conversation.item.deleted", turn[0]["item_id"])
-    assert missing["error"]["code"] == "item_not_found"
+    assert (missing["error"]["code"], missing["error"]["message"]) == (
+        "item_delete_invalid_item_id",
+        f"Error deleting item: the item with id '{turn[0]['item_id']}' does not exist.",
+    )
 
 
 def test_clear_discards_the_buffer_and_is_accounted(server, question_pcm):

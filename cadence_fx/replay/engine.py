@@ -1,479 +1,55 @@
-"""Compute rule: exact-shape CUDA-graph replay with fail-closed admission (DESIGN.md section 2.4).
-
-`ExactShapeReplay` wraps a hot callable (an nn.Module, a GraphModule, a function) together with
-its catalog: the finite set of `Signature`s the contract says it will be called with. One CUDA
-graph is captured per catalog class, at exact shapes (never padded), all classes of one binding
-sharing one graph memory pool. Every call is admitted or refused, and a refused call runs the
-stock callable eagerly and is counted under its reason:
-
-1. signature: shapes, strides, dtypes, devices, requires_grad, memory formats, the structure of
-   the arguments and every non-tensor argument must match a catalog class exactly; an argument
-   the engine cannot key on (an arbitrary object, a tensor subclass, a sparse tensor) means eager;
-2. address stability: arguments declared `aliased` (contract-owned regions such as the carry) are
-   read and written by the graph in place, with no staging copy, so their `data_ptr` is checked on
-   every call; drift drops the class's graph, records an invalidation and runs that call eagerly;
-   the next call recaptures at the new address. Module parameters and buffers are checked the
-   same way. Every other tensor argument is copied into a static buffer per call;
-3. effects, certified once per class before capture: a probationary eager call watches the host
-   RNGs and the CUDA generators and is then rewound (RNG state and every tensor it wrote), so it
-   is invisible. Host-RNG readers are rejected for good (a graph would freeze the drawn values).
-   Device-RNG readers are admitted: PyTorch registers the default CUDA generator with each graph
-   and feeds each replay the generator's current seed and Philox offset, advancing it by the
-   graph's whole increment, so a replay draws exactly what eager would have drawn from the same
-   state, and the first call after capture is itself a replay.
-
-Life of one class, in three visible phases: `eager` (not yet certified, refused, or invalidated),
-`capture` (probe, warm-up on a side stream, capture; the capturing call's output already comes
-from replaying the fresh graph) and `replay`.
-
-Output rule. `output_rule="clone"` (the default) hands back clones of the graph's static outputs,
-so no caller ever holds memory that a later replay overwrites. `output_rule="static"` hands back
-the graph's own output tensors, valid until the next call of the same class, which overwrites them
-in place (zero copies; for callers that consume an output before the next call). In both rules an
-output that is a view of an aliased argument or of module state is returned as that view, as eager
-would. A copied argument that the callable writes in place is written back after each replay.
-
-Policy that decides how capture treats individual operators is injected as `CaptureHook`s (host
-constants: `cadence_fx.passes.hoist`; cuts around operators that cannot be captured:
-`cadence_fx.passes.piecewise`). A cut ends the current graph segment; at replay the segments are
-replayed in order with the cut operator run eagerly between them on their static buffers.
-
-Without CUDA (or for a class whose tensors are not on a CUDA device) admission, certification and
-counters work the same, and every admitted call runs eagerly, counted as `no_cuda`: nothing
-pretends to replay.
-"""
+"""The engine: `ExactShapeReplay`, the admission of every call and the life of each class in three
+visible phases (eager, capture, replay); the package docstring says what each phase checks."""
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import enum
 import gc
 import logging
-import warnings
-import weakref
-from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence, Union
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from cadence_fx.determinism import RngState, StateSnapshot
 
-__all__ = [
-    "MissReason",
-    "Phase",
-    "TensorSpec",
-    "Signature",
-    "ShapeClass",
-    "Miss",
-    "HoistedConstant",
-    "CutRecord",
-    "Certificate",
-    "ReplayCounters",
-    "CaptureContext",
-    "CaptureHook",
-    "NOT_HANDLED",
-    "ReplayError",
-    "ExactShapeReplay",
-    "current_capture",
-    "HostCounters",
-]
+from .capture import (
+    _BUSY,
+    _CURRENT,
+    CaptureContext,
+    CaptureHook,
+    _GraphStep,
+    _GuardFailure,
+    _HookMode,
+    _Recorder,
+    _Rejected,
+)
+from .certificate import Certificate, CutRecord
+from .counters import ReplayCounters
+from .signature import (
+    _T,
+    Catalog,
+    Miss,
+    MissReason,
+    ShapeClass,
+    Signature,
+    _context,
+    _dense,
+    _flatten,
+    _leaf_key,
+    _leaf_owners,
+    _unflatten,
+)
 
 log = logging.getLogger("cadence_fx.replay")
-
-
-class MissReason(str, enum.Enum):
-    """Why a call ran eagerly. Counter keys are the string values."""
-
-    STRUCTURE = "structure"
-    DEVICE = "device"
-    DTYPE = "dtype"
-    SHAPE = "shape"
-    MEMORY_FORMAT = "memory_format"
-    STRIDE = "stride"
-    REQUIRES_GRAD = "requires_grad"
-    SCALAR = "scalar"
-    UNKEYABLE = "unkeyable"
-    NOT_IN_CATALOG = "not_in_catalog"
-    POINTER_DRIFT = "pointer_drift"
-    HOST_RNG = "host_rng"
-    STATE_REBIND = "state_rebind"
-    AUTOGRAD = "autograd"
-    LAYOUT = "layout"
-    HOST_DATA = "host_data"
-    UNCAPTURABLE = "uncapturable"
-    CUT_GUARD = "cut_guard"
-    NESTED = "nested"
-    NO_CUDA = "no_cuda"
 
 
 class Phase(str, enum.Enum):
     EAGER = "eager"
     CAPTURE = "capture"
     REPLAY = "replay"
-
-
-# ---------------------------------------------------------------------------------------------
-# Signatures
-
-_SCALAR_TYPES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
-                 torch.memory_format, torch.layout, enum.Enum)
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-# A leaf key is a plain tuple (cheap to build on every call):
-#   ("T", shape, stride, dtype, device, requires_grad, memory_format)  or  ("S", type, value).
-_T, _S = "T", "S"
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A tensor argument of a catalog signature, described without allocating it.
-
-    `stride=None` means contiguous. The catalog code builds one per hot-operator input from the
-    contract's region extents.
-    """
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype = torch.float32
-    device: torch.device | str = "cpu"
-    stride: tuple[int, ...] | None = None
-    requires_grad: bool = False
-
-    def key(self) -> tuple:
-        shape = tuple(int(s) for s in self.shape)
-        stride = _layout_strides(shape, tuple(self.stride)) if self.stride is not None else _contiguous_strides(shape)
-        fmt = "contiguous" if stride == _contiguous_strides(shape) else "strided"
-        return (_T, shape, stride, self.dtype, torch.device(self.device), self.requires_grad, fmt)
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(strides))
-
-
-def _memory_format(t: torch.Tensor) -> str:
-    if t.is_contiguous():
-        return "contiguous"
-    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
-        return "channels_last"
-    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
-        return "channels_last_3d"
-    return "strided"
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Non-overlapping and dense: some permutation of `t` is contiguous, so it can be staged."""
-    expected = 1
-    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _layout_strides(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...]:
-    """Strides with those of size-1 dimensions canonicalised: a size-1 dimension is never stepped
-    over, so its stride addresses nothing (``x[..., -n:].clone()`` keeps arbitrary ones)."""
-    contiguous = _contiguous_strides(shape)
-    return tuple(c if n == 1 else st for n, st, c in zip(shape, stride, contiguous))
-
-
-def _leaf_key(x: Any) -> tuple | None:
-    if isinstance(x, torch.Tensor):
-        if type(x) not in _PLAIN_TENSORS or x.layout is not torch.strided:
-            return None
-        shape = tuple(x.shape)
-        return (_T, shape, _layout_strides(shape, x.stride()), x.dtype, x.device, x.requires_grad, _memory_format(x))
-    if isinstance(x, _SCALAR_TYPES):
-        return (_S, type(x), x)
-    if isinstance(x, TensorSpec):
-        return x.key()
-    return None
-
-
-def _is_leaf(x: Any) -> bool:
-    return isinstance(x, (torch.Tensor, TensorSpec)) or isinstance(x, _SCALAR_TYPES)
-
-
-def _flatten(args: tuple, kwargs: Mapping[str, Any]) -> tuple[list[Any], tuple]:
-    """Leaves of (args, kwargs) and a hashable spec: one (key, TreeSpec | None) per argument.
-
-    Keyword arguments are flattened in sorted order, so their order at the call site is no key.
-    """
-    leaves: list[Any] = []
-    spec = []
-    for i, a in enumerate(args):
-        if _is_leaf(a):
-            leaves.append(a)
-            spec.append((i, None))
-        else:
-            sub, ts = pytree.tree_flatten(a)
-            leaves.extend(sub)
-            spec.append((i, ts))
-    for k in sorted(kwargs):
-        a = kwargs[k]
-        if _is_leaf(a):
-            leaves.append(a)
-            spec.append((k, None))
-        else:
-            sub, ts = pytree.tree_flatten(a)
-            leaves.extend(sub)
-            spec.append((k, ts))
-    return leaves, tuple(spec)
-
-
-def _unflatten(leaves: Sequence[Any], spec: tuple) -> tuple[tuple, dict[str, Any]]:
-    args, kwargs, i = [], {}, 0
-    for key, ts in spec:
-        if ts is None:
-            value, i = leaves[i], i + 1
-        else:
-            value = pytree.tree_unflatten(list(leaves[i:i + ts.num_leaves]), ts)
-            i += ts.num_leaves
-        if isinstance(key, int):
-            args.append(value)
-        else:
-            kwargs[key] = value
-    return tuple(args), kwargs
-
-
-def _leaf_owners(spec: tuple) -> list[int | str]:
-    owners: list[int | str] = []
-    for key, ts in spec:
-        owners.extend([key] * (1 if ts is None else ts.num_leaves))
-    return owners
-
-
-def _leaf_names(spec: tuple) -> list[str]:
-    names = []
-    for key, ts in spec:
-        base = f"args[{key}]" if isinstance(key, int) else key
-        if ts is None:
-            names.append(base)
-            continue
-        dummy = pytree.tree_unflatten(list(range(ts.num_leaves)), ts)
-        names.extend(base + pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(dummy)[0])
-    return names
-
-
-def _context() -> tuple:
-    autocast = torch.is_autocast_enabled("cuda")
-    return (torch.is_grad_enabled(), torch.get_autocast_dtype("cuda") if autocast else None)
-
-
-_FIELDS = ((MissReason.DEVICE, 4), (MissReason.DTYPE, 3), (MissReason.SHAPE, 1),
-           (MissReason.MEMORY_FORMAT, 6), (MissReason.STRIDE, 2), (MissReason.REQUIRES_GRAD, 5))
-
-
-@dataclass(frozen=True)
-class Signature:
-    """The exact key of one call: one key per argument leaf, the argument structure, and the
-    grad/autocast context the call runs under (graphs captured under one context are never
-    replayed under another; the context is not part of catalog matching)."""
-
-    leaves: tuple[tuple, ...]
-    spec: tuple
-    context: tuple = (False, None)
-
-    @classmethod
-    def of(cls, *args: Any, **kwargs: Any) -> Signature:
-        """Signature of a call with these arguments (tensors or `TensorSpec`s and scalars)."""
-        leaves, spec = _flatten(args, kwargs)
-        keys = []
-        for name, x in zip(_leaf_names(spec), leaves):
-            k = _leaf_key(x)
-            if k is None:
-                raise TypeError(f"{name}: cannot key on {type(x).__name__}")
-            keys.append(k)
-        return cls(tuple(keys), spec, _context())
-
-    @property
-    def catalog_key(self) -> tuple:
-        return (self.leaves, self.spec)
-
-    def names(self) -> list[str]:
-        return _leaf_names(self.spec)
-
-    def describe(self) -> str:
-        parts = []
-        for name, k in zip(self.names(), self.leaves):
-            if k[0] == _T:
-                fmt = "" if k[6] == "contiguous" else f" {k[6]} stride={k[2]}"
-                grad = " requires_grad" if k[5] else ""
-                parts.append(f"{name}: {str(k[3]).removeprefix('torch.')}{list(k[1])} {k[4]}{fmt}{grad}")
-            else:
-                parts.append(f"{name}={k[2]!r}")
-        return ", ".join(parts)
-
-    def diff(self, expected: Signature) -> tuple[MissReason, tuple[str, ...]]:
-        """Why `self` (actual) is not `expected`: the first reason and every mismatch, printed
-        as expected against actual."""
-        if self.spec != expected.spec:
-            return MissReason.STRUCTURE, (f"structure: expected {_structure(expected.spec)}, "
-                                          f"got {_structure(self.spec)}",)
-        lines: list[str] = []
-        reasons: list[MissReason] = []
-        for name, a, e in zip(self.names(), self.leaves, expected.leaves):
-            if a == e:
-                continue
-            if a[0] != e[0] or a[0] == _S:
-                reasons.append(MissReason.SCALAR)
-                lines.append(f"{name}: expected {_show(e)}, got {_show(a)}")
-                continue
-            for reason, i in _FIELDS:
-                if a[i] != e[i]:
-                    reasons.append(reason)
-                    lines.append(f"{name}.{reason.value}: expected {e[i]}, got {a[i]}")
-        order = [r for r, _ in _FIELDS] + [MissReason.SCALAR]
-        return min(reasons, key=order.index), tuple(lines)
-
-
-def _show(k: tuple) -> str:
-    return f"tensor{list(k[1])}" if k[0] == _T else repr(k[2])
-
-
-def _structure(spec: tuple) -> str:
-    return "(" + ", ".join(f"{k}" if ts is None else f"{k}:{ts.num_leaves} leaves" for k, ts in spec) + ")"
-
-
-@dataclass(frozen=True)
-class ShapeClass:
-    """One catalog class: a name from the catalog (e.g. "L=402"), its signature and the extents
-    that produced it (e.g. (("L", 402),))."""
-
-    name: str
-    signature: Signature
-    extents: tuple[tuple[str, int], ...] = ()
-
-
-Catalog = Union[Sequence[Union[ShapeClass, Signature]], Callable[[Signature], Union[bool, str, None]]]
-
-
-@dataclass(frozen=True)
-class Miss:
-    """One refused call: the reason and what was expected against what came."""
-
-    reason: MissReason
-    detail: tuple[str, ...] = ()
-
-    def __str__(self) -> str:
-        return self.reason.value + (": " + "; ".join(self.detail) if self.detail else "")
-
-
-# ---------------------------------------------------------------------------------------------
-# Certificates and counters
-
-
-@dataclass(frozen=True)
-class HoistedConstant:
-    """A host-computed, configuration-only tensor now resident on the device (passes/hoist.py)."""
-
-    site: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: str
-    nbytes: int
-    shared: bool = True
-
-    def __str__(self) -> str:
-        how = "shared buffer" if self.shared else "device copy per call (the callable writes it)"
-        return f"{self.site}: {str(self.dtype).removeprefix('torch.')}{list(self.shape)} -> {self.device}, {how}"
-
-
-@dataclass(frozen=True)
-class CutRecord:
-    """An operator run eagerly between captured segments (passes/piecewise.py)."""
-
-    name: str
-    reason: str
-    count: int
-
-    def __str__(self) -> str:
-        return f"{self.name} x{self.count}: {self.reason}"
-
-
-@dataclass(frozen=True)
-class Certificate:
-    """What was checked for one class before capture, and the verdict."""
-
-    shape_class: str
-    signature: Signature
-    admitted: bool
-    reason: str
-    captured: bool = False
-    segments: int = 0
-    host_rng: tuple[str, ...] = ()
-    device_rng_advance: tuple[int, ...] = ()
-    writes: tuple[str, ...] = ()
-    aliased: tuple[str, ...] = ()
-    copied: tuple[str, ...] = ()
-    written_back: tuple[str, ...] = ()
-    host_constants: tuple[HoistedConstant, ...] = ()
-    cuts: tuple[CutRecord, ...] = ()
-    checks: tuple[str, ...] = ()
-
-    @property
-    def reads_device_rng(self) -> bool:
-        return any(self.device_rng_advance)
-
-    def explain(self) -> str:
-        verdict = "admitted" if self.admitted else "REJECTED"
-        lines = [f"class {self.shape_class}: {verdict} ({self.reason})",
-                 f"  signature: {self.signature.describe()}"]
-        if self.captured:
-            lines.append(f"  captured: {self.segments} graph segment(s)")
-        lines.append("  checked: " + ", ".join(self.checks))
-        rng = ", ".join(f"+{a}" for a in self.device_rng_advance if a) or "none"
-        lines.append(f"  host RNG: {', '.join(self.host_rng) or 'none'}; device RNG philox offset: {rng}")
-        for title, items in (("aliased", self.aliased), ("copied", self.copied), ("writes", self.writes),
-                             ("written back", self.written_back)):
-            if items:
-                lines.append(f"  {title}: {', '.join(items)}")
-        lines += [f"  host constant {c}" for c in self.host_constants]
-        lines += [f"  cut {c}" for c in self.cuts]
-        return "\n".join(lines)
-
-
-@dataclass
-class ReplayCounters:
-    """`replays` counts calls whose outputs came from graph replay, the capturing call included."""
-
-    calls: int = 0
-    captures: int = 0
-    replays: int = 0
-    eager: int = 0
-    invalidations: int = 0
-    fallbacks: Counter = field(default_factory=Counter)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"calls": self.calls, "captures": self.captures, "replays": self.replays,
-                "eager": self.eager, "invalidations": self.invalidations,
-                "fallbacks": dict(sorted(self.fallbacks.items()))}
-
-
-class ReplayError(RuntimeError):
-    """A replay could not complete and the call's effects cannot be undone."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Capture hooks: the seam through which passes decide how capture treats single operators
-
-NOT_HANDLED = object()
-
-
-class CaptureHook(Protocol):
-    """Sees every torch call made by the wrapped callable while it is probed, warmed up and
-    captured (never during replay, where no Python runs). Returns a result to handle the call
-    or `NOT_HANDLED` to pass it on. A hook may also define `before_capture()`, called after the
-    warm-up and before the capture of each class, outside any capture."""
-
-    def intercept(self, ctx: CaptureContext, func: Callable[..., Any], args: tuple,
-                  kwargs: dict[str, Any]) -> Any: ...
 
 
 class HostCounters(Protocol):
@@ -489,177 +65,11 @@ class HostCounters(Protocol):
     def write(self, values: Sequence[int]) -> None: ...
 
 
-class _Rejected(Exception):
-    def __init__(self, reason: MissReason, detail: str):
-        super().__init__(detail)
-        self.reason, self.detail = reason, detail
-
-
-class _GuardFailure(Exception):
-    pass
+class ReplayError(RuntimeError):
+    """A replay could not complete and the call's effects cannot be undone."""
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-_CURRENT: contextvars.ContextVar[CaptureContext | None] = contextvars.ContextVar("cadence_capture", default=None)
-_BUSY: contextvars.ContextVar[bool] = contextvars.ContextVar("cadence_replay_busy", default=False)
-
-
-def current_capture() -> CaptureContext | None:
-    """The capture context of the engine now probing or capturing, if any."""
-    return _CURRENT.get()
-
-
-class CaptureContext:
-    """What a hook may ask of the engine during one phase ("probe", "warmup" or "capture")."""
-
-    def __init__(self, phase: str, device: torch.device | None, recorder: _Recorder | None = None,
-                 host_data: Iterable[torch.Tensor] = ()):
-        self.phase = phase
-        self.device = device
-        self._recorder = recorder
-        self._host: dict[int, weakref.ref] = {}
-        self.cuts: dict[str, list] = {}
-        self.constants: dict[str, HoistedConstant] = {}
-        for t in host_data:
-            self.mark_host_data(t)
-
-    @property
-    def capturing(self) -> bool:
-        return self._recorder is not None
-
-    def cut(self, name: str, reason: str, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
-        """Run `func` eagerly between graph segments (while capturing: end the segment, replay it,
-        run `func`, stage its tensor results in static buffers, start the next segment)."""
-        entry = self.cuts.setdefault(name, [reason, 0])
-        entry[1] += 1
-        with torch._C.DisableTorchFunction():
-            if self._recorder is None:
-                result = func(*args, **kwargs)
-            else:
-                result = self._recorder.cut(func, args, kwargs)
-        for t in pytree.tree_leaves(result):
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                self.mark_host_data(t)
-        return result
-
-    def reject(self, reason: MissReason, detail: str) -> None:
-        raise _Rejected(reason, detail)
-
-    def add_constant(self, record: HoistedConstant) -> None:
-        self.constants[record.site] = record
-
-    def mark_host_data(self, t: torch.Tensor) -> None:
-        """`t` is per-call host data (an argument, or derived from one), never a constant."""
-        self._host[id(t)] = weakref.ref(t)
-
-    @property
-    def has_host_data(self) -> bool:
-        return bool(self._host)
-
-    def is_host_data(self, t: torch.Tensor) -> bool:
-        ref = self._host.get(id(t))
-        return ref is not None and ref() is t
-
-
-class _HookMode(TorchFunctionMode):
-    def __init__(self, ctx: CaptureContext, hooks: Sequence[CaptureHook]):
-        super().__init__()
-        self.ctx, self.hooks = ctx, hooks
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for hook in self.hooks:
-            result = hook.intercept(self.ctx, func, args, kwargs)
-            if result is not NOT_HANDLED:
-                return result
-        return func(*args, **kwargs)
-
-
-# ---------------------------------------------------------------------------------------------
-# Graph segments
-
-
-class _GraphStep:
-    __slots__ = ("graph",)
-
-    def __init__(self, graph: torch.cuda.CUDAGraph):
-        self.graph = graph
-
-    def run(self) -> None:
-        self.graph.replay()
-
-
-class _CutStep:
-    """An eager operator between segments. Its arguments are segment outputs (graph-pool tensors
-    that each replay refreshes) or static inputs; its results are staged into `statics`, which the
-    next segment reads. Non-tensor results were baked into the next segment, so they are guards."""
-
-    def __init__(self, func, args, kwargs, statics, spec):
-        self.func, self.args, self.kwargs, self.statics, self.spec = func, args, kwargs, statics, spec
-
-    def run(self) -> None:
-        leaves = pytree.tree_leaves(self.func(*self.args, **self.kwargs))
-        if len(leaves) != len(self.statics):
-            raise _GuardFailure(f"{self.func}: {len(leaves)} results, captured {len(self.statics)}")
-        for s, r in zip(self.statics, leaves):
-            if isinstance(s, torch.Tensor):
-                if not isinstance(r, torch.Tensor) or r.shape != s.shape or r.dtype != s.dtype:
-                    raise _GuardFailure(f"{getattr(self.func, '__name__', self.func)}: result changed shape")
-                s.copy_(r)
-            elif r != s:
-                raise _GuardFailure(f"{getattr(self.func, '__name__', self.func)}: expected {s!r}, got {r!r}")
-
-
-class _Recorder:
-    def __init__(self, pool: Any):
-        self.pool = pool
-        self.steps: list[_GraphStep | _CutStep] = []
-        self._graph: torch.cuda.CUDAGraph | None = None
-
-    @property
-    def has_guards(self) -> bool:
-        return any(isinstance(s, _CutStep) and not all(isinstance(x, torch.Tensor) for x in s.statics)
-                   for s in self.steps)
-
-    def begin(self) -> None:
-        self._graph = torch.cuda.CUDAGraph()
-        self._graph.capture_begin(pool=self.pool)
-        # A host sync inside the capture then raises before it reaches CUDA, so the capture stays
-        # valid and can be ended cleanly (an invalidated capture leaves the RNG in capture mode).
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
-            torch.cuda.set_sync_debug_mode("error")
-
-    def end(self) -> None:
-        torch.cuda.set_sync_debug_mode(0)
-        graph, self._graph = self._graph, None
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-            graph.capture_end()
-        self.steps.append(_GraphStep(graph))
-
-    def cut(self, func, args, kwargs) -> Any:
-        self.end()
-        self.steps[-1].run()
-        result = func(*args, **kwargs)
-        leaves, spec = pytree.tree_flatten(result)
-        with torch.inference_mode(False):  # replay refreshes these outside inference mode
-            statics = [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]
-        self.steps.append(_CutStep(func, args, kwargs, statics, spec))
-        self.begin()
-        return pytree.tree_unflatten(statics, spec)
-
-    def abort(self) -> None:
-        torch.cuda.set_sync_debug_mode(0)
-        if self._graph is not None:
-            with contextlib.suppress(Exception):
-                self._graph.capture_end()
-            self._graph = None
-        self.steps = []
-
-
-# ---------------------------------------------------------------------------------------------
-# The engine
 
 
 @dataclass
@@ -765,8 +175,21 @@ class ExactShapeReplay:
     # -- public views ------------------------------------------------------------------------
 
     @property
+    def shape_classes(self) -> tuple[ShapeClass, ...]:
+        """The catalog's classes, as given; empty for a predicate catalog, whose classes are only
+        named as calls arrive (their certificates then say which)."""
+        return tuple(self._catalog.values())
+
+    @property
     def certificates(self) -> dict[str, Certificate]:
         return {st.shape_class.name: st.certificate for st in self._classes.values() if st.certificate}
+
+    @property
+    def module_state(self) -> tuple[torch.Tensor, ...]:
+        """The parameters and buffers of `modules`, each once: the tensors whose addresses every
+        replay checks. The graphs of a binding's classes share the model's tensors, so the check
+        does not grow with the number of classes."""
+        return tuple({id(t): t for m in self.modules for t in (*m.parameters(), *m.buffers())}.values())
 
     def phase(self, shape_class: str) -> Phase:
         for st in self._classes.values():
@@ -1003,12 +426,11 @@ class ExactShapeReplay:
         elif shared := _shares_module_state(names, leaves, st.aliased, buffers):
             refusal = Miss(MissReason.LAYOUT, (f"{shared} share memory with module state the callable "
                                                "writes; a staged copy would go stale: declare them aliased",))
-        elif device is not None:
-            overlapping = [names[i] for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)
-                           and i not in st.aliased and not _dense(x)]
-            if overlapping:
-                refusal = Miss(MissReason.LAYOUT, (f"{overlapping} overlap in memory and cannot be staged; "
-                                                   "declare them aliased",))
+        elif sparse := [f"{names[i]} {tuple(x.shape)} strides {x.stride()}" for i, x in enumerate(leaves)
+                        if isinstance(x, torch.Tensor) and i not in st.aliased and not _dense(x)]:
+            refusal = Miss(MissReason.LAYOUT, tuple(
+                f"{arg} is not dense (its strides leave gaps or repeat elements): the engine stages only dense "
+                "tensors; declare it aliased or pass a dense tensor" for arg in sparse))
         if refusal is not None:
             st.phase = Phase.EAGER
             st.refused = refusal
@@ -1071,9 +493,13 @@ class ExactShapeReplay:
         recorder = _Recorder(self._pool)
         ctx = CaptureContext("capture", device, recorder, host_data=host_roots)
         torch.cuda.synchronize(device)
-        gc.collect()
         stream.wait_stream(torch.cuda.current_stream(device))
         failure: BaseException | None = None
+        # No collection may run inside a capture (a finaliser's CUDA call would break it), so the
+        # collector is off while capturing, rather than a full gc.collect() before every capture:
+        # with many graphs alive, that cost about 0.5 s a class.
+        collecting = gc.isenabled()
+        gc.disable()
         with torch.cuda.device(device), torch.cuda.stream(stream):
             recorder.begin()
             try:
@@ -1083,6 +509,9 @@ class ExactShapeReplay:
             except BaseException as e:  # noqa: BLE001 - any failure to capture means eager
                 recorder.abort()
                 failure = e
+            finally:
+                if collecting:
+                    gc.enable()
         torch.cuda.current_stream(device).wait_stream(stream)
         if failure is not None:
             torch.cuda.synchronize(device)
@@ -1109,7 +538,7 @@ class ExactShapeReplay:
         st.write_back = [(i, buf) for i, buf in copy_in if names[i] in written]
         persistent = {leaves[i].untyped_storage().data_ptr() for i in st.aliased}
         if not self._state_tensors:
-            self._state_tensors = [t for m in self.modules for t in (*m.parameters(), *m.buffers())]
+            self._state_tensors = list(self.module_state)
             self._state_ptrs = [t.data_ptr() for t in self._state_tensors]
         persistent |= {t.untyped_storage().data_ptr() for t in self._state_tensors}
         out_leaves, st.out_spec = pytree.tree_flatten(out)

@@ -1,0 +1,18 @@
+"""cadence-fx's own model families, registered as `cadence_fx.families` entry points (pyproject.toml)."""
+
+from cadence_fx.families import Family
+
+TOKEN2WAV = Family(
+    "token2wav",
+    contract="cadence_fx.models.token2wav:token2wav_contract",
+    adapter="cadence_fx.models.token2wav_carry:ADAPTER",
+    reference="cadence_fx.models.token2wav_carry:reference_stream",
+)
+MOSHI = Family("moshi", contract="cadence_fx.models.moshi:moshi_contract", adapter="cadence_fx.models.moshi_replay:ADAPTER")
+FREEZE_OMNI = Family(
+    "freeze_omni",
+    contract="cadence_fx.models.freeze_omni:freeze_omni_contract",
+    adapter="cadence_fx.models.freeze_omni_carry:ADAPTER",
+    reference="cadence_fx.models.freeze_omni_carry:reference_stream",
+)
+LLM_BACKBONE = Family("llm_backbone", contract="cadence_fx.models.llm_backbone:llm_backbone_contract")

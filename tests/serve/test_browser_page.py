@@ -1,0 +1,82 @@
+"""The browser page at ``/``: served from the package, and used for real in headless Chromium
+(Debian's chromium and chromedriver, driven by selenium) with a fake microphone that plays a WAV.
+
+Set CADENCE_FX_SCREENSHOT=bench/results/browser_page.png to keep the screenshot the README shows."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from servekit import AUDIO, running
+
+from cadence_fx.serve.app import STATIC
+
+# As root, in a closed network: no sandbox, nothing that phones home (the machine notes' flags).
+CHROMIUM_FLAGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--use-fake-ui-for-media-stream",
+    "--use-fake-device-for-media-stream",
+    "--autoplay-policy=no-user-gesture-required",
+    "--window-size=1000,920",
+]
+
+
+def test_the_page_and_its_files_are_served_from_the_package(server):
+    with httpx.Client(base_url=server.handle.http_url) as http:
+        page = http.get("/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert page.text == (STATIC / "index.html").read_text()
+        for name in ("app.js", "capture-worklet.js", "style.css"):
+            answer = http.get(f"/static/{name}")
+            assert answer.status_code == 200 and answer.text == (STATIC / name).read_text(), name
+    # No external CDN: every script and stylesheet the page loads is one of its own.
+    assert "http://" not in page.text and "https://" not in page.text
+
+
+def test_a_spoken_turn_is_answered_and_played_and_speech_over_the_reply_barges_in(tmp_path):
+    # turns_24k.wav: a question, a pause, an interruption. The tone double's reply to the first
+    # turn plays for 2.4 s, so the second utterance starts while it plays: a barge-in.
+    options = webdriver.ChromeOptions()
+    options.binary_location = "/usr/bin/chromium"
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--use-file-for-fake-audio-capture={AUDIO / 'turns_24k.wav'}")
+    options.add_argument(f"--user-data-dir={tmp_path / 'profile'}")
+    screenshot = Path(os.environ.get("CADENCE_FX_SCREENSHOT", tmp_path / "page.png"))
+    with running() as server:
+        browser = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+        try:
+            browser.get(server.handle.http_url + "/")
+            models = browser.execute_script(
+                "return new Promise(r => { const s = document.getElementById('model');"
+                " const poll = () => s.options.length ? r([...s.options].map(o => o.value)) : setTimeout(poll, 50); poll(); })"
+            )
+            browser.find_element("id", "start").click()
+            deadline = time.monotonic() + 45
+            while (stats := browser.execute_script("return window.cadence"))["replies"] < 2 or stats["playing"]:
+                assert time.monotonic() < deadline, stats
+                time.sleep(0.25)
+            shown = {name: browser.find_element("id", name).text for name in ("turns", "replies", "barge-ins")}
+            browser.save_screenshot(str(screenshot))
+        finally:
+            browser.quit()
+    assert models == ["tone"]
+    assert stats["sessionId"].startswith("sess_") and stats["errors"] == []
+    assert (stats["turns"], stats["replies"], stats["bargeIns"]) == (2, 2, 1)
+    assert shown == {"turns": "2", "replies": "2", "barge-ins": "1"}
+    # The second reply played to its end, the first only until the barge-in stopped it.
+    assert 0 < stats["playedMs"] < stats["receivedSamples"] * 1000 / 24_000
+    assert len(stats["latenciesMs"]) == 2 and all(ms >= 0 for ms in stats["latenciesMs"])
+    assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

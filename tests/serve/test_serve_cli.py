@@ -1,0 +1,76 @@
+"""``cadence-fx serve``: its ready line comes once the model is loaded and /health answers, over
+plain HTTP or TLS; bad TLS options are one sentence."""
+
+from __future__ import annotations
+
+import ssl
+import subprocess
+import sys
+
+import httpx
+import pytest
+from tlskit import self_signed
+
+from cadence_fx.cli import main
+from cadence_fx.serve.app import free_port
+
+
+def _serve_until_ready(*options: str) -> tuple[list[str], dict]:
+    """Starts the CLI server, reads stderr up to its ready line, asks /health, stops it."""
+    port = free_port()
+    command = [sys.executable, "-m", "cadence_fx.cli", "serve", "--model", "tone", "--port", str(port), *options]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        while not (lines and lines[-1].startswith("ready: ")):
+            line = proc.stderr.readline()
+            assert line, f"serve exited before its ready line: {lines}"
+            lines.append(line.rstrip("\n"))
+        scheme = "https" if options else "http"
+        verify = ssl.create_default_context(cafile=options[-1]) if options else True
+        health = httpx.get(f"{scheme}://127.0.0.1:{port}/health", verify=verify, timeout=5).json()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    return [line.replace(str(port), "PORT") for line in lines], health
+
+
+def test_ready_line_comes_once_health_answers():
+    lines, health = _serve_until_ready()
+    assert lines == [
+        "loading tone...",
+        "ready: tone on ws://127.0.0.1:PORT/v1/realtime (16 session slots); page at http://127.0.0.1:PORT/",
+    ]
+    assert (health["status"], health["model"], health["max_sessions"]) == ("ok", "tone", 16)
+
+
+def test_ready_line_over_tls(tmp_path):
+    tls = self_signed(tmp_path)
+    lines, health = _serve_until_ready("--ssl-keyfile", tls.keyfile, "--ssl-certfile", tls.certfile)
+    assert lines[-1] == "ready: tone on wss://127.0.0.1:PORT/v1/realtime (16 session slots); page at https://127.0.0.1:PORT/"
+    assert health["model"] == "tone"
+
+
+@pytest.mark.parametrize(
+    ("options", "sentence"),
+    [
+        (["--ssl-keyfile", "key.pem"], "--ssl-keyfile and --ssl-certfile go together: give both (PEM files) or neither"),
+        (["--ssl-keyfile", "nokey.pem", "--ssl-certfile", "nocert.pem"],
+         "no such file 'nokey.pem' (expected a PEM key or certificate)"),
+    ],
+)
+def test_bad_tls_options_are_one_sentence(options, sentence, capsys):
+    assert main(["serve", "--model", "tone", *options]) == 2
+    assert capsys.readouterr().err == f"cadence-fx serve: error: {sentence}\n"
+
+
+def test_plugin_options_are_read_as_json_values_or_text(capsys):
+    from cadence_fx.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "--plugin-option", "step_delay_s=0.04", "--plugin-option", "threads=2", "--plugin-option", "size=tiny"]
+    )
+    assert args.plugin_option == [("step_delay_s", 0.04), ("threads", 2), ("size", "tiny")]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--plugin-option", "step_delay_s"])
+    assert "expected NAME=VALUE, got 'step_delay_s'" in capsys.readouterr().err
