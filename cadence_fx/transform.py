@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import determinism
 from .audit import ShadowAuditor
 from .binding import Binding
 from .catalog import DEFAULT_BUDGET, Catalog, derive
@@ -36,7 +37,7 @@ class TransformReport:
     auditor: ShadowAuditor | None = None
     graphs: dict = field(default_factory=dict)  # name -> (before GraphModule, after GraphModule)
     replays: dict = field(default_factory=dict)  # operator -> replay.ExactShapeReplay
-    determinism: dict = field(default_factory=dict)  # the kernel switches pinned for the run
+    determinism: dict = field(default_factory=dict)  # the kernel switches found in force (a transform sets none)
     operators: dict = field(default_factory=dict)  # operator -> pipeline.BoundOperator (bound models)
 
     def managed_bytes(self) -> dict[str, tuple[int, int]]:
@@ -140,6 +141,8 @@ def transform(
         if not capture:
             raise ValueError("a bound model's carries live in its rewritten graphs: capture=False has nothing to run")
         report = TransformReport(family=contract.family, catalog=catalog, auditor=ShadowAuditor() if audit else None)
+        report.determinism = determinism.settings()
+        report.stamps.append(determinism.envelope())
         return transform_bound(model, contract, binding, catalog, report, replay=replay and not audit), report
     declared = families().get(contract.family)
     if declared is None or declared.adapter is None:

@@ -152,3 +152,15 @@ def test_session_states_wait_for_the_first_call(model_and_tokens):
     bound, _ = transform(model, contract(), binding())
     with pytest.raises(RuntimeError, match="call the model once before taking or swapping session states"):
         bound.session_state(seed=0)
+
+
+def test_the_report_page_shows_a_bound_model_s_classes_and_sites(model_and_tokens):
+    from cadence_fx.diff import render_html
+
+    model, config, tokens = model_and_tokens
+    bound, report = transform(model, contract(), binding())
+    stream(bound, config, tokens[:, :6])  # three calls: one of each class
+    page = render_html(report, derive(contract()))
+    for name in ("decoder_step[n=2,L=0]", "decoder_step[n=2,L=2]", "decoder_step[n=2,L=4]", "cache.layers.1.values"):
+        assert name in page
+    assert "http://" not in page and "https://" not in page

@@ -38,6 +38,7 @@ PROMPT_TOKENS = 51
 CHUNKS = 4  # extents P, P+50, P+100, then the flush at P+100
 REPLY = random_chunks(token_seed(0, 0), CHUNKS)  # the plugin's first stream's first reply
 
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """A MiniCPM-o model folder holding only the streaming part of assets/token2wav."""
