@@ -97,7 +97,6 @@ import time
 import traceback
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
@@ -149,7 +148,7 @@ class _Engine:
         self.tick_seconds = 0.0  # spent ticking: this place's load
         self.tick_cpu_seconds = 0.0  # of which its thread ran on a core (less: others had it, or the GPU worked)
 
-    def handle(self, op: str, key: int | None, args: tuple, progress: Callable[[], None]) -> Any:
+    def handle(self, op: str, args: tuple) -> Any:
         if op == "tick":
             started, cpu = time.perf_counter(), time.thread_time()
             outs = self.tick(*args)
@@ -205,7 +204,7 @@ def _merge(total: dict[str, Any], counters: dict[str, Any]) -> None:
 
 
 def _worker_main() -> None:
-    """A worker process (started by ``_Worker``): answers requests ``(op, stream key, args)`` on the
+    """A worker process (started by ``_Worker``): answers requests ``(op, args)`` on the
     connection at file descriptor ``argv[2]``, one at a time, until None or the server is gone."""
     options = json.loads(sys.argv[1])
     conn = Connection(int(sys.argv[2]))
@@ -225,9 +224,9 @@ def _worker_main() -> None:
                 return
             if request is None:
                 return
-            op, key, args = request
+            op, args = request
             try:
-                conn.send(("ok", engine.handle(op, key, args, lambda: conn.send(("progress", None)))))
+                conn.send(("ok", engine.handle(op, args)))
             except Exception:
                 conn.send(("error", traceback.format_exc()))
 
@@ -236,8 +235,8 @@ def _worker_main() -> None:
 
 
 class _Place(ABC):
-    """Where some streams' ticks run: requests ``(op, stream key, args)`` answered one at a time,
-    in arrival order, by an ``_Engine``."""
+    """Where some streams' ticks run: requests ``(op, args)`` answered one at a time, in arrival
+    order, by an ``_Engine``."""
 
     index: int
     name: str
@@ -245,15 +244,13 @@ class _Place(ABC):
     scheduler: SlotScheduler | None = None  # its slots, once the batch size is known
 
     def run_tick(self, frames: dict[int, np.ndarray], joins: tuple[int, ...]) -> dict[int, np.ndarray | None]:
-        return self.call("tick", None, frames, joins)
+        return self.call("tick", frames, joins)
 
     @abstractmethod
-    def submit(
-        self, op: str, key: int | None = None, *args: Any, progress: Callable[[], None] = lambda: None
-    ) -> Future: ...
+    def submit(self, op: str, *args: Any) -> Future: ...
 
-    def call(self, op: str, key: int | None = None, *args: Any) -> Any:
-        return self.submit(op, key, *args).result()
+    def call(self, op: str, *args: Any) -> Any:
+        return self.submit(op, *args).result()
 
     @abstractmethod
     def close(self) -> None: ...
@@ -278,13 +275,11 @@ class _InProcess(_Place):
             pin_deterministic()  # for the process's life: a stream is bit-exact against deterministic eager
         return _Engine(config, sampling, device, checkpoint)
 
-    def submit(
-        self, op: str, key: int | None = None, *args: Any, progress: Callable[[], None] = lambda: None
-    ) -> Future:
-        return self._thread.submit(self._handle, op, key, args, progress)
+    def submit(self, op: str, *args: Any) -> Future:
+        return self._thread.submit(self._handle, op, args)
 
-    def _handle(self, op: str, key: int | None, args: tuple, progress: Callable[[], None]) -> Any:
-        return self._engine.result().handle(op, key, args, progress)  # raises what building it raised
+    def _handle(self, op: str, args: tuple) -> Any:
+        return self._engine.result().handle(op, args)  # raises what building it raised
 
     def _close(self) -> None:
         if self._engine.done() and self._engine.exception() is None:
@@ -325,27 +320,21 @@ class _Worker(_Place):
         self.streams = 0  # open streams placed here
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-{index}")
 
-    def submit(
-        self, op: str, key: int | None = None, *args: Any, progress: Callable[[], None] = lambda: None
-    ) -> Future:
-        return self._thread.submit(self._roundtrip, op, key, args, progress)
+    def submit(self, op: str, *args: Any) -> Future:
+        return self._thread.submit(self._roundtrip, op, args)
 
-    def _roundtrip(self, op: str, key: int | None, args: tuple, progress: Callable[[], None]) -> Any:
-        self.conn.send((op, key, args))
-        while True:
-            try:
-                kind, value = self.conn.recv()
-            except (EOFError, OSError):
-                raise RuntimeError(
-                    f"{self.name} worker {self.index} (pid {self.process.pid}) is gone (exit code "
-                    f"{self.process.poll()}) during {op}"
-                ) from None
-            if kind == "progress":
-                progress()
-            elif kind == "error":
-                raise RuntimeError(f"{self.name} worker {self.index} failed in {op}:\n{value}")
-            else:
-                return value
+    def _roundtrip(self, op: str, args: tuple) -> Any:
+        self.conn.send((op, args))
+        try:
+            kind, value = self.conn.recv()
+        except (EOFError, OSError):
+            raise RuntimeError(
+                f"{self.name} worker {self.index} (pid {self.process.pid}) is gone (exit code "
+                f"{self.process.poll()}) during {op}"
+            ) from None
+        if kind == "error":
+            raise RuntimeError(f"{self.name} worker {self.index} failed in {op}:\n{value}")
+        return value
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -615,7 +604,7 @@ class MoshiPlugin(ModelPlugin):
         self.slots = slots
         for place in self._places:
             place.scheduler = SlotScheduler(slots, place.run_tick, name=f"{self.name}[{place.index}]", record=self.record)
-            self._started.append(place.submit("start", None, slots))
+            self._started.append(place.submit("start", slots))
 
     def _capacity(self, slots: int | None = None) -> str:
         places, slots = len(self._places), self.slots if slots is None else slots
