@@ -101,12 +101,22 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from cadence_fx.serve.access import Access
     from cadence_fx.serve.app import run_server
     from cadence_fx.serve.session import Limits
 
-    limits = Limits(max_sessions=args.max_sessions, idle_ttl_s=args.idle_ttl, grace_s=args.grace)
+    limits = Limits(
+        max_sessions=args.max_sessions,
+        max_sessions_per_client=args.max_sessions_per_client,
+        idle_ttl_s=args.idle_ttl,
+        grace_s=args.grace,
+    )
+    api_key = args.api_key if args.api_key is not None else os.environ.get("CADENCE_FX_API_KEY")
+    access = Access(api_key=api_key, allowed_origins=tuple(args.allow_origin), docs=args.docs)
     print(f"serving {args.model} on ws://{args.host}:{args.port}/v1/realtime", file=sys.stderr, flush=True)
-    run_server(args.host, args.port, args.model, limits)
+    run_server(args.host, args.port, args.model, limits, access)
     return 0
 
 
@@ -163,8 +173,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_positive_int, default=8000)
     serve.add_argument("--model", choices=plugin_names(), default=DEFAULT_PLUGIN, help="the model plugin to serve")
     serve.add_argument("--max-sessions", type=_positive_int, default=16)
+    serve.add_argument("--max-sessions-per-client", type=_positive_int, default=4, help="live sessions per client address")
     serve.add_argument("--idle-ttl", type=float, default=300.0, help="seconds without traffic before a session expires")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds a disconnected session waits for a resume")
+    serve.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="key every route but /health asks for (default: $CADENCE_FX_API_KEY, which keeps it out of the "
+        "process list); without one the service is open",
+    )
+    serve.add_argument(
+        "--allow-origin",
+        metavar="ORIGIN",
+        action="append",
+        default=[],
+        help="a browser origin (scheme://host:port) allowed besides the server's own; repeatable; '*' allows any",
+    )
+    serve.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json")
     serve.set_defaults(run=_serve)
 
     client = commands.add_parser("client", help="stream a WAV file through a session in real time, write the reply")

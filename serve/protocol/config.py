@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .audio import PCM24K, AudioFormat, parse_format
-from .errors import ProtocolError
+from .errors import ProtocolError, quoted
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class SessionConfig:
         changes: dict[str, Any] = {}
         kind = patch.get("type", "realtime")
         if kind != "realtime":
-            raise ProtocolError("invalid_value", f"session.type must be 'realtime', got {kind!r}", "session.type")
+            raise ProtocolError("invalid_value", f"session.type must be 'realtime', got {quoted(kind)}", "session.type")
         if "instructions" in patch:
             changes["instructions"] = _typed(patch["instructions"], str, "session.instructions")
         modalities = patch.get("output_modalities", patch.get("modalities"))

@@ -13,6 +13,7 @@ import numpy as np
 import pydantic
 from openai.types.realtime import RealtimeServerEvent
 
+from cadence_fx.serve.access import Access
 from cadence_fx.serve.app import background_server
 from cadence_fx.serve.client import RealtimeSocket, read_wav
 from cadence_fx.serve.plugins import ToneModel, tone
@@ -118,9 +119,14 @@ class Server:
         return True
 
 
+# Tests open many sessions from one address, and a closed duplex socket's session lingers for its
+# grace period: no per-client limit unless a test asks for one.
+ROOMY = Limits(max_sessions=64, max_sessions_per_client=64)
+
+
 @contextlib.contextmanager
-def running(limits: Limits | None = None, **tone_options):
-    with background_server(lambda: ToneModel(**tone_options), limits or Limits(max_sessions=64)) as handle:
+def running(limits: Limits | None = None, access: Access | None = None, **tone_options):
+    with background_server(lambda: ToneModel(**tone_options), limits or ROOMY, access=access) as handle:
         yield Server(handle)
 
 
