@@ -214,11 +214,12 @@ def background_server(
     host: str = "127.0.0.1",
     start_timeout_s: float = 120.0,
     access: Access | None = None,
+    port: int | None = None,
 ) -> Iterator[BackgroundServer]:
     """``start_timeout_s`` covers the plugin's startup (its ``reserve``), which a model may take a
-    while over."""
+    while over. ``port``: a free one unless given."""
     limits = limits or Limits()
-    port = free_port(host)
+    port = port or free_port(host)
     server = Server(uvicorn_config(create_app(plugin_factory, limits, access), host, port, limits))
     thread = threading.Thread(target=server.run, name=f"uvicorn:{port}", daemon=True)
     thread.start()
