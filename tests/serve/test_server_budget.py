@@ -131,7 +131,7 @@ def test_a_client_that_reads_nothing_is_closed_with_4008_and_resumes_without_a_l
     )
 
     async def scenario(server):
-        sock = await server.connect("/v1/duplex")
+        sock = await server.connect("/v1/duplex", stalls=True)
         await sock.no_vad()
         await sock.append(question_pcm)
         await sock.send({"type": "input_audio_buffer.commit"})
