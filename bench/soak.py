@@ -139,7 +139,9 @@ def main() -> None:
         "benchmark": "soak",
         "commit": _commit(),
         "worktree_dirty": bool(
-            subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
+            subprocess.run(
+                ["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True
+            ).stdout.strip()
         ),
         "command": " ".join(["python", "bench/soak.py", *sys.argv[1:]]),
         "machine": f"CPU: {_cpu_model()}, {os.cpu_count()} cores",
@@ -162,6 +164,7 @@ def main() -> None:
     }
     passed = (
         not summary["violations"]
+        and summary["lost_events"] == 0
         and summary["server_errors"] == 0
         and summary["input_accounted"]
         and summary["output_samples_accounted"]

@@ -124,6 +124,7 @@ class SessionLedger:
     events: int = 0
     replayed: int = 0
     resumes: int = 0
+    lost_events: int = 0  # named lost by a session.resync_required
     slow_consumer_closes: int = 0
     # input, in bytes
     appended: int = 0
@@ -170,7 +171,7 @@ class SoakClient:
         self.seconds = seconds
         self.first = first  # steps taken before the random ones
         self.ledger = SessionLedger()
-        self.ws: websockets.ClientConnection | None = None
+        self.ws: websockets.ClientConnection  # from the first _open on
         self.token = ""
         self.last_seq = 0
         self.vad = True  # the server's default turn detection
@@ -181,7 +182,8 @@ class SoakClient:
         self.replies: dict[str, _Reply] = {}
         self.active: _Reply | None = None
         self.item_audio: dict[str, bytes] = {}  # what was committed as an item, for retrieves
-        self.expected_errors: list[str] = []
+        self.expected_errors: list[str] = []  # the codes a step provoked, in order
+        self.cancel_may_race = False  # a cancel is on its way: its reply may end before it arrives
         self.closed_event: dict | None = None
         self._reading = asyncio.Event()
         self._reading.set()
@@ -218,12 +220,11 @@ class SoakClient:
 
     async def _cancel(self) -> None:
         reply = await self._reply_to_manual_turn(deltas=self.rng.randint(1, 5))
-        self.expected_errors.append("cancel")
+        self.cancel_may_race = True
         await self._send({"type": "response.cancel", "response_id": reply.id})
         await self._until(lambda: self.active is None)
         await self._sync()  # the cancel's answer (or its race) has come
-        if "cancel" in self.expected_errors:
-            self.expected_errors.remove("cancel")
+        self.cancel_may_race = False
 
     async def _disconnect(self) -> None:
         await self._reply_to_manual_turn(deltas=self.rng.randint(1, 10))
@@ -270,7 +271,7 @@ class SoakClient:
 
     async def _hard_stall(self) -> None:
         """Ask for a turn's audio again and again and read nothing: the server gives up on this
-        socket (4008) once its outbound budget is full; the resume replays what was lost."""
+        socket (4008) once its outbound budget is full; the resume replays what it missed."""
         await self._mode(vad=False)
         await self._send({"type": "input_audio_buffer.clear"})
         pcm = speech(3000)
@@ -285,10 +286,10 @@ class SoakClient:
             await self._send({"type": "conversation.item.retrieve", "item_id": item_id})
         await asyncio.sleep(3.0)
         self._reading.set()
-        await self._until(lambda: self._reader.done() or self.ledger.retrieved == retrieved + asked)  # type: ignore[union-attr]
-        if self._reader.done():  # type: ignore[union-attr]
-            if self.ws.close_code != 4008:  # type: ignore[union-attr]
-                raise RuntimeError(f"a stalled reader's socket closed with {self.ws.close_code}, not 4008")  # type: ignore[union-attr]
+        await self._until(lambda: self._closed() or self.ledger.retrieved == retrieved + asked)
+        if self._closed():
+            if self.ws.close_code != 4008:
+                raise RuntimeError(f"a stalled reader's socket closed with {self.ws.close_code}, not 4008")
             self.ledger.slow_consumer_closes += 1
             await self._resume()
         await self._sync()
@@ -315,14 +316,17 @@ class SoakClient:
             await asyncio.sleep(max(0.0, start + (offset + len(chunk)) / (2 * PCM24K.rate) - time.monotonic()))
 
     async def _send_append(self, audio: str, n_bytes: int) -> None:
+        """One append; its event_id carries its size, so a refusal tells the ledger what it refused."""
         self.ledger.appended += n_bytes
         self._marks += 1
-        await self._send({"type": "input_audio_buffer.append", "event_id": f"append {n_bytes} {self._marks}", "audio": audio})
+        append = {"type": "input_audio_buffer.append", "event_id": f"append {n_bytes} {self._marks}", "audio": audio}
+        await self._send(append)
 
     async def _mode(self, vad: bool) -> None:
         if self.vad != vad:
             detection = {"type": "server_vad", "interrupt_response": True} if vad else None
-            await self._send({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": detection}}}})
+            session = {"type": "realtime", "audio": {"input": {"turn_detection": detection}}}
+            await self._send({"type": "session.update", "session": session})
             self.vad = vad
             await self._sync()
 
@@ -344,7 +348,11 @@ class SoakClient:
                 await asyncio.wait_for(self._changed.wait(), min(remaining, 0.5))
 
     async def _send(self, message: dict | str) -> None:
-        await self.ws.send(message if isinstance(message, str) else json.dumps(message))  # type: ignore[union-attr]
+        await self.ws.send(message if isinstance(message, str) else json.dumps(message))
+
+    def _closed(self) -> bool:
+        """This socket's reader is over: the socket closed."""
+        return self._reader is not None and self._reader.done()
 
     def _violate(self, what: str) -> None:
         self.ledger.violations.append(what)
@@ -359,10 +367,10 @@ class SoakClient:
 
     async def _drop(self, abort: bool) -> None:
         if abort:
-            self.ws.transport.abort()  # type: ignore[union-attr]
+            self.ws.transport.abort()
         else:
-            await self.ws.close()  # type: ignore[union-attr]
-        await self._until(lambda: self._reader.done())  # type: ignore[union-attr]
+            await self.ws.close()
+        await self._until(self._closed)
 
     async def _resume(self) -> None:
         self.ws = await connect(f"{self.url}?session_id={self.ledger.session_id}")
@@ -389,11 +397,13 @@ class SoakClient:
             self._changed.set()
 
     async def _until_closed(self) -> None:
+        if self._reader is None:
+            self.ledger.shutdown = "never connected"
+            return
         with contextlib.suppress(TimeoutError):
-            await self._until(lambda: self._reader is None or self._reader.done(), timeout=PATIENCE_S)
+            await self._until(self._closed)
         closed = self.closed_event or {}
-        code = self.ws.close_code if self.ws is not None else None
-        self.ledger.shutdown = f"session.closed {closed.get('reason')}, close {code}"
+        self.ledger.shutdown = f"session.closed {closed.get('reason')}, close {self.ws.close_code}"
 
     # ------------------------------------------------------------ the ledger
 
@@ -416,8 +426,9 @@ class SoakClient:
         self.ledger.replayed += event["replayed"]
 
     def _on_session_resync_required(self, event: dict) -> None:
-        lost = f"{event['requested_seq'] + 1}..{event['oldest_available_seq'] - 1}"
-        self._violate(f"resync required: events {lost} are lost")
+        first, last = event["requested_seq"] + 1, event["oldest_available_seq"] - 1
+        self.ledger.lost_events += last - first + 1
+        self._violate(f"resync required: events {first}..{last} are lost")
         self.last_seq = event["last_server_event_seq"]
 
     def _on_session_closed(self, event: dict) -> None:
@@ -499,8 +510,7 @@ class SoakClient:
             led.refused += int(event_id.split()[1])
         if self.expected_errors and code == self.expected_errors[0]:
             self.expected_errors.pop(0)
-        elif code == "response_cancel_not_active" and "cancel" in self.expected_errors:
-            self.expected_errors.remove("cancel")
+        elif code == "response_cancel_not_active" and self.cancel_may_race:
             led.cancel_races += 1
         elif code != "input_backpressure":
             self._violate(f"unexpected error {code}: {error['message']}")
@@ -534,8 +544,8 @@ def summarize(ledgers: list[SessionLedger]) -> dict:
     """The run's totals and verdicts."""
     total = Counter()
     for led in ledgers:
-        for name in ("events", "replayed", "resumes", "slow_consumer_closes", "appended", "refused", "committed",
-                     "cleared", "delta_samples", "done_samples", "barge_ins", "retrieved", "cancel_races"):
+        for name in ("events", "replayed", "resumes", "lost_events", "slow_consumer_closes", "appended", "refused",
+                     "committed", "cleared", "delta_samples", "done_samples", "barge_ins", "retrieved", "cancel_races"):
             total[name] += getattr(led, name)
     steps = sum((led.steps for led in ledgers), Counter())
     responses = sum((led.responses for led in ledgers), Counter())
@@ -551,6 +561,6 @@ def summarize(ledgers: list[SessionLedger]) -> dict:
         "server_errors": errors.get("server_error", 0),
         "shutdown": dict(Counter(led.shutdown for led in ledgers)),
         "violations": violations,
-        "lost": sum(1 for v in violations.values() for what in v if "lost" in what),
+        "lost_events": total["lost_events"],
     }
 

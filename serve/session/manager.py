@@ -9,8 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from ..plugins import ModelPlugin
-from ..protocol import ProtocolError
-from ..protocol.errors import quoted
+from ..protocol import ProtocolError, quoted
 from ..protocol import events as ev
 from .ledger import Ledgers
 from .limits import Limits
@@ -21,8 +20,9 @@ if TYPE_CHECKING:
     from .connection import Connection
 
 _KEEP_ENDED_LEDGERS = 256
-# After the drain, how long the sockets get to send what they hold and their close.
-_FLUSH_S = 5.0
+# After the drain, how long the sessions get to end (a model call in flight finishes first), and
+# then their sockets to send what they hold and their close.
+_STOP_S = 5.0
 
 
 class SessionManager:
@@ -59,10 +59,12 @@ class SessionManager:
         for connection in list(self.connections):
             if connection.session is None:
                 connection.transport.close(CLOSE_GOING_AWAY, "server_shutdown")
-        await asyncio.gather(*(s.stop("server_shutdown") for s in list(self.sessions.values())))
+        stops = [asyncio.ensure_future(s.stop("server_shutdown")) for s in list(self.sessions.values())]
+        if stops:
+            await asyncio.wait(stops, timeout=_STOP_S)
         flushed = [asyncio.ensure_future(c.transport.finished.wait()) for c in list(self.connections)]
         if flushed:
-            await asyncio.wait(flushed, timeout=_FLUSH_S)
+            await asyncio.wait(flushed, timeout=_STOP_S)
             for waiter in flushed:
                 waiter.cancel()
 
@@ -84,7 +86,8 @@ class SessionManager:
         if held >= limits.max_sessions_per_client:
             raise ProtocolError(
                 "resource_exhausted",
-                f"this client ({quoted(client)}) holds {held} sessions, max_sessions_per_client={limits.max_sessions_per_client}",
+                f"this client ({quoted(client)}) holds {held} sessions, "
+                f"max_sessions_per_client={limits.max_sessions_per_client}",
             )
         session_id = "sess_" + secrets.token_urlsafe(18)
         session = Session(self, session_id, self.plugin, self.limits, self.executor, duplex, client)

@@ -25,9 +25,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..plugins import ModelPlugin
-from ..protocol import ProtocolError, SessionConfig, StreamResampler, encode_event
+from ..protocol import ProtocolError, SessionConfig, StreamResampler, encode_event, quoted
 from ..protocol import audio as wire_audio
-from ..protocol.errors import quoted
 from ..protocol import events as ev
 from .journal import Journal
 from .ledger import Ledgers
@@ -128,7 +127,7 @@ class _Stop:
 
 @dataclass
 class _Lost:
-    """The socket closed under a Realtime session (its client read too slowly)."""
+    """The socket closed under a Realtime session (its client read too slowly, or is gone)."""
 
 
 # Commands that bring data the session keeps or holds while they wait: the input budget covers them.
@@ -184,6 +183,7 @@ class Session:
         # The input budget (Limits.input_bytes): data commands' frames while queued, the
         # uncommitted buffer, every history item's JSON, and committed turns' audio, oldest first.
         self._queued_bytes = 0
+        self._handling: _Inbound | None = None  # the command being handled
         self._item_bytes: dict[str, int] = {}
         self._items_bytes = 0
         self._user_audio: dict[str, bytes] = {}
@@ -247,7 +247,8 @@ class Session:
         if self.active is not None:
             resp, self.active = self.active, None
             self.epoch += 1
-            error = {"type": "server_error", "code": reason, "message": "the server shut down before the response ended"}
+            message = "the server shut down before the response ended"
+            error = {"type": "server_error", "code": reason, "message": message}
             self._finish(resp, "failed", {"type": "failed", "error": error})
         await self._shutdown(ev.SessionClosed(session_id=self.id, reason=reason), reason, CLOSE_GOING_AWAY)
 
@@ -373,6 +374,13 @@ class Session:
             self._refusing_input = False
             self.report_rate_limits()
 
+    def _kept(self) -> None:
+        """The command being handled keeps its data now (in the buffer, in the history): its frame
+        stops counting as queued at the same moment, so the budget counts it once."""
+        assert self._handling is not None
+        self._queued_bytes -= self._handling.budgeted_bytes
+        self._handling.budgeted_bytes = 0
+
     def _trim_history_audio(self) -> None:
         """Drop the audio of the oldest committed turns until the input budget holds again. Their
         items stay; retrieving one shows no audio."""
@@ -434,6 +442,7 @@ class Session:
                 self._dequeued(msg)
                 return
             handler = self._HANDLERS[type(msg.command)]
+            self._handling = msg
             try:
                 await handler(self, msg.command)
             except ProtocolError as err:
@@ -445,6 +454,7 @@ class Session:
                     "server_error", f"internal error: {type(exc).__name__}", None, msg.command.event_id
                 ) from exc
             finally:
+                self._handling = None
                 self._dequeued(msg)
         elif isinstance(msg, _Reject):
             if msg.transport is self.transport:
@@ -492,6 +502,7 @@ class Session:
         led.received_bytes += len(data)
         led.resampled_samples += resampled
         self._buffer += data
+        self._kept()
         if frames:
             await self.port.call(self.stream.feed_frames, frames)
         led.fed_samples += len(frames) * self.plugin.info.frame_samples
@@ -583,6 +594,7 @@ class Session:
         item.setdefault("id", _new_id("item"))
         item["object"] = "realtime.item"
         item.setdefault("status", "completed")
+        self._kept()
         self._add_item(item, previous if previous is not None else (self.history[-1]["id"] if self.history else None))
 
     async def _item_retrieve(self, cmd: ev.ConversationItemRetrieve) -> None:

@@ -68,7 +68,7 @@ class Transport:
             self._queue.put_nowait(_Close(code, reason))
 
     def _abort(self, code: int, reason: str) -> None:
-        log.info("closing a socket with %d bytes queued (outbound_bytes=%d): %s", self.queued_bytes, self.max_bytes, reason)
+        log.info("closing a socket, %d bytes queued (outbound_bytes=%d): %s", self.queued_bytes, self.max_bytes, reason)
         while not self._queue.empty():
             self._queue.get_nowait()
         self.queued_bytes = 0

@@ -86,7 +86,8 @@ def test_browser_origins_other_than_the_servers_own_and_the_allowed_are_refused(
     with httpx.Client(base_url=own) as http:
         foreign_http = http.get("/v1/models", headers={**auth, "Origin": FOREIGN})
     message = "origin 'https://evil.example' is not allowed"
-    assert foreign == (403, {"error": {"type": "invalid_request_error", "code": "origin_not_allowed", "message": message}})
+    refusal = {"error": {"type": "invalid_request_error", "code": "origin_not_allowed", "message": message}}
+    assert foreign == (403, refusal)
     assert (foreign_http.status_code, foreign_http.json()["error"]["message"]) == (403, message)
     assert same[0] == allowed[0] == 101
 

@@ -24,7 +24,7 @@ def test_a_short_soak_loses_nothing_and_every_ledger_balances():
         server = handle.manager.ended_ledgers
     summary = summarize(ledgers)
     assert summary["violations"] == {}
-    assert (summary["lost"], summary["server_errors"]) == (0, 0)
+    assert (summary["lost_events"], summary["server_errors"]) == (0, 0)
     assert summary["input_accounted"] and summary["output_samples_accounted"]
     assert summary["shutdown"] == {"session.closed server_shutdown, close 1001": SESSIONS}
     assert set(summary["steps"]) == set(STEPS)
