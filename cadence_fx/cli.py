@@ -173,7 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_positive_int, default=8000)
     serve.add_argument("--model", choices=plugin_names(), default=DEFAULT_PLUGIN, help="the model plugin to serve")
     serve.add_argument("--max-sessions", type=_positive_int, default=16)
-    serve.add_argument("--max-sessions-per-client", type=_positive_int, default=4, help="live sessions per client address")
+    serve.add_argument(
+        "--max-sessions-per-client", type=_positive_int, default=4, help="live sessions one client address may hold"
+    )
     serve.add_argument("--idle-ttl", type=float, default=300.0, help="seconds without traffic before a session expires")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds a disconnected session waits for a resume")
     serve.add_argument(
