@@ -114,6 +114,7 @@ def create_app(
             "status": "ok",
             "model": manager.plugin.info.name,
             "sessions": len(manager.sessions),
+            "connections": len(manager.connections),  # sockets open, a session's or not yet
             "max_sessions": limits.max_sessions,
             "sessions_ended": manager.ended,
         }

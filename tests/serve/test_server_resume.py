@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import websockets
 from servekit import COMMIT, RESPONSE_HEAD, RESPONSE_TAIL, deltas_of, run, running, tone_reply_pcm, types_of
 
@@ -264,12 +265,16 @@ def test_heartbeat_reports_the_last_seq():
 def test_a_socket_opened_to_resume_that_never_binds_is_closed():
     async def scenario(server):
         sock = await server.connect("/v1/duplex?session_id=sess_whatever", created=False)
+        health = httpx.get(server.handle.http_url + "/health").json()
         await sock.ws.wait_closed()
-        return sock.ws.close_code, sock.ws.close_reason, server.on_loop(lambda: len(server.handle.manager.connections))
+        assert server.eventually(lambda: not server.handle.manager.connections)
+        after = httpx.get(server.handle.http_url + "/health").json()
+        return sock.ws.close_code, sock.ws.close_reason, health, after
 
-    with running(Limits(**QUICK, bind_timeout_s=0.3)) as server:
-        code, reason, connections = run(scenario(server))
-    assert (code, reason, connections) == (4001, "no session.resume within 0.3 s", 0)
+    with running(Limits(**QUICK, bind_timeout_s=0.5)) as server:
+        code, reason, health, after = run(scenario(server))
+    assert (code, reason) == (4001, "no session.resume within 0.5 s")
+    assert [(h["sessions"], h["connections"]) for h in (health, after)] == [(0, 1), (0, 0)]
 
 
 def test_a_socket_that_fails_to_resume_three_times_is_closed_and_the_owner_still_resumes(server):
