@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import random
 import socket
@@ -105,15 +106,14 @@ def quiet(ms: int) -> bytes:
     return bytes(PCM24K.rate * ms // 1000 * 2)
 
 
-_REPLIES: dict[int, bytes] = {}
-
-
 def tone_reply(turn_bytes: int) -> bytes:
     """The tone's whole reply, as 24 kHz PCM16, to a committed turn of ``turn_bytes``."""
-    chunks = tone.reply_chunks(turn_bytes // 3)
-    if chunks not in _REPLIES:
-        _REPLIES[chunks] = wire_audio.encode_samples(tone.render(chunks), PCM24K)
-    return _REPLIES[chunks]
+    return _tone_pcm(tone.reply_chunks(turn_bytes // 3))
+
+
+@functools.cache
+def _tone_pcm(chunks: int) -> bytes:
+    return wire_audio.encode_samples(tone.render(chunks), PCM24K)
 
 
 @dataclass
@@ -234,10 +234,13 @@ class SoakClient:
         await self._until(lambda: self.active is None)
 
     async def _soft_stall(self) -> None:
+        """Stop reading for a moment while a reply streams: its events wait in the buffers."""
         await self._reply_to_manual_turn(deltas=self.rng.randint(1, 5))
         self._reading.clear()
         await asyncio.sleep(self.rng.uniform(0.5, 2.0))
         self._reading.set()
+        await self._until(lambda: self.active is None or self._closed())
+        await self._resume_if_closed_for_stalling()
         await self._until(lambda: self.active is None)
 
     async def _barge_in(self) -> None:
@@ -287,12 +290,16 @@ class SoakClient:
         await asyncio.sleep(3.0)
         self._reading.set()
         await self._until(lambda: self._closed() or self.ledger.retrieved == retrieved + asked)
+        await self._resume_if_closed_for_stalling()
+        await self._sync()
+
+    async def _resume_if_closed_for_stalling(self) -> None:
+        """After a stall: the server may have closed the socket for it (4008); resume if so."""
         if self._closed():
             if self.ws.close_code != 4008:
                 raise RuntimeError(f"a stalled reader's socket closed with {self.ws.close_code}, not 4008")
             self.ledger.slow_consumer_closes += 1
             await self._resume()
-        await self._sync()
 
     # ------------------------------------------------------------ steps' parts
 

@@ -1,6 +1,9 @@
 """What a client gets when the server goes away: a graceful shutdown drains (responses run to
 their end within ``Limits.drain_s``, then ``session.closed`` ``server_shutdown`` and 1001); a
-crash gives 1006, and the resume that follows is refused with ``session_not_found``."""
+crash gives 1006, and the resume that follows is refused with ``session_not_found``.
+
+Stopping a server here takes the path SIGTERM takes (uvicorn's signal handler only asks the server
+to exit); bench/soak.py ends its run with a real SIGTERM to a server process."""
 
 from __future__ import annotations
 
