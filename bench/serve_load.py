@@ -41,7 +41,8 @@ def _start_server(port: int, plugin: str, sessions: int, timeout_s: float) -> su
     included, prints its progress on stderr meanwhile)."""
     code = (
         "from cadence_fx.serve.app import run_server; from cadence_fx.serve.session import Limits; "
-        f"run_server('127.0.0.1', {port}, {plugin!r}, Limits(max_sessions={sessions}))"
+        f"run_server('127.0.0.1', {port}, {plugin!r}, "
+        f"Limits(max_sessions={sessions}, max_sessions_per_client={sessions}))"
     )
     proc = subprocess.Popen([sys.executable, "-c", code])
     deadline = time.monotonic() + timeout_s

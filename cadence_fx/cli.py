@@ -102,8 +102,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import os
     from pathlib import Path
 
+    from cadence_fx.serve.access import Access
     from cadence_fx.serve.app import Tls, run_server
     from cadence_fx.serve.plugins import loads_weights, plugin_names, takes_prompt
     from cadence_fx.serve.session import Limits
@@ -128,7 +130,14 @@ def _serve(args: argparse.Namespace) -> int:
             if not Path(path).is_file():
                 raise ValueError(f"no such file {path!r} (expected a PEM key or certificate)")
         tls = Tls(args.ssl_keyfile, args.ssl_certfile)
-    limits = Limits(max_sessions=args.max_sessions, idle_ttl_s=args.idle_ttl, grace_s=args.grace)
+    limits = Limits(
+        max_sessions=args.max_sessions,
+        max_sessions_per_client=args.max_sessions_per_client,
+        idle_ttl_s=args.idle_ttl,
+        grace_s=args.grace,
+    )
+    api_key = args.api_key if args.api_key is not None else os.environ.get("CADENCE_FX_API_KEY")
+    access = Access(api_key=api_key, allowed_origins=tuple(args.allow_origin), docs=args.docs)
     weights = f" with the weights of {args.weights}" if args.weights else ""
     print(f"loading {args.model}{weights}...", file=sys.stderr, flush=True)
 
@@ -140,7 +149,7 @@ def _serve(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    run_server(args.host, args.port, args.model, limits, tls, on_ready=ready, plugin_options=options)
+    run_server(args.host, args.port, args.model, limits, access, tls, on_ready=ready, plugin_options=options)
     return 0
 
 
@@ -248,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "Hugging Face hub repo id (moshi-full: kyutai/moshiko-pytorch-bf16; token2wav-full: "
                             "openbmb/MiniCPM-o-4_5)")
     serve.add_argument("--max-sessions", type=_positive_int, default=16)
+    serve.add_argument(
+        "--max-sessions-per-client", type=_positive_int, default=4, help="live sessions one client address may hold"
+    )
     serve.add_argument("--idle-ttl", type=float, default=300.0, help="seconds without traffic before a session expires")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds a disconnected session waits for a resume")
     serve.add_argument("--prompt", metavar="FILE",
@@ -259,6 +271,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--ssl-keyfile", metavar="PEM", help="serve https:// and wss:// with this private key")
     serve.add_argument("--ssl-certfile", metavar="PEM", help="... and this certificate (chain)")
+    serve.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="key every route but /health asks for (default: $CADENCE_FX_API_KEY, which keeps it out of the "
+        "process list); without one the service is open",
+    )
+    serve.add_argument(
+        "--allow-origin",
+        metavar="ORIGIN",
+        action="append",
+        default=[],
+        help="a browser origin (scheme://host:port) allowed besides the server's own; repeatable; '*' allows any",
+    )
+    serve.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json")
     serve.set_defaults(run=_serve)
 
     prompt = commands.add_parser("prompt", help="prepare MiniCPM-o Token2Wav's speaker prompt from a WAV and save it")

@@ -2,7 +2,8 @@
 
 Routes: ``/v1/realtime`` (WebSocket; Tier 1 only, or the duplex extensions with ``?duplex=1``),
 ``/v1/duplex`` (WebSocket, always duplex), ``/v1/models``, ``/health``, and the browser page at
-``/`` (its files under ``/static``, shipped in the package).
+``/`` (its files under ``/static``, shipped in the package). Every route but ``/health`` asks for
+the API key when the server has one (``access.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import logging
 import socket
 import ssl
+import sys
 import threading
 import time
 import urllib.request
@@ -27,57 +29,24 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.websockets import WebSocketDisconnect
 
+from .access import Access, AccessMiddleware
 from .plugins import ModelPlugin, load_plugin
 from .session import Connection, Limits, SessionManager, Transport
 
 log = logging.getLogger("cadence_fx.serve")
 
-CLOSE_SLOW_CONSUMER = 4008
 STATIC = Path(__file__).resolve().parent / "static"
 # OpenAI's browser clients offer these subprotocols (a browser cannot set headers on a WebSocket);
-# the handshake must echo "realtime". The key entry ("openai-insecure-api-key.<key>") is the
-# auth layer's to check, never echoed.
+# the handshake must echo "realtime". The key entry ("openai-insecure-api-key.<key>") is checked by
+# the access layer (access.py), never echoed.
 REALTIME_SUBPROTOCOL = "realtime"
 
-
-class WebSocketTransport(Transport):
-    """Outbound queue drained by one writer task, so the session never waits on the network."""
-
-    def __init__(self, ws: WebSocket, max_queued: int) -> None:
-        self._ws = ws
-        self._max_queued = max_queued
-        self._queue: asyncio.Queue[str | tuple[int, str]] = asyncio.Queue()
-        self._closing = False
-
-    def deliver(self, text: str) -> None:
-        if self._closing:
-            return
-        if self._queue.qsize() >= self._max_queued:
-            # A duplex client resumes and replays from the journal; nothing is lost to it.
-            self.close(CLOSE_SLOW_CONSUMER, "client reads too slowly")
-            return
-        self._queue.put_nowait(text)
-
-    def close(self, code: int, reason: str) -> None:
-        if not self._closing:
-            self._closing = True
-            self._queue.put_nowait((code, reason))
-
-    async def run(self) -> None:
-        try:
-            while True:
-                item = await self._queue.get()
-                if isinstance(item, tuple):
-                    await self._ws.close(*item)
-                    return
-                await self._ws.send_text(item)
-        except (WebSocketDisconnect, RuntimeError, OSError):
-            self._closing = True  # the peer is gone; the reader sees the disconnect too
-
-
-def create_app(plugin_factory: Callable[[], ModelPlugin], limits: Limits | None = None) -> FastAPI:
+def create_app(
+    plugin_factory: Callable[[], ModelPlugin], limits: Limits | None = None, access: Access | None = None
+) -> FastAPI:
     """The service app. ``plugin_factory`` builds the model plugin once, at startup."""
     limits = limits or Limits()
+    access = access or Access()
     state: dict[str, object] = {}
 
     @contextlib.asynccontextmanager
@@ -95,15 +64,17 @@ def create_app(plugin_factory: Callable[[], ModelPlugin], limits: Limits | None 
             await manager.stop()
             plugin.close()
 
-    app = FastAPI(title="cadence-fx duplex service", lifespan=lifespan)
+    docs = {} if access.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="cadence-fx duplex service", lifespan=lifespan, **docs)
+    app.add_middleware(AccessMiddleware, access=access)
 
     async def serve_socket(ws: WebSocket, duplex: bool, session_id: str | None) -> None:
         manager: SessionManager = state["manager"]  # type: ignore[assignment]
         offered = ws.scope.get("subprotocols", [])
         await ws.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in offered else None)
-        transport = WebSocketTransport(ws, limits.max_outbound_events)
-        writer = asyncio.create_task(transport.run())
-        connection = Connection(manager, transport, duplex)
+        transport = Transport(limits.outbound_bytes)
+        writer = asyncio.create_task(transport.pump(ws.send_text, ws.close))
+        connection = Connection(manager, transport, duplex, ws.client.host if ws.client else "unknown")
         try:
             if connection.open(resume=session_id is not None):
                 while True:
@@ -163,6 +134,7 @@ def create_app(plugin_factory: Callable[[], ModelPlugin], limits: Limits | None 
             "status": "ok",
             "model": manager.plugin.info.name,
             "sessions": len(manager.sessions),
+            "connections": len(manager.connections),  # sockets open, a session's or not yet
             "max_sessions": limits.max_sessions,
             "sessions_ended": manager.ended,
         }
@@ -202,27 +174,42 @@ def uvicorn_config(app: FastAPI, host: str, port: int, limits: Limits, tls: Tls 
     )
 
 
+class Server(uvicorn.Server):
+    """uvicorn, draining the sessions before its own shutdown, which closes every socket with 1012
+    before the app hears of it: clients get their ``session.closed`` and 1001 instead."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:
+            server.close()  # no new connection while the sessions drain
+        await self.config.app.state.manager.drain()  # type: ignore[union-attr]
+        await super().shutdown(sockets)
+
+
 def run_server(
     host: str,
     port: int,
     plugin_name: str,
     limits: Limits | None = None,
+    access: Access | None = None,
     tls: Tls | None = None,
     on_ready: Callable[[str, dict], None] | None = None,
     plugin_options: dict[str, object] | None = None,
 ) -> None:
-    """Serve until interrupted (``cadence-fx serve``). ``on_ready(base_url, health)`` is called
-    once the model is loaded and ``/health`` answers."""
-    limits = limits or Limits()
-    app = create_app(lambda: load_plugin(plugin_name, **(plugin_options or {})), limits)
-    server = uvicorn.Server(uvicorn_config(app, host, port, limits, tls))
+    """Serve until interrupted (``cadence-fx serve``); SIGTERM and SIGINT drain the sessions first.
+    ``on_ready(base_url, health)`` is called once the model is loaded and ``/health`` answers."""
+    limits, access = limits or Limits(), access or Access()
+    notice = access.open_notice(host, port)
+    if notice is not None:
+        print(f"cadence-fx serve: {notice}", file=sys.stderr, flush=True)
+    app = create_app(lambda: load_plugin(plugin_name, **(plugin_options or {})), limits, access)
+    server = Server(uvicorn_config(app, host, port, limits, tls))
     if on_ready is not None:
         base = f"{'https' if tls else 'http'}://{f'[{host}]' if ':' in host else host}:{port}"
-        threading.Thread(target=_announce, args=(server, base, on_ready), name="ready", daemon=True).start()
+        threading.Thread(target=_announce, args=(server, base, on_ready, access), name="ready", daemon=True).start()
     server.run()
 
 
-def _announce(server: uvicorn.Server, base: str, on_ready: Callable[[str, dict], None]) -> None:
+def _announce(server: uvicorn.Server, base: str, on_ready: Callable[[str, dict], None], access: Access) -> None:
     """Waits for uvicorn's startup (the plugin loads in the lifespan, before it), then for
     ``/health`` to answer over the server's own scheme, then calls ``on_ready``."""
     while not server.started:
@@ -251,7 +238,7 @@ def _announce(server: uvicorn.Server, base: str, on_ready: Callable[[str, dict],
 class BackgroundServer:
     """A uvicorn server on a loopback port in a thread (tests and benchmarks)."""
 
-    server: uvicorn.Server
+    server: Server
     thread: threading.Thread
     host: str
     port: int
@@ -296,12 +283,14 @@ def background_server(
     host: str = "127.0.0.1",
     start_timeout_s: float = 120.0,
     tls: Tls | None = None,
+    access: Access | None = None,
+    port: int | None = None,
 ) -> Iterator[BackgroundServer]:
     """``start_timeout_s`` covers the plugin's startup (its ``reserve``), which a model may take a
-    while over."""
+    while over. ``port``: a free one unless given."""
     limits = limits or Limits()
-    port = free_port(host)
-    server = uvicorn.Server(uvicorn_config(create_app(plugin_factory, limits), host, port, limits, tls))
+    port = port or free_port(host)
+    server = Server(uvicorn_config(create_app(plugin_factory, limits, access), host, port, limits, tls))
     thread = threading.Thread(target=server.run, name=f"uvicorn:{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout_s

@@ -7,7 +7,7 @@ from . import events
 from .audio import PCM24K, PCMA, PCMU, AudioFormat, StreamResampler, parse_format
 from .codec import decode_command, decode_event, encode_command, encode_event, event_to_dict
 from .config import ResponseParams, SessionConfig, TurnDetection
-from .errors import ERROR_CODES, ProtocolError
+from .errors import ERROR_CODES, ProtocolError, quoted
 
 __all__ = [
     "ERROR_CODES",
@@ -27,4 +27,5 @@ __all__ = [
     "event_to_dict",
     "events",
     "parse_format",
+    "quoted",
 ]

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import numpy as np
 from scipy import signal
 
-from .errors import ProtocolError
+from .errors import ProtocolError, quoted
 
 Encoding = Literal["pcm16", "pcmu", "pcma"]
 
@@ -61,7 +61,7 @@ def parse_format(value: object, param: str) -> AudioFormat:
     if isinstance(value, str):
         encoding = _BETA_TYPE.get(value)
         if encoding is None:
-            raise ProtocolError("unsupported_audio_format", f"unsupported audio format {value!r}", param)
+            raise ProtocolError("unsupported_audio_format", f"unsupported audio format {quoted(value)}", param)
         return PCM24K if encoding == "pcm16" else AudioFormat(encoding, _G711_RATE)
     if not isinstance(value, dict):
         raise ProtocolError("invalid_value", "audio format must be an object or a string", param)
@@ -70,14 +70,14 @@ def parse_format(value: object, param: str) -> AudioFormat:
         rate = value.get("rate", PCM_RATE)
         if rate != PCM_RATE:
             raise ProtocolError(
-                "unsupported_audio_format", f"audio/pcm is 24000 Hz only, got rate {rate!r}", f"{param}.rate"
+                "unsupported_audio_format", f"audio/pcm is 24000 Hz only, got rate {quoted(rate)}", f"{param}.rate"
             )
         return PCM24K
     if kind == "audio/pcmu":
         return PCMU
     if kind == "audio/pcma":
         return PCMA
-    raise ProtocolError("unsupported_audio_format", f"unsupported audio format type {kind!r}", f"{param}.type")
+    raise ProtocolError("unsupported_audio_format", f"unsupported audio format type {quoted(kind)}", f"{param}.type")
 
 
 def b64decode(text: str, param: str = "audio") -> bytes:
@@ -182,7 +182,7 @@ class StreamResampler:
     def process(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x, dtype=np.float32)
         self.samples_in += len(x)
-        if self._taps is None:
+        if self._taps is None or len(x) == 0:  # lfilter refuses an empty signal
             self.samples_out += len(x)
             return x.copy()
         stuffed = np.zeros(len(x) * self.up)

@@ -14,8 +14,12 @@ import typing
 from typing import Any
 
 from .config import known
-from .errors import ProtocolError
+from .errors import ProtocolError, quoted
 from .events import COMMANDS, EVENTS, ClientCommand, ServerEvent
+
+# Ids a client names: longer ones are refused, so no id a session keeps or echoes is unbounded.
+MAX_ID_CHARS = 256
+_ID_FIELDS = {"event_id", "session_id", "item_id", "previous_item_id", "response_id", "resume_token"}
 
 
 @functools.cache
@@ -44,6 +48,15 @@ def _check(value: Any, kinds: tuple[type, ...], optional: bool, param: str) -> N
         raise ProtocolError("invalid_value", f"{param} must be of type {kinds[0].__name__}", param)
     if isinstance(value, int) and not isinstance(value, bool) and value < 0:
         raise ProtocolError("invalid_value", f"{param} must not be negative", param)
+    if param in _ID_FIELDS:
+        _check_id(value, param)
+
+
+def _check_id(value: str, param: str) -> None:
+    if len(value) > MAX_ID_CHARS:
+        raise ProtocolError(
+            "invalid_value", f"{param} is {len(value)} characters long, at most {MAX_ID_CHARS} are accepted", param
+        )
 
 
 def _parse_object(text: str | bytes) -> dict[str, Any]:
@@ -58,7 +71,9 @@ def _parse_object(text: str | bytes) -> dict[str, Any]:
 
 def decode_command(text: str | bytes) -> ClientCommand:
     obj = _parse_object(text)
-    client_event_id = obj.get("event_id") if isinstance(obj.get("event_id"), str) else None
+    event_id = obj.get("event_id")
+    # Errors echo the client's event_id, unless it is the very thing that is wrong with the frame.
+    client_event_id = event_id if isinstance(event_id, str) and len(event_id) <= MAX_ID_CHARS else None
     try:
         kind = obj.get("type")
         if kind is None:
@@ -67,7 +82,7 @@ def decode_command(text: str | bytes) -> ClientCommand:
             raise ProtocolError("invalid_value", "type must be a string", "type")
         cls = COMMANDS.get(kind)
         if cls is None:
-            raise ProtocolError("unknown_event_type", f"unknown event type {kind[:100]!r}", "type")
+            raise ProtocolError("unknown_event_type", f"unknown event type {quoted(kind)}", "type")
         values = {}
         for name, kinds, optional, required in _field_specs(cls):
             if name not in obj:
@@ -118,6 +133,8 @@ def _check_item(item: dict[str, Any]) -> None:
     if item.get("status", "completed") not in ("completed", "incomplete", "in_progress"):
         raise ProtocolError("invalid_value", "item.status must be completed, incomplete or in_progress",
                             "item.status")
+    if "id" in item:
+        _check_id(item["id"], "item.id")
     if kind != "message":
         return
     role = item["role"]
@@ -162,7 +179,7 @@ def decode_event(text: str | bytes) -> ServerEvent:
     obj = _parse_object(text)
     cls = EVENTS.get(obj.get("type"))  # type: ignore[arg-type]
     if cls is None:
-        raise ProtocolError("unknown_event_type", f"unknown event type {obj.get('type')!r}", "type")
+        raise ProtocolError("unknown_event_type", f"unknown event type {quoted(obj.get('type'))}", "type")
     names = {f.name for f in dataclasses.fields(cls)}
     try:
         return cls(**{k: v for k, v in obj.items() if k in names})

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .audio import PCM24K, AudioFormat, parse_format
-from .errors import ProtocolError
+from .errors import ProtocolError, quoted
 
 # semantic_vad's eagerness, served as the server VAD's silence before a turn ends.
 EAGERNESS_SILENCE_MS = {"low": 800, "medium": 500, "auto": 500, "high": 300}
@@ -132,11 +132,11 @@ class SessionConfig:
         changes: dict[str, Any] = {}
         kind = patch.get("type", "realtime")
         if kind != "realtime":
-            raise ProtocolError("invalid_value", f"session.type must be 'realtime', got {kind!r}", "session.type")
+            raise ProtocolError("invalid_value", f"session.type must be 'realtime', got {quoted(kind)}", "session.type")
         if "model" in patch and patch["model"] != self.model:
             raise ProtocolError(
                 "invalid_value",
-                f"model {patch['model']!r} is not served here; this server serves {self.model!r} (GET /v1/models)",
+                f"model {quoted(patch['model'])} is not served here; this server serves {self.model!r} (GET /v1/models)",
                 "session.model",
             )
         if "instructions" in patch:

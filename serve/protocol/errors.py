@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+# An error never echoes more of a client's text than this: a message quotes at most
+# QUOTED_CHARS of any client string, and is cut at MESSAGE_CHARS in all.
+QUOTED_CHARS = 64
+MESSAGE_CHARS = 512
+
 # Every code the service sends, so clients and tests can match on them exactly.
 ERROR_CODES = frozenset(
     {
@@ -41,6 +46,7 @@ class ProtocolError(Exception):
 
     def __init__(self, code: str, message: str, param: str | None = None, event_id: str | None = None) -> None:
         assert code in ERROR_CODES, code
+        message = message[:MESSAGE_CHARS]
         super().__init__(message)
         self.code = code
         self.message = message
@@ -50,3 +56,11 @@ class ProtocolError(Exception):
     @property
     def type(self) -> str:
         return "server_error" if self.code == "server_error" else "invalid_request_error"
+
+
+def quoted(value: object) -> str:
+    """A client-supplied value as an error message shows it: its ``repr``, cut to QUOTED_CHARS."""
+    text = repr(value)
+    if len(text) <= QUOTED_CHARS:
+        return text
+    return f"{text[:QUOTED_CHARS]}... ({len(text)} characters)"

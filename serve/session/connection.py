@@ -2,32 +2,45 @@
 
 A connection normally opens by creating a session. A duplex connection opened with a
 ``session_id`` creates none (so a client at the admission limit can still come back): it is
-unbound until its ``session.resume`` succeeds.
+unbound until its ``session.resume`` succeeds, and is closed (4001) if that has not happened
+within ``Limits.bind_timeout_s``. A connection whose resumes fail ``Limits.max_resume_failures``
+times (a wrong token, an unknown session) is closed (1008).
 """
 
 from __future__ import annotations
 
+import asyncio
+
 from ..protocol import ProtocolError, decode_command, encode_event
 from ..protocol import events as ev
 from .manager import SessionManager
-from .session import CLOSE_TRY_AGAIN, Session, _error_event
+from .session import CLOSE_EXPIRED, CLOSE_POLICY, CLOSE_TRY_AGAIN, Session, _error_event
 from .transport import Transport
+
+# Resume failures that a client with the right token never sees (a generation race is not one).
+_RESUME_FAILURES = {"invalid_resume_token", "session_not_found"}
 
 
 class Connection:
-    def __init__(self, manager: SessionManager, transport: Transport, duplex: bool) -> None:
+    def __init__(self, manager: SessionManager, transport: Transport, duplex: bool, client: str) -> None:
         self.manager = manager
         self.transport = transport
         self.duplex = duplex
+        self.client = client  # the peer's address: the per-client session limit counts by it
         self.session: Session | None = None
         self._errors = 0
+        self._resume_failures = 0
+        self._bind_timer: asyncio.TimerHandle | None = None
+        manager.connections.add(self)
 
     def open(self, resume: bool = False) -> bool:
         """Create this connection's session (unless resuming); False if admission refused it."""
         if resume and self.duplex:
+            timeout = self.manager.limits.bind_timeout_s
+            self._bind_timer = asyncio.get_running_loop().call_later(timeout, self._bind_expired, timeout)
             return True
         try:
-            self.session = self.manager.create(self.transport, self.duplex)
+            self.session = self.manager.create(self.transport, self.duplex, self.client)
         except ProtocolError as err:
             self._send_unbound(err)
             self.transport.close(CLOSE_TRY_AGAIN, "resource exhausted")
@@ -46,25 +59,25 @@ class Connection:
             self._fail(err)
             return
         try:
-            await self._route(command)
+            await self._route(command, size)
         except ProtocolError as err:
             err.event_id = err.event_id or command.event_id
             self._fail(err)
 
     def closed(self) -> None:
+        self.manager.connections.discard(self)
+        if self._bind_timer is not None:
+            self._bind_timer.cancel()
         if self.session is not None:
             self.session.detach(self.transport)
 
-    async def _route(self, command: ev.ClientCommand) -> None:
+    async def _route(self, command: ev.ClientCommand, frame_bytes: int) -> None:
         if command.TIER == 3 and not self.duplex:
             raise ProtocolError(
                 "unsupported_in_realtime_mode", f"{command.TYPE} needs a duplex connection (?duplex=1)", "type"
             )
         if isinstance(command, ev.SessionResume):
-            target = await self.manager.resume(command, self.transport)
-            if self.session is not None and self.session is not target:
-                self.session.release(self.transport)
-            self.session = target
+            await self._resume(command)
             return
         if self.session is None:
             raise ProtocolError("session_not_bound", "send session.resume first", "type")
@@ -72,7 +85,31 @@ class Connection:
             raise ProtocolError(
                 "session_mismatch", "command names a session this connection does not hold", "session_id"
             )
-        self.session.submit(command, self.transport)
+        self.session.submit(command, self.transport, frame_bytes)
+
+    async def _resume(self, command: ev.SessionResume) -> None:
+        try:
+            target = await self.manager.resume(command, self.transport)
+        except ProtocolError as err:
+            if err.code not in _RESUME_FAILURES:
+                raise
+            self._resume_failures += 1
+            if self._resume_failures < self.manager.limits.max_resume_failures:
+                raise
+            # The error goes straight out, ahead of the close (a session's mailbox would be too late).
+            err.event_id = command.event_id
+            self._send_unbound(err)
+            self.transport.close(CLOSE_POLICY, "too many failed resumes")
+            return
+        if self._bind_timer is not None:
+            self._bind_timer.cancel()
+        if self.session is not None and self.session is not target:
+            self.session.release(self.transport)
+        self.session = target
+
+    def _bind_expired(self, timeout: float) -> None:
+        if self.session is None:
+            self.transport.close(CLOSE_EXPIRED, f"no session.resume within {timeout:g} s")
 
     def _fail(self, err: ProtocolError) -> None:
         if self.session is None:

@@ -1,4 +1,7 @@
-"""Replay journal: the last encoded events of a session, by ``server_event_seq``."""
+"""Replay journal: a session's newest encoded events, by ``server_event_seq``, within a byte budget.
+
+Encoded events are ASCII JSON, so a text's length is its size in bytes.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +9,11 @@ from collections import deque
 
 
 class Journal:
-    def __init__(self, max_events: int, max_bytes: int) -> None:
-        self.max_events = max_events
+    def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.last_seq = 0  # the newest seq handed out
         self._entries: deque[tuple[int, str]] = deque()
-        self._bytes = 0
+        self.bytes = 0
         self.evicted = 0  # entries dropped for room before the client acknowledged them
 
     def next_seq(self) -> int:
@@ -21,8 +23,8 @@ class Journal:
     def append(self, seq: int, text: str) -> None:
         assert seq == self.last_seq
         self._entries.append((seq, text))
-        self._bytes += len(text)
-        while self._entries and (len(self._entries) > self.max_events or self._bytes > self.max_bytes):
+        self.bytes += len(text)
+        while self.bytes > self.max_bytes:
             self._drop()
             self.evicted += 1
 
@@ -43,4 +45,4 @@ class Journal:
 
     def _drop(self) -> None:
         _, text = self._entries.popleft()
-        self._bytes -= len(text)
+        self.bytes -= len(text)

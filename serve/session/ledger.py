@@ -53,6 +53,7 @@ class Ledgers:
     responses: ResponseLedger = field(default_factory=ResponseLedger)
     playback: PlaybackLedger = field(default_factory=PlaybackLedger)
     history_items: int = 0
+    history_audio_dropped_bytes: int = 0  # committed turns' audio dropped to keep the input budget
 
     def check(self) -> None:
         i, p = self.input, self.playback

@@ -1,27 +1,67 @@
-"""Every bound the service enforces, in one frozen record passed to the app factory."""
+"""Every bound the service enforces, in one frozen record passed to the app factory.
+
+A session's memory is bounded in bytes, in three parts (README, "Limits and the delivery guarantee"):
+
+* ``input_bytes``: commands that carry data (appends, item and session updates, response requests)
+  while queued, the uncommitted input audio, and the kept history: conversation items and the
+  audio of committed turns. A data command that would exceed it gets ``input_backpressure``; the
+  audio of the oldest turns is dropped first to make room (their items stay).
+* ``outbound_bytes``: events queued for one socket and not yet written. A client that falls this
+  far behind is disconnected with 4008; a duplex client resumes and loses nothing, because
+* ``journal_bytes`` (at least ``outbound_bytes``): the newest events of a duplex session, kept for
+  a resume, hold whatever the socket's queue can hold.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Room for an event's own fields around its largest payload (ids are at most 256 characters).
+EVENT_ENVELOPE_BYTES = 16 << 10
+
 
 @dataclass(frozen=True)
 class Limits:
     max_sessions: int = 16  # admission: more live sessions get ``resource_exhausted``
+    max_sessions_per_client: int = 4  # live sessions one client address may hold
     max_frame_bytes: int = 1 << 20  # larger text frames get ``frame_too_large``
     max_pending_input_bytes: int = 1 << 20  # decoded audio queued per session: ``input_backpressure``
     max_pending_commands: int = 1024  # commands queued per session: ``input_backpressure``
-    max_outbound_events: int = 20_000  # a client that reads slower than this is disconnected
+    input_bytes: int = 8 << 20  # per session: queued data commands + uncommitted audio + kept history
+    outbound_bytes: int = 12 << 20  # per socket: events not yet written; beyond: close 4008
+    journal_bytes: int = 16 << 20  # per duplex session: the newest events, kept for a resume
     idle_ttl_s: float = 300.0  # no client frame and no response for this long: session expires
     grace_s: float = 30.0  # disconnected duplex session waits this long for a resume
     max_session_s: float = 3600.0
+    bind_timeout_s: float = 10.0  # a socket opened to resume, still without a session after this: closed
+    max_resume_failures: int = 3  # wrong tokens or unknown sessions per socket before it is closed
+    drain_s: float = 10.0  # at shutdown, how long responses in progress may still run
     reap_interval_s: float = 0.25
     heartbeat_s: float = 0.0  # 0: no session.heartbeat events
-    journal_max_events: int = 4096
-    journal_max_bytes: int = 16 << 20
     workers: int = 4  # threads for decode and resampling (model calls get one thread per session slot)
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
             if value < 0:
                 raise ValueError(f"Limits.{name} must not be negative, got {value}")
+        if self.max_sessions_per_client < 1:
+            raise ValueError("Limits.max_sessions_per_client must be at least 1")
+        if self.outbound_bytes < self.largest_event_bytes:
+            raise ValueError(
+                f"Limits.outbound_bytes ({self.outbound_bytes}) must hold the largest event a session can "
+                f"send, {self.largest_event_bytes} bytes: a retrieved turn of input_bytes of audio in base64, "
+                "or a client's largest frame echoed back"
+            )
+        if self.journal_bytes < self.outbound_bytes:
+            raise ValueError(
+                f"Limits.journal_bytes ({self.journal_bytes}) must be at least Limits.outbound_bytes "
+                f"({self.outbound_bytes}): the journal must hold every event the socket's queue can hold"
+            )
+
+    @property
+    def largest_event_bytes(self) -> int:
+        """An upper bound on one encoded event: a turn's audio (at most ``input_bytes``) in base64,
+        plus the largest client frame it may carry along (an item, the instructions), plus its
+        envelope. The history's item ids in ``session.resync_required`` fit the same bound, since
+        every id is part of an item counted in ``input_bytes``."""
+        return 4 * -(-self.input_bytes // 3) + self.max_frame_bytes + EVENT_ENVELOPE_BYTES

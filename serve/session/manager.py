@@ -1,20 +1,28 @@
-"""The session manager: allocation, admission, lookup for resume, and the reaper."""
+"""The session manager: allocation, admission, lookup for resume, the reaper, and the drain."""
 
 from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from ..plugins import ModelPlugin
-from ..protocol import ProtocolError
+from ..protocol import ProtocolError, quoted
 from ..protocol import events as ev
 from .ledger import Ledgers
 from .limits import Limits
-from .session import Session
+from .session import CLOSE_GOING_AWAY, Session
 from .transport import Transport
 
+if TYPE_CHECKING:
+    from .connection import Connection
+
 _KEEP_ENDED_LEDGERS = 256
+# After the drain, how long the sessions get to end (a model call in flight finishes first), and
+# then their sockets to send what they hold and their close.
+_STOP_S = 5.0
 
 
 class SessionManager:
@@ -27,6 +35,8 @@ class SessionManager:
         # another's to free a thread, and none holds up decoding.
         self.model_executor = ThreadPoolExecutor(max(1, limits.max_sessions), thread_name_prefix="cadence-model")
         self.sessions: dict[str, Session] = {}
+        self.connections: set[Connection] = set()
+        self.draining = False
         self.ended = 0
         # The final ledgers of the latest ended sessions, for audits and tests.
         self.ended_ledgers: dict[str, Ledgers] = {}
@@ -35,20 +45,52 @@ class SessionManager:
     async def start(self) -> None:
         self._reaper = asyncio.get_running_loop().create_task(self._reap(), name="session reaper")
 
+    async def drain(self) -> None:
+        """Graceful shutdown, before the sockets close: no new session; responses in progress get
+        up to ``Limits.drain_s`` to end; then every session ends with ``session.closed``
+        (``server_shutdown``) and 1001, and every socket gets a little while to send what it holds.
+        Runs once; later calls return at once."""
+        if self.draining:
+            return
+        self.draining = True
+        deadline = time.monotonic() + self.limits.drain_s
+        while any(s.active is not None for s in self.sessions.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for connection in list(self.connections):
+            if connection.session is None:
+                connection.transport.close(CLOSE_GOING_AWAY, "server_shutdown")
+        stops = [asyncio.ensure_future(s.stop("server_shutdown")) for s in list(self.sessions.values())]
+        if stops:
+            await asyncio.wait(stops, timeout=_STOP_S)
+        flushed = [asyncio.ensure_future(c.transport.finished.wait()) for c in list(self.connections)]
+        if flushed:
+            await asyncio.wait(flushed, timeout=_STOP_S)
+            for waiter in flushed:
+                waiter.cancel()
+
     async def stop(self) -> None:
+        await self.drain()
         if self._reaper is not None:
             self._reaper.cancel()
-        tasks = [session.stop("server_shutdown") for session in list(self.sessions.values())]
-        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=5.0)
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.model_executor.shutdown(wait=False, cancel_futures=True)
 
-    def create(self, transport: Transport, duplex: bool) -> Session:
+    def create(self, transport: Transport, duplex: bool, client: str) -> Session:
         """A new session with a server-allocated, unguessable id, or ``resource_exhausted``."""
-        if len(self.sessions) >= self.limits.max_sessions:
-            raise ProtocolError("resource_exhausted", f"all {self.limits.max_sessions} session slots are in use")
+        limits = self.limits
+        if self.draining:
+            raise ProtocolError("resource_exhausted", "the server is shutting down")
+        if len(self.sessions) >= limits.max_sessions:
+            raise ProtocolError("resource_exhausted", f"all {limits.max_sessions} session slots are in use")
+        held = sum(1 for s in self.sessions.values() if s.client == client)
+        if held >= limits.max_sessions_per_client:
+            raise ProtocolError(
+                "resource_exhausted",
+                f"this client ({quoted(client)}) holds {held} sessions, "
+                f"max_sessions_per_client={limits.max_sessions_per_client}",
+            )
         session_id = "sess_" + secrets.token_urlsafe(18)
-        session = Session(self, session_id, self.plugin, self.limits, self.executor, duplex)
+        session = Session(self, session_id, self.plugin, self.limits, self.executor, duplex, client)
         self.sessions[session_id] = session
         session.start(transport)
         if len(self.sessions) == self.limits.max_sessions:  # now full: the others learn it

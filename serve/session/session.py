@@ -13,6 +13,7 @@ arrive later are dropped and counted, never emitted.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..plugins import ModelPlugin
-from ..protocol import ProtocolError, ResponseParams, SessionConfig, StreamResampler, encode_event
+from ..protocol import ProtocolError, ResponseParams, SessionConfig, StreamResampler, encode_event, quoted
 from ..protocol import audio as wire_audio
 from ..protocol import events as ev
 from .journal import Journal
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("cadence_fx.serve")
 
 CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001  # server shutdown
+CLOSE_POLICY = 1008  # too many failed resumes
 CLOSE_TRY_AGAIN = 1013
 CLOSE_EXPIRED = 4001
 CLOSE_REPLACED = 4002
@@ -70,7 +73,8 @@ class ModelPort:
 class _Inbound:
     command: ev.ClientCommand
     transport: Transport
-    pending_bytes: int = 0
+    pending_bytes: int = 0  # decoded audio of an append
+    budgeted_bytes: int = 0  # the frame of a data command, while queued (the input budget)
 
 
 @dataclass
@@ -122,6 +126,15 @@ class _Stop:
 
 
 @dataclass
+class _Lost:
+    """The socket closed under a Realtime session (its client read too slowly, or is gone)."""
+
+
+# Commands that bring data the session keeps or holds while they wait: the input budget covers them.
+_DATA_COMMANDS = (ev.InputAudioBufferAppend, ev.ConversationItemCreate, ev.SessionUpdate, ev.ResponseCreate)
+
+
+@dataclass
 class _Response:
     id: str
     item_id: str
@@ -146,9 +159,11 @@ class Session:
         limits: Limits,
         executor: Executor,
         duplex: bool,
+        client: str,
     ) -> None:
         self.manager = manager
         self.id = session_id
+        self.client = client  # the address that created it (the per-client session limit)
         self.plugin = plugin
         self.limits = limits
         self.executor = executor
@@ -158,7 +173,7 @@ class Session:
         self.stream = plugin.open_stream()
         self.port = ModelPort(manager.model_executor)
         self.mailbox: asyncio.Queue[Any] = asyncio.Queue()
-        self.journal = Journal(limits.journal_max_events, limits.journal_max_bytes) if duplex else None
+        self.journal = Journal(limits.journal_bytes) if duplex else None
         now = time.monotonic()
         self.lease = Lease(now, limits.idle_ttl_s, limits.grace_s, limits.max_session_s)
         self.expires_at = int(time.time() + limits.max_session_s)
@@ -169,7 +184,14 @@ class Session:
         self.responses: dict[str, _Response] = {}
         self.last_response_id: str | None = None
         self.history: list[dict] = []
+        # The input budget (Limits.input_bytes): data commands' frames while queued, the
+        # uncommitted buffer, every history item's JSON, and committed turns' audio, oldest first.
+        self._queued_bytes = 0
+        self._handling: _Inbound | None = None  # the command being handled
+        self._item_bytes: dict[str, int] = {}
+        self._items_bytes = 0
         self._user_audio: dict[str, bytes] = {}
+        self._user_audio_bytes = 0
         self._buffer = bytearray()  # uncommitted input, in the input format
         self._frame = np.zeros(0, dtype=np.float32)  # partial model frame
         self._resampler = StreamResampler(self.config.input_format.rate, plugin.info.input_rate)
@@ -212,6 +234,9 @@ class Session:
                 except Exception as exc:  # a bug must not take the session down: report it typed
                     log.exception("session %s failed on %s", self.id, type(msg).__name__)
                     self.emit(_error_event(ProtocolError("server_error", f"internal error: {type(exc).__name__}")))
+                # The socket's writer runs between two messages, so a burst of events reaches the
+                # network as it is made and only a client that does not read fills the outbound budget.
+                await asyncio.sleep(0)
         finally:
             if not self.closed:
                 await self._shutdown(None, "owner_failed", CLOSE_NORMAL)
@@ -220,12 +245,24 @@ class Session:
                 if isinstance(msg, _Resume) and not msg.future.done():
                     msg.future.set_exception(ProtocolError("session_not_found", "session has ended", "session_id"))
 
+    async def _stop(self, reason: str) -> None:
+        """Server shutdown: a response still running fails (``server_shutdown``), then the client is
+        told (``session.closed`` on duplex connections) and its socket closed with 1001."""
+        if self.active is not None:
+            resp, self.active = self.active, None
+            self.epoch += 1
+            message = "the server shut down before the response ended"
+            error = {"type": "server_error", "code": reason, "message": message}
+            self._finish(resp, "failed", {"type": "failed", "error": error})
+        await self._shutdown(ev.SessionClosed(session_id=self.id, reason=reason), reason, CLOSE_GOING_AWAY)
+
     async def _shutdown(self, event: ev.ServerEvent | None, reason: str, code: int) -> None:
         self.closed = True
         if self.transport is not None:
             if event is not None and self.duplex:
                 self._deliver_direct(event)
-            self.transport.close(code, reason)
+            if self.transport is not None:  # still there, unless the client was too slow for that event
+                self.transport.close(code, reason)
             self.transport = None
         self.epoch += 1
         self.active = None
@@ -241,12 +278,26 @@ class Session:
 
     # ------------------------------------------------------------ called by connections (on the loop)
 
-    def submit(self, command: ev.ClientCommand, transport: Transport) -> None:
-        """Queue a decoded command; refuses at once (typed error) when the session is saturated."""
+    def submit(self, command: ev.ClientCommand, transport: Transport, frame_bytes: int) -> None:
+        """Queue a decoded command (its frame had ``frame_bytes``); refuses at once (typed error)
+        when the session is saturated."""
         self.lease.touch(time.monotonic())
         if self.mailbox.qsize() >= self.limits.max_pending_commands:
             self._refuse(command, "too many queued commands")
             return
+        budgeted = frame_bytes if isinstance(command, _DATA_COMMANDS) else 0
+        if budgeted:
+            # The history's audio is not counted here: it makes room for new input (oldest first).
+            taken = self._queued_bytes + len(self._buffer) + self._items_bytes
+            if taken + budgeted > self.limits.input_bytes:
+                self._refuse(
+                    command,
+                    f"the session's input budget is full: {taken} of input_bytes={self.limits.input_bytes} taken "
+                    f"({self._queued_bytes} by queued commands, {len(self._buffer)} by uncommitted audio, "
+                    f"{self._items_bytes} by conversation items), this frame has {budgeted}; "
+                    "commit or clear the buffer, or delete items",
+                )
+                return
         pending = 0
         if isinstance(command, ev.InputAudioBufferAppend):
             pending = b64_decoded_len(command.audio)
@@ -257,7 +308,8 @@ class Session:
                     self.report_rate_limits()
                 return
             self.pending_input_bytes += pending
-        self.mailbox.put_nowait(_Inbound(command, transport, pending))
+        self._queued_bytes += budgeted
+        self.mailbox.put_nowait(_Inbound(command, transport, pending, budgeted))
 
     def reject(self, error: ProtocolError, transport: Transport) -> None:
         """Answer a frame that did not decode, in order with the commands before it."""
@@ -317,12 +369,32 @@ class Session:
             )
         )
 
-    def _dequeued(self, pending_bytes: int) -> None:
-        """An append's bytes left the input queue (handled or dropped)."""
-        self.pending_input_bytes -= pending_bytes
+    def _dequeued(self, msg: _Inbound) -> None:
+        """A command left the input queue (handled or dropped)."""
+        self.pending_input_bytes -= msg.pending_bytes
+        self._queued_bytes -= msg.budgeted_bytes
+        self._trim_history_audio()
         if self._refusing_input and self.pending_input_bytes == 0:
             self._refusing_input = False
             self.report_rate_limits()
+
+    def _kept(self) -> None:
+        """The command being handled keeps its data now (in the buffer, in the history): its frame
+        stops counting as queued at the same moment, so the budget counts it once."""
+        assert self._handling is not None
+        self._queued_bytes -= self._handling.budgeted_bytes
+        self._handling.budgeted_bytes = 0
+
+    def _trim_history_audio(self) -> None:
+        """Drop the audio of the oldest committed turns until the input budget holds again. Their
+        items stay; retrieving one shows no audio."""
+        budget = self.limits.input_bytes
+        while self._user_audio and (
+            self._queued_bytes + len(self._buffer) + self._items_bytes + self._user_audio_bytes > budget
+        ):
+            dropped = len(self._user_audio.pop(next(iter(self._user_audio))))
+            self._user_audio_bytes -= dropped
+            self.ledgers.history_audio_dropped_bytes += dropped
 
     def _refuse(self, command: ev.ClientCommand, why: str) -> None:
         if isinstance(command, ev.InputAudioBufferAppend):
@@ -341,12 +413,26 @@ class Session:
         else:
             text = encode_event(event, duplex=self.duplex)
         if self.transport is not None:
-            self.transport.deliver(text)
+            self._send(self.transport, text)
 
     def _deliver_direct(self, event: ev.ServerEvent, transport: Transport | None = None) -> None:
         """A connection-level event: not journaled, only to this transport."""
         self._stamp(event)
-        (transport or self.transport).deliver(encode_event(event, duplex=self.duplex))  # type: ignore[union-attr]
+        self._send(transport or self.transport, encode_event(event, duplex=self.duplex))  # type: ignore[arg-type]
+
+    def _send(self, transport: Transport, text: str) -> None:
+        transport.deliver(text)
+        if transport.closed and transport is self.transport:
+            self._lose_transport()
+
+    def _lose_transport(self) -> None:
+        """The socket closed under the session (its client read too slowly, or is gone): a duplex
+        session waits for a resume, as after a disconnect; a Realtime one ends."""
+        self.transport = None
+        if self.duplex:
+            self.lease.detach(time.monotonic())
+        else:
+            self.mailbox.put_nowait(_Lost())
 
     def _stamp(self, event: ev.ServerEvent) -> None:
         self._events += 1
@@ -357,16 +443,23 @@ class Session:
     async def _handle(self, msg: Any) -> None:
         if isinstance(msg, _Inbound):
             if msg.transport is not self.transport:  # sent by a connection that has been replaced
-                self._dequeued(msg.pending_bytes)
+                self._dequeued(msg)
                 return
             handler = self._HANDLERS[type(msg.command)]
+            self._handling = msg
             try:
                 await handler(self, msg.command)
             except ProtocolError as err:
                 err.event_id = err.event_id or msg.command.event_id
                 raise
+            except Exception as exc:  # a bug must not take the session down: report it typed, to its command
+                log.exception("session %s failed on %s", self.id, msg.command.TYPE)
+                raise ProtocolError(
+                    "server_error", f"internal error: {type(exc).__name__}", None, msg.command.event_id
+                ) from exc
             finally:
-                self._dequeued(msg.pending_bytes)
+                self._handling = None
+                self._dequeued(msg)
         elif isinstance(msg, _Reject):
             if msg.transport is self.transport:
                 self.emit(_error_event(msg.error))
@@ -383,7 +476,9 @@ class Session:
                 self.transport = None
                 await self._shutdown(None, "superseded", CLOSE_NORMAL)
         elif isinstance(msg, _Stop):
-            await self._shutdown(ev.SessionClosed(session_id=self.id, reason=msg.reason), msg.reason, CLOSE_NORMAL)
+            await self._stop(msg.reason)
+        elif isinstance(msg, _Lost):
+            await self._shutdown(None, "socket lost", CLOSE_NORMAL)
         elif isinstance(msg, _Tick):
             self._tick_queued = False
             await self._on_tick()
@@ -414,6 +509,7 @@ class Session:
         led.received_bytes += len(data)
         led.resampled_samples += resampled
         self._buffer += data
+        self._kept()
         if frames:
             await self.port.call(self.stream.feed_frames, frames)
         led.fed_samples += len(frames) * self.plugin.info.frame_samples
@@ -472,6 +568,7 @@ class Session:
             "content": [{"type": "input_audio", "transcript": None}],
         }
         self._user_audio[item_id] = data
+        self._user_audio_bytes += len(data)
         self.emit(
             ev.InputAudioBufferCommitted(
                 item_id=item_id, previous_item_id=previous, turn_id=self.turn_id, audio_bytes=len(data)
@@ -497,13 +594,14 @@ class Session:
     async def _item_create(self, cmd: ev.ConversationItemCreate) -> None:
         item = dict(cmd.item)
         if any(i["id"] == item.get("id") for i in self.history):
-            raise ProtocolError("item_create_duplicate_item_id", f"Item with id {item['id']!r} already exists.", "item.id")
+            raise ProtocolError("item_create_duplicate_item_id", f"Item with id {quoted(item['id'])} already exists.", "item.id")
         previous = cmd.previous_item_id
         if previous is not None and previous != "root" and self._find(previous) is None:
-            raise ProtocolError("item_not_found", f"no item {previous!r}", "previous_item_id")
+            raise ProtocolError("item_not_found", f"no item {quoted(previous)}", "previous_item_id")
         item.setdefault("id", _new_id("item"))
         item["object"] = "realtime.item"
         item.setdefault("status", "completed")
+        self._kept()
         if previous is None:
             previous = self.history[-1]["id"] if self.history else None
         elif previous == "root":  # GA: insert at the start of the conversation
@@ -535,7 +633,8 @@ class Session:
     async def _item_delete(self, cmd: ev.ConversationItemDelete) -> None:
         item = self._require_item(cmd.item_id, "delete")
         self.history.remove(item)
-        self._user_audio.pop(cmd.item_id, None)
+        self._user_audio_bytes -= len(self._user_audio.pop(cmd.item_id, b""))
+        self._items_bytes -= self._item_bytes.pop(cmd.item_id)
         self.ledgers.history_items = len(self.history)
         self.emit(ev.ConversationItemDeleted(item_id=cmd.item_id))
 
@@ -609,7 +708,7 @@ class Session:
     async def _playback_ack(self, cmd: ev.PlaybackAck) -> None:
         response = self.responses.get(cmd.response_id)
         if response is None:
-            raise ProtocolError("invalid_value", f"no response {cmd.response_id!r}", "response_id")
+            raise ProtocolError("invalid_value", f"no response {quoted(cmd.response_id)}", "response_id")
         played = min(cmd.audio_end_ms, response.output_format.ms(response.out_samples))
         if played > response.acked_ms:
             self.ledgers.playback.acked_ms += played - response.acked_ms
@@ -749,6 +848,7 @@ class Session:
         stored = self._find(resp.item_id)
         if stored is not None:
             stored.update(item)
+            self._measure(stored)
         common = {"response_id": resp.id, "item_id": resp.item_id, "output_index": 0, "content_index": 0}
         self.emit(ev.ResponseOutputAudioDone(**common, epoch=resp.epoch))
         self.emit(ev.ResponseContentPartDone(**common, part={"type": "audio", "transcript": ""}))
@@ -818,8 +918,7 @@ class Session:
                 )
             )
         else:
-            for text in replay:
-                transport.deliver(text)
+            transport.replay(replay)
         msg.future.set_result(None)
 
     async def _on_detach(self, transport: Transport) -> None:
@@ -872,10 +971,17 @@ class Session:
     def _add_item(self, item: dict, previous: str | None, done: bool = True) -> None:
         index = 0 if previous is None else self.history.index(self._find(previous)) + 1  # type: ignore[arg-type]
         self.history.insert(index, item)
+        self._measure(item)
         self.ledgers.history_items = len(self.history)
         self.emit(ev.ConversationItemAdded(item=item, previous_item_id=previous))
         if done:
             self.emit(ev.ConversationItemDone(item=item, previous_item_id=previous))
+
+    def _measure(self, item: dict) -> None:
+        """Count ``item``'s JSON against the input budget (again, when it has changed)."""
+        size = len(json.dumps(item, separators=(",", ":")))
+        self._items_bytes += size - self._item_bytes.get(item["id"], 0)
+        self._item_bytes[item["id"]] = size
 
     def _find(self, item_id: str) -> dict | None:
         return next((item for item in self.history if item["id"] == item_id), None)
@@ -886,7 +992,7 @@ class Session:
         if item is None:
             raise ProtocolError(
                 f"item_{verb}_invalid_item_id",
-                f"Error {verb.removesuffix('e')}ing item: the item with id '{item_id}' does not exist.",
+                f"Error {verb.removesuffix('e')}ing item: the item with id {quoted(item_id)} does not exist.",
                 "item_id",
             )
         return item

@@ -71,10 +71,18 @@ function send(event) {
   if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify(event));
 }
 
+// A server started with --api-key asks for it on every route but /health: here as a bearer token,
+// on the WebSocket as the subprotocol OpenAI's browser clients offer (a browser sets no headers there).
+function apiKey() {
+  return $("key").value.trim();
+}
+
 async function loadModels() {
   const select = $("model");
+  select.replaceChildren();
   try {
-    const answer = await fetch("/v1/models");
+    const answer = await fetch("/v1/models", apiKey() ? { headers: { Authorization: `Bearer ${apiKey()}` } } : {});
+    if (!answer.ok) throw new Error(`HTTP ${answer.status}${answer.status === 401 ? ": enter the server's API key" : ""}`);
     const models = (await answer.json()).data;
     for (const m of models) {
       const option = document.createElement("option");
@@ -218,7 +226,8 @@ async function start() {
   meterTimer = setInterval(meters, 50);
 
   const scheme = location.protocol === "https:" ? "wss" : "ws";
-  ws = new WebSocket(`${scheme}://${location.host}/v1/realtime?model=${encodeURIComponent(model)}`, ["realtime"]);
+  const protocols = ["realtime", ...(apiKey() ? [`openai-insecure-api-key.${apiKey()}`] : [])];
+  ws = new WebSocket(`${scheme}://${location.host}/v1/realtime?model=${encodeURIComponent(model)}`, protocols);
   ws.onopen = () => {
     send({
       type: "session.update",
@@ -254,4 +263,5 @@ function stop() {
 
 $("start").onclick = start;
 $("stop").onclick = stop;
+$("key").addEventListener("change", loadModels);
 loadModels();

@@ -13,6 +13,8 @@ import numpy as np
 import pydantic
 from openai.types.realtime import RealtimeServerEvent
 
+from cadence_fx.serve import soak
+from cadence_fx.serve.access import Access
 from cadence_fx.serve.app import background_server
 from cadence_fx.serve.client import RealtimeSocket, read_wav
 from cadence_fx.serve.plugins import ToneModel, tone
@@ -89,11 +91,14 @@ class Server:
     def __init__(self, handle) -> None:
         self.handle = handle
 
-    async def connect(self, path: str = "/v1/duplex", created: bool = True) -> CheckedSocket:
+    async def connect(self, path: str = "/v1/duplex", created: bool = True, stalls: bool = False) -> CheckedSocket:
         """A client socket; with ``created``, past the session's opening pair: ``session.created``,
-        then ``rate_limits.updated`` (kept as ``sock.rate_limits``)."""
-        plain = await RealtimeSocket.connect(self.handle.ws_url + path)
-        sock = CheckedSocket(plain.ws, duplex="duplex" in path)
+        then ``rate_limits.updated`` (kept as ``sock.rate_limits``). ``stalls``: a socket whose
+        reader will stop, with a small fixed receive buffer and no compression, so that the
+        server's outbound budget is what fills up (``soak.connect``)."""
+        url = self.handle.ws_url + path
+        ws = await soak.connect(url) if stalls else (await RealtimeSocket.connect(url)).ws
+        sock = CheckedSocket(ws, duplex="duplex" in path)
         if created:
             first, second = await sock.recv(), await sock.recv()
             assert (first["type"], second["type"]) == ("session.created", "rate_limits.updated"), (first, second)
@@ -118,9 +123,14 @@ class Server:
         return True
 
 
+# Tests open many sessions from one address, and a closed duplex socket's session lingers for its
+# grace period: no per-client limit unless a test asks for one.
+ROOMY = Limits(max_sessions=64, max_sessions_per_client=64)
+
+
 @contextlib.contextmanager
-def running(limits: Limits | None = None, **tone_options):
-    with background_server(lambda: ToneModel(**tone_options), limits or Limits(max_sessions=64)) as handle:
+def running(limits: Limits | None = None, access: Access | None = None, **tone_options):
+    with background_server(lambda: ToneModel(**tone_options), limits or ROOMY, access=access) as handle:
         yield Server(handle)
 
 

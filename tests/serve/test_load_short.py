@@ -13,7 +13,7 @@ from cadence_fx.serve.session import Limits
 def test_eight_sessions_for_three_seconds_lose_nothing():
     pcm = speech_pattern(3.0)  # bursts at 0-0.8 s and 1.5-2.3 s; VAD ends them at 1.3 s and 2.8 s
 
-    with running(Limits(max_sessions=8)) as server:
+    with running(Limits(max_sessions=8, max_sessions_per_client=8)) as server:
         results = run(run_load(server.handle.ws_url + "/v1/duplex", pcm, sessions=8))
         assert server.eventually(lambda: not server.handle.manager.sessions)
         ledgers = server.on_loop(lambda: dict(server.handle.manager.ended_ledgers))

@@ -13,14 +13,19 @@ from cadence_fx.serve.protocol import events as ev
 from cadence_fx.serve.session import Limits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from servekit import check_event, run, running
+from servekit import ROOMY, Server, check_event, run, running
+
+from cadence_fx.serve.app import background_server
+from cadence_fx.serve.plugins import ToneModel
 
 MAX_FRAME = 64 * 1024
 
 
 @pytest.fixture(scope="module")
 def strict_server():
-    with running(Limits(max_sessions=64, max_frame_bytes=MAX_FRAME)) as srv:
+    # The fuzz socket sends thousands of resumes of unknown sessions: no closing it for them.
+    limits = Limits(max_sessions=64, max_sessions_per_client=64, max_frame_bytes=MAX_FRAME, max_resume_failures=10**9)
+    with running(limits) as srv:
         yield srv
 
 
@@ -250,3 +255,94 @@ def test_fuzz_every_malformed_frame_gets_exactly_one_typed_error(fuzz_socket, fr
         check_event(answer, duplex=True)
     codes = {a["error"]["code"] for a in answers}
     assert codes <= ERROR_CODES - {"server_error"}, codes
+
+
+# ---------------------------------------------------------------- found by probing from outside
+
+
+@pytest.mark.parametrize("encoding", ["audio/pcmu", "audio/pcma"])
+def test_an_empty_append_is_nothing_even_when_input_is_resampled(strict_server, encoding):
+    async def scenario():
+        sock = await strict_server.connect("/v1/duplex")
+        await sock.update({"audio": {"input": {"format": {"type": encoding}, "turn_detection": None}}})
+        await sock.send({"type": "input_audio_buffer.append", "event_id": "empty", "audio": ""})
+        await sock.send({"type": "input_audio_buffer.commit", "event_id": "commit"})
+        answer = await sock.recv()
+        ledger = strict_server.on_loop(lambda: strict_server.session(sock.session_id).ledgers.input)
+        await sock.close()
+        return answer, ledger
+
+    answer, ledger = run(scenario())
+    # The append took nothing, so the buffer is still empty: the commit's own error, nothing else.
+    assert (answer["error"]["code"], answer["error"]["event_id"]) == ("input_audio_buffer_commit_empty", "commit")
+    assert (ledger.received_bytes, ledger.rejected_appends, ledger.resampled_samples) == (0, 0, 0)
+
+
+class _FailingFeed(ToneModel):
+    """A model whose every feed raises: a bug the session must report without dying."""
+
+    def open_stream(self):
+        stream = super().open_stream()
+
+        def feed(frame):
+            raise RuntimeError("the model broke")
+
+        stream.feed = feed
+        return stream
+
+
+def test_an_internal_error_is_typed_and_names_the_command_that_met_it():
+    async def scenario(server):
+        sock = await server.connect("/v1/duplex")
+        await sock.no_vad()
+        await sock.send({"type": "input_audio_buffer.append", "event_id": "a1", "audio": "AAAA" * 320})
+        error = await sock.recv()
+        alive = await sock.update({"instructions": "still here"})
+        await sock.close()
+        return error, alive
+
+    with background_server(_FailingFeed, ROOMY) as handle:
+        error, alive = run(scenario(Server(handle)))
+    assert error["error"] == {
+        "type": "server_error",
+        "code": "server_error",
+        "message": "internal error: RuntimeError",
+        "param": None,
+        "event_id": "a1",
+    }
+    assert alive["session"]["instructions"] == "still here"
+
+
+def test_errors_quote_client_strings_cut_short_and_refuse_overlong_ids(strict_server):
+    long_id = "i" * 50_000
+
+    async def scenario():
+        sock = await strict_server.connect("/v1/duplex")
+        answers = []
+        for frame in (
+            {"type": "conversation.item.retrieve", "item_id": "x" * 200, "event_id": "r1"},
+            {"type": "conversation.item.retrieve", "item_id": long_id, "event_id": "r2"},
+            {"type": "input_audio_buffer.clear", "event_id": long_id},
+            {"type": "session.update", "session": {"audio": {"input": {"format": "f" * 50_000}}}},
+        ):
+            answers.append((await _answer(sock, frame))[0]["error"])
+        await sock.close()
+        return answers
+
+    short, long_item, long_event, long_format = run(scenario())
+    assert short == {
+        "type": "invalid_request_error",
+        "code": "item_retrieve_invalid_item_id",
+        "message": f"Error retrieving item: the item with id '{'x' * 63}... (202 characters) does not exist.",
+        "param": "item_id",
+        "event_id": "r1",
+    }
+    assert (long_item["message"], long_item["event_id"]) == (
+        "item_id is 50000 characters long, at most 256 are accepted",
+        "r2",
+    )
+    assert (long_event["message"], long_event["event_id"]) == (
+        "event_id is 50000 characters long, at most 256 are accepted",
+        None,
+    )
+    assert long_format["message"] == f"unsupported audio format '{'f' * 63}... (50002 characters)"

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
+import httpx
+import websockets
 from servekit import COMMIT, RESPONSE_HEAD, RESPONSE_TAIL, deltas_of, run, running, tone_reply_pcm, types_of
 
+from cadence_fx.serve.protocol import PCM24K, PCMU, StreamResampler
+from cadence_fx.serve.protocol import audio as wire_audio
 from cadence_fx.serve.session import Limits
 
-QUICK = dict(idle_ttl_s=30, grace_s=30, reap_interval_s=0.05, max_sessions=64)
+QUICK = dict(idle_ttl_s=30, grace_s=30, reap_interval_s=0.05, max_sessions=64, max_sessions_per_client=64)
 
 
 def _resume(sock, last_seq: int, token: str | None = None, **extra) -> dict:
@@ -21,11 +26,15 @@ def _resume(sock, last_seq: int, token: str | None = None, **extra) -> dict:
     }
 
 
-async def _start_reply(server, question_pcm, deltas_before: int = 5):
+async def _start_reply(server, question_pcm, deltas_before: int = 5, input_format: dict | None = None):
     """A duplex session streaming its first reply; returns the socket and what it has seen."""
     sock = await server.connect("/v1/duplex")
-    await sock.no_vad()
-    await sock.append(question_pcm)
+    if input_format is None:
+        await sock.no_vad()
+        await sock.append(question_pcm)
+    else:
+        await sock.update({"audio": {"input": {"format": input_format, "turn_detection": None}}})
+        await sock.append(question_pcm, chunk_bytes=1600)
     await sock.send({"type": "input_audio_buffer.commit"})
     await sock.send({"type": "response.create"})
     seen = []
@@ -70,23 +79,35 @@ def test_disconnect_mid_response_then_resume_delivers_every_event_exactly_once(q
 
 
 def test_journal_overflow_yields_resync_required(question_pcm):
+    # The question as 8 kHz mu-law (35,443 bytes) fits a 64,000-byte input budget; its 56-chunk
+    # reply (24 kHz PCM, about 157 KB of events) outgrows a journal of 110,000 bytes.
+    pcmu = wire_audio.encode_samples(
+        StreamResampler(24_000, 8_000).process(wire_audio.decode_samples(question_pcm, PCM24K)), PCMU
+    )
+    limits = Limits(**QUICK, input_bytes=64_000, max_frame_bytes=4096, outbound_bytes=110_000, journal_bytes=110_000)
+
     async def scenario(server):
-        sock, before = await _start_reply(server, question_pcm, deltas_before=1)
+        sock, before = await _start_reply(server, pcmu, deltas_before=1, input_format={"type": "audio/pcmu"})
         await sock.close()
-        await asyncio.sleep(0.3)  # the whole 56-chunk reply outgrows an 8-event journal
+        await asyncio.sleep(0.3)  # the reply goes on into the journal meanwhile, and outgrows it
         back = await server.connect(f"/v1/duplex?session_id={sock.session_id}", created=False)
         back.session_id = sock.session_id
         await back.send(_resume(sock, before[-1]["server_event_seq"]))
         resumed, resync = await back.recv(), await back.recv()
+        journal = server.on_loop(lambda: server.session(sock.session_id).journal)
+        kept = (journal.bytes, journal.evicted, journal.oldest_seq)
         alive = await back.update({"instructions": "after resync"})
         await back.close()
-        return before, resumed, resync, alive
+        return before, resumed, resync, kept, alive
 
-    with running(Limits(**QUICK, journal_max_events=8)) as server:
-        before, resumed, resync, alive = run(scenario(server))
+    with running(limits) as server:
+        before, resumed, resync, (kept_bytes, evicted, oldest), alive = run(scenario(server))
     last = resync["last_server_event_seq"]
     assert (resumed["type"], resumed["replayed"], resync["type"]) == ("session.resumed", 0, "session.resync_required")
-    assert (resync["requested_seq"], resync["oldest_available_seq"]) == (before[-1]["server_event_seq"], last - 7)
+    assert (resync["requested_seq"], resync["oldest_available_seq"]) == (before[-1]["server_event_seq"], oldest)
+    # Nothing was acknowledged: every event before the oldest kept was dropped for room, and the
+    # newest ones kept fill the journal's bytes.
+    assert evicted == oldest - 1 > before[-1]["server_event_seq"] and 110_000 - 3_000 < kept_bytes <= 110_000
     assert resync["active_response_id"] is None and len(resync["item_ids"]) == 2
     assert last == 1 + 3 + 4 + 56 + 5  # session.updated, the commit, the reply
     assert alive["server_event_seq"] == last + 1
@@ -239,3 +260,61 @@ def test_heartbeat_reports_the_last_seq():
     with running(Limits(**QUICK, heartbeat_s=0.1)) as server:
         beat = run(scenario(server))
     assert (beat["type"], beat["last_server_event_seq"]) == ("session.heartbeat", 1)
+
+
+def test_a_socket_opened_to_resume_that_never_binds_is_closed():
+    async def scenario(server):
+        sock = await server.connect("/v1/duplex?session_id=sess_whatever", created=False)
+        health = httpx.get(server.handle.http_url + "/health").json()
+        await sock.ws.wait_closed()
+        assert server.eventually(lambda: not server.handle.manager.connections)
+        after = httpx.get(server.handle.http_url + "/health").json()
+        return sock.ws.close_code, sock.ws.close_reason, health, after
+
+    with running(Limits(**QUICK, bind_timeout_s=0.5)) as server:
+        code, reason, health, after = run(scenario(server))
+    assert (code, reason) == (4001, "no session.resume within 0.5 s")
+    assert [(h["sessions"], h["connections"]) for h in (health, after)] == [(0, 1), (0, 0)]
+
+
+def test_a_socket_that_fails_to_resume_three_times_is_closed_and_the_owner_still_resumes(server):
+    async def scenario():
+        owner = await server.connect("/v1/duplex")
+        await owner.close()
+        guesser = await server.connect("/v1/duplex?session_id=" + owner.session_id, created=False)
+        answers = []
+        for token in ("guess-1", "guess-2", "guess-3"):
+            await guesser.send(_resume(owner, 0, token=token))
+            answers.append((await guesser.recv())["error"]["code"])
+        await guesser.ws.wait_closed()
+        back = await server.connect("/v1/duplex?session_id=" + owner.session_id, created=False)
+        await back.send(_resume(owner, 0))
+        resumed = await back.recv()
+        await back.close()
+        return answers, (guesser.ws.close_code, guesser.ws.close_reason), resumed
+
+    answers, closed, resumed = run(scenario())
+    assert answers == ["invalid_resume_token"] * 3
+    assert closed == (1008, "too many failed resumes")
+    assert resumed["type"] == "session.resumed"
+
+
+def test_the_per_client_session_limit_refuses_one_address_and_not_another():
+    async def scenario(server):
+        held = [await server.connect("/v1/duplex") for _ in range(2)]
+        refused = await server.connect("/v1/duplex", created=False)
+        error = await refused.recv()
+        await refused.ws.wait_closed()
+        other = await websockets.connect(server.handle.ws_url + "/v1/duplex", local_addr=("127.0.0.2", 0))
+        created = json.loads(await other.recv())
+        await other.close()
+        for sock in held:
+            await sock.close()
+        return error, refused.ws.close_code, created
+
+    limits = Limits(**{**QUICK, "max_sessions_per_client": 2})
+    with running(limits) as server:
+        error, code, created = run(scenario(server))
+    assert (error["error"]["code"], code) == ("resource_exhausted", 1013)
+    assert error["error"]["message"] == "this client ('127.0.0.1') holds 2 sessions, max_sessions_per_client=2"
+    assert created["type"] == "session.created"
