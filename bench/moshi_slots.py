@@ -193,6 +193,39 @@ def main(argv=None) -> int:
     repeats = exact_slots(runs[0], runs[1], batches[0])
     print(f"eager repeats itself at B={batches[0]}: {repeats}", flush=True)
 
+    def write() -> None:
+        """The record of the batch sizes done so far: a run cut short by its time limit keeps them."""
+        total = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None
+        fits = {arm: capacity([(int(b), r["arms"][arm]["peak_allocated_bytes"]) for b, r in results.items()], total)
+                for arm in arms if device.type == "cuda"}
+        try:
+            dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip())
+        except FileNotFoundError:  # a copy of the tree without git (the GPU machine's): CADENCE_COMMIT names it
+            dirty = None
+        record = {
+            "benchmark": "moshi_slots",
+            "commit": measured_commit(),
+            "worktree_dirty": dirty,
+            "command": " ".join(["python", "bench/moshi_slots.py", *(sys.argv[1:] if argv is None else argv)]),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "config": "small" if args.small else "full",
+            "sampling": not args.greedy,
+            "ticks_per_arm": args.ticks,
+            "steady_ticks_from": STEADY_FROM,
+            "build_s": build_s,
+            "weights_bytes": weights,
+            "device_used_at_start_bytes": baseline_used,
+            "determinism": settings,
+            "eager_repeats_itself": repeats,
+            "torch_compile": "off in every arm (moshi.utils.compile.no_compile)",
+            "slots": results,
+            "capacity_fit_of_peak_allocated": fits,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=1, default=str))
+
     results = {}
     for slots in batches:
         ticks = schedule(slots, args.ticks, models.mimi.frame_size)
@@ -220,34 +253,8 @@ def main(argv=None) -> int:
                 "cadence_every_stage_replayed": cadence["every_stage_replayed"],
             }
         results[str(slots)] = per_b
+        write()
 
-    total = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None
-    fits = {arm: capacity([(int(b), r["arms"][arm]["peak_allocated_bytes"]) for b, r in results.items()], total)
-            for arm in arms if device.type == "cuda"}
-    dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip())
-    record = {
-        "benchmark": "moshi_slots",
-        "commit": measured_commit(),
-        "worktree_dirty": dirty,
-        "command": " ".join(["python", "bench/moshi_slots.py", *(sys.argv[1:] if argv is None else argv)]),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "config": "small" if args.small else "full",
-        "sampling": not args.greedy,
-        "ticks_per_arm": args.ticks,
-        "steady_ticks_from": STEADY_FROM,
-        "build_s": build_s,
-        "weights_bytes": weights,
-        "device_used_at_start_bytes": baseline_used,
-        "determinism": settings,
-        "eager_repeats_itself": repeats,
-        "torch_compile": "off in every arm (moshi.utils.compile.no_compile)",
-        "slots": results,
-        "capacity_fit_of_peak_allocated": fits,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1, default=str))
     print(f"wrote {args.out}")
     return 0
 
