@@ -68,7 +68,12 @@ def test_a_plugin_must_implement_the_whole_seam():
         ModelPlugin()
 
 
-def test_registry_loads_by_name_and_says_what_it_knows():
+def test_registry_loads_by_name_and_says_what_it_knows(monkeypatch):
+    from cadence_fx.serve import plugins
+
+    # The registry is the process's: the alias must not outlive this test (the CLI's choices and
+    # the generated CLI reference read it).
+    monkeypatch.setattr(plugins, "_REGISTRY", dict(plugins._REGISTRY))
     assert isinstance(load_plugin("tone", step_delay_s=0.0), ToneModel)
     register_plugin("tone-alias", ToneModel)
     assert "tone-alias" in plugin_names()

@@ -39,6 +39,8 @@ def test_ready_line_comes_once_health_answers():
     lines, health = _serve_until_ready()
     assert lines == [
         "loading tone...",
+        "cadence-fx serve: no API key (--api-key or CADENCE_FX_API_KEY): the service on 127.0.0.1:PORT is open to "
+        "anyone who can reach that address",
         "ready: tone on ws://127.0.0.1:PORT/v1/realtime (16 session slots); page at http://127.0.0.1:PORT/",
     ]
     assert (health["status"], health["model"], health["max_sessions"]) == ("ok", "tone", 16)

@@ -124,7 +124,7 @@ def test_without_a_key_the_server_says_it_is_open(monkeypatch, capsys):
 
 def test_serve_takes_its_key_from_the_flag_or_the_environment(monkeypatch):
     calls = []
-    monkeypatch.setattr(serve_app, "run_server", lambda *args: calls.append(args))
+    monkeypatch.setattr(serve_app, "run_server", lambda *args, **kwargs: calls.append(args[:5]))
     monkeypatch.setenv("CADENCE_FX_API_KEY", "from-env")
     assert cli.main(["serve"]) == 0
     assert cli.main(["serve", "--api-key", "from-flag", "--allow-origin", "https://a.example", "--docs"]) == 0
