@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,8 +38,9 @@ from torch.utils import _pytree as pytree
 from .binding import RETURN, SELF, Binding, OperatorBinding, Site, get_path, method_of, resolve, set_path, sites
 from .catalog import Catalog, CatalogClass
 from .contract import DTYPES, Contract
+from .determinism import RngState
 from .passes.hoist import HostConstantHoist
-from .passes.window import Window, WindowCarry, WindowError, rewrite_windows
+from .passes.window import CarryCounters, Window, WindowCarry, WindowError, rewrite_windows
 from .replay import ExactShapeReplay, Signature
 from .report import format_bytes
 from .transformed import Transformed
@@ -76,24 +79,6 @@ class _Class:
     verify_left: int = 0
     refused: str | None = None
     capture_ms: float = 0.0
-
-
-class _WindowCounters:
-    """The carries' host-side integers, as the replay engine's `HostCounters`."""
-
-    FIELDS = ("extent", "writes", "retentions")
-
-    def __init__(self, carries: list[WindowCarry]):
-        self.carries = carries
-
-    def read(self) -> list[int]:
-        return [getattr(c, name) for c in self.carries for name in self.FIELDS]
-
-    def write(self, values) -> None:
-        values = list(values)
-        for i, carry in enumerate(self.carries):
-            for j, name in enumerate(self.FIELDS):
-                setattr(carry, name, values[i * len(self.FIELDS) + j])
 
 
 class _Step(torch.nn.Module):
@@ -147,16 +132,6 @@ def _structure(out: Any, roots: dict[str, Any]) -> tuple[list, tuple]:
             root = next((name for name, r in roots.items() if r is leaf), None)
             others[i] = ("root", root) if root is not None else ("value", leaf)
     return leaves, (spec, others)
-
-
-def _rng_state(device: torch.device):
-    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-
-def _set_rng_state(device: torch.device, state) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
 
 
 def _equal(a: Any, b: Any) -> str | None:
@@ -220,7 +195,7 @@ class BoundOperator:
             return self._stock(roots, inputs, "unkeyable")
         cls = self.classes.get(key)
         if cls is None:
-            cls = self.classes[key] = self._capture(roots, inputs, state, call, key)
+            cls = self.classes[key] = self._capture(roots, inputs, state, call)
         if cls.refused is not None:
             return self._stock(roots, inputs, "refused")
         if cls.verify_left > 0:
@@ -229,7 +204,7 @@ class BoundOperator:
         runner = self.replay if self.replay is not None else cls.graph
         outputs, new_state = runner(inputs, state)
         self.counters.graph_calls += 1
-        self._commit(cls, roots, new_state)
+        self._commit(roots, new_state)
         for path, (kind, value) in cls.effects.items():
             set_path(roots, path, get_path(roots, path) + value if kind == "add" else value)
         return self._rebuild(cls, outputs, roots)
@@ -237,8 +212,10 @@ class BoundOperator:
     # -- state -------------------------------------------------------------------------------
 
     def _device(self) -> torch.device:
-        tensors = [*self.model.parameters(), *self.model.buffers()] if isinstance(self.model, torch.nn.Module) else []
-        return tensors[0].device if tensors else torch.device("cpu")
+        if not isinstance(self.model, torch.nn.Module):
+            return torch.device("cpu")
+        first = next(itertools.chain(self.model.parameters(), self.model.buffers()), None)
+        return torch.device("cpu") if first is None else first.device
 
     def _allocate(self, roots: dict[str, Any]) -> None:
         """The state rule: each bound region's buffer at its derived bound, one carry per site."""
@@ -247,10 +224,11 @@ class BoundOperator:
             region, derived = self.contract.region(rb.region), self.catalog.region(rb.region)
             found = sites(rb, roots)
             lead = len(found[0].index) if found else 0
-            if not found or [s.index for s in found] != [tuple(i) for i in _grid(derived.shape[:lead])]:
+            leading = derived.shape[:lead]
+            if not found or [s.index for s in found] != list(itertools.product(*map(range, leading))):
                 raise ValueError(f"region {rb.region!r}: the binding's paths {rb.at} reach {len(found)} tensors "
                                  f"({[s.path for s in found][:4]}...), the contract's leading dims "
-                                 f"{derived.shape[:lead]} ask for {_count(derived.shape[:lead])}")
+                                 f"{leading} ask for {math.prod(leading)}")
             if region.axis < lead:
                 raise ValueError(f"region {rb.region!r}: its retention axis {region.axis} is one of the {lead} "
                                  "leading dims the binding's paths index; bind the tensors that hold the axis")
@@ -266,7 +244,7 @@ class BoundOperator:
         if self._replay_wanted and device.type == "cuda" and self.report.auditor is None:
             self.replay = ExactShapeReplay(self._run, self._admit, name=self.ob.operator, aliased=[1],
                                            modules=[self.model, self._holder] if isinstance(self.model, torch.nn.Module) else [self._holder],
-                                           host_counters=_WindowCounters(list(self.carries.values())),
+                                           host_counters=CarryCounters(list(self.carries.values())),
                                            hooks=(HostConstantHoist(),))
             self.report.replays[self.ob.operator] = self.replay
 
@@ -310,7 +288,7 @@ class BoundOperator:
             self.counters.adopted += 1
         return view
 
-    def _commit(self, cls: _Class, roots: dict[str, Any], new_state: list) -> None:
+    def _commit(self, roots: dict[str, Any], new_state: list) -> None:
         """Mutated state objects get the carry views back; returned state is in the output already."""
         for site, value in zip(self.sites, new_state):
             if site.out is None:
@@ -336,7 +314,7 @@ class BoundOperator:
 
     # -- capture, verification, fallback -----------------------------------------------------
 
-    def _capture(self, roots, inputs, state, call: CatalogClass, key) -> _Class:
+    def _capture(self, roots, inputs, state, call: CatalogClass) -> _Class:
         name = f"{self.ob.operator}[n={call.call},L={call.extent}]" + ("(flush)" if call.flush else "")
         cls = _Class(name, call, verify_left=self.binding.verify)
         started = time.perf_counter()
@@ -389,10 +367,9 @@ class BoundOperator:
 
     def _verify(self, cls: _Class, roots, inputs, state) -> Any:
         """The stock call on clones of the state beside the rewritten graph on the carries."""
-        device = self._device()
         counters_before = {p: get_path(roots, p) for p in self._counter_paths(roots)}
         originals = [get_path(roots, s.path) for s in self.sites]
-        rng = _rng_state(device)
+        rng = RngState.capture()
         for site, value in zip(self.sites, state):
             set_path(roots, site.path, None if value is None else value.clone())
         expected = self._stock_call(roots, inputs)
@@ -404,12 +381,12 @@ class BoundOperator:
             after = get_path(roots, path)
             effects[path] = ("set", after) if isinstance(after, bool) or not isinstance(after, int) else ("add", after - before)
         counters_after = {p: get_path(roots, p) for p in counters_before}
-        _set_rng_state(device, rng)
+        rng.restore()
         for site, value, original in zip(self.sites, state, originals):
             set_path(roots, site.path, value if site.out is None else original)
         outputs, new_state = cls.graph(inputs, state)
         self.counters.graph_calls += 1
-        self._commit(cls, roots, new_state)
+        self._commit(roots, new_state)
         for path, value in counters_after.items():
             set_path(roots, path, value)
         actual = self._rebuild(cls, outputs, roots)
@@ -471,22 +448,6 @@ class BoundOperator:
         return "\n".join(lines)
 
 
-def _grid(dims: tuple[int, ...]):
-    if not dims:
-        yield ()
-        return
-    for i in range(dims[0]):
-        for rest in _grid(dims[1:]):
-            yield (i, *rest)
-
-
-def _count(dims: tuple[int, ...]) -> int:
-    n = 1
-    for d in dims:
-        n *= d
-    return n
-
-
 class BoundModel(Transformed):
     """A model transformed from its contract and binding: call it as the stock model (its one
     bound operator), or each operator through `operators[name]`. Several streams share its graphs
@@ -526,10 +487,10 @@ class BoundModel(Transformed):
     def resident(self) -> tuple[list[torch.Tensor], list[int]]:
         carries = self._carries()
         buffers = [self.report.carries[rb.region].buffer for op in self.operators.values() for rb in op.binding.regions]
-        return list({id(b): b for b in buffers}.values()), _WindowCounters(carries).read()
+        return list({id(b): b for b in buffers}.values()), CarryCounters(carries).read()
 
     def set_counters(self, counters: list[int]) -> None:
-        _WindowCounters(self._carries()).write(counters)
+        CarryCounters(self._carries()).write(counters)
 
     def reset(self) -> None:
         """A fresh stream: every carry empty (before the first call they are not even allocated)."""

@@ -29,6 +29,11 @@ class SessionState:
     counters: list[int]
     rng: torch.Tensor
 
+    @property
+    def nbytes(self) -> int:
+        """What one more stream costs: its copy of the resident tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
 
 def rng_get(device: torch.device) -> torch.Tensor:
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()

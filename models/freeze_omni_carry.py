@@ -41,7 +41,7 @@ from cadence_fx.determinism import envelope, settings
 from cadence_fx.passes.carry import Carry
 from cadence_fx.passes.hoist import HostConstantHoist
 from cadence_fx.passes.state import Resize
-from cadence_fx.passes.window import Window, WindowCarry, rewrite_windows
+from cadence_fx.passes.window import CarryCounters, Window, WindowCarry, rewrite_windows
 from cadence_fx.replay import ExactShapeReplay, ShapeClass, Signature, TensorSpec
 from cadence_fx.report import format_bytes
 from cadence_fx.transform import Adapter, TransformReport
@@ -93,27 +93,6 @@ def _retained(region: RegionDerivation) -> int:
     return region.lower + region.window
 
 
-class CarryCounters:
-    """The window carries' host-side integers (retained extent, writes, retentions), as the
-    replay binding's `HostCounters`."""
-
-    FIELDS = ("extent", "writes", "retentions")
-
-    def __init__(self, carries: dict[str, WindowCarry]):
-        self.carries = list(carries.values())
-
-    def read(self) -> list[int]:
-        return [getattr(carry, name) for carry in self.carries for name in self.FIELDS]
-
-    def write(self, values) -> None:
-        values = list(values)
-        if len(values) != len(self.carries) * len(self.FIELDS):
-            raise ValueError(f"{len(values)} values for {len(self.carries)} carries of {len(self.FIELDS)} counters each")
-        for i, carry in enumerate(self.carries):
-            for j, name in enumerate(self.FIELDS):
-                setattr(carry, name, values[i * len(self.FIELDS) + j])
-
-
 class TransformedEncoder:
     """The encoder's step on carries: the stock `infer` interface, one rewritten graph per class,
     under one replay binding (`replay`, None when replay is off)."""
@@ -133,7 +112,7 @@ class TransformedEncoder:
             device = encoder.global_cmvn.mean.device
             self.replay = ExactShapeReplay(
                 self._step, self._classes(encoder, device), name=OPERATOR, aliased=[1], modules=list(graphs.values()),
-                host_counters=CarryCounters(carries), hooks=(HostConstantHoist(),) if device.type == "cuda" else (),
+                host_counters=CarryCounters(list(carries.values())), hooks=(HostConstantHoist(),) if device.type == "cuda" else (),
             )
             report.replays[OPERATOR] = self.replay
 

@@ -36,6 +36,7 @@ from cadence_fx.passes.piecewise import Piecewise
 from cadence_fx.passes.state import Envelope, apply_state_rule, shed_envelopes
 from cadence_fx.replay import ExactShapeReplay, ShapeClass, Signature, TensorSpec
 from cadence_fx.transform import Adapter, TransformReport
+from cadence_fx.transformed import Transformed
 
 from .token2wav_stream import Prompt, StockStream
 
@@ -43,7 +44,6 @@ __all__ = [
     "ENVELOPES",
     "GLUE_TRIMS",
     "CarryStream",
-    "SessionState",
     "Token2WavAdapter",
     "TransformedFlow",
     "contract_for_flow",
@@ -73,7 +73,7 @@ GLUE_TRIMS = (
 )
 
 
-class TransformedFlow:
+class TransformedFlow(Transformed):
     """The flow with its envelopes at demand and its glue trims running on carries."""
 
     def __init__(
@@ -148,70 +148,20 @@ class TransformedFlow:
                 )
         return cache
 
-    # -- several streams over one set of bindings -----------------------------------------------
+    # -- several streams over one set of bindings (cadence_fx.transformed) ----------------------
 
-    def _resident(self) -> list[torch.Tensor]:
+    def device(self) -> torch.device:
+        return self.flow.decoder.cnn_cache_buffer.device
+
+    def resident(self) -> tuple[list[torch.Tensor], list[int]]:
         """The stream state that lives at the bindings' fixed addresses: every carry, and the CFM's
-        conv cache buffer (written in place by the vendor each chunk)."""
-        return [c.buffer for c in self.carries.values()] + [self.flow.decoder.cnn_cache_buffer]
+        conv cache buffer (written in place by the vendor each chunk); the carries' extents."""
+        tensors = [c.buffer for c in self.carries.values()] + [self.flow.decoder.cnn_cache_buffer]
+        return tensors, [c.extent for c in self.carries.values()]
 
-    def session_state(self, seed: int) -> SessionState:
-        """A new stream's share of the resident state: the carries as they are now (after a setup
-        or a turn reset), and an RNG state seeded with `seed` (HiFT draws noise every call)."""
-        device = self.flow.decoder.cnn_cache_buffer.device
-        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-            _rng_seed(device, seed)
-            rng = _rng_get(device)
-        return SessionState([t.clone() for t in self._resident()], [c.extent for c in self.carries.values()], rng)
-
-    def swap_in(self, state: SessionState) -> None:
-        """Before a stream's chunk: its state into the addresses the graphs read."""
-        for resident, own in zip(self._resident(), state.tensors):
-            resident.copy_(own)
-        for carry, extent in zip(self.carries.values(), state.extents):
+    def set_counters(self, counters: list[int]) -> None:
+        for carry, extent in zip(self.carries.values(), counters, strict=True):
             carry.extent = extent
-        _rng_set(self.flow.decoder.cnn_cache_buffer.device, state.rng)
-
-    def swap_out(self, state: SessionState) -> None:
-        """After a stream's chunk: what the chunk wrote, back into the stream's own state."""
-        for resident, own in zip(self._resident(), state.tensors):
-            own.copy_(resident)
-        state.extents = [c.extent for c in self.carries.values()]
-        state.rng = _rng_get(self.flow.decoder.cnn_cache_buffer.device)
-
-
-@dataclass
-class SessionState:
-    """One stream's share of a `TransformedFlow` that several streams time-multiplex: its carries'
-    contents and extents and its RNG state. The rest of a stream (its cache dict of carry views,
-    its HiFT cache) lives on its own `CarryStream`. N streams cost N copies of the carries
-    (`nbytes` each) and share the weights, the prompt state and every graph."""
-
-    tensors: list[torch.Tensor]
-    extents: list[int]
-    rng: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
-
-
-def _rng_seed(device: torch.device, seed: int) -> None:
-    if device.type == "cuda":
-        torch.cuda.manual_seed(seed)
-    else:
-        torch.manual_seed(seed)
-
-
-def _rng_get(device: torch.device) -> torch.Tensor:
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-
-
-def _rng_set(device: torch.device, state: torch.Tensor) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ from cadence_fx.audit import ShadowAuditor
 from cadence_fx.passes.carry import Carry, CarryError, RetentionSite, find_retention_sites
 
 __all__ = [
+    "CarryCounters",
     "Window",
     "WindowCarry",
     "WindowError",
@@ -95,6 +96,27 @@ class WindowCarry(Carry):
                 f"({tuple(retained.shape)} at {retained.data_ptr():#x}, expected {tuple(expected.shape)} at "
                 f"{expected.data_ptr():#x}): pass the buffers the transformed step returned"
             )
+
+
+class CarryCounters:
+    """The window carries' host-side integers (retained extent, writes, retentions), as a replay
+    engine's `HostCounters`: a graph replay runs no Python, so the engine moves them instead."""
+
+    FIELDS = ("extent", "writes", "retentions")
+
+    def __init__(self, carries: list[WindowCarry]):
+        self.carries = list(carries)
+
+    def read(self) -> list[int]:
+        return [getattr(carry, name) for carry in self.carries for name in self.FIELDS]
+
+    def write(self, values) -> None:
+        values = list(values)
+        if len(values) != len(self.carries) * len(self.FIELDS):
+            raise ValueError(f"{len(values)} values for {len(self.carries)} carries of {len(self.FIELDS)} counters each")
+        for i, carry in enumerate(self.carries):
+            for j, name in enumerate(self.FIELDS):
+                setattr(carry, name, values[i * len(self.FIELDS) + j])
 
 
 def window_append(carry: WindowCarry, retained: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import json
 import logging
 import socket
 import ssl
+import subprocess
 import sys
 import threading
 import time
@@ -21,7 +22,6 @@ import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, WebSocket
@@ -274,6 +274,24 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def server_process(code: str, port: int, *, timeout_s: float, args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """``python -c code *args``, a server on ``port`` in its own process, once ``/health`` answers
+    (the benchmarks' servers: the load they measure runs in another process)."""
+    proc = subprocess.Popen([sys.executable, "-c", code, *args])
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before it answered /health")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as answer:
+                if answer.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"server did not answer /health within {timeout_s:g} s")
 
 
 @contextlib.contextmanager

@@ -54,12 +54,12 @@ from cadence_fx.determinism import pin_deterministic
 from cadence_fx.models import token2wav_checkpoint as checkpoint
 from cadence_fx.models.token2wav_carry import (
     CarryStream,
-    SessionState,
     TransformedFlow,
     contract_for_flow,
     reference_flow,
 )
 from cadence_fx.models.token2wav_stream import Prompt, build_hift, random_chunks, random_prompt
+from cadence_fx.transformed import SessionState
 
 from .base import ModelPlugin, ModelStream, PluginInfo
 
