@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from cadence_fx.report import latency_stats, measured_commit
-from cadence_fx.serve.app import free_port
+from cadence_fx.serve.app import free_port, server_process
 from cadence_fx.serve.loadgen import run_load, speech_pattern
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -44,18 +44,7 @@ def _start_server(port: int, plugin: str, sessions: int, timeout_s: float) -> su
         f"run_server('127.0.0.1', {port}, {plugin!r}, "
         f"Limits(max_sessions={sessions}, max_sessions_per_client={sessions}))"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code])
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode} before it answered /health")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"server did not answer /health within {timeout_s:g} s")
+    return server_process(code, port, timeout_s=timeout_s)
 
 
 def _commit() -> str | None:

@@ -22,10 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from cadence_fx.report import measured_commit
-from cadence_fx.serve.app import free_port
+from cadence_fx.serve.app import free_port, server_process
 from cadence_fx.serve.soak import run_soak, soak_limits, summarize
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -43,21 +41,6 @@ from cadence_fx.serve.soak import soak_limits, soak_model
 limits = soak_limits(int(sys.argv[2]))
 Server(uvicorn_config(create_app(soak_model, limits), "127.0.0.1", int(sys.argv[1]), limits)).run()
 """
-
-
-def _start_server(port: int, sessions: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", _SERVE, str(port), str(sessions)])
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode} before it answered /health")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not answer /health within 300 s")
 
 
 def _rss_bytes(pid: int) -> int:
@@ -124,7 +107,7 @@ def main() -> None:
     args = parser.parse_args()
 
     port = free_port()
-    server = _start_server(port, args.sessions)
+    server = server_process(_SERVE, port, timeout_s=300, args=(str(port), str(args.sessions)))
     load_before = os.getloadavg()
     try:
         ledgers, samples, wall_s = asyncio.run(_soak(port, server, args.sessions, 60.0 * args.minutes, args.seed))
