@@ -22,12 +22,15 @@ GROUP = "cadence_fx.families"
 
 @dataclass(frozen=True)
 class Family:
-    """`contract`: the default contract's factory; `adapter`: the family's own transform, for
-    `transform(model, contract)` without a binding; `reference`: builds the reference model at a
-    depth, for the CLI's diff (``reference(depth) -> (model, contract, stream)``)."""
+    """`contract`: the default contract's factory. How `transform(model, contract)` runs without a
+    binding: `binding`, ``binding(model, contract) -> Binding`` (it may refuse a model that does not
+    fit the contract), puts the family on the one pipeline; `adapter`, the family's own transform,
+    is for the families not moved onto it yet. `reference`: builds the reference model at a depth,
+    for the CLI's diff (``reference(depth) -> (model, contract, stream)``)."""
 
     name: str
     contract: str
+    binding: str | None = None
     adapter: str | None = None
     reference: str | None = None
 

@@ -14,8 +14,9 @@ For each bound operator, per catalog class, at the class's first visit:
 4. **verify**: the first `binding.verify` visits of the class also run the stock call (on clones of
    the state, the RNG rewound between the two) and compare every output and every retained tensor
    with `torch.equal`; a difference refuses the class for good (the stock result is kept);
-5. **replay** (CUDA): verified classes run through one `ExactShapeReplay` per operator, the sites
-   aliased (one address for the life of the stream), the copied inputs staged.
+5. **replay**: verified classes run through one `ExactShapeReplay` per operator, the sites
+   aliased (one address for the life of the stream), the copied inputs staged; without CUDA the
+   engine runs the rewritten graph eager and counts why (`no_cuda`).
 
 A graph runs no Python, so the host-side values the stock call moves (the binding's `counters`:
 lengths, positions, flags) are moved by the transformed call exactly as the stock call of the same
@@ -29,6 +30,7 @@ import inspect
 import itertools
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +42,7 @@ from .catalog import Catalog, CatalogClass
 from .contract import DTYPES, Contract
 from .determinism import RngState
 from .passes.hoist import HostConstantHoist
+from .passes.state import Resize
 from .passes.window import CarryCounters, Window, WindowCarry, WindowError, rewrite_windows
 from .replay import ExactShapeReplay, Signature
 from .report import format_bytes
@@ -79,6 +82,7 @@ class _Class:
     verify_left: int = 0
     refused: str | None = None
     capture_ms: float = 0.0
+    calls: int = 0  # calls this class ran through its rewritten graph (verified, eager or replayed)
 
 
 class _Step(torch.nn.Module):
@@ -172,6 +176,12 @@ class BoundOperator:
     # -- the call ----------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The stock method's call. Inference only: it runs under `torch.no_grad()` whatever the
+        caller's grad mode (a carry written in place cannot take part in autograd)."""
+        with torch.no_grad():
+            return self._call(*args, **kwargs)
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         self.counters.calls += 1
         arguments = self.signature.bind(*args, **kwargs).arguments
         roots = {name: arguments[name] for name in self.roots if name in arguments}
@@ -204,6 +214,7 @@ class BoundOperator:
         runner = self.replay if self.replay is not None else cls.graph
         outputs, new_state = runner(inputs, state)
         self.counters.graph_calls += 1
+        cls.calls += 1
         self._commit(roots, new_state)
         for path, (kind, value) in cls.effects.items():
             set_path(roots, path, get_path(roots, path) + value if kind == "add" else value)
@@ -241,7 +252,7 @@ class BoundOperator:
             self.report.carries[rb.region] = WindowCarry(rb.region, rb.region, buffer, region.axis)
             self.report.stamps.append(f"state rule: {rb.region} at {'x'.join(map(str, derived.shape))} "
                                       f"({format_bytes(derived.bytes)}), {len(found)} sites at one address each")
-        if self._replay_wanted and device.type == "cuda" and self.report.auditor is None:
+        if self._replay_wanted and self.report.auditor is None:  # without CUDA the engine runs eager and says so
             self.replay = ExactShapeReplay(self._run, self._admit, name=self.ob.operator, aliased=[1],
                                            modules=[self.model, self._holder] if isinstance(self.model, torch.nn.Module) else [self._holder],
                                            host_counters=CarryCounters(list(self.carries.values())),
@@ -323,7 +334,9 @@ class BoundOperator:
         step = _Step(self.model, method, private, self.sites)
         example = [None if v is None else v.clone() for v in state]
         try:
-            with torch.no_grad():
+            with torch.no_grad(), warnings.catch_warnings():
+                # The step writes the sites into its private copy of the state: expected, not a bug.
+                warnings.filterwarnings("ignore", "The tensor attributes .* were assigned during export", UserWarning)
                 program = torch.export.export(step, (inputs, example), strict=False)
         except Exception as error:  # the model does not export at this class: it runs stock, and says why
             cls.refused = f"torch.export failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
@@ -347,6 +360,8 @@ class BoundOperator:
                 live=retained + call.call,
                 held=region.holds_call,
             ))
+        if call.extent == max(self.op_catalog.grid) and not call.flush:
+            self._pinned(windows)
         try:
             after, found, stamp = rewrite_windows(gm, tuple(windows), self.carries, graph=name)
         except WindowError as error:
@@ -360,6 +375,20 @@ class BoundOperator:
         self.report.stamps.append(f"{stamp}; capture and rewrite of {name} took {cls.capture_ms:.0f} ms")
         self._names[Signature.of(inputs, state).catalog_key] = name
         return cls
+
+    def _pinned(self, windows: list[Window]) -> None:
+        """The state rule's account, at the steady class: each stock retained slice is a view of its
+        call's concat, so the stock code pins the whole operand (retained + new units) until the
+        next call, against the carry's derived demand."""
+        done = {r.region for r in self.report.resizes}
+        for rb in self.binding.regions:
+            live = {w.live for w in windows if w.region == rb.region}
+            if rb.region in done or len(live) != 1:
+                continue
+            region, derived = self.contract.region(rb.region), self.catalog.region(rb.region)
+            stock = tuple(live.pop() if i == region.axis else d for i, d in enumerate(derived.shape))
+            self.report.resizes.append(Resize(" + ".join(rb.at), rb.region, stock, DTYPES[region.dtype].itemsize * math.prod(stock),
+                                              derived.shape, derived.bytes))
 
     def _stock_call(self, roots, inputs):
         with torch.no_grad():
@@ -386,6 +415,7 @@ class BoundOperator:
             set_path(roots, site.path, value if site.out is None else original)
         outputs, new_state = cls.graph(inputs, state)
         self.counters.graph_calls += 1
+        cls.calls += 1
         self._commit(roots, new_state)
         for path, value in counters_after.items():
             set_path(roots, path, value)
@@ -461,7 +491,7 @@ class BoundModel(Transformed):
 
     def __getattr__(self, name: str) -> Any:
         """A drop-in for the model: a bound method is its operator, anything else the model's own."""
-        if name.startswith("_") or name in ("model", "operators", "report"):
+        if name.startswith("_") or name in ("model", "operators", "report", "carries", "calls"):
             raise AttributeError(name)
         if name in self._methods:
             return self._methods[name]
@@ -474,6 +504,16 @@ class BoundModel(Transformed):
 
     def explain(self) -> str:
         return "\n".join(op.explain() for op in self.operators.values())
+
+    @property
+    def carries(self) -> dict[str, WindowCarry]:
+        """Every site's carry, by the site's concrete path (empty before the first call)."""
+        return {path: carry for op in self.operators.values() for path, carry in op.carries.items()}
+
+    @property
+    def calls(self) -> dict[str, int]:
+        """Calls per catalog class met so far, by class name, that ran the rewritten graph."""
+        return {cls.name: cls.calls for op in self.operators.values() for cls in op.classes.values()}
 
     def device(self) -> torch.device:
         return next(iter(self.operators.values()))._device()

@@ -1,8 +1,8 @@
 """`transform(model, contract)`: the entry point, and the report it returns.
 
-With a binding, the one pipeline (`pipeline.py`) runs on any model. Without one, the family's
-adapter, found through the family registry (`families.py`), knows where the model keeps each
-region. The passes do the rewriting; this module derives the catalog, dispatches and reports.
+With a binding, the one pipeline (`pipeline.py`) runs on any model. Without one, the family
+registry (`families.py`) gives the family's binding (the same pipeline) or, for a family not moved
+onto it yet, its adapter. The passes do the rewriting; this module derives the catalog, dispatches and reports.
 """
 
 from __future__ import annotations
@@ -125,8 +125,8 @@ def transform(
     """Transform `model` under `contract`: returns (transformed model, TransformReport).
 
     With a `binding` (where each region lives, which methods are hot operators) the one generic
-    pipeline runs (`cadence_fx.pipeline`): any model, no adapter. Without one, the family's
-    registered adapter runs.
+    pipeline runs (`cadence_fx.pipeline`): any model, no adapter. Without one, a registered family
+    gives its own binding (the same pipeline), or its adapter where it has not moved yet.
 
     The input model is left untouched. With `audit=True` a shadow auditor evaluates the stock
     retention beside every carry write and raises `AuditMismatch` on the first difference.
@@ -137,6 +137,9 @@ def transform(
     if not isinstance(contract, Contract):
         raise TypeError(f"contract must be a cadence_fx.Contract, got {type(contract).__name__}")
     catalog = derive(contract, budget=budget)
+    declared = families().get(contract.family)
+    if binding is None and declared is not None and declared.binding is not None:
+        binding = load(declared.binding)(model, contract)
     if binding is not None:
         if not capture:
             raise ValueError("a bound model's carries live in its rewritten graphs: capture=False has nothing to run")
@@ -144,10 +147,9 @@ def transform(
         report.determinism = determinism.settings()
         report.stamps.append(determinism.envelope())
         return transform_bound(model, contract, binding, catalog, report, replay=replay and not audit), report
-    declared = families().get(contract.family)
     if declared is None or declared.adapter is None:
-        having = sorted(name for name, f in families().items() if f.adapter)
-        raise ValueError(f"no binding given, and {contract.family!r} is no family with its own adapter ({having}): "
+        having = sorted(name for name, f in families().items() if f.adapter or f.binding)
+        raise ValueError(f"no binding given, and {contract.family!r} is no family with its own binding or adapter ({having}): "
                          "pass transform(model, contract, binding) (README: Bring your own model)")
     adapter = load(declared.adapter)
     return adapter.transform(model, contract, catalog, audit=audit, capture=capture, replay=replay)

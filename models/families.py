@@ -12,7 +12,7 @@ MOSHI = Family("moshi", contract="cadence_fx.models.moshi:moshi_contract", adapt
 FREEZE_OMNI = Family(
     "freeze_omni",
     contract="cadence_fx.models.freeze_omni:freeze_omni_contract",
-    adapter="cadence_fx.models.freeze_omni_carry:ADAPTER",
-    reference="cadence_fx.models.freeze_omni_carry:reference_stream",
+    binding="cadence_fx.models.freeze_omni:freeze_omni_binding",
+    reference="cadence_fx.models.freeze_omni:reference_stream",
 )
 LLM_BACKBONE = Family("llm_backbone", contract="cadence_fx.models.llm_backbone:llm_backbone_contract")

@@ -6,12 +6,23 @@ feed-forward of the released encoder keeps none). The attended extent grows by o
 from one chunk to `left_chunks + 1`: K = left_chunks + 1 classes, derived (K = 2 with one left
 chunk, 17 for the released encoder's 16). `encoder_contract` reads all of it off an encoder's
 configuration.
+
+Where the regions live (`freeze_omni_binding`, data): `infer(chunk, buffer, pe_index)` returns
+``(ys, buffer, pe_index)``, its new buffer list, a flat list `[kv_0, cnn_0, kv_1, cnn_1, ...]` with the
+conv feed-forward (`[kv_0, kv_1, ...]` with the linear one). Layer l's attention keeps
+``kv_l = [keys, values]`` (None before the first chunk), each ``cat([kept, new], dim=2)[:, :, -W:]``;
+the conv feed-forward keeps ``cat([cnn_l, x], dim=2)[:, :, -lorder:]``. `transform(encoder,
+contract)` runs the one binding pipeline on it (`cadence_fx.pipeline`): no code of its own.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
+from cadence_fx.binding import Binding, OperatorBinding, RegionBinding
+from cadence_fx.catalog import derive
 from cadence_fx.contract import (
     Admission,
     Clock,
@@ -26,9 +37,12 @@ from cadence_fx.contract import (
 )
 
 if TYPE_CHECKING:
-    from .freeze_omni_encoder import FreezeOmniEncoderConfig
+    from .freeze_omni_encoder import FreezeOmniEncoder, FreezeOmniEncoderConfig
 
-__all__ = ["encoder_contract", "freeze_omni_contract"]
+__all__ = ["encoder_contract", "freeze_omni_binding", "freeze_omni_contract", "reference_stream"]
+
+OPERATOR = "encoder_chunk"
+KV, CONV = "attention_kv", "conv_left_context"
 
 
 def freeze_omni_contract(
@@ -95,3 +109,61 @@ def encoder_contract(config: FreezeOmniEncoderConfig) -> Contract:
         heads=config.attention_heads,
         lorder=config.lorder if config.conv_feed_forward else None,
     )
+
+
+def freeze_omni_binding(encoder: FreezeOmniEncoder, contract: Contract) -> Binding:
+    """Where `encoder` keeps each region of `contract`, after checking that the contract describes
+    this encoder (its size, chunk, left chunks and feed-forward)."""
+    c = encoder.config
+    symbols = contract.symbols()
+    found = {"blocks": c.num_blocks, "heads": c.attention_heads, "d_model": c.attention_dim,
+             "head_dim": c.attention_dim // c.attention_heads, "chunk_frames": c.chunk_size}
+    for name, actual in found.items():
+        if symbols[name] != actual:
+            raise ValueError(f"contract quantity {name}={symbols[name]} but the encoder has {actual}: declare {name}={actual}")
+    names = tuple(region.name for region in contract.regions)
+    retained = {KV: c.kv_frames, CONV: c.lorder} if c.conv_feed_forward else {KV: c.kv_frames}
+    if names != tuple(retained):
+        raise ValueError(f"the contract declares regions {names} but the encoder ({c.feed_forward} feed-forward) "
+                         f"keeps {tuple(retained)}: derive the contract with encoder_contract(encoder.config)")
+    catalog = derive(contract)
+    for region, actual in retained.items():
+        derived = catalog.region(region)
+        declared = derived.lower + derived.window  # the units it retains between calls in steady state
+        if declared != actual:
+            raise ValueError(f"region {region!r} retains {declared} frames but the encoder keeps {actual}")
+    kv, cnn = ("[0::2]", "[1::2]") if c.conv_feed_forward else ("*", None)
+    regions = (RegionBinding(KV, at=(f"buffer.{kv}.0", f"buffer.{kv}.1"), out=(f"return.1.{kv}.0", f"return.1.{kv}.1")),)
+    if cnn is not None:
+        regions += (RegionBinding(CONV, at=(f"buffer.{cnn}",), out=(f"return.1.{cnn}",)),)
+    return Binding(regions=regions, operators=(OperatorBinding(OPERATOR, method="infer", units=c.chunk_size),))
+
+
+def reference_encoder(depth: str = "reduced"):
+    """The in-repo encoder with random weights and its contract, for the CLI: `depth` is "reduced"
+    (2 blocks, 64 wide) or "full" (24 blocks, 1024 wide)."""
+    from .freeze_omni_encoder import FreezeOmniEncoderConfig, build_encoder
+
+    if depth not in ("reduced", "full"):
+        raise ValueError(f"depth must be 'reduced' or 'full', got {depth!r}")
+    config = FreezeOmniEncoderConfig.small() if depth == "reduced" else FreezeOmniEncoderConfig()
+    return build_encoder(config), encoder_contract(config)
+
+
+def reference_stream(depth: str):
+    """The reference encoder, its contract, and a short stream through its transformed encoder, for
+    the CLI's diff: `stream(transformed, chunks)` runs `chunks` chunks and says what it ran."""
+    from .freeze_omni_encoder import stream_utterance
+
+    encoder, contract = reference_encoder(depth)
+
+    def stream(transformed, chunks: int) -> str:
+        # Three utterances: each class's first two visits are verified against the stock call,
+        # the third utterance's reach the replay engine, so every class has its certificate.
+        c = encoder.config
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            stream_utterance(transformed, torch.randn(1, chunks * c.chunk_frames, c.input_dim, generator=generator))
+        return f"3 utterances of {chunks} chunks of random fbank features"
+
+    return encoder, contract, stream

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from cadence_fx import Binding, OperatorBinding, RegionBinding, transform
-from cadence_fx.models.freeze_omni import freeze_omni_contract
+from cadence_fx.models.freeze_omni import freeze_omni_binding, freeze_omni_contract
 from cadence_fx.models.freeze_omni_encoder import FreezeOmniEncoderConfig, build_encoder, stream_utterance
 
 BINDING = Binding(
@@ -28,6 +28,7 @@ def test_the_bound_encoder_streams_bit_for_bit_on_fixed_carries():
     feats = torch.randn(1, 16 * 6, 80, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = stream_utterance(encoder, feats)
+    assert freeze_omni_binding(encoder, contract) == BINDING  # the family's own binding is this data
     bound, report = transform(encoder, contract, BINDING)
     for _ in range(2):  # two utterances over the same carries
         with torch.no_grad():

@@ -63,11 +63,11 @@ def test_diff_of_freeze_omni_shows_its_window_rewrites_and_certifies_both_classe
     page = tmp_path / "report.html"
     assert main(["diff", "freeze_omni", "--chunks", "2", "--html", str(page)]) == 0
     out = capsys.readouterr().out
-    assert "=== encoder_chunk[L=0] ===" in out and "=== encoder_chunk[L=4] ===" in out
+    assert "=== encoder_chunk[n=4,L=0] ===" in out and "=== encoder_chunk[n=4,L=4] ===" in out
     assert "retention sites" in out
     assert "ExactShapeReplay encoder_chunk: 2 calls, 0 captures, 0 replays, 2 eager, 0 invalidations" in out
     text = page.read_text()
-    assert "after a short stream: one utterance of 2 chunks of random fbank features." in text
+    assert "after a short stream: 3 utterances of 2 chunks of random fbank features." in text
     assert text.count('<dl class="certificate admitted">') == 2
 
 

@@ -8,25 +8,31 @@ import torch
 from cadence_fx import transform
 from cadence_fx.diff import render_html
 from cadence_fx.models.freeze_omni import freeze_omni_contract
-from cadence_fx.models.freeze_omni_carry import class_name
 from cadence_fx.models.freeze_omni_encoder import FreezeOmniEncoderConfig, build_encoder, stream_utterance
 from pagekit import Page
 
 SMALL = FreezeOmniEncoderConfig.small()
 CHUNKS = 3
-CARRIES = {f"carry_attention_kv_{layer}__{part}" for layer in (0, 1) for part in ("keys", "values")} | {
-    "carry_conv_left_context_0_", "carry_conv_left_context_1_"}
-# The ids render_html gives the two drawings of a class's graph ('[', '=' and ']' spelled out).
-FIRST, STEADY = "encoder_chunk.5bL.3d0.5d", "encoder_chunk.5bL.3d4.5d"
+UTTERANCES = 3  # the third is the first to reach the replay engine in both classes (two verified visits each before)
+# Carries are named by their site's path in `infer`'s buffer list [kv_0, cnn_0, kv_1, cnn_1]:
+# keys buffer.{2l}.0, values buffer.{2l}.1, conv context buffer.{2l+1}.
+CARRIES = {f"carry_buffer_{2 * layer}_{part}" for layer in (0, 1) for part in (0, 1)} | {"carry_buffer_1", "carry_buffer_3"}
+# The ids render_html gives the two drawings of a class's graph ('[', '=', ',' and ']' spelled out).
+FIRST, STEADY = "encoder_chunk.5bn.3d4.2cL.3d0.5d", "encoder_chunk.5bn.3d4.2cL.3d4.5d"
+
+
+def class_name(extent: int) -> str:
+    return f"encoder_chunk[n=4,L={extent}]"
 
 
 @pytest.fixture(scope="module")
 def page():
     contract = freeze_omni_contract(blocks=SMALL.num_blocks, d_model=SMALL.attention_dim, heads=SMALL.attention_heads)
     transformed, report = transform(build_encoder(SMALL), contract)
-    feats = torch.randn(1, CHUNKS * SMALL.chunk_frames, SMALL.input_dim, generator=torch.Generator().manual_seed(0))
-    stream_utterance(transformed, feats)
-    return Page(render_html(report, report.catalog, stream=f"one utterance of {CHUNKS} chunks")), report
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(UTTERANCES):
+        stream_utterance(transformed, torch.randn(1, CHUNKS * SMALL.chunk_frames, SMALL.input_dim, generator=generator))
+    return Page(render_html(report, report.catalog, stream=f"{UTTERANCES} utterances of {CHUNKS} chunks")), report
 
 
 def test_the_page_is_well_formed_and_requests_nothing(page):
@@ -44,7 +50,8 @@ def test_the_page_lists_exactly_the_derived_regions_carries_and_classes(page):
     assert page.values("data-carry") == ["attention_kv", "conv_left_context"]
     assert page.values("data-operator") == ["encoder_chunk"]
     assert page.values("data-class") == ["encoder_chunk:4@0", "encoder_chunk:4@4"]
-    assert page.values("data-replay-class") == [class_name(0), class_name(4)]
+    # In the order the engine met them: the steady class in the second utterance, the first class in the third.
+    assert page.values("data-replay-class") == [class_name(4), class_name(0)]
     assert page.values("data-graph") == [class_name(0), class_name(4)]
 
 
@@ -73,15 +80,15 @@ def test_each_carry_and_its_writes_link_to_the_retention_site_they_implement(pag
     page, _ = page
     site = f"#site-{STEADY}-"
     assert page.links(f"svg-{STEADY}-after") == {
-        "carry_attention_kv_0__keys": site + "slice_3", "window_append": site + "slice_3", "window_evict": site + "slice_3",
-        "carry_attention_kv_0__values": site + "slice_4", "window_append_1": site + "slice_4",
+        "carry_buffer_0_0": site + "slice_3", "window_append": site + "slice_3", "window_evict": site + "slice_3",
+        "carry_buffer_0_1": site + "slice_4", "window_append_1": site + "slice_4",
         "window_evict_1": site + "slice_4",
-        "carry_conv_left_context_0_": site + "slice_5", "window_keep": site + "slice_5",
-        "carry_attention_kv_1__keys": site + "slice_6", "window_append_2": site + "slice_6",
+        "carry_buffer_1": site + "slice_5", "window_keep": site + "slice_5",
+        "carry_buffer_2_0": site + "slice_6", "window_append_2": site + "slice_6",
         "window_evict_2": site + "slice_6",
-        "carry_attention_kv_1__values": site + "slice_7", "window_append_3": site + "slice_7",
+        "carry_buffer_2_1": site + "slice_7", "window_append_3": site + "slice_7",
         "window_evict_3": site + "slice_7",
-        "carry_conv_left_context_1_": site + "slice_8", "window_keep_1": site + "slice_8",
+        "carry_buffer_3": site + "slice_8", "window_keep_1": site + "slice_8",
     }
     assert set(page.values("id")) >= {f"site-{STEADY}-slice_{i}" for i in range(3, 9)}
 
@@ -97,14 +104,14 @@ def test_the_first_graph_keeps_the_new_keys_whole_through_window_adopt(page):
     assert page.marked(after, "site") == kept
     site = f"#site-{FIRST}-"
     links = page.links(after)
-    assert (links["transpose_2"], links["window_adopt"], links["carry_attention_kv_0__keys"]) == (site + "transpose_2",) * 3
-    assert (links["window_keep"], links["carry_conv_left_context_0_"]) == (site + "slice_3",) * 2
+    assert (links["transpose_2"], links["window_adopt"], links["carry_buffer_0_0"]) == (site + "transpose_2",) * 3
+    assert (links["window_keep"], links["carry_buffer_1"]) == (site + "slice_3",) * 2
 
 
 def test_each_class_shows_its_certificate_and_the_counters_of_the_stream(page):
     page, _ = page
     assert page.text.count('<dl class="certificate admitted">') == 2
     assert "admitted; no CUDA device: runs eager" in page.text
-    assert "calls 3, captures 0, replays 0, eager 3 (by reason: no_cuda 3), invalidations 0" in page.text
-    assert "Certificates and counters after a short stream: one utterance of 3 chunks." in page.text
+    assert "calls 5, captures 0, replays 0, eager 5 (by reason: no_cuda 5), invalidations 0" in page.text
+    assert "Certificates and counters after a short stream: 3 utterances of 3 chunks." in page.text
     assert "No replayed operator has been called yet" not in page.text

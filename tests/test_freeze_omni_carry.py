@@ -1,4 +1,7 @@
-"""The window pass on the Freeze-Omni encoder (small config, CPU): carries, audit, graph diff."""
+"""Freeze-Omni on the one binding pipeline (small config, CPU): `transform(encoder, contract)` takes
+the family's binding (data: `freeze_omni_binding`), and the window pass gives carries, audit and
+graph diff. Sites are named by their path in `infer`'s buffer list: with the conv feed-forward,
+layer l's keys are `buffer.{2l}.0`, its values `buffer.{2l}.1`, its conv context `buffer.{2l+1}`."""
 
 import re
 from collections import Counter
@@ -10,14 +13,24 @@ import torch
 from cadence_fx import AuditMismatch, derive, transform
 from cadence_fx.diff import diff_graphs, render_text
 from cadence_fx.models.freeze_omni import encoder_contract, freeze_omni_contract
-from cadence_fx.models.freeze_omni_carry import class_name
 from cadence_fx.models.freeze_omni_encoder import FreezeOmniEncoderConfig, build_encoder, stream_utterance
-from cadence_fx.passes.carry import Carry, CarryError
+from cadence_fx.passes.carry import Carry
 from cadence_fx.passes.window import Window, WindowError, rewrite_windows
 
 SMALL = FreezeOmniEncoderConfig.small()
 CHUNKS = (3, 4, 5)  # chunks per utterance: each crosses both classes
 SITES = 3 * SMALL.num_blocks  # keys, values and conv context per layer
+
+
+def class_name(extent: int, chunk: int = 4) -> str:
+    return f"encoder_chunk[n={chunk},L={extent}]"
+
+
+def site(region: str, layer: int, part: str = "") -> str:
+    """A site's path in the conv feed-forward's buffer list `[kv_0, cnn_0, kv_1, cnn_1, ...]`."""
+    if region == "attention_kv":
+        return f"buffer.{2 * layer}.{0 if part == 'keys' else 1}"
+    return f"buffer.{2 * layer + 1}"
 
 
 def contract_for(config):
@@ -45,8 +58,8 @@ def encoder():
 @pytest.fixture(scope="module")
 def streamed(encoder):
     transformed, report = transform(encoder, contract_for(SMALL), audit=True)
-    names = [f"{region}[{layer}]{part}" for layer in range(SMALL.num_blocks)
-             for region, part in (("attention_kv", ".keys"), ("attention_kv", ".values"), ("conv_left_context", ""))]
+    names = [site(region, layer, part) for layer in range(SMALL.num_blocks)
+             for region, part in (("attention_kv", "keys"), ("attention_kv", "values"), ("conv_left_context", ""))]
     run = Run()
     generator = torch.Generator().manual_seed(1)
     c = SMALL
@@ -90,8 +103,8 @@ def test_each_site_keeps_one_carry_address_for_every_chunk_and_utterance(streame
     transformed, report, run = streamed
     assert run.addresses == {name: {carry.address} for name, carry in transformed.carries.items()}
     kv, conv = report.carries["attention_kv"], report.carries["conv_left_context"]
-    assert transformed.carries["attention_kv[1].values"].address == kv.buffer[1, 1].data_ptr()
-    assert transformed.carries["conv_left_context[1]"].address == conv.buffer[1].data_ptr()
+    assert transformed.carries[site("attention_kv", 1, "values")].address == kv.buffer[1, 1].data_ptr()
+    assert transformed.carries[site("conv_left_context", 1)].address == conv.buffer[1].data_ptr()
 
 
 def test_carries_are_allocated_at_the_derived_bounds(streamed):
@@ -118,9 +131,9 @@ def test_the_auditor_counts_every_retention_and_finds_no_mismatch(streamed):
         "applications": blocks * chunks + 2 * blocks * (chunks - first),
         "mismatches": 0,
         "distinct_carry_addresses": {
-            f"{region}[{layer}]{part}": 1
+            site(region, layer, part): 1
             for layer in range(blocks)
-            for region, part in (("attention_kv", ".keys"), ("attention_kv", ".values"), ("conv_left_context", ""))
+            for region, part in (("attention_kv", "keys"), ("attention_kv", "values"), ("conv_left_context", ""))
         },
     }
 
@@ -159,9 +172,9 @@ def test_the_diff_report_shows_the_rewritten_sites(streamed):
     assert sum(n for op, n in steady.added.items() if op.startswith("attr carry_")) == SITES
     text = render_text(list(diffs.values()))
     assert text.count("\n-cat") == 2 * blocks
-    assert "+window_append = window_append(carry_attention_kv_0__keys, buffer_0_0, transpose_2)" in text
-    assert "+window_evict = window_evict(carry_attention_kv_0__keys, window_append, 4)" in text
-    assert "+window_keep = window_keep(carry_conv_left_context_0_, buffer_1, cat_2, 2)" in text
+    assert "+window_append = window_append(carry_buffer_0_0, state_0, transpose_2)" in text
+    assert "+window_evict = window_evict(carry_buffer_0_0, window_append, 4)" in text
+    assert "+window_keep = window_keep(carry_buffer_1, state_4, cat_2, 2)" in text
 
 
 def test_positional_table_writes_are_not_retention_and_stay(streamed):
@@ -180,28 +193,37 @@ def test_the_input_encoder_is_left_untouched(encoder, streamed):
 
 def test_the_auditor_catches_a_carry_that_keeps_the_wrong_frames(encoder, monkeypatch):
     transformed, report = transform(encoder, contract_for(SMALL), audit=True)
-    carry = transformed.carries["attention_kv[1].keys"]
+    carry = transformed.carries[site("attention_kv", 1, "keys")] if transformed.carries else None
+    if carry is None:  # the carries are allocated at the first call
+        stream_utterance(transformed, torch.randn(1, SMALL.chunk_frames, SMALL.input_dim))
+        transformed.reset()
+        carry = transformed.carries[site("attention_kv", 1, "keys")]
     monkeypatch.setattr(carry, "keep", lambda full, segments: Carry.keep(carry, full, ((0, 4),)))
     feats = torch.randn(1, 3 * SMALL.chunk_frames, SMALL.input_dim, generator=torch.Generator().manual_seed(2))
     with pytest.raises(AuditMismatch) as caught:
         stream_utterance(transformed, feats)
-    assert (caught.value.site, caught.value.chunk) == ("attention_kv[1].keys", 2)
+    assert (caught.value.site, caught.value.chunk) == (site("attention_kv", 1, "keys"), 2)
     assert report.auditor.mismatches == 1
 
 
-def test_a_buffer_from_elsewhere_is_refused(encoder, streamed):
-    transformed, _, _ = streamed
+def test_a_buffer_from_elsewhere_is_adopted_into_its_carry_and_counted(encoder, streamed):
+    transformed, report, _ = streamed
+    op = report.operators["encoder_chunk"]
+    adopted = op.counters.adopted
     buffer = transformed.init_buffers()
-    buffer[1] = buffer[1].clone()
+    buffer[1] = buffer[1].clone() + 1  # a conv context that is not the carry's view
     chunk = torch.randn(1, SMALL.chunk_frames + SMALL.chunk_overlap, SMALL.input_dim)
-    with pytest.raises(CarryError, match=r"conv_left_context\[0\]: the retained state passed in is not this carry's view"):
-        transformed.infer(chunk, buffer, transformed.init_pe_index())
+    stock = encoder.infer(chunk, [b.clone() if isinstance(b, torch.Tensor) else b for b in buffer], encoder.init_pe_index())
+    got = transformed.infer(chunk, buffer, transformed.init_pe_index())
+    assert torch.equal(got[0], stock[0])
+    assert op.counters.adopted == adopted + SMALL.num_blocks  # both layers' conv contexts came from elsewhere
+    assert got[1][1].data_ptr() == transformed.carries[site("conv_left_context", 0)].address
 
 
 def test_a_declaration_the_graph_does_not_have_is_refused(streamed):
     transformed, report, _ = streamed
     before, _ = report.graphs[class_name(4)]
-    wrong = Window("attention_kv[0].keys", "attention_kv", output=1, input="buffer_0_0", axis=2, keep=3, live=8, held=True)
+    wrong = Window(site("attention_kv", 0, "keys"), "attention_kv", output=1, input="state_0", axis=2, keep=3, live=8, held=True)
     with pytest.raises(WindowError, match=r"keeps the last 4 units along axis 2, the region retains 3"):
         rewrite_windows(before, (wrong,), transformed.carries, graph="planted")
 
@@ -234,26 +256,26 @@ def test_two_left_chunks_give_three_classes_all_bit_identical():
     assert all("a strided view of the 8-unit prefix" in r and r.endswith("kept whole") for r in middle)
 
 
-def test_without_audit_one_binding_admits_both_classes_and_keeps_the_carries_in_step(encoder):
+def test_without_audit_each_class_is_verified_twice_then_runs_its_graph(encoder):
     transformed, report = transform(encoder, contract_for(SMALL))
-    assert report.stamps[-1] == "replay: encoder_chunk K=2, the buffer list aliased, the carries' extents as host counters"
-    plain, _ = transform(encoder, contract_for(SMALL), replay=False)
-    assert plain.replay is None and report.replays == {"encoder_chunk": transformed.replay}
     generator = torch.Generator().manual_seed(4)
     for chunks in CHUNKS:
         feats = torch.randn(1, chunks * SMALL.chunk_frames, SMALL.input_dim, generator=generator)
         pairs = zip(stream_utterance(encoder, feats), stream_utterance(transformed, feats), strict=True)
         assert all(torch.equal(a, b) for a, b in pairs)
-        stream_utterance(plain, feats)
-        # Each class's probe ran the step's Python once more; the binding rewound what it moved.
-        for name, carry in transformed.carries.items():
-            twin = plain.carries[name]
-            assert (carry.extent, carry.writes, carry.retentions) == (twin.extent, twin.writes, twin.retentions)
-    replay = transformed.replay
-    assert sorted(replay.certificates) == [class_name(0), class_name(4)]
-    assert all(c.admitted for c in replay.certificates.values())
-    assert replay.counters.as_dict() == {"calls": sum(CHUNKS), "captures": 0, "replays": 0, "eager": sum(CHUNKS),
-                                         "invalidations": 0, "fallbacks": {"no_cuda": sum(CHUNKS)}}
+        assert {carry.extent for carry in transformed.carries.values()} == {SMALL.kv_frames, SMALL.lorder}
+    op = report.operators["encoder_chunk"]
+    # Each utterance starts from init_buffers: fresh conv contexts, adopted into their carries.
+    assert op.counters.as_dict() == {"calls": sum(CHUNKS), "graph_calls": sum(CHUNKS), "verified": 4, "stock": 0,
+                                     "adopted": len(CHUNKS) * SMALL.num_blocks, "stock_by_reason": {}}
+    assert all(cls.refused is None and cls.verify_left == 0 for cls in op.classes.values())
+    # The verified calls of each class never reach the engine; without CUDA it runs the others eager.
+    engine = op.replay
+    assert report.replays == {"encoder_chunk": engine}
+    assert sorted(engine.certificates) == [class_name(0), class_name(4)]
+    assert all(c.admitted for c in engine.certificates.values())
+    assert engine.counters.as_dict() == {"calls": sum(CHUNKS) - 4, "captures": 0, "replays": 0, "eager": sum(CHUNKS) - 4,
+                                         "invalidations": 0, "fallbacks": {"no_cuda": sum(CHUNKS) - 4}}
 
 
 @pytest.mark.parametrize(("left_chunks", "grid"), [

@@ -21,7 +21,6 @@ from freeze_omni_vendor_port import AudioLLM, GlobalCMVN, SpeechEncoder, load_ve
 
 from cadence_fx import transform
 from cadence_fx.models.freeze_omni import encoder_contract
-from cadence_fx.models.freeze_omni_carry import class_name
 from cadence_fx.models.freeze_omni_checkpoint import RELEASE_REPO, CheckpointError, encoder_config, load_encoder
 from cadence_fx.models.freeze_omni_encoder import FreezeOmniEncoder, FreezeOmniEncoderConfig, stream_utterance
 
@@ -61,6 +60,10 @@ encoder_conf:
       transformer-positionwise-layer-type: linear
 """
 CHUNKS = 7  # with 3 left chunks: classes L = 0, 4, 8, then 12 for the last four calls
+
+
+def class_name(extent: int, chunk: int = 4) -> str:
+    return f"encoder_chunk[n={chunk},L={extent}]"
 
 
 def train_yaml(left_chunks: int = 3, transformer: dict | None = None) -> dict:
@@ -178,10 +181,10 @@ def test_the_transformed_loaded_encoder_streams_bit_identically_to_the_vendor_co
     assert transformed.calls == {class_name(0): 2, class_name(4): 2, class_name(8): 2, class_name(12): 2 * (CHUNKS - 3)}
     assert {name: tuple(carry.buffer.shape) for name, carry in report.carries.items()} == {
         "attention_kv": (2, 2, 1, 4, 16, 16)}  # 2 blocks, keys and values, 4 heads, 4 x (3 + 1) frames, d_k 16
-    assert sorted(transformed.carries) == [f"attention_kv[{layer}].{part}" for layer in (0, 1) for part in ("keys", "values")]
-    assert transformed.replay.counters.as_dict() == {"calls": 2 * CHUNKS, "captures": 0, "replays": 0,
-                                                     "eager": 2 * CHUNKS, "invalidations": 0,
-                                                     "fallbacks": {"no_cuda": 2 * CHUNKS}}
+    # The linear feed-forward's buffer list is [kv_0, kv_1]: layer l's keys and values at buffer.l.0 and buffer.l.1.
+    assert sorted(transformed.carries) == [f"buffer.{layer}.{part}" for layer in (0, 1) for part in (0, 1)]
+    assert report.operators["encoder_chunk"].counters.as_dict() == {
+        "calls": 2 * CHUNKS, "graph_calls": 2 * CHUNKS, "verified": 2 * 4, "stock": 0, "adopted": 0, "stock_by_reason": {}}
 
 
 def test_post_norm_and_concat_after_stream_bit_identically_to_the_vendor_code(tmp_path):

@@ -16,8 +16,12 @@ import torch
 
 from cadence_fx import determinism, transform
 from cadence_fx.models.freeze_omni import encoder_contract
-from cadence_fx.models.freeze_omni_carry import class_name, reference_encoder
+from cadence_fx.models.freeze_omni import reference_encoder
 from cadence_fx.models.freeze_omni_encoder import FreezeOmniEncoderConfig, build_encoder, stream_utterance
+
+def class_name(extent: int, chunk: int = 4) -> str:
+    return f"encoder_chunk[n={chunk},L={extent}]"
+
 
 pytestmark = [
     pytest.mark.cuda,
@@ -65,14 +69,18 @@ def test_full_size_encoder_replays_both_classes_bit_exact():
         replayed = stream_utterance(transformed, feats)
         equal += [torch.equal(a, b) for a, b in zip(stock, replayed, strict=True)]
     assert equal == [True] * sum(CHUNKS)
-    replay = transformed.replay
-    assert replay.counters.as_dict() == {"calls": sum(CHUNKS), "captures": 2, "replays": sum(CHUNKS), "eager": 0,
+    op = report.operators["encoder_chunk"]
+    assert all(cls.refused is None for cls in op.classes.values())
+    # The first two visits of each class run beside the stock call (verification); every later
+    # one goes to the replay engine: the first class's third visit, the steady class's eight last.
+    engine = op.replay
+    assert engine.counters.as_dict() == {"calls": sum(CHUNKS) - 4, "captures": 2, "replays": sum(CHUNKS) - 4, "eager": 0,
                                          "invalidations": 0, "fallbacks": {}}
-    assert sorted(replay.certificates) == sorted([class_name(0), class_name(c.kv_frames)])
-    assert all(cert.captured for cert in replay.certificates.values())
+    assert sorted(engine.certificates) == sorted([class_name(0), class_name(c.kv_frames)])
+    assert all(cert.captured for cert in engine.certificates.values())
     assert transformed.calls == {class_name(0): len(CHUNKS), class_name(c.kv_frames): sum(CHUNKS) - len(CHUNKS)}
-    # After the last chunk the carries retain what the stock step retains.
-    assert {carry.extent for name, carry in transformed.carries.items() if name.startswith("attention_kv")} == {c.kv_frames}
+    # After the last chunk the key and value carries (buffer.{2l}.0 and .1) retain what the stock step retains.
+    assert {carry.extent for path, carry in transformed.carries.items() if path.count(".") == 2} == {c.kv_frames}
     MEASURED["steady_chunk_eager_ms"] = _steady_chunk_ms(encoder, feats)
     MEASURED["steady_chunk_replay_ms"] = _steady_chunk_ms(transformed, feats)
 
@@ -84,7 +92,9 @@ def test_full_size_released_configuration_replays_all_seventeen_classes_bit_exac
     encoder = build_encoder(config).cuda()
     transformed, report = transform(encoder, encoder_contract(config))
     extents = [config.chunk_size * i for i in range(config.left_chunks + 1)]
-    chunks = (config.left_chunks + 3, config.left_chunks + 1)  # the second ends on the first steady call
+    # The first two utterances' visits of every class are verified against the stock call; the
+    # third utterance's go to the replay engine, which captures all 17 classes.
+    chunks = (config.left_chunks + 3, config.left_chunks + 1, config.left_chunks + 1)
     generator = torch.Generator().manual_seed(1)
     equal = []
     for n in chunks:
@@ -95,8 +105,9 @@ def test_full_size_released_configuration_replays_all_seventeen_classes_bit_exac
     assert list(report.carries) == ["attention_kv"]
     assert transformed.calls == {class_name(e): len(chunks) for e in extents[:-1]} | {
         class_name(extents[-1]): sum(chunks) - len(chunks) * config.left_chunks}
-    replay = transformed.replay
-    assert replay.counters.as_dict() == {"calls": sum(chunks), "captures": len(extents), "replays": sum(chunks),
+    engine = report.operators["encoder_chunk"].replay
+    engine_calls = sum(chunks) - 2 * len(extents)
+    assert engine.counters.as_dict() == {"calls": engine_calls, "captures": len(extents), "replays": engine_calls,
                                          "eager": 0, "invalidations": 0, "fallbacks": {}}
-    assert sorted(replay.certificates) == sorted(class_name(e) for e in extents)
-    assert all(cert.captured for cert in replay.certificates.values())
+    assert sorted(engine.certificates) == sorted(class_name(e) for e in extents)
+    assert all(cert.captured for cert in engine.certificates.values())
