@@ -29,7 +29,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .contract import Contract, SlidingWindow
+from .contract import Contract, PromptPlusHistory, SlidingWindow
 
 __all__ = ["Binding", "BindingError", "OperatorBinding", "RegionBinding", "Site", "check_binding", "resolve"]
 
@@ -219,10 +219,10 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
             raise BindingError(f"regions[{i}].out", f"needs one path per `at` path, rooted at {RETURN!r} and with as many "
                                                     f"wildcards or slices as it, got {rb.out!r} for {rb.at!r}")
         retention = regions[rb.region].retention
-        if not isinstance(retention, SlidingWindow):
+        if not isinstance(retention, (SlidingWindow, PromptPlusHistory)):
             raise BindingError(f"regions[{i}]", f"region {rb.region!r} retains by {type(retention).__name__}: the "
-                                                "binding pipeline rewrites SlidingWindow retention (concat then trim); "
-                                                "ring and prompt-plus-history regions run through their family adapters")
+                                                "binding pipeline rewrites concat-then-trim retention (SlidingWindow, "
+                                                "PromptPlusHistory); a RingCache region runs through its family adapter")
     bound = {rb.region for rb in binding.regions}
     operators = {op.name: op for op in contract.operators}
     if not binding.operators:

@@ -9,7 +9,8 @@ For each bound operator, per catalog class, at the class's first visit:
    exported with `torch.export` (non-strict) on a copy of the state objects, so the model's own
    state never holds a traced value;
 3. **retention rewrite**: the window pass (`passes/window.py`) finds each site's concat-then-trim on
-   the exported graph and rewrites it into in-place writes into the site's carry, a view of its
+   the exported graph (a sliding window's tail, or a prompt-plus-history's head and tail) and
+   rewrites it into in-place writes into the site's carry, a view of its
    region's buffer allocated once at the derived bound (the state rule);
 4. **verify**: the first `binding.verify` visits of the class also run the stock call (on clones of
    the state, the RNG rewound between the two) and compare every output and every retained tensor
@@ -39,7 +40,7 @@ from torch.utils import _pytree as pytree
 
 from .binding import RETURN, SELF, Binding, OperatorBinding, Site, get_path, method_of, resolve, set_path, sites
 from .catalog import Catalog, CatalogClass
-from .contract import DTYPES, Contract
+from .contract import DTYPES, Contract, PromptPlusHistory
 from .determinism import RngState
 from .passes.hoist import HostConstantHoist
 from .passes.state import Resize
@@ -359,6 +360,7 @@ class BoundOperator:
                 axis=self.carries[site.path].axis, keep=keep,
                 live=retained + call.call,
                 held=region.holds_call,
+                head=region.retention.prompt if isinstance(region.retention, PromptPlusHistory) else 0,
             ))
         if call.extent == max(self.op_catalog.grid) and not call.flush:
             self._pinned(windows)

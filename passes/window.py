@@ -18,6 +18,11 @@ keep one physical address for the life of the stream:
 * a retention output with no concat behind it (the first call of a stream keeps the new units
   whole) becomes `window_adopt`, a copy into the carry.
 
+The retention is either the operand's last W units (``operand[..., -W:]``: a sliding window) or
+its first P units plus its last H (``cat([operand[..., :P], operand[..., -H:]])``: a prompt, or
+attention sinks, plus a window of history); the kept units are compacted into the carry's
+front in that order either way.
+
 Retention writes run after the step's last reader, just before its output, so no reader ever
 sees a carry the step has already advanced. Other slices and in-place writes in the step (such as
 a positional table filled by ``pe[:, 0::2] = sin(...)``) are not retention and are left alone.
@@ -134,27 +139,40 @@ def window_append(carry: WindowCarry, retained: torch.Tensor, new: torch.Tensor)
     return carry.view()
 
 
-def _tail(t: torch.Tensor, axis: int, keep: int) -> torch.Tensor:
-    """``t[..., -keep:]`` along `axis`: the whole of `t` while it is no longer than `keep`."""
+def _segments(keep: int, head: int) -> tuple[tuple[int, int | None], ...]:
+    """The (start, stop) spans a retention of `keep` units keeps: its last `keep` units, or its
+    first `head` plus its last `keep - head`."""
+    return ((0, head), (head - keep, None)) if head else ((-keep, None),)
+
+
+def _retention(t: torch.Tensor, axis: int, keep: int, head: int) -> torch.Tensor:
+    """The stock retention of `t` along `axis` (for the auditor): the whole of `t` while it is no
+    longer than `keep`."""
     n = t.shape[axis]
-    return t.narrow(axis, max(n - keep, 0), min(n, keep))
+    if n <= keep:
+        return t
+    if not head:
+        return t.narrow(axis, n - keep, keep)
+    return torch.cat([t.narrow(axis, 0, head), t.narrow(axis, n - (keep - head), keep - head)], dim=axis)
 
 
-def window_evict(carry: WindowCarry, operand: torch.Tensor, keep: int) -> torch.Tensor:
-    """``operand[..., -keep:]`` as the retained state: compacted to the carry's front in place
-    (nothing moves while the window is not yet full)."""
+def window_evict(carry: WindowCarry, operand: torch.Tensor, keep: int, head: int = 0) -> torch.Tensor:
+    """The retention of `operand` (its last `keep` units, or its first `head` and last `keep - head`)
+    as the retained state: compacted to the carry's front in place (nothing moves while the window
+    is not yet full)."""
     evicted = operand.shape[carry.axis] > keep
-    retained = carry.keep(operand, ((-keep, None),))
+    retained = carry.keep(operand, _segments(keep, head) if evicted else ((0, None),))
     stock = carry._stock_operand
-    carry._audit(None if stock is None else _tail(stock, carry.axis, keep), evicted=evicted)
+    carry._audit(None if stock is None else _retention(stock, carry.axis, keep, head), evicted=evicted)
     return retained
 
 
-def window_keep(carry: WindowCarry, retained: torch.Tensor, full: torch.Tensor, keep: int) -> torch.Tensor:
-    """``full[..., -keep:]`` (an operand built outside the carry) copied into the carry in place."""
+def window_keep(carry: WindowCarry, retained: torch.Tensor, full: torch.Tensor, keep: int, head: int = 0) -> torch.Tensor:
+    """The retention of `full` (an operand built outside the carry) copied into the carry in place."""
     carry._check_retained(retained)
-    kept = carry.keep(full, ((-keep, None),))
-    carry._audit(_tail(full, carry.axis, keep), evicted=full.shape[carry.axis] > keep)
+    evicted = full.shape[carry.axis] > keep
+    kept = carry.keep(full, _segments(keep, head) if evicted else ((0, None),))
+    carry._audit(_retention(full, carry.axis, keep, head), evicted=evicted)
     return kept
 
 
@@ -178,7 +196,8 @@ class Window:
     the placeholder that brings the retained state in (None on a call that has none yet). `axis`
     is the site's time axis, `keep` the units it retains (the region's retained bound), `live` the
     operand's extent in this class (retained + the call's units), `held` whether the region holds
-    the call's units (the operand then lives in the carry).
+    the call's units (the operand then lives in the carry), `head` the units it keeps from the
+    operand's front (a prompt or attention sinks; 0 for a plain sliding window).
     """
 
     site: str
@@ -189,6 +208,7 @@ class Window:
     keep: int
     live: int
     held: bool
+    head: int = 0
 
 
 def _axis(node: torch.fx.Node, dim: int) -> int:
@@ -208,6 +228,46 @@ def _tail_slice(node: torch.fx.Node) -> tuple[torch.fx.Node, int, int] | None:
     if not isinstance(start, int) or start >= 0 or step != 1 or end not in (None, _END):
         return None
     return source, _axis(source, dim), -start
+
+
+def _head_and_tail(node: torch.fx.Node) -> tuple[torch.fx.Node, int, int, int] | None:
+    """(source, axis, head, tail) if `node` is ``cat([source[..., :head], source[..., -tail:]])``."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.cat.default or len(node.args[0]) != 2:
+        return None
+    first, second = node.args[0]
+    if not (isinstance(first, torch.fx.Node) and first.op == "call_function" and first.target is _SLICE):
+        return None
+    last = _tail_slice(second)
+    source, dim, start, end, step = (*first.args, *(None,) * (5 - len(first.args)))[:5]
+    if last is None or last[0] is not source or start not in (None, 0) or step not in (None, 1) or not isinstance(end, int):
+        return None
+    axis = _axis(source, dim if dim is not None else 0)
+    if last[1] != axis or _axis(node, node.args[1] if len(node.args) > 1 else 0) != axis:
+        return None
+    return source, axis, end, last[2]
+
+
+def _retention_of(leaf: torch.fx.Node) -> tuple[torch.fx.Node, int, int, int] | None:
+    """(operand, axis, head, keep) when `leaf` trims an operand (its tail, or its head and tail)."""
+    tail = _tail_slice(leaf)
+    if tail is not None:
+        return tail[0], tail[1], 0, tail[2]
+    trim = _head_and_tail(leaf)
+    if trim is not None:
+        source, axis, head, last = trim
+        return source, axis, head, head + last
+    return None
+
+
+def _erase_trim(gm: torch.fx.GraphModule, leaf: torch.fx.Node) -> None:
+    """Erase a retention trim nothing reads any more, and the slices only it read."""
+    if leaf.users:
+        return
+    parts = list(leaf.args[0]) if leaf.target is torch.ops.aten.cat.default else []
+    gm.graph.erase_node(leaf)
+    for part in parts:
+        if isinstance(part, torch.fx.Node) and not part.users:
+            gm.graph.erase_node(part)
 
 
 def _shared(gm: torch.fx.GraphModule) -> dict[int, object]:
@@ -240,7 +300,7 @@ def rewrite_windows(gm: torch.fx.GraphModule, windows: tuple[Window, ...], carri
     sites = []
     for w in windows:
         leaf = leaves[w.output]
-        tail = _tail_slice(leaf)
+        tail = _retention_of(leaf)
         cat = tail[0] if tail else leaf
         attr = "carry_" + "".join(c if c.isalnum() else "_" for c in w.site)
         gm.add_submodule(attr, carries[w.site])
@@ -286,9 +346,11 @@ def _rewrite_concat(gm, graph, w: Window, carry, leaf, cat, tail, retained_input
     if _extent(cat, w.axis) != w.live:
         raise WindowError(f"{graph}: {w.site}: operand {cat.name} has extent {_extent(cat, w.axis)} along "
                           f"axis {w.axis}, the catalog class declares {w.live}")
-    if tail and (tail[1] != w.axis or tail[2] != w.keep):
-        raise WindowError(f"{graph}: {w.site}: the retention keeps the last {tail[2]} units along axis {tail[1]}, "
-                          f"the region retains {w.keep} along axis {w.axis}")
+    if tail and (tail[1] != w.axis or tail[3] != w.keep or tail[2] != w.head):
+        kept = f"the first {tail[2]} and last {tail[3] - tail[2]}" if tail[2] else f"the last {tail[3]}"
+        declared = f"the first {w.head} and last {w.keep - w.head}" if w.head else f"the last {w.keep}"
+        raise WindowError(f"{graph}: {w.site}: the retention keeps {kept} units along axis {tail[1]}, "
+                          f"the region retains {declared} along axis {w.axis}")
     if w.held:
         cat_strides = tuple(cat.meta["val"].stride())
         with gm.graph.inserting_before(cat):
@@ -299,17 +361,21 @@ def _rewrite_concat(gm, graph, w: Window, carry, leaf, cat, tail, retained_input
             leaf = operand
         with gm.graph.inserting_before(output):
             kept = gm.graph.call_function(window_evict if tail else window_adopt,
-                                          (carry, operand, w.keep) if tail else (carry, operand))
+                                          (carry, operand, w.keep, w.head) if tail else (carry, operand))
         layout = ("its strides are the stock concat's" if carry_node_strides(gm, carry, w.live) == cat_strides
                   else f"a strided view of the {w.live}-unit prefix (the stock concat is contiguous)")
         done = (f"[retained | new] written in place at offset {w.live - _extent(new, w.axis)} of the carry is the "
-                f"operand, {layout}; " + (f"its last {w.keep} units compacted in place after the last reader" if tail
+                f"operand, {layout}; " + (f"{_kept(w.keep, w.head)} compacted in place after the last reader" if tail
                                           else "kept whole"))
     else:
         with gm.graph.inserting_before(output):
-            kept = gm.graph.call_function(window_keep, (carry, retained, cat, w.keep if tail else w.live))
-        done = f"operand concat kept; its last {w.keep if tail else w.live} units copied into the compact carry in place"
+            kept = gm.graph.call_function(window_keep, (carry, retained, cat, w.keep if tail else w.live, w.head if tail else 0))
+        done = f"operand concat kept; {_kept(w.keep if tail else w.live, w.head if tail else 0)} copied into the compact carry in place"
     output.replace_input_with(leaf, kept)
-    if tail is not None and not leaf.users:
-        gm.graph.erase_node(leaf)
+    if tail is not None:
+        _erase_trim(gm, leaf)
     return kept, done
+
+
+def _kept(keep: int, head: int) -> str:
+    return f"its first {head} and last {keep - head} units" if head else f"its last {keep} units"

@@ -173,8 +173,8 @@ def test_the_diff_report_shows_the_rewritten_sites(streamed):
     text = render_text(list(diffs.values()))
     assert text.count("\n-cat") == 2 * blocks
     assert "+window_append = window_append(carry_buffer_0_0, state_0, transpose_2)" in text
-    assert "+window_evict = window_evict(carry_buffer_0_0, window_append, 4)" in text
-    assert "+window_keep = window_keep(carry_buffer_1, state_4, cat_2, 2)" in text
+    assert "+window_evict = window_evict(carry_buffer_0_0, window_append, 4, 0)" in text
+    assert "+window_keep = window_keep(carry_buffer_1, state_4, cat_2, 2, 0)" in text
 
 
 def test_positional_table_writes_are_not_retention_and_stay(streamed):
@@ -224,7 +224,7 @@ def test_a_declaration_the_graph_does_not_have_is_refused(streamed):
     transformed, report, _ = streamed
     before, _ = report.graphs[class_name(4)]
     wrong = Window(site("attention_kv", 0, "keys"), "attention_kv", output=1, input="state_0", axis=2, keep=3, live=8, held=True)
-    with pytest.raises(WindowError, match=r"keeps the last 4 units along axis 2, the region retains 3"):
+    with pytest.raises(WindowError, match=r"keeps the last 4 units along axis 2, the region retains the last 3"):
         rewrite_windows(before, (wrong,), transformed.carries, graph="planted")
 
 

@@ -180,7 +180,7 @@ def test_the_input_graph_is_left_as_it_was():
         (Window("kv", "kv", 1, "kept", 2, KEEP, KEEP + 1, True),
          "g: kv: operand cat has extent 10 along axis 2, the catalog class declares 9"),
         (Window("kv", "kv", 1, "kept", 2, KEEP - 1, KEEP + NEW, True),
-         "g: kv: the retention keeps the last 8 units along axis 2, the region retains 7 along axis 2"),
+         "g: kv: the retention keeps the last 8 units along axis 2, the region retains the last 7 along axis 2"),
         (Window("kv", "kv", 1, "kept", 1, KEEP, KEEP + NEW, True),
          "g: kv: cat concatenates kept along axis 2, declared kept along axis 1"),
         (Window("kv", "kv", 1, "cache", 2, KEEP, KEEP + NEW, True),
@@ -205,3 +205,50 @@ def test_retained_state_that_is_not_the_carrys_view_is_refused():
     carry.reset(units(KEEP, 1))
     with pytest.raises(CarryError, match=r"kv: the retained state passed in is not this carry's view"):
         after(units(NEW, 2), units(KEEP, 1))
+
+
+SINKS = 2  # a prompt (or attention sinks) kept at the front, then the newest KEEP - SINKS units
+
+
+class SinkWindow(torch.nn.Module):
+    """Attention with sinks: the operand's first SINKS units stay, and its newest KEEP - SINKS after them."""
+
+    def forward(self, new: torch.Tensor, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        operand = torch.cat([kept, new], dim=2)
+        scores = torch.softmax(operand.sum(-1), dim=-1)
+        out = (scores.unsqueeze(-1) * operand).sum(2)
+        if operand.shape[2] <= KEEP:
+            return out, operand
+        return out, torch.cat([operand[:, :, :SINKS], operand[:, :, -(KEEP - SINKS):]], dim=2)
+
+
+def test_a_window_with_sinks_keeps_its_head_and_tail_in_place_bit_identically_at_one_address():
+    auditor = ShadowAuditor()
+    carry = WindowCarry("kv", "kv", torch.zeros(*SHAPE[:2], KEEP + NEW, SHAPE[2]), axis=2, auditor=auditor)
+    graphs = {}
+    for extent in range(0, KEEP + 1, NEW):
+        gm = export(SinkWindow(), units(NEW, 0), units(extent, 1))
+        window = Window("kv", "kv", output=1, input="kept", axis=2, keep=KEEP, live=extent + NEW, held=True, head=SINKS)
+        graphs[extent], (site,), _ = rewrite_windows(gm, (window,), {"kv": carry}, graph=f"L={extent}")
+    assert torch.ops.aten.cat.default not in targets(graphs[KEEP]) and window_evict in targets(graphs[KEEP])
+    assert site.reason == ("rewritten (kv): [retained | new] written in place at offset 8 of the carry is the operand, "
+                           "its strides are the stock concat's; its first 2 and last 6 units compacted in place "
+                           "after the last reader")
+    stock_kept, kept = units(0, 0), carry.reset()
+    for call in range(7):
+        new = units(NEW, 30 + call)
+        expected, stock_kept = SinkWindow()(new, stock_kept)
+        got, kept = graphs[kept.shape[2]](new, kept)
+        assert torch.equal(got, expected) and torch.equal(kept, stock_kept)
+        assert kept.data_ptr() == carry.address
+    # Operands of 2, 4, 6, 8, then 10 units three times: the last three evict.
+    assert auditor.counters() == {"retentions": 7, "applications": 3, "mismatches": 0, "distinct_carry_addresses": {"kv": 1}}
+
+
+def test_a_window_with_sinks_declared_without_them_is_refused():
+    carry = WindowCarry("kv", "kv", torch.zeros(*SHAPE[:2], KEEP + NEW, SHAPE[2]), axis=2)
+    gm = export(SinkWindow(), units(NEW, 0), units(KEEP, 1))
+    with pytest.raises(WindowError) as error:
+        rewrite_windows(gm, (Window("kv", "kv", 1, "kept", 2, KEEP, KEEP + NEW, True),), {"kv": carry}, graph="g")
+    assert str(error.value) == ("g: kv: the retention keeps the first 2 and last 6 units along axis 2, "
+                                "the region retains the last 8 along axis 2")
