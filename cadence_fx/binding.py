@@ -29,7 +29,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .contract import Contract, PromptPlusHistory, SlidingWindow
+from .contract import Contract, PromptPlusHistory, RingCache, SlidingWindow
 
 __all__ = ["Binding", "BindingError", "OperatorBinding", "RegionBinding", "Site", "check_binding", "resolve"]
 
@@ -58,9 +58,11 @@ class OperatorBinding:
     """Operator `operator` of the contract is `method` of the model (a dotted attribute path).
 
     `units` = (path, axis): the argument axis whose size is a call's new units on the operator's
-    region (``("input_ids", 1)``: one unit per token), or an int when every call brings as many. `counters` are host-side values the call
-    moves (positions, lengths, flags); a transformed call moves them as the stock call of its
-    class did. Every other argument is a copied input.
+    region (``("input_ids", 1)``: one unit per token), or an int when every call brings as many.
+    `counters` are the values the call moves besides the regions (positions, lengths, flags): a
+    host value (an int, a bool) is moved by the transformed call as the stock call of its class
+    moved it; a tensor (a device-side position the step advances in place) is state of its own,
+    kept at one address and aliased like a region. Every other argument is a copied input.
     """
 
     operator: str
@@ -89,7 +91,7 @@ class Binding:
 class Site:
     """One tensor of a region: its concrete path and its index in the region's leading dimensions."""
 
-    region: str
+    region: str | None  # None: a device-side counter the operator binds, not a region's tensor
     path: str
     index: tuple[int, ...]
     out: str | None = None  # where the call returns the site's new state, when it returns it
@@ -219,10 +221,10 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
             raise BindingError(f"regions[{i}].out", f"needs one path per `at` path, rooted at {RETURN!r} and with as many "
                                                     f"wildcards or slices as it, got {rb.out!r} for {rb.at!r}")
         retention = regions[rb.region].retention
-        if not isinstance(retention, (SlidingWindow, PromptPlusHistory)):
+        if not isinstance(retention, (SlidingWindow, PromptPlusHistory, RingCache)):
             raise BindingError(f"regions[{i}]", f"region {rb.region!r} retains by {type(retention).__name__}: the "
-                                                "binding pipeline rewrites concat-then-trim retention (SlidingWindow, "
-                                                "PromptPlusHistory); a RingCache region runs through its family adapter")
+                                                "binding pipeline takes SlidingWindow, PromptPlusHistory and RingCache "
+                                                "retention (a region whose extent is bounded)")
     bound = {rb.region for rb in binding.regions}
     operators = {op.name: op for op in contract.operators}
     if not binding.operators:

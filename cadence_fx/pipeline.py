@@ -11,7 +11,10 @@ For each bound operator, per catalog class, at the class's first visit:
 3. **retention rewrite**: the window pass (`passes/window.py`) finds each site's concat-then-trim on
    the exported graph (a sliding window's tail, or a prompt-plus-history's head and tail) and
    rewrites it into in-place writes into the site's carry, a view of its
-   region's buffer allocated once at the derived bound (the state rule);
+   region's buffer allocated once at the derived bound (the state rule). A ring region
+   (`RingCache`: preallocated, written in place) needs no rewrite: the carry is the ring. State
+   the step writes in place that the binding does not declare is refused by path (a graph would
+   freeze it as a constant);
 4. **verify**: the first `binding.verify` visits of the class also run the stock call (on clones of
    the state, the RNG rewound between the two) and compare every output and every retained tensor
    with `torch.equal`; a difference refuses the class for good (the stock result is kept);
@@ -22,6 +25,8 @@ For each bound operator, per catalog class, at the class's first visit:
 A graph runs no Python, so the host-side values the stock call moves (the binding's `counters`:
 lengths, positions, flags) are moved by the transformed call exactly as the stock call of the same
 class moved them when it was verified; a class whose stock calls moved them differently is refused.
+A counter that is a tensor (a device-side length the step advances in place) is state like a
+region's: kept at one address, passed to the graph, aliased by the replay.
 """
 
 from __future__ import annotations
@@ -40,8 +45,9 @@ from torch.utils import _pytree as pytree
 
 from .binding import RETURN, SELF, Binding, OperatorBinding, Site, get_path, method_of, resolve, set_path, sites
 from .catalog import Catalog, CatalogClass
-from .contract import DTYPES, Contract, PromptPlusHistory
+from .contract import DTYPES, Contract, PromptPlusHistory, RingCache
 from .determinism import RngState
+from .passes.carry import RetentionSite
 from .passes.hoist import HostConstantHoist
 from .passes.state import Resize
 from .passes.window import CarryCounters, Window, WindowCarry, WindowError, rewrite_windows
@@ -139,6 +145,65 @@ def _structure(out: Any, roots: dict[str, Any]) -> tuple[list, tuple]:
     return leaves, (spec, others)
 
 
+def _undeclared_state(program, roots: dict[str, Any], sites: list[Site]) -> list[str]:
+    """Paths of the tensors in the state objects (not the bound sites) that the step writes in place
+    but the export lifted as constants: a graph would start every call from their value at capture."""
+    written = set()
+    for spec in program.graph_signature.input_specs:
+        if spec.kind.name != "CONSTANT_TENSOR":
+            continue
+        node = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == spec.arg.name)
+        if any(user.op == "call_function" and getattr(user.target, "_schema", None) is not None
+               and user.target._schema.is_mutable and user.args and user.args[0] is node for user in node.users):
+            written.add(spec.target)
+    lifted = {id(program.constants[target]) for target in written}
+    if not lifted:
+        return []
+    bound = {s.path for s in sites}
+    found, seen = [], set()
+
+    def walk(value, path, depth):
+        if id(value) in seen or depth > 8:
+            return
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            if id(value) in lifted and path not in bound:
+                found.append(path)
+            return
+        if isinstance(value, torch.nn.Module):
+            children = {k: v for k, v in vars(value).items() if not k.startswith("_")} | dict(value._modules)
+        elif isinstance(value, dict):
+            children = value
+        elif isinstance(value, (list, tuple)):
+            children = dict(enumerate(value))
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            children = vars(value)
+        else:
+            return
+        for key, child in children.items():
+            walk(child, f"{path}.{key}", depth + 1)
+
+    for name, root in roots.items():
+        walk(root, name, 0)
+    return found
+
+
+def _ring_site(gm: torch.fx.GraphModule, graph: str, site: Site, axis: int, output: int, placeholder: str | None) -> RetentionSite:
+    """A ring region's site needs no rewrite when the step writes it in place (its output is its
+    input, through in-place ops): the carry is then the ring, one address for the stream. A step
+    that returns a new tensor instead still runs exact: its result is copied into the carry."""
+    node = pytree.tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args)[output]
+    leaf = node
+    while node.op == "call_function" and getattr(node.target, "_schema", None) is not None and node.target._schema.is_mutable \
+            and node.args and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    if node.op == "placeholder" and node.name == placeholder:
+        return RetentionSite(graph, leaf.name, site.region, axis, "ring", False,
+                             f"{site.path}: written in place by the step ({leaf.name}): the carry is the ring, nothing to rewrite")
+    return RetentionSite(graph, leaf.name, site.region, axis, "ring", False,
+                         f"{site.path}: returned anew by the step ({leaf.name}): copied into its carry after every call")
+
+
 def _equal(a: Any, b: Any) -> str | None:
     """None when every tensor leaf of `a` equals `b`'s bit for bit (same shape and dtype), else where not."""
     la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
@@ -167,7 +232,8 @@ class BoundOperator:
         self.counters = OperatorCounters()
         self.classes: dict[tuple, _Class] = {}
         self.carries: dict[str, WindowCarry] = {}
-        self.sites: list[Site] = []
+        self.held: dict[str, torch.Tensor] = {}  # device-side counters (tensors), each at one address
+        self.sites: list[Site] = []  # the regions' sites, then the device-side counters (region None)
         self._holder = torch.nn.Module()  # owns the carries, so the replay engine rewinds their buffers
         self._replay_wanted = replay
         self.replay: ExactShapeReplay | None = None
@@ -253,6 +319,11 @@ class BoundOperator:
             self.report.carries[rb.region] = WindowCarry(rb.region, rb.region, buffer, region.axis)
             self.report.stamps.append(f"state rule: {rb.region} at {'x'.join(map(str, derived.shape))} "
                                       f"({format_bytes(derived.bytes)}), {len(found)} sites at one address each")
+        for path in self._counter_paths(roots):
+            value = get_path(roots, path)
+            if isinstance(value, torch.Tensor):  # a device-side counter: state of its own, at one address
+                self.held[path] = value.detach().clone()
+                self.sites.append(Site(None, path, ()))
         if self._replay_wanted and self.report.auditor is None:  # without CUDA the engine runs eager and says so
             self.replay = ExactShapeReplay(self._run, self._admit, name=self.ob.operator, aliased=[1],
                                            modules=[self.model, self._holder] if isinstance(self.model, torch.nn.Module) else [self._holder],
@@ -291,6 +362,16 @@ class BoundOperator:
         value = get_path(roots, site.path)
         if value is None:
             return None
+        if site.region is None:
+            view = self.held[site.path]
+            if value is not view:
+                if value.shape != view.shape or value.dtype != view.dtype:
+                    raise ValueError(f"{self.ob.operator}: counter {site.path} holds {value.dtype} {tuple(value.shape)}, "
+                                     f"it held {view.dtype} {tuple(view.shape)} at the first call")
+                view.copy_(value)
+                set_path(roots, site.path, view)
+                self.counters.adopted += 1
+            return view
         carry = self.carries[site.path]
         view = carry.view()
         if value.data_ptr() != view.data_ptr() or value.shape != view.shape or value.stride() != view.stride():
@@ -308,6 +389,10 @@ class BoundOperator:
 
     def _counter_paths(self, roots: dict[str, Any]) -> list[str]:
         return [concrete for path in self.ob.counters for _, concrete, _ in resolve(roots[path.split(".")[0]], path)]
+
+    def _host_counter_paths(self, roots: dict[str, Any]) -> list[str]:
+        """The counters that are host values (ints, flags): a graph cannot move them, the pipeline does."""
+        return [path for path in self._counter_paths(roots) if path not in self.held]
 
     def _units(self, arguments: dict[str, Any]) -> int:
         if isinstance(self.ob.units, int):
@@ -343,15 +428,28 @@ class BoundOperator:
             cls.refused = f"torch.export failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
             self.report.stamps.append(f"{name}: refused, {cls.refused}")
             return cls
+        frozen = _undeclared_state(program, private, self.sites)
+        if frozen:
+            cls.refused = (f"the step reads {', '.join(frozen)}: state the binding does not declare, which a graph "
+                           "would freeze as a constant; bind it (a region's `at`, or the operator's `counters` for a "
+                           "position or length the step moves)")
+            self.report.stamps.append(f"{name}: refused, {cls.refused}")
+            return cls
         gm = program.module()
         placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         positions = {}
         for i, (path, _) in enumerate(pytree.tree_flatten_with_path(((inputs, example), {}))[0]):
             positions[pytree.keystr(path)] = placeholders[i]
         out_leaves = pytree.tree_unflatten(list(range(gm._out_spec.num_leaves)), gm._out_spec)[1]
-        windows = []
+        windows, rings = [], []
         for i, site in enumerate(self.sites):
+            if site.region is None:  # a device-side counter: the step moves it in place, nothing to rewrite
+                continue
             region, derived = self.contract.region(site.region), self.catalog.region(site.region)
+            if isinstance(region.retention, RingCache):
+                rings.append(_ring_site(gm, name, site, self.carries[site.path].axis, out_leaves[i],
+                                        positions.get(f"[0][1][{i}]")))
+                continue
             keep = derived.lower + derived.window
             retained = call.extent if site.region == self.op.region else keep
             windows.append(Window(
@@ -370,6 +468,7 @@ class BoundOperator:
             cls.refused = f"retention rewrite: {error}"
             self.report.stamps.append(f"{name}: refused, {cls.refused}")
             return cls
+        found = rings + found
         cls.graph = after
         cls.capture_ms = (time.perf_counter() - started) * 1e3
         self.report.sites.extend(found)
@@ -398,7 +497,7 @@ class BoundOperator:
 
     def _verify(self, cls: _Class, roots, inputs, state) -> Any:
         """The stock call on clones of the state beside the rewritten graph on the carries."""
-        counters_before = {p: get_path(roots, p) for p in self._counter_paths(roots)}
+        counters_before = {p: get_path(roots, p) for p in self._host_counter_paths(roots)}
         originals = [get_path(roots, s.path) for s in self.sites]
         rng = RngState.capture()
         for site, value in zip(self.sites, state):
@@ -448,7 +547,7 @@ class BoundOperator:
         out = self._stock_call(roots, inputs)
         for site in self.sites:
             value = get_path(roots, site.path)
-            if site.out is None and value is not None and self._site_shape_error(site, value) is None:
+            if site.out is None and value is not None and (site.region is None or self._site_shape_error(site, value) is None):
                 self._carry_view(roots, site)
         self.counters.fallback(reason)
         return out
@@ -529,6 +628,7 @@ class BoundModel(Transformed):
     def resident(self) -> tuple[list[torch.Tensor], list[int]]:
         carries = self._carries()
         buffers = [self.report.carries[rb.region].buffer for op in self.operators.values() for rb in op.binding.regions]
+        buffers += [t for op in self.operators.values() for t in op.held.values()]
         return list({id(b): b for b in buffers}.values()), CarryCounters(carries).read()
 
     def set_counters(self, counters: list[int]) -> None:
