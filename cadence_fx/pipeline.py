@@ -368,6 +368,8 @@ class BoundOperator:
                 if value.shape != view.shape or value.dtype != view.dtype:
                     raise ValueError(f"{self.ob.operator}: counter {site.path} holds {value.dtype} {tuple(value.shape)}, "
                                      f"it held {view.dtype} {tuple(view.shape)} at the first call")
+                if value.device != view.device:  # moved by the model (a cache placed lazily at its first call)
+                    view = self.held[site.path] = value.detach().clone()
                 view.copy_(value)
                 set_path(roots, site.path, view)
                 self.counters.adopted += 1
