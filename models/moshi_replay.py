@@ -58,6 +58,7 @@ from cadence_fx.passes.state import Resize
 from cadence_fx.replay import ExactShapeReplay, ShapeClass, Signature, TensorSpec
 from cadence_fx.report import format_bytes
 from cadence_fx.transform import Adapter, TransformReport
+from cadence_fx.transformed import Transformed
 
 from .moshi import moshi_contract
 
@@ -252,12 +253,15 @@ class Stage:
 # The transformed model
 
 
-class TransformedMoshi:
+class TransformedMoshi(Transformed):
     """Mimi and the LM streaming on one owned state, the four stages under replay.
 
     `session(sampling=..., seed=...)` attaches the owned state (reset to its base in place) and
     yields a `step(frame)` callable: one 1920-sample frame in, `(tokens, pcm)` out (both None
-    until the acoustic delay has passed), as the vendor loop computes them.
+    until the acoustic delay has passed), as the vendor loop computes them. Inside a session,
+    several streams take turns on the one owned state through `session_state` / `swap_in` /
+    `swap_out` (`cadence_fx.transformed`): the resident state is every owned tensor (rings
+    included) and every host counter.
     """
 
     def __init__(self, models, lm_gen, state: OwnedState, glue: OwnedState, stages: dict[str, Stage],
@@ -311,6 +315,15 @@ class TransformedMoshi:
 
     def counters(self) -> dict[str, dict]:
         return {name: engine.counters.as_dict() for name, engine in self.replays.items()}
+
+    def device(self) -> torch.device:
+        return next(self.models.lm.parameters()).device
+
+    def resident(self) -> tuple[list[torch.Tensor], list[int]]:
+        return [slot.tensor for slot in self.state.tensors], self.state.read()
+
+    def set_counters(self, counters: list[int]) -> None:
+        self.state.write(counters)
 
 
 def _rings(module: torch.nn.Module) -> list[tuple[int, ...]]:

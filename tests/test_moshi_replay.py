@@ -203,3 +203,26 @@ def test_the_benchmark_smoke_mode_runs_every_arm_bit_exact_on_a_cpu(tmp_path):
     assert record["summary"]["target_bit_exact_all_streams"] is True
     assert record["png"] in ("skipped: matplotlib is not installed", str(out.with_suffix(".png")))
     assert {"commit", "command", "device", "torch", "determinism"} <= set(record)
+
+
+def test_two_streams_taking_turns_on_one_owned_state_each_equal_the_vendor_alone(models):
+    """The one transformed interface: inside one session, two sampled streams swap their state in
+    and out frame by frame (`swap_in` / `swap_out`), and each equals the vendor's loop run alone."""
+    transformed, _ = transform(models, contract_for(SMALL))
+    seeds, frames = (21, 22), 12
+    pcms = [random_pcm(frames, seed=200 + i) for i in range(2)]
+    outputs = [([], []), ([], [])]
+    with transformed.session(sampling=True, seed=0) as step:
+        states = [transformed.session_state(seed) for seed in seeds]  # both from the fresh owned state
+        for t in range(frames):
+            for i, state in enumerate(states):
+                transformed.swap_in(state)
+                codes, out = step(pcms[i][..., t * models.mimi.frame_size:(t + 1) * models.mimi.frame_size])
+                transformed.swap_out(state)
+                if codes is not None:
+                    outputs[i][0].append(codes)
+                    outputs[i][1].append(out)
+    for i, seed in enumerate(seeds):
+        reference = stream_reference(models, pcms[i], sampling=True, seed=seed)
+        assert torch.equal(torch.cat(outputs[i][0], dim=-1), reference.tokens)
+        assert torch.equal(torch.cat(outputs[i][1], dim=-1), reference.pcm)
