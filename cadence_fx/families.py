@@ -24,12 +24,15 @@ GROUP = "cadence_fx.families"
 class Family:
     """`contract`: the default contract's factory; `adapter`: the family's own transform, for
     `transform(model, contract)` without a binding; `reference`: builds the reference model at a
-    depth, for the CLI's diff (``reference(depth) -> (model, contract, stream)``)."""
+    depth, for the CLI's diff (``reference(depth) -> (model, contract, stream)``); `demo`: the
+    CLI's demo, the stock and transformed models streamed side by side
+    (``demo(depth, blocks, chunks) -> bool``, True when every chunk was bit-identical)."""
 
     name: str
     contract: str
     adapter: str | None = None
     reference: str | None = None
+    demo: str | None = None
 
 
 def load(reference: str) -> Any:
