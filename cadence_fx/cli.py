@@ -58,7 +58,8 @@ def _own_model(reference: str, device: str):
         raise ValueError(f"--binding {reference}: {error}") from None
     built = factory(device)
     if not isinstance(built, tuple) or len(built) != 4:
-        raise ValueError(f"--binding {reference}: the factory returned {type(built).__name__}, expected a tuple "
+        returned = f"a tuple of {len(built)}" if isinstance(built, tuple) else f"a {type(built).__name__}"
+        raise ValueError(f"--binding {reference}: the factory returned {returned}, expected a tuple "
                          "(model, contract, binding, stream)")
     model, contract, binding, stream = built
     for what, value, expected in (("contract", contract, Contract), ("binding", binding, Binding)):
