@@ -90,6 +90,9 @@ def _diff(args: argparse.Namespace) -> int:
         raise ValueError("give a FAMILY or --binding MODULE:FACTORY (one of them)")
     if args.binding is not None and args.depth is not None:
         raise ValueError("--depth sizes a family's reference model; a --binding factory builds its own")
+    if args.binding is not None and not args.chunks:
+        raise ValueError("--binding: a bound model exports each class at its first call, so without a stream there "
+                         "is no graph to show; give --chunks N (N calls)")
     device = _device(args.device)
     if args.binding is None:
         depth = args.depth or "reduced"
@@ -174,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("family", nargs="?", choices=sorted(families()), help="a family's reference model (random weights); or give --binding")
     diff.add_argument("--binding", metavar="MODULE:FACTORY",
                       help="your own model instead of a family's: factory(device) returns (model, contract, binding, "
-                           "stream), stream(transformed, chunks) runs chunks calls and says what it ran")
+                           "stream), stream(transformed, chunks) runs chunks calls and says what it ran; "
+                           "needs --chunks")
     diff.add_argument("--depth", choices=("reduced", "full"), help="a family's reference model's size (default: reduced)")
     diff.add_argument("--device", choices=("cuda", "cpu"),
                       help="where the model is built and streamed (default: cuda when available, else cpu); "

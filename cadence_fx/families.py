@@ -24,7 +24,8 @@ GROUP = "cadence_fx.families"
 class Family:
     """`contract`: the default contract's factory; `adapter`: the family's own transform, for
     `transform(model, contract)` without a binding; `reference`: builds the reference model at a
-    depth, for the CLI's diff (``reference(depth) -> (model, contract, stream)``); `demo`: the
+    depth on a device, for the CLI's diff (``reference(depth, device) -> (model, contract, stream)``,
+    ``stream(transformed, chunks) -> str`` running a short stream and saying what it ran); `demo`: the
     CLI's demo, the stock and transformed models streamed side by side
     (``demo(depth, blocks, chunks) -> bool``, True when every chunk was bit-identical)."""
 

@@ -109,11 +109,15 @@ def test_diff_defaults_to_the_cpu_without_cuda_and_refuses_cuda_there(capsys, mo
 @pytest.mark.parametrize("argv, error", [
     ([], "give a FAMILY or --binding MODULE:FACTORY (one of them)"),
     (["freeze_omni", "--binding", "byom_example:diff_example"], "give a FAMILY or --binding MODULE:FACTORY (one of them)"),
-    (["--binding", "byom_example"], "--binding: expected MODULE:FACTORY, got 'byom_example'"),
-    (["--binding", "byom_example:nothing"], "--binding byom_example:nothing: module 'byom_example' has no attribute 'nothing'"),
+    (["--binding", "byom_example", "--chunks", "1"], "--binding: expected MODULE:FACTORY, got 'byom_example'"),
+    (["--binding", "byom_example:nothing", "--chunks", "1"],
+     "--binding byom_example:nothing: module 'byom_example' has no attribute 'nothing'"),
     (["--binding", "byom_example:diff_example", "--depth", "full"],
      "--depth sizes a family's reference model; a --binding factory builds its own"),
-    (["--binding", "byom_example:build_model"],
+    (["--binding", "byom_example:diff_example"],
+     "--binding: a bound model exports each class at its first call, so without a stream there is no graph to "
+     "show; give --chunks N (N calls)"),
+    (["--binding", "byom_example:build_model", "--chunks", "1"],
      "--binding byom_example:build_model: the factory returned a tuple of 2, expected a tuple (model, contract, "
      "binding, stream)"),
 ])
