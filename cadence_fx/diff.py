@@ -6,13 +6,16 @@ The page draws each graph's rewritten subgraph before and after (networkx lays i
 draws it), marks removed, added and rewired nodes and the carry buffers, and links every rewritten
 node and carry to the retention site it implements; it tabulates the regions (stock against
 demand), the carries, the sites, the catalog classes with their replay signatures, each class's
-certificate, and the counters.
+certificate, the counters, and what the transform saves: per class the host launches of a
+replayed call against the operators an eager one dispatches (`launches`), per region the stock
+state's bytes against its carry's (`region_memory`); `render_savings` prints both for the terminal.
 """
 
 from __future__ import annotations
 
 import difflib
 import html
+import operator
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -25,13 +28,14 @@ from torch.utils import _pytree as pytree
 
 from .capture import node_shape
 from .catalog import Catalog
-from .report import format_bytes
+from .report import format_bytes, format_table
 
 if TYPE_CHECKING:
     from .replay import Certificate, ExactShapeReplay
     from .transform import TransformReport
 
-__all__ = ["GraphDiff", "diff_graphs", "render_html", "render_text", "readable"]
+__all__ = ["GraphDiff", "Launches", "RegionMemory", "diff_graphs", "eager_dispatches", "launches", "readable",
+           "region_memory", "render_html", "render_savings", "render_text"]
 
 
 def _op(node: torch.fx.Node) -> str:
@@ -143,6 +147,128 @@ def render_text(diffs: list[GraphDiff], *, context: int = 2) -> str:
         out.extend(lines if lines else ["(graphs print identically)"])
         out.append("")
     return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the transform saves: host launches per replayed class, bytes per region
+
+
+def eager_dispatches(gm: torch.fx.GraphModule) -> int:
+    """The operators one eager run of `gm` dispatches from the host: its call nodes, except
+    `operator.getitem` (a tuple index) and torch.export's input guard `_guards_fn` (a Python
+    check). A carry write (`window_append`, ...) counts once, though it issues its own copies."""
+    return sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")
+               and n.target is not operator.getitem and not (n.op == "call_module" and n.target == "_guards_fn"))
+
+
+@dataclass(frozen=True)
+class Launches:
+    """What one call of a captured class costs the host, eager against replayed.
+
+    `eager`: `eager_dispatches` of the class's rewritten graph, the callable the replay engine
+    captures (None where that callable is none of the report's graphs). A replayed call launches
+    `graphs` CUDA graphs (one per captured segment), runs the `cuts` operators eagerly between
+    them, copies each of the `staged` arguments into the graph's static inputs and each of the
+    `written_back` ones out again; an output clone (`output_rule="clone"`) is not counted.
+    `captured` is False where no graph was captured (`status` says why): every call ran eagerly."""
+
+    shape_class: str
+    eager: int | None
+    status: str
+    captured: bool = False
+    graphs: int = 0
+    cuts: int = 0
+    staged: int = 0
+    written_back: int = 0
+
+    @property
+    def replay(self) -> int | None:
+        return self.graphs + self.cuts + self.staged + self.written_back if self.captured else None
+
+    @property
+    def saved(self) -> int | None:
+        return None if self.eager is None or self.replay is None else self.eager - self.replay
+
+
+def launches(report: TransformReport) -> list[Launches]:
+    """Per class: each replay engine's certified classes, then the classes of a bound operator
+    (`transform(model, contract, binding)`) that have not reached its engine, or have none."""
+    found: dict[str, Launches] = {}
+    for engine in report.replays.values():
+        for name, cert in engine.certificates.items():
+            graph = report.graphs.get(name)
+            found[name] = Launches(name, None if graph is None else eager_dispatches(graph[1]), cert.reason,
+                                   cert.captured, cert.segments, sum(c.count for c in cert.cuts), len(cert.copied),
+                                   len(cert.written_back))
+    for op in report.operators.values():
+        for cls in op.classes.values():
+            if cls.name in found:
+                continue
+            if cls.refused is not None:
+                status = f"refused: {cls.refused}"
+            elif op.replay is None:
+                status = "no replay engine in this transform (replay off, or under audit): runs its graph eagerly"
+            elif cls.verify_left > 0:
+                status = f"being verified against the stock call: replays after {cls.verify_left} more visit(s)"
+            else:
+                status = "verified; not called since"
+            found[cls.name] = Launches(cls.name, None if cls.graph is None else eager_dispatches(cls.graph), status)
+    return list(found.values())
+
+
+@dataclass(frozen=True)
+class RegionMemory:
+    """One region's bytes before and after. `stock`: what the stock code holds for it, as the
+    transform recorded the stock state it replaced (`report.resizes`), else the envelope the
+    contract declares, else None; `source` says which. `carry`: the bytes of the region's carry."""
+
+    region: str
+    stock: int | None
+    source: str
+    carry: int | None
+
+    @property
+    def saved(self) -> int | None:
+        return None if self.stock is None or self.carry is None else self.stock - self.carry
+
+
+def region_memory(report: TransformReport, catalog: Catalog) -> list[RegionMemory]:
+    out = []
+    for r in catalog.regions:
+        measured = [z.stock_bytes for z in report.resizes if z.region == r.name]
+        if measured:
+            stock, source = sum(measured), "the stock state the transform replaced"
+        elif r.stock_bytes is not None:
+            stock, source = r.stock_bytes, "the contract's stock envelope"
+        else:
+            stock, source = None, "not declared"
+        carry = report.carries.get(r.name)
+        out.append(RegionMemory(r.name, stock, source, None if carry is None else
+                                carry.buffer.numel() * carry.buffer.element_size()))
+    return out
+
+
+def _count(n: int | None) -> str:
+    return "-" if n is None else str(n)
+
+
+def _bytes(n: int | None) -> str:
+    return "-" if n is None else format_bytes(n)
+
+
+def render_savings(report: TransformReport, catalog: Catalog) -> str:
+    """`launches` and `region_memory` as two text tables, for the terminal."""
+    rows = [[x.shape_class, _count(x.eager), _count(x.replay), _count(x.saved), "replayed" if x.captured else x.status]
+            for x in launches(report)]
+    memory = [[m.region, _bytes(m.stock), m.source, _bytes(m.carry), _bytes(m.saved)] for m in region_memory(report, catalog)]
+    return "\n".join([
+        "host launches per call (eager: operator dispatches of the class's graph; replay: graph launches, cut "
+        "operators, staging and write-back copies)",
+        format_table(["class", "eager", "replay", "saved", "status"], rows) if rows else "(no class has been called)",
+        "",
+        "memory per region",
+        format_table(["region", "stock", "stock from", "carry", "saved"], memory),
+    ])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,6 +598,7 @@ def _catalog(report: TransformReport, catalog: Catalog, stream: str | None) -> s
             f"{_e(op.verdict)}</p>" + _table(["new units per call", "retained extent", "call"], rows)
         )
         engine = report.replays.get(op.name)
+        out.append(_bound(report, op.name))
         out.append(_engine(engine) if engine is not None else
                    "<p>No replay engine for this operator in this transform.</p>")
         out.append("</section>")
@@ -503,6 +630,43 @@ def _engine(engine: ExactShapeReplay) -> str:
         f'{counters["replays"]}, eager {counters["eager"]} (by reason: {_e(fallbacks)}), invalidations '
         f'{counters["invalidations"]}</p>'
     )
+
+
+def _savings(report: TransformReport, catalog: Catalog) -> str:
+    rows = [({"data-launches": f"{x.shape_class}:{_count(x.eager)}:{_count(x.replay)}:{_count(x.saved)}"}, [
+        f"<b>{_e(x.shape_class)}</b>", _e(_count(x.eager)),
+        _e(f"{x.replay} = {x.graphs} graph(s) + {x.cuts} cut operator(s) + {x.staged} staged + {x.written_back} "
+           "written back") if x.captured else "-",
+        _e(_count(x.saved)), _e("replayed" if x.captured else x.status)]) for x in launches(report)]
+    memory = [({"data-memory": f"{m.region}:{_count(m.stock)}:{_count(m.carry)}:{_count(m.saved)}"}, [
+        _link("region", m.region), _e(_bytes(m.stock)), _e(m.source), _e(_bytes(m.carry)), _e(_bytes(m.saved))])
+        for m in region_memory(report, catalog)]
+    launched = (_table(["class", "eager: operator dispatches", "replay: host launches", "saved", "status"], rows,
+                       "launches") if rows else "<p>No class has been called yet: nothing to count.</p>")
+    return (
+        "<h2>What it saves</h2><h3>Host launches per call</h3><p>Eager: the operators one call of the class's "
+        "rewritten graph dispatches from the host (its call nodes, less <code>getitem</code> and the export's "
+        "input guard; a carry write counts once). Replay: what the host issues instead, from the class's "
+        "certificate: one launch per captured graph segment, the operators cut between segments, one copy per "
+        "staged argument and one per argument written back (an output clone is not counted). Saved is the "
+        "difference, per call; a class that was not captured saves nothing.</p>" + launched
+        + "<h3>Memory per region</h3><p>What the stock code holds for each region against the bytes of its "
+        "carry. The graph pool each captured class holds on the device is not recorded in its certificate, so "
+        "this page does not show it.</p>"
+        + _table(["region", "stock", "stock from", "carry", "saved"], memory, "memory")
+    )
+
+
+def _bound(report: TransformReport, name: str) -> str:
+    """A bound operator's counters (`transform(model, contract, binding)`), if `name` is one."""
+    op = report.operators.get(name)
+    if op is None:
+        return ""
+    c = op.counters.as_dict()
+    stock = ", ".join(f"{k} {v}" for k, v in c["stock_by_reason"].items()) or "none"
+    return (f'<p class="counters" data-bound="{_e(name)}">bound operator: calls {c["calls"]}, rewritten-graph calls '
+            f'{c["graph_calls"]}, verified against the stock call {c["verified"]}, stock calls {c["stock"]} (by reason: '
+            f'{_e(stock)}), states adopted into a carry {c["adopted"]}</p>')
 
 
 def _audit(report: TransformReport) -> str:
@@ -538,10 +702,12 @@ dl.certificate dt{color:#555} dl.certificate dd{margin:0} dl.refused dd:first-of
 """
 
 
-def render_html(report: TransformReport, catalog: Catalog, *, title: str | None = None, stream: str | None = None) -> str:
+def render_html(report: TransformReport, catalog: Catalog, *, title: str | None = None, stream: str | None = None,
+                device: str | None = None) -> str:
     """The report page of one transform: `report` (a `TransformReport`) and the `catalog` it was
     derived under. `stream` says what ran through the transformed model before the page was
-    written, if anything did (certificates are written on a class's first call).
+    written, if anything did (certificates are written on a class's first call); `device`, where
+    the model ran.
 
     Self-contained: inline CSS and SVG, no script, no request to anywhere."""
     title = title or f"cadence-fx transform report: {report.family}"
@@ -552,10 +718,12 @@ def render_html(report: TransformReport, catalog: Catalog, *, title: str | None 
         f"<h1>{_e(title)}</h1>"
         f"<p>{rewritten} of {len(report.sites)} retention sites rewritten onto {len(report.carries)} carries; "
         f"{len(report.resizes)} stock buffers resized to demand; {len(report.replays)} operators under "
-        f"exact-shape replay.</p><h2>What ran</h2><ul>{stamps}</ul>"
+        f"exact-shape replay.</p>"
+        + (f'<p class="note" data-device="{_e(device)}">Built and run on <b>{_e(device)}</b>.</p>' if device else "")
+        + f"<h2>What ran</h2><ul>{stamps}</ul>"
         f"<p>Kernel settings pinned for the run: <code>{_e(determinism)}</code></p>"
         + _regions(report, catalog) + _sites(report, catalog) + _graphs(report) + _catalog(report, catalog, stream)
-        + _audit(report)
+        + _savings(report, catalog) + _audit(report)
     )
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
             f"<style>{_STYLE}</style></head><body>{body}</body></html>\n")

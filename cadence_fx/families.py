@@ -25,14 +25,18 @@ class Family:
     """`contract`: the default contract's factory. How `transform(model, contract)` runs without a
     binding: `binding`, ``binding(model, contract) -> Binding`` (it may refuse a model that does not
     fit the contract), puts the family on the one pipeline; `adapter`, the family's own transform,
-    is for the families not moved onto it yet. `reference`: builds the reference model at a depth,
-    for the CLI's diff (``reference(depth) -> (model, contract, stream)``)."""
+    is for the families not moved onto it yet. `reference`: builds the reference model at a depth
+    on a device, for the CLI's diff (``reference(depth, device) -> (model, contract, stream)``,
+    ``stream(transformed, chunks) -> str`` running a short stream and saying what it ran); `demo`:
+    the CLI's demo, the stock and transformed models streamed side by side
+    (``demo(depth, blocks, chunks) -> bool``, True when every chunk was bit-identical)."""
 
     name: str
     contract: str
     binding: str | None = None
     adapter: str | None = None
     reference: str | None = None
+    demo: str | None = None
 
 
 def load(reference: str) -> Any:

@@ -7,6 +7,7 @@ TOKEN2WAV = Family(
     contract="cadence_fx.models.token2wav:token2wav_contract",
     adapter="cadence_fx.models.token2wav_carry:ADAPTER",
     reference="cadence_fx.models.token2wav_carry:reference_stream",
+    demo="cadence_fx.models.token2wav_carry:demo",
 )
 MOSHI = Family("moshi", contract="cadence_fx.models.moshi:moshi_contract", adapter="cadence_fx.models.moshi_replay:ADAPTER")
 FREEZE_OMNI = Family(

@@ -139,23 +139,23 @@ def freeze_omni_binding(encoder: FreezeOmniEncoder, contract: Contract) -> Bindi
     return Binding(regions=regions, operators=(OperatorBinding(OPERATOR, method="infer", units=c.chunk_size),))
 
 
-def reference_encoder(depth: str = "reduced"):
-    """The in-repo encoder with random weights and its contract, for the CLI: `depth` is "reduced"
-    (2 blocks, 64 wide) or "full" (24 blocks, 1024 wide)."""
+def reference_encoder(depth: str = "reduced", device: str = "cpu"):
+    """The in-repo encoder with random weights, on `device`, and its contract, for the CLI: `depth`
+    is "reduced" (2 blocks, 64 wide) or "full" (24 blocks, 1024 wide)."""
     from .freeze_omni_encoder import FreezeOmniEncoderConfig, build_encoder
 
     if depth not in ("reduced", "full"):
         raise ValueError(f"depth must be 'reduced' or 'full', got {depth!r}")
     config = FreezeOmniEncoderConfig.small() if depth == "reduced" else FreezeOmniEncoderConfig()
-    return build_encoder(config), encoder_contract(config)
+    return build_encoder(config).to(device), encoder_contract(config)
 
 
-def reference_stream(depth: str):
-    """The reference encoder, its contract, and a short stream through its transformed encoder, for
-    the CLI's diff: `stream(transformed, chunks)` runs `chunks` chunks and says what it ran."""
+def reference_stream(depth: str, device: str = "cpu"):
+    """The reference encoder on `device`, its contract, and a short stream through its transformed
+    encoder, for the CLI's diff: `stream(transformed, chunks)` runs `chunks` chunks and says what it ran."""
     from .freeze_omni_encoder import stream_utterance
 
-    encoder, contract = reference_encoder(depth)
+    encoder, contract = reference_encoder(depth, device)
 
     def stream(transformed, chunks: int) -> str:
         # Three utterances: each class's first two visits are verified against the stock call,
@@ -163,7 +163,8 @@ def reference_stream(depth: str):
         c = encoder.config
         generator = torch.Generator().manual_seed(0)
         for _ in range(3):
-            stream_utterance(transformed, torch.randn(1, chunks * c.chunk_frames, c.input_dim, generator=generator))
+            feats = torch.randn(1, chunks * c.chunk_frames, c.input_dim, generator=generator)
+            stream_utterance(transformed, feats.to(device))
         return f"3 utterances of {chunks} chunks of random fbank features"
 
     return encoder, contract, stream

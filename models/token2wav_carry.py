@@ -21,6 +21,7 @@ holding a second copy of the caches on the device.
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +48,9 @@ __all__ = [
     "Token2WavAdapter",
     "TransformedFlow",
     "contract_for_flow",
+    "demo",
     "reference_flow",
+    "reference_stream",
 ]
 
 ENVELOPES = (
@@ -396,8 +399,8 @@ def contract_for_flow(flow: torch.nn.Module, prompt_frames: int) -> Contract:
     )
 
 
-def reference_flow(depth: str = "reduced", *, prompt_tokens: int | None = None):
-    """The real vendor flow with random weights and its contract, for the CLI and the demo.
+def reference_flow(depth: str = "reduced", *, prompt_tokens: int | None = None, device: str = "cpu"):
+    """The real vendor flow with random weights, on `device`, and its contract, for the CLI and the demo.
 
     `depth` is "reduced" (1 + 1 conformer blocks, 2 DiT blocks; a 51-token prompt, fast on a
     CPU) or "full" (the MiniCPM-o 4.5 configuration and its 151-token prompt).
@@ -408,22 +411,56 @@ def reference_flow(depth: str = "reduced", *, prompt_tokens: int | None = None):
         raise ValueError(f"depth must be 'reduced' or 'full', got {depth!r}")
     layout = REDUCED_DEPTH if depth == "reduced" else FULL_DEPTH
     tokens = prompt_tokens or (51 if depth == "reduced" else PROMPT_TOKENS)
-    flow = build_flow(layout)
+    flow = build_flow(layout, device=device)
     return flow, contract_for_flow(flow, 2 * tokens), tokens
 
 
-def reference_stream(depth: str):
-    """The reference flow, its contract, and a short stream through its transformed flow, for the
-    CLI's diff: `stream(transformed, chunks)` runs `chunks` chunks and says what it ran."""
+def reference_stream(depth: str, device: str = "cpu"):
+    """The reference flow on `device`, its contract, and a short stream through its transformed
+    flow, for the CLI's diff: `stream(transformed, chunks)` runs `chunks` chunks and says what it ran."""
     from .token2wav_stream import random_chunks, random_prompt
 
-    flow, contract, prompt_tokens = reference_flow(depth)
+    flow, contract, prompt_tokens = reference_flow(depth, device=device)
 
     def stream(transformed, chunks: int) -> str:
-        carried = CarryStream(transformed, random_prompt(0, n_tokens=prompt_tokens))
+        carried = CarryStream(transformed, random_prompt(0, n_tokens=prompt_tokens, device=device))
         carried.setup()
-        for i, tokens in enumerate(random_chunks(0, chunks)):
+        for i, tokens in enumerate(random_chunks(0, chunks, device=device)):
             carried.flow_chunk(tokens, last_chunk=i == chunks - 1)
         return f"{chunks} chunks of random speech tokens after a {prompt_tokens}-token prompt, the last one flushing"
 
     return flow, contract, stream
+
+
+def demo(depth: str, blocks: int, chunks: int) -> bool:
+    """The CLI's demo: the vendor flow streamed stock and transformed, side by side, `blocks` turns
+    of `chunks` chunks (a reset between turns, the last chunk of each flushing), each chunk's mel
+    compared bit for bit; True when every chunk was identical."""
+    from cadence_fx.report import format_bytes
+    from cadence_fx.transform import transform
+
+    from .token2wav_stream import random_chunks, random_prompt
+
+    print(f"building the vendor Token2Wav flow ({depth} depth, random weights)...", file=sys.stderr, flush=True)
+    flow, contract, prompt_tokens = reference_flow(depth)
+    print("transforming (state rule, carry pass, replay of the CFM loop)...", file=sys.stderr, flush=True)
+    transformed, report = transform(flow, contract, audit=True)
+    prompt = random_prompt(0, n_tokens=prompt_tokens)
+    stock, carried = StockStream(flow, None, prompt), CarryStream(transformed, prompt)
+    exact = True
+    for block in range(blocks):
+        for stream in (stock, carried):
+            stream.setup() if block == 0 else stream.reset_turn()
+        turn = random_chunks(block, chunks)
+        for i, tokens in enumerate(turn):
+            mels = [stream.flow_chunk(tokens, last_chunk=i == len(turn) - 1) for stream in (stock, carried)]
+            same = torch.equal(*mels)
+            exact &= same
+            address = carried.stream_cache["estimator_att_cache"].data_ptr()
+            print(f"block {block} chunk {i}: mel {tuple(mels[1].shape)} bit-identical={same} carry at {address:#x}", flush=True)
+    print()
+    print(report)
+    before, after = sum(b for b, _ in report.managed_bytes().values()), sum(a for _, a in report.managed_bytes().values())
+    print(f"\nall {blocks * chunks} chunks bit-identical to the vendor stream: {exact}; "
+          f"managed state {format_bytes(before)} -> {format_bytes(after)}")
+    return exact

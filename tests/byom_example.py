@@ -74,3 +74,16 @@ def stream(model, config, tokens: torch.Tensor, *, positions: bool = True):
             logits.append(out.logits)
             addresses.append(tuple(t.data_ptr() for layer in cache.layers for t in (layer.keys, layer.values)))
     return logits, addresses
+
+
+def diff_example(device: str = "cpu"):
+    """`cadence-fx diff --binding byom_example:diff_example`: the model on `device`, its contract and
+    binding, and a short stream (`chunks` calls of TOKENS_PER_CALL random tokens)."""
+    model, config = build_model(device)
+
+    def run(transformed, chunks: int) -> str:
+        tokens = torch.randint(0, config.vocab_size, (1, chunks * TOKENS_PER_CALL), generator=torch.Generator().manual_seed(1))
+        stream(transformed, config, tokens.to(device))
+        return f"{chunks} calls of {TOKENS_PER_CALL} random tokens into one DynamicCache"
+
+    return model, contract(), binding(), run

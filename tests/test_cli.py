@@ -40,7 +40,7 @@ def test_catalog_rejects_a_bad_budget(capsys):
 @pytest.mark.slow
 def test_diff_prints_every_rewritten_site_and_writes_a_page(capsys, tmp_path):
     page = tmp_path / "diff.html"
-    assert main(["diff", "token2wav", "--html", str(page)]) == 0
+    assert main(["diff", "token2wav", "--device", "cpu", "--html", str(page)]) == 0
     out = capsys.readouterr().out
     assert out.count("rewritten: in-place writes of ((0, 102), (-100, None)) into the carry") == 2
     assert "=== estimator_att_cache_trim ===" in out and "=== conformer_att_cache_trim ===" in out
@@ -61,14 +61,16 @@ def test_demo_streams_bit_identical_chunks(capsys):
 
 def test_diff_of_freeze_omni_shows_its_window_rewrites_and_certifies_both_classes(capsys, tmp_path):
     page = tmp_path / "report.html"
-    assert main(["diff", "freeze_omni", "--chunks", "2", "--html", str(page)]) == 0
+    assert main(["diff", "freeze_omni", "--chunks", "2", "--device", "cpu", "--html", str(page)]) == 0
     out = capsys.readouterr().out
+    assert out.startswith("on cpu\n")
     assert "=== encoder_chunk[n=4,L=0] ===" in out and "=== encoder_chunk[n=4,L=4] ===" in out
     assert "retention sites" in out
     assert "ExactShapeReplay encoder_chunk: 2 calls, 0 captures, 0 replays, 2 eager, 0 invalidations" in out
     text = page.read_text()
     assert "after a short stream: 3 utterances of 2 chunks of random fbank features." in text
     assert text.count('<dl class="certificate admitted">') == 2
+    assert 'data-device="cpu"' in text
 
 
 def test_diff_refuses_a_negative_chunk_count(capsys):
@@ -80,3 +82,45 @@ def test_diff_refuses_a_negative_chunk_count(capsys):
 def test_diff_of_a_family_without_a_reference_model_says_so(capsys):
     assert main(["diff", "moshi"]) == 2
     assert "the diff builds reference models for ['freeze_omni', 'token2wav'] only, got 'moshi'" in capsys.readouterr().err
+
+
+def test_diff_of_your_own_model_takes_a_factory_and_shows_what_it_saves(capsys, tmp_path):
+    page = tmp_path / "own.html"
+    assert main(["diff", "--binding", "byom_example:diff_example", "--chunks", "4", "--device", "cpu",
+                 "--html", str(page)]) == 0
+    out = capsys.readouterr().out
+    assert "=== decoder_step[n=2,L=0] ===" in out and "=== decoder_step[n=2,L=4] ===" in out
+    assert "decoder_step: {'calls': 4, 'graph_calls': 4, 'verified': 4, 'stock': 0" in out
+    assert "host launches per call" in out and "memory per region" in out
+    text = page.read_text()
+    assert "<title>cadence-fx diff: byom_example:diff_example</title>" in text
+    assert text.count('data-launches="decoder_step[n=2,') == 3
+
+
+def test_diff_defaults_to_the_cpu_without_cuda_and_refuses_cuda_there(capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert main(["diff", "freeze_omni"]) == 0
+    assert capsys.readouterr().out.startswith("on cpu\n")
+    assert main(["diff", "freeze_omni", "--device", "cuda"]) == 2
+    assert ("--device cuda: no CUDA device here (torch.cuda.is_available() is False); use --device cpu"
+            in capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("argv, error", [
+    ([], "give a FAMILY or --binding MODULE:FACTORY (one of them)"),
+    (["freeze_omni", "--binding", "byom_example:diff_example"], "give a FAMILY or --binding MODULE:FACTORY (one of them)"),
+    (["--binding", "byom_example", "--chunks", "1"], "--binding: expected MODULE:FACTORY, got 'byom_example'"),
+    (["--binding", "byom_example:nothing", "--chunks", "1"],
+     "--binding byom_example:nothing: module 'byom_example' has no attribute 'nothing'"),
+    (["--binding", "byom_example:diff_example", "--depth", "full"],
+     "--depth sizes a family's reference model; a --binding factory builds its own"),
+    (["--binding", "byom_example:diff_example"],
+     "--binding: a bound model exports each class at its first call, so without a stream there is no graph to "
+     "show; give --chunks N (N calls)"),
+    (["--binding", "byom_example:build_model", "--chunks", "1"],
+     "--binding byom_example:build_model: the factory returned a tuple of 2, expected a tuple (model, contract, "
+     "binding, stream)"),
+])
+def test_diff_says_what_was_wrong_with_its_model(capsys, argv, error):
+    assert main(["diff", "--device", "cpu", *argv]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"cadence-fx diff: error: {error}"

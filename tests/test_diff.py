@@ -1,12 +1,18 @@
 """The transform report page (cadence_fx.diff.render_html) on the Freeze-Omni encoder after a short
 stream: self-contained, the derivation's regions and classes exactly, every rewritten node drawn,
-marked and linked to its retention site."""
+marked and linked to its retention site; what the transform saves (host launches per class, bytes
+per region); and the same page for a user's own model and binding (tests/byom_example.py)."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
+from byom_example import TOKENS_PER_CALL, diff_example
 
 from cadence_fx import transform
-from cadence_fx.diff import render_html
+from cadence_fx.diff import Launches, eager_dispatches, launches, render_html, render_savings
+from cadence_fx.replay import Certificate, CutRecord, Signature
+from cadence_fx.transform import TransformReport
 from cadence_fx.models.freeze_omni import freeze_omni_contract
 from cadence_fx.models.freeze_omni_encoder import FreezeOmniEncoderConfig, build_encoder, stream_utterance
 from pagekit import Page
@@ -115,3 +121,108 @@ def test_each_class_shows_its_certificate_and_the_counters_of_the_stream(page):
     assert "calls 5, captures 0, replays 0, eager 5 (by reason: no_cuda 5), invalidations 0" in page.text
     assert "Certificates and counters after a short stream: 3 utterances of 3 chunks." in page.text
     assert "No replayed operator has been called yet" not in page.text
+
+
+def test_each_class_shows_the_operators_an_eager_call_dispatches_and_that_without_cuda_none_are_saved(page):
+    page, report = page
+    steady, first = report.graphs[class_name(4)][1], report.graphs[class_name(0)][1]
+    assert (eager_dispatches(first), eager_dispatches(steady)) == (120, 124)
+    # no CUDA: each class was certified and ran eagerly, so it launches no graph and saves nothing
+    # in the order the engine met them (the steady class first: see data-replay-class)
+    assert page.values("data-launches") == [f"{class_name(4)}:124:-:-", f"{class_name(0)}:120:-:-"]
+    assert page.text.count("admitted; no CUDA device: runs eager") == 2 + 2  # certificate and launch table
+
+
+def test_each_region_shows_the_stock_state_against_its_carry(page):
+    page, report = page
+    # the stock retention pins each call's whole concat; the carry holds the window at its bound
+    assert page.values("data-memory") == ["attention_kv:8192:8192:0", "conv_left_context:3072:1024:2048"]
+    assert [r.stock_bytes for r in report.resizes] == [8192, 3072]
+    assert {name: c.buffer.numel() * c.buffer.element_size() for name, c in report.carries.items()} == {
+        "attention_kv": 8192, "conv_left_context": 1024}
+    assert "not recorded in its certificate, so this page does not show it" in page.text
+
+
+def _traced(fn) -> torch.fx.GraphModule:
+    return torch.fx.symbolic_trace(fn)
+
+
+def test_eager_dispatches_count_call_nodes_but_no_tuple_index():
+    def step(x):
+        a, b = x.split(2)  # one split and two getitems
+        return torch.relu(a) + b
+
+    graph = _traced(step)
+    assert [n.op for n in graph.graph.nodes].count("call_function") == 4
+    assert eager_dispatches(graph) == 3  # split, relu, add
+
+
+def test_a_captured_class_launches_its_segments_cuts_and_copies_instead_of_every_operator():
+    def step(x, y):
+        return (x * 2 + y).relu().sum(0) - y.mean()
+
+    graph = _traced(step)
+    certificate = Certificate("step[L=0]", Signature.of(torch.ones(2), torch.ones(2)), admitted=True,
+                              reason="admitted; captured", captured=True, segments=2,
+                              cuts=(CutRecord("nonzero", "data-dependent shape", 1),), copied=("x", "y"),
+                              written_back=("y",))
+    report = TransformReport("toy", catalog=None, graphs={"step[L=0]": (graph, graph)},
+                             replays={"step": SimpleNamespace(certificates={"step[L=0]": certificate})})
+    (counted,) = launches(report)
+    assert counted == Launches("step[L=0]", eager=6, status="admitted; captured", captured=True, graphs=2, cuts=1,
+                               staged=2, written_back=1)
+    assert (counted.replay, counted.saved) == (6, 0)  # 2 graphs + 1 cut + 2 staged + 1 written back
+
+
+# ---------------------------------------------------------------------------------------------
+# A user's own model and binding: tests/byom_example.py's Mistral decoder with a sliding window
+
+CALLS = 4
+BOUND = [f"decoder_step[n={TOKENS_PER_CALL},L={extent}]" for extent in (0, 2, 4)]
+
+
+@pytest.fixture(scope="module")
+def own():
+    model, contract, binding, run = diff_example("cpu")
+    transformed, report = transform(model, contract, binding)
+    streamed = run(transformed, CALLS)
+    return Page(render_html(report, report.catalog, title="own model", stream=streamed, device="cpu")), report
+
+
+def test_the_page_of_a_bound_model_is_well_formed_and_says_where_it_ran(own):
+    page, _ = own
+    assert page.errors == [] and page.external() == []
+    assert page.values("data-device") == ["cpu"]
+    assert "Certificates and counters after a short stream: 4 calls of 2 random tokens into one DynamicCache." in page.text
+
+
+def test_the_page_of_a_bound_model_lists_its_region_classes_graphs_and_sites(own):
+    page, report = own
+    assert page.values("data-region") == page.values("data-carry") == ["kv"]
+    assert page.values("data-operator") == ["decoder_step"]
+    assert page.values("data-class") == ["decoder_step:2@0", "decoder_step:2@2", "decoder_step:2@4"]
+    assert page.values("data-graph") == BOUND
+    # each class's graph keeps (first call) or appends to (later calls) every layer's keys and values
+    assert page.values("data-site") == [f"{graph}:slice_{i}" for graph in BOUND for i in (5, 6, 11, 12)]
+    assert [s.kind for s in report.sites] == ["keep"] * 4 + ["append"] * 8
+
+
+def test_the_page_of_a_bound_model_shows_its_counters_launches_and_memory(own):
+    page, _ = own
+    assert page.values("data-bound") == ["decoder_step"]
+    assert ("bound operator: calls 4, rewritten-graph calls 4, verified against the stock call 4, stock calls 0 "
+            "(by reason: none), states adopted into a carry 0") in page.text
+    # 4 calls: the first two classes met once, the steady one twice: all still verifying, none in the engine yet
+    assert page.values("data-launches") == [f"{BOUND[0]}:207:-:-", f"{BOUND[1]}:191:-:-", f"{BOUND[2]}:191:-:-"]
+    assert page.text.count("being verified against the stock call: replays after 1 more visit(s)") == 2
+    assert page.text.count("verified; not called since") == 1
+    # The stock state the transform replaced: each layer's retained slice pins its call's whole
+    # concat (4 + 2 tokens), as large as the carry: 2 layers x keys and values x 2 heads x 6 x 8 fp32.
+    assert page.values("data-memory") == ["kv:1536:1536:0"]
+
+
+def test_the_terminal_shows_the_same_figures(own):
+    _, report = own
+    text = render_savings(report, report.catalog)
+    assert f"{BOUND[2]}  191    -       -      verified; not called since" in text
+    assert "kv      1.50 KiB  the stock state the transform replaced  1.50 KiB  0 B" in text

@@ -1,20 +1,96 @@
-"""Dependencies point one way: serve -> models -> passes -> core. The protocol layer imports no
-engine, model, tensor library or web framework; the session layer and the plugin seam no web
-framework.
+"""Dependencies point one way: serve -> models -> passes -> core. The core imports neither models
+nor serve, the passes neither, the models no serve; the service may import them all. Inside the
+service, the protocol layer imports no engine, model, tensor library or web framework; the session
+layer and the plugin seam no web framework.
 
 Importing any ``cadence_fx.*`` module runs the core's ``__init__`` first, so the checks read the
-layers' own import statements (and, at run time, what a layer adds on top of the core)."""
+layers' own import statements, function-local ones included (and, at run time, what a layer adds
+on top of the core)."""
 
 from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-SERVE = Path(__file__).resolve().parents[2] / "serve"
+from cadence_fx.cli import SERVICE
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVE = ROOT / "serve"
 STDLIB = set(sys.stdlib_module_names) | {"__future__"}
+
+# The four layers: the folder of each and the package it installs as (pyproject.toml's package-dir).
+LAYERS = {
+    "core": (ROOT / "cadence_fx", "cadence_fx"),
+    "passes": (ROOT / "passes", "cadence_fx.passes"),
+    "models": (ROOT / "models", "cadence_fx.models"),
+    "serve": (SERVE, "cadence_fx.serve"),
+}
+FORBIDDEN = {"core": {"models", "serve"}, "passes": {"models", "serve"}, "models": {"serve"}, "serve": set()}
+
+
+def _modules(layer: str) -> list[tuple[Path, str]]:
+    """Every source file of a layer, with the package its relative imports start from."""
+    folder, package = LAYERS[layer]
+    return [(path, ".".join([package, *path.parent.relative_to(folder).parts]))
+            for path in sorted(folder.rglob("*.py"))]
+
+
+def _imported(path: Path, package: str) -> set[str]:
+    """Every module `path` imports, as an absolute name, wherever the import statement is; for
+    ``from X import Y``, both X and X.Y (Y may be a submodule)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module
+            if node.level:  # from the package `level - 1` levels above this file's
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            found |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    return found
+
+
+def _layer(module: str) -> str | None:
+    """The layer a module belongs to, or None outside cadence_fx."""
+    if module != "cadence_fx" and not module.startswith("cadence_fx."):
+        return None
+    for layer in ("passes", "models", "serve"):
+        if module == LAYERS[layer][1] or module.startswith(LAYERS[layer][1] + "."):
+            return layer
+    return "core"
+
+
+def test_each_layer_imports_no_layer_above_it():
+    for layer, forbidden in FORBIDDEN.items():
+        modules = _modules(layer)
+        assert modules, layer
+        for path, package in modules:
+            above = {m for m in _imported(path, package) if _layer(m) in forbidden}
+            assert above == set(), f"{layer}: {path.relative_to(ROOT)} imports {sorted(above)}"
+
+
+def test_the_import_reader_sees_relative_function_local_and_submodule_imports(tmp_path):
+    source = tmp_path / "probe.py"
+    source.write_text("from . import models\ndef f():\n    from ..serve.app import run_server\n"
+                      "    import cadence_fx.passes.window\n")
+    found = _imported(source, "cadence_fx.replay")
+    assert {"cadence_fx.replay.models", "cadence_fx.serve.app", "cadence_fx.passes.window"} <= found
+    assert {_layer(m) for m in found} == {"core", "serve", "passes"}
+    assert _layer("cadence_fx.models") == "models" and _layer("torch") is None
+
+
+def test_the_core_names_the_service_in_one_place_and_no_model_at_all():
+    """What the core reaches above itself by "module:attribute" is the command line's SERVICE table;
+    model families come through their registry (entry points), never named by the core."""
+    reference = re.compile(r"cadence_fx\.(models|serve)(\.\w+)*(:\w+)?")
+    named = [(path.name, node.value) for path, _ in _modules("core") for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str) and reference.fullmatch(node.value)]
+    assert sorted(named) == sorted(("cli.py", value) for value in SERVICE.values())
 
 # Per layer: the third-party packages and the sibling serve layers it may import.
 ALLOWED = {
@@ -54,8 +130,11 @@ def test_each_serve_layer_imports_only_what_it_may():
 
 
 _PROBE = """
-import json, sys
-import cadence_fx
+import json, pkgutil, sys
+import cadence_fx, cadence_fx.replay
+for package in (cadence_fx, cadence_fx.replay):
+    for module in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+        __import__(module.name)
 core = set(sys.modules)
 import cadence_fx.serve.protocol
 protocol = set(sys.modules)
@@ -70,7 +149,7 @@ def _probe() -> dict[str, set[str]]:
     return {k: set(v) for k, v in json.loads(out.splitlines()[-1]).items()}
 
 
-def test_layers_load_no_framework_at_run_time_and_core_loads_no_service():
+def test_layers_load_no_framework_at_run_time_and_the_core_loads_no_model_or_service():
     loaded = _probe()
     frameworks = {"torch", "fastapi", "starlette", "uvicorn", "openai", "websockets"}
     assert {m.split(".")[0] for m in loaded["protocol"]} & frameworks == set()
@@ -78,4 +157,4 @@ def test_layers_load_no_framework_at_run_time_and_core_loads_no_service():
         m.startswith(("cadence_fx.models", "cadence_fx.passes", "cadence_fx.serve.session")) for m in loaded["protocol"]
     )
     assert {m.split(".")[0] for m in loaded["session"]} & (frameworks - {"torch"}) == set()
-    assert [m for m in loaded["core"] if m.startswith("cadence_fx.serve")] == []
+    assert [m for m in loaded["core"] if m.startswith(("cadence_fx.models", "cadence_fx.serve"))] == []
