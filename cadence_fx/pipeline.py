@@ -57,6 +57,9 @@ from .transformed import Transformed
 
 __all__ = ["BoundModel", "BoundOperator", "OperatorCounters", "transform_bound"]
 
+#: Signatures (host values, layouts) captured per catalog class at most; more run the stock code.
+VARIANTS = 4
+
 
 @dataclass
 class OperatorCounters:
@@ -239,6 +242,7 @@ class BoundOperator:
         self.replay: ExactShapeReplay | None = None
         self._names: dict[tuple, str] = {}
         self._current: _Class | None = None
+        self._unbounded: set[tuple[int, int]] = set()  # catalog classes past VARIANTS signatures
 
     # -- the call ----------------------------------------------------------------------------
 
@@ -267,11 +271,23 @@ class BoundOperator:
             return self._stock(roots, inputs, "not_in_catalog")
         state = [self._carry_view(roots, site) for site in self.sites]
         try:
-            key = (units, extent, Signature.of(inputs, state).catalog_key)
+            signature = Signature.of(inputs, state)
         except TypeError:
             return self._stock(roots, inputs, "unkeyable")
+        key = (units, extent, signature.catalog_key)
         cls = self.classes.get(key)
         if cls is None:
+            variants = [k for k in self.classes if k[:2] == (units, extent)]
+            if len(variants) >= VARIANTS:
+                # A host value (an int position, say) that changes every call would make every
+                # call a new graph: fail closed, once said, instead of exporting without end.
+                if (units, extent) not in self._unbounded:
+                    self._unbounded.add((units, extent))
+                    self.report.stamps.append(
+                        f"{self.ob.operator}[n={units},L={extent}]: the calls' host values or layouts differ ({VARIANTS} "
+                        f"variants captured, now {signature.describe()}): runs the stock code from here; pass a value "
+                        "that changes every call as a tensor, or bind it as a counter")
+                return self._stock(roots, inputs, "variants")
             cls = self.classes[key] = self._capture(roots, inputs, state, call)
         if cls.refused is not None:
             return self._stock(roots, inputs, "refused")
@@ -524,6 +540,10 @@ class BoundOperator:
             set_path(roots, path, value)
         actual = self._rebuild(cls, outputs, roots)
         why = _equal((actual, new_state), (expected, expected_state))
+        returned = _structure(expected, roots)[1]
+        if why is None and returned != cls.outputs:
+            why = (f"the call returned host values {returned[1]}, an earlier call of the class returned "
+                   f"{cls.outputs[1]}: a graph would return the first ones every call")
         if why is None and cls.effects is not None and cls.effects != effects:
             why = f"host counters moved {effects}, an earlier call of the class moved them {cls.effects}"
         if why is not None:
