@@ -202,6 +202,13 @@ def sites(binding: RegionBinding, roots: dict[str, Any]) -> list[Site]:
     return sorted(found, key=lambda s: s.index)
 
 
+def operator_regions(binding: Binding, ob: OperatorBinding, signature: inspect.Signature) -> list[RegionBinding]:
+    """The regions an operator binds: those whose every path starts at one of its method's arguments
+    or at the model itself (its own region always does: `check_binding` checks it)."""
+    parameters = set(signature.parameters) | {SELF}
+    return [rb for rb in binding.regions if all(_segments(p)[0] in parameters for p in rb.at)]
+
+
 def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str, inspect.Signature]:
     """Check the binding against the contract and the model; returns each operator's method signature.
 
@@ -249,7 +256,8 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
             raise BindingError(f"operators[{i}].units", f"must be (path, axis) or a positive int, got {ob.units!r}")
         units = [] if isinstance(ob.units, int) else [(f"operators[{i}].units", ob.units[0])]
         paths = units + [(f"operators[{i}].counters[{j}]", p) for j, p in enumerate(ob.counters)]
-        paths += [(f"regions[{k}].at", p) for k, rb in enumerate(binding.regions) for p in rb.at]
+        own = binding.region(operators[ob.operator].region)
+        paths += [(f"regions[{binding.regions.index(own)}].at", p) for p in own.at]
         for field, path in paths:
             if _segments(path)[0] not in parameters:
                 raise BindingError(field, f"{path!r} starts at {_segments(path)[0]!r}, which is not an argument of "

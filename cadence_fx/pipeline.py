@@ -43,7 +43,19 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .binding import RETURN, SELF, Binding, OperatorBinding, Site, get_path, method_of, resolve, set_path, sites
+from .binding import (
+    RETURN,
+    SELF,
+    Binding,
+    OperatorBinding,
+    Site,
+    get_path,
+    method_of,
+    operator_regions,
+    resolve,
+    set_path,
+    sites,
+)
 from .catalog import Catalog, CatalogClass
 from .contract import DTYPES, Contract, PromptPlusHistory, RingCache
 from .determinism import RngState
@@ -220,18 +232,31 @@ def _equal(a: Any, b: Any) -> str | None:
     return None
 
 
+class _Regions:
+    """The regions' buffers and their sites' carries, shared by every operator of a bound model:
+    operators that bind the same region (a cache two methods read and write) keep one buffer and one
+    carry per site, so each sees what the other retained."""
+
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.carries: dict[tuple[str, tuple[int, ...]], WindowCarry] = {}
+
+
 class BoundOperator:
-    """One hot operator of a bound model: call it as the stock method."""
+    """One hot operator of a bound model: call it as the stock method. It binds the regions whose
+    paths start at its method's arguments (or the model itself)."""
 
     def __init__(self, model: Any, contract: Contract, catalog: Catalog, binding: Binding, ob: OperatorBinding,
-                 signature: inspect.Signature, report, *, replay: bool):
+                 signature: inspect.Signature, report, *, replay: bool, shared: _Regions):
         self.model, self.contract, self.catalog, self.binding, self.ob = model, contract, catalog, binding, ob
         self.method = method_of(model, ob.method)
         self.signature = signature
         self.report = report
         self.op = next(op for op in contract.operators if op.name == ob.operator)
         self.op_catalog = catalog.operator(ob.operator)
-        self.roots = {p.split(".")[0] for rb in binding.regions for p in rb.at} | {p.split(".")[0] for p in ob.counters}
+        self.regions = operator_regions(binding, ob, signature)
+        self.shared = shared
+        self.roots = {p.split(".")[0] for rb in self.regions for p in rb.at} | {p.split(".")[0] for p in ob.counters}
         self.counters = OperatorCounters()
         self.classes: dict[tuple, _Class] = {}
         self.carries: dict[str, WindowCarry] = {}
@@ -274,10 +299,13 @@ class BoundOperator:
             signature = Signature.of(inputs, state)
         except TypeError:
             return self._stock(roots, inputs, "unkeyable")
-        key = (units, extent, signature.catalog_key)
+        # The state's shapes are bounded by the catalogs (another region's extent varies by its
+        # own); only what the inputs bring (host values, layouts) makes variants of one class.
+        shapes = tuple(None if v is None else tuple(v.shape) for v in state)
+        key = (units, extent, shapes, signature.catalog_key)
         cls = self.classes.get(key)
         if cls is None:
-            variants = [k for k in self.classes if k[:2] == (units, extent)]
+            variants = [k for k in self.classes if k[:3] == (units, extent, shapes)]
             if len(variants) >= VARIANTS:
                 # A host value (an int position, say) that changes every call would make every
                 # call a new graph: fail closed, once said, instead of exporting without end.
@@ -314,7 +342,7 @@ class BoundOperator:
     def _allocate(self, roots: dict[str, Any]) -> None:
         """The state rule: each bound region's buffer at its derived bound, one carry per site."""
         device = self._device()
-        for rb in self.binding.regions:
+        for rb in self.regions:
             region, derived = self.contract.region(rb.region), self.catalog.region(rb.region)
             found = sites(rb, roots)
             lead = len(found[0].index) if found else 0
@@ -326,15 +354,22 @@ class BoundOperator:
             if region.axis < lead:
                 raise ValueError(f"region {rb.region!r}: its retention axis {region.axis} is one of the {lead} "
                                  "leading dims the binding's paths index; bind the tensors that hold the axis")
-            buffer = torch.zeros(derived.shape, dtype=DTYPES[region.dtype], device=device)
+            allocated = rb.region in self.shared.buffers
+            if not allocated:
+                self.shared.buffers[rb.region] = torch.zeros(derived.shape, dtype=DTYPES[region.dtype], device=device)
+            buffer = self.shared.buffers[rb.region]
             for site in found:
-                carry = WindowCarry(site.path, rb.region, buffer[site.index], region.axis - lead, auditor=self.report.auditor)
-                self.carries[site.path] = carry
+                key = (rb.region, site.index)
+                if key not in self.shared.carries:
+                    self.shared.carries[key] = WindowCarry(site.path, rb.region, buffer[site.index], region.axis - lead,
+                                                           auditor=self.report.auditor)
+                carry = self.carries[site.path] = self.shared.carries[key]
                 self._holder.add_module(f"carry{len(self.sites)}", carry)
                 self.sites.append(site)
-            self.report.carries[rb.region] = WindowCarry(rb.region, rb.region, buffer, region.axis)
-            self.report.stamps.append(f"state rule: {rb.region} at {'x'.join(map(str, derived.shape))} "
-                                      f"({format_bytes(derived.bytes)}), {len(found)} sites at one address each")
+            if not allocated:
+                self.report.carries[rb.region] = WindowCarry(rb.region, rb.region, buffer, region.axis)
+                self.report.stamps.append(f"state rule: {rb.region} at {'x'.join(map(str, derived.shape))} "
+                                          f"({format_bytes(derived.bytes)}), {len(found)} sites at one address each")
         for path in self._counter_paths(roots):
             value = get_path(roots, path)
             if isinstance(value, torch.Tensor):  # a device-side counter: state of its own, at one address
@@ -500,7 +535,7 @@ class BoundOperator:
         call's concat, so the stock code pins the whole operand (retained + new units) until the
         next call, against the carry's derived demand."""
         done = {r.region for r in self.report.resizes}
-        for rb in self.binding.regions:
+        for rb in self.regions:
             live = {w.live for w in windows if w.region == rb.region}
             if rb.region in done or len(live) != 1:
                 continue
@@ -645,11 +680,12 @@ class BoundModel(Transformed):
         if not all(op.carries for op in self.operators.values()):
             raise RuntimeError("the carries are allocated at each operator's first call: call the model once "
                                "before taking or swapping session states")
-        return [carry for op in self.operators.values() for carry in op.carries.values()]
+        carries = [carry for op in self.operators.values() for carry in op.carries.values()]
+        return list({id(c): c for c in carries}.values())  # operators binding one region share its carries
 
     def resident(self) -> tuple[list[torch.Tensor], list[int]]:
         carries = self._carries()
-        buffers = [self.report.carries[rb.region].buffer for op in self.operators.values() for rb in op.binding.regions]
+        buffers = [self.report.carries[rb.region].buffer for op in self.operators.values() for rb in op.regions]
         buffers += [t for op in self.operators.values() for t in op.held.values()]
         return list({id(b): b for b in buffers}.values()), CarryCounters(carries).read()
 
@@ -674,7 +710,9 @@ def transform_bound(model: Any, contract: Contract, binding: Binding, catalog: C
         if op.name in signatures and not op.in_scope:
             raise ValueError(f"operator {op.name!r}: {op.verdict}; raise the budget (transform(..., budget=N), "
                              f"`--budget N` on the CLI) to capture all {op.width} classes")
-    operators = {ob.operator: BoundOperator(model, contract, catalog, binding, ob, signatures[ob.operator], report, replay=replay)
+    shared = _Regions()
+    operators = {ob.operator: BoundOperator(model, contract, catalog, binding, ob, signatures[ob.operator], report,
+                                            replay=replay, shared=shared)
                  for ob in binding.operators}
     report.stamps.append(f"binding: {len(binding.regions)} region(s), {len(binding.operators)} operator(s); classes are "
                          f"captured at their first visit and verified against the stock call on {binding.verify}")

@@ -302,6 +302,11 @@ def rewrite_windows(gm: torch.fx.GraphModule, windows: tuple[Window, ...], carri
         leaf = leaves[w.output]
         tail = _retention_of(leaf)
         cat = tail[0] if tail else leaf
+        if tail is None and w.input is not None and leaf.op == "placeholder" and leaf.name == w.input:
+            # The step reads the site and leaves it as it came (another operator retains into it).
+            sites.append(RetentionSite(graph, leaf.name, w.region, w.axis, "read", False,
+                                       f"read ({w.site}): the step returns it as it came; the carry passes through"))
+            continue
         attr = "carry_" + "".join(c if c.isalnum() else "_" for c in w.site)
         gm.add_submodule(attr, carries[w.site])
         with gm.graph.inserting_before(first):
