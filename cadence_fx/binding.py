@@ -18,6 +18,8 @@ None on the way (a cache not filled yet) is state not retained yet.
 Where the call mutates its state argument (a cache object), `at` is all it takes. Where it returns
 the new state instead (a functional step), `out` gives the matching paths rooted at ``return``,
 the call's result (``"return.1.[0::2].0"``); the caller then threads the returned state back in.
+A path may be a whole argument (``"state"``, with ``out=("return.1",)``: a step that takes its
+state as a tensor and returns the new one); an argument left at its default (None) is no state yet.
 """
 
 from __future__ import annotations
@@ -158,8 +160,9 @@ def get_path(roots: dict[str, Any], path: str) -> Any:
 
 def set_path(roots: dict[str, Any], path: str, value: Any) -> None:
     first, *rest = _segments(path)
-    if not rest:
-        raise ValueError(f"{path!r} names a whole argument; a bound path must reach inside it")
+    if not rest:  # the whole argument: the call's own binding of it
+        roots[first] = value
+        return
     parent = get_path(roots, ".".join([first, *rest[:-1]]))
     if parent is None:
         if value is None:  # no state there yet, and none to put
@@ -220,8 +223,8 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
     for i, rb in enumerate(binding.regions):
         if rb.region not in regions:
             raise BindingError(f"regions[{i}].region", f"the contract declares no region {rb.region!r}; declared: {sorted(regions)}")
-        if not rb.at or not all(isinstance(p, str) and "." in p for p in rb.at):
-            raise BindingError(f"regions[{i}].at", f"needs one or more paths 'argument.attribute...', got {rb.at!r}")
+        if not rb.at or not all(isinstance(p, str) and p and all(_segments(p)) for p in rb.at):
+            raise BindingError(f"regions[{i}].at", f"needs one or more paths 'argument' or 'argument.attribute...', got {rb.at!r}")
         if rb.out and (len(rb.out) != len(rb.at) or not all(
                 isinstance(p, str) and _segments(p)[0] == RETURN and sum(map(_is_pattern, _segments(p))) == sum(map(_is_pattern, _segments(a)))
                 for p, a in zip(rb.out, rb.at))):

@@ -279,8 +279,12 @@ class BoundOperator:
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         self.counters.calls += 1
-        arguments = self.signature.bind(*args, **kwargs).arguments
+        arguments = self._arguments(args, kwargs)
         roots = {name: arguments[name] for name in self.roots if name in arguments}
+        for name in self.roots - set(roots) - {SELF}:
+            default = self.signature.parameters[name].default
+            if default is not inspect.Parameter.empty:  # a state argument left at its default (None: no state yet)
+                roots[name] = default
         if SELF in self.roots:
             roots[SELF] = self.model
         missing = self.roots - set(roots)
@@ -330,6 +334,21 @@ class BoundOperator:
         for path, (kind, value) in cls.effects.items():
             set_path(roots, path, get_path(roots, path) + value if kind == "add" else value)
         return self._rebuild(cls, outputs, roots)
+
+    def _arguments(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The call's arguments by name, extra keywords (a method's ``**kwargs``) flattened in."""
+        arguments = {}
+        for name, value in self.signature.bind(*args, **kwargs).arguments.items():
+            kind = self.signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                arguments.update(value)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                if value:
+                    raise TypeError(f"{self.ob.operator}: {len(value)} extra positional argument(s) for *{name}: "
+                                    f"a bound call names its arguments; pass them by keyword")
+            else:
+                arguments[name] = value
+        return arguments
 
     # -- state -------------------------------------------------------------------------------
 
@@ -475,7 +494,7 @@ class BoundOperator:
         try:
             with torch.no_grad(), warnings.catch_warnings():
                 # The step writes the sites into its private copy of the state: expected, not a bug.
-                warnings.filterwarnings("ignore", "The tensor attributes .* were assigned during export", UserWarning)
+                warnings.filterwarnings("ignore", "The tensor attributes? .* (was|were) assigned during export", UserWarning)
                 program = torch.export.export(step, (inputs, example), strict=False)
         except Exception as error:  # the model does not export at this class: it runs stock, and says why
             cls.refused = f"torch.export failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
