@@ -4,6 +4,7 @@ the argument itself (`at=("state",)`, `out=("return.1",)`); extra keywords go th
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -87,3 +88,19 @@ def test_a_tensor_state_argument_streams_bit_identically_through_its_carry():
     assert [cls.name for cls in op.classes.values()] == [f"conv[n={HOP},L={CONTEXT}]"]
     assert op.counters.stock_by_reason == {"not_in_catalog": 2}
     assert [(s.kind, s.rewritten) for s in report.sites] == [("append", True)]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_a_tensor_state_argument_replays_on_cuda():
+    model = CausalConv().eval().cuda()
+    signal = torch.randn(1, CHANNELS, CALLS * HOP, generator=torch.Generator().manual_seed(1)).cuda()
+    expected, _ = stream(model, signal)
+    bound, report = transform(model, contract(), BINDING)
+    for _ in range(2):
+        actual, _ = stream(bound, signal)
+        assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
+    # 7 steady calls a stream: the first two ever are verified, the 12 others replay.
+    assert report.replays["conv"].counters.as_dict() == {"calls": 12, "captures": 1, "replays": 12, "eager": 0,
+                                                         "invalidations": 0, "fallbacks": {}}
+    print("adopted", report.operators["conv"].counters.adopted)

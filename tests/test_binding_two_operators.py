@@ -6,6 +6,7 @@ what `encode` retained."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -111,3 +112,22 @@ def test_two_operators_share_the_region_both_bind_and_stream_bit_identically():
     # decode reads the memory as encode left it: its sites there are reads, not retentions
     reads = [s for s in report.sites if s.kind == "read"]
     assert reads and all(s.region == "memory" and s.graph.startswith("decode[") for s in reads)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_two_operators_replay_on_cuda_with_the_shared_region_aliased():
+    model = EncoderDecoder().eval().cuda()
+    frames = torch.randn(1, CALLS * ENC_STEP, DIM, generator=torch.Generator().manual_seed(1)).cuda()
+    tokens = torch.randn(1, CALLS, DIM, generator=torch.Generator().manual_seed(2)).cuda()
+    expected, _, _ = stream(model, frames, tokens)
+    bound, report = transform(model, contract(), BINDING)
+    for _ in range(2):
+        actual, _, _ = stream(bound, frames, tokens)
+        assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
+    # encode: its steady class (4 frames retained) is met 5 times a stream: 2 verified, 8 replayed.
+    # decode: its steady class (3 tokens retained, over 4 frames of memory) 4 times a stream: 6 replayed.
+    assert report.replays["encode"].counters.as_dict() == {"calls": 8, "captures": 1, "replays": 8, "eager": 0,
+                                                           "invalidations": 0, "fallbacks": {}}
+    assert report.replays["decode"].counters.as_dict() == {"calls": 6, "captures": 1, "replays": 6, "eager": 0,
+                                                           "invalidations": 0, "fallbacks": {}}
