@@ -205,9 +205,10 @@ def test_the_benchmark_smoke_mode_runs_every_arm_bit_exact_on_a_cpu(tmp_path):
     assert {"commit", "command", "device", "torch", "determinism"} <= set(record)
 
 
-def test_two_streams_taking_turns_on_one_owned_state_each_equal_the_vendor_alone(models):
+def test_two_streams_taking_turns_on_one_owned_state_each_equal_the_vendor_alone():
     """The one transformed interface: inside one session, two sampled streams swap their state in
     and out frame by frame (`swap_in` / `swap_out`), and each equals the vendor's loop run alone."""
+    models = build_models(SMALL)  # its own models: the module fixture's are shared with the tests above
     transformed, _ = transform(models, contract_for(SMALL))
     seeds, frames = (21, 22), 12
     pcms = [random_pcm(frames, seed=200 + i) for i in range(2)]
