@@ -39,6 +39,7 @@ from moshi.utils.compile import no_compile, no_cuda_graph  # noqa: E402
 
 from cadence_fx import transform  # noqa: E402
 from cadence_fx.determinism import pin_deterministic  # noqa: E402
+from cadence_fx.memory import DeviceMemory  # noqa: E402
 from cadence_fx.models.moshi_replay import contract_for  # noqa: E402
 from cadence_fx.models.moshi_stream import FULL, SMALL, build_models, random_pcm  # noqa: E402
 from cadence_fx.report import format_bytes, latency_stats, measured_commit  # noqa: E402
@@ -121,11 +122,13 @@ def profile_frames(arm: Arm, pcm: torch.Tensor, frames: int, device: torch.devic
             "kernel_ms_per_frame": sum(e.device_time for e in events) / 1e3 / frames}
 
 
-def run_arm(name: str, models, contract, streams: dict, args, device: torch.device) -> tuple[dict, dict]:
+def run_arm(name: str, models, contract, streams: dict, args, device: torch.device,
+            memory: DeviceMemory) -> tuple[dict, dict]:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    memory.reset_peak()
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     started = time.perf_counter()
     arm = Arm(name, models, contract)
@@ -143,6 +146,8 @@ def run_arm(name: str, models, contract, streams: dict, args, device: torch.devi
             steady += ms[STEADY_FROM:]
             first_frames.append(ms[:STEADY_FROM])
             outputs[mode, i] = (tokens, audio)
+            memory.sample()
+    device_memory = memory.record()
     held = (torch.cuda.memory_allocated(device) - base) if device.type == "cuda" else None
     streams_peak = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else None
     kernels = profile_frames(arm, streams["sampling"][0], args.profile_frames, device)
@@ -156,6 +161,9 @@ def run_arm(name: str, models, contract, streams: dict, args, device: torch.devi
         "peak_allocated_bytes_above_weights_setup": setup_peak,
         "peak_allocated_bytes_above_weights_streams": streams_peak,
         "held_after_streams_bytes_above_weights": held,
+        # What the device sees (cadence_fx.memory), for the process since its start: the shared
+        # weights included; peak allocated over the measured streams, reserved and footprint.
+        "memory": device_memory,
         "kernels": kernels,
     }
     if arm.transformed is not None:
@@ -221,6 +229,7 @@ def main(argv=None) -> int:
         parser.error(f"need at least 1 stream, and streams and warm-ups of more than {STEADY_FROM} frames")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    memory = DeviceMemory(device)  # first: the device footprint counts from here
     settings = pin_deterministic()
     config = SMALL if args.small else FULL
     started = time.perf_counter()
@@ -236,7 +245,7 @@ def main(argv=None) -> int:
     results, reference = {}, None
     for name in arms:
         print(f"arm {name}...", flush=True)
-        result, outputs = run_arm(name, models, contract, streams, args, device)
+        result, outputs = run_arm(name, models, contract, streams, args, device, memory)
         if reference is None:
             reference = outputs
         result["streams_equal_to_eager"] = {

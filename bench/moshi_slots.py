@@ -9,8 +9,8 @@ seed for the batch, as the vendor samples all rows from one generator). One tick
 outputs. Per arm: tick p50/p95 over the steady ticks (from tick `STEADY_FROM`: the vendor
 captures on its second call), peak allocated (`torch.cuda.max_memory_allocated`, weights
 included), `torch.cuda.memory_reserved` and the device footprint (`torch.cuda.mem_get_info`:
-used bytes, less what was used when this process started), each at its largest over the arm's
-ticks; per slot, whether its tokens and PCM equal the eager arm's bit for bit; for cadence-fx,
+used bytes, less what was used when this process started), each at the arm's end and at its
+largest over the arm's ticks (`cadence_fx.memory.DeviceMemory`); per slot, whether its tokens and PCM equal the eager arm's bit for bit; for cadence-fx,
 the replay counters (every stage replayed: captures 1, eager 0). Arms run one after another, each
 freeing its batch before the next (at B = 64 one batch's rings alone are 100 GB at full size).
 
@@ -41,6 +41,7 @@ sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != Path(__f
 
 from cadence_fx.catalog import derive  # noqa: E402
 from cadence_fx.determinism import pin_deterministic  # noqa: E402
+from cadence_fx.memory import DeviceMemory  # noqa: E402
 from cadence_fx.models.moshi_replay import contract_for  # noqa: E402
 from cadence_fx.models.moshi_slots import Tick, transform_slots, vendor_ticks  # noqa: E402
 from cadence_fx.models.moshi_stream import FULL, SMALL, build_models, random_pcm  # noqa: E402
@@ -48,31 +49,6 @@ from cadence_fx.report import latency_stats, measured_commit  # noqa: E402
 
 ARMS = ("eager", "vendor", "cadence")
 STEADY_FROM = 2  # the vendor's CUDAGraphed wrappers capture on their second call
-
-
-class Memory:
-    """Largest allocated, reserved and device-used bytes seen since `reset` (CUDA only)."""
-
-    def __init__(self, device: torch.device, baseline_used: int | None):
-        self.device, self.baseline_used = device, baseline_used
-        self.reserved = self.footprint = 0
-
-    def reset(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        self.reserved = self.footprint = 0
-
-    def sample(self) -> None:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            self.reserved = max(self.reserved, torch.cuda.memory_reserved(self.device))
-            self.footprint = max(self.footprint, total - free - self.baseline_used)
-
-    def record(self) -> dict:
-        if self.device.type != "cuda":
-            return {"peak_allocated_bytes": None, "reserved_bytes": None, "device_footprint_bytes": None}
-        return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
-                "reserved_bytes": self.reserved, "device_footprint_bytes": self.footprint}
 
 
 def _sync(device: torch.device) -> None:
@@ -87,11 +63,12 @@ def schedule(slots: int, ticks: int, frame_size: int) -> list[Tick]:
             for t in range(ticks)]
 
 
-def run_arm(name: str, models, slots: int, ticks: list[Tick], args, device: torch.device, memory: Memory) -> tuple[dict, list]:
+def run_arm(name: str, models, slots: int, ticks: list[Tick], args, device: torch.device,
+            memory: DeviceMemory) -> tuple[dict, list]:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    memory.reset()
+    memory.reset_peak()
     setup_s, runtime, counters = 0.0, None, None
     if name == "cadence":
         started = time.perf_counter()
@@ -174,10 +151,7 @@ def main(argv=None) -> int:
         parser.error(f"--ticks must be more than {STEADY_FROM} (the first {STEADY_FROM} are not steady)")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    baseline_used = None
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        baseline_used = total - free  # this process's CUDA context and whatever else held the device
+    memory = DeviceMemory(device)  # this process's CUDA context and whatever else held the device: the baseline
     settings = pin_deterministic()
     config = SMALL if args.small else FULL
     started = time.perf_counter()
@@ -186,7 +160,6 @@ def main(argv=None) -> int:
     weights = sum(t.numel() * t.element_size() for m in (models.mimi, models.lm)
                   for t in (*m.parameters(), *m.buffers()))
     print(f"device {device}; built in {build_s:.1f} s; weights {weights / 2**30:.2f} GiB", flush=True)
-    memory = Memory(device, baseline_used)
     # Exactness is defined against a deterministic eager baseline: eager first against itself.
     check = schedule(batches[0], STEADY_FROM + 2, models.mimi.frame_size)
     runs = [run_arm("eager", models, batches[0], check, args, device, memory)[1] for _ in range(2)]
@@ -216,7 +189,7 @@ def main(argv=None) -> int:
             "steady_ticks_from": STEADY_FROM,
             "build_s": build_s,
             "weights_bytes": weights,
-            "device_used_at_start_bytes": baseline_used,
+            "device_used_at_start_bytes": memory.used_at_start,
             "determinism": settings,
             "eager_repeats_itself": repeats,
             "torch_compile": "off in every arm (moshi.utils.compile.no_compile)",

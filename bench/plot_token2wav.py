@@ -25,6 +25,15 @@ def _delta(n: int | None) -> str:
     return "not modelled" if n is None else f"{n / 2**30:+.2f} GiB"
 
 
+def _device_memory(arm: dict) -> str:
+    """What the device sees (cadence_fx.memory); records before it carried only reserved at the end."""
+    memory = arm.get("memory")
+    if memory is None:
+        return f"{_gib(arm.get('reserved_bytes_end'))} / not recorded / not recorded"
+    return (f"{_gib(memory['reserved_bytes_end'])} / {_gib(memory['device_footprint_bytes_end'])} / "
+            f"{_gib(memory.get('device_footprint_bytes_after_empty_cache'))}")
+
+
 def table(record: dict) -> str:
     arms = record["arms"]
     if not arms:
@@ -33,12 +42,13 @@ def table(record: dict) -> str:
     rows = [
         "| arm | steady chunk p50 / p95 (ms) | flow chunk p50 (ms) | CFM loop p50 (ms) | vs its eager (CFM loop) | kernels one chunk (ms, launches) "
         "| peak allocated: all / first turn / later turns | peak delta vs eager: predicted / measured "
-        "| exact mel / PCM | replays, eager fallbacks, invalidations (CFM loop) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| exact mel / PCM | replays, eager fallbacks, invalidations (CFM loop) "
+        "| device: reserved at end / footprint at end / footprint after empty_cache |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, arm in arms.items():
         if arm.get("outcome") != "ran":
-            rows.append(f"| {name} | {arm.get('outcome')} | | | | | | | | |")
+            rows.append(f"| {name} | {arm.get('outcome')} | | | | | | | | | |")
             continue
         eager = arms[arm.get("compared_with", "eager")]
         chunk, cfm, kernels = arm["chunk_stats_ms"], arm["cfm_loop_stats_ms"], arm["kernels_one_steady_chunk"] or {}
@@ -52,7 +62,8 @@ def table(record: dict) -> str:
             f"{_gib(arm['peak_allocated_bytes'])} / {_gib(arm.get('peak_allocated_bytes_first_turn'))} / "
             f"{_gib(arm.get('peak_allocated_bytes_later_turns'))} | "
             f"{_delta(arm.get('predicted_delta_bytes'))} / {_delta(arm.get('measured_delta_bytes'))} | "
-            f"{arm['mel_equal_chunks']}/{arm['chunks']} / {arm['pcm_equal_chunks']}/{arm['chunks']} | {counters} |"
+            f"{arm['mel_equal_chunks']}/{arm['chunks']} / {arm['pcm_equal_chunks']}/{arm['chunks']} | {counters} | "
+            f"{_device_memory(arm)} |"
         )
     compiled = record.get("torch_compile_reduce_overhead") or {}
     head = (
@@ -69,7 +80,9 @@ def table(record: dict) -> str:
 def table_capacity(record: dict) -> str:
     text = ""
     sessions = record.get("capacity")
-    if sessions and "rounds" in sessions:
+    if sessions and "lanes" in sessions:
+        text += table_lanes(sessions)
+    elif sessions and "rounds" in sessions:
         lines = [
             "",
             f"Capacity: N streams round robin over one set of SRc bindings, {sessions['chunks_per_stream']} chunks "
@@ -89,6 +102,30 @@ def table_capacity(record: dict) -> str:
     elif sessions:
         text += f"\nCapacity run: {sessions.get('outcome')}\n"
     return text
+
+
+def table_lanes(sessions: dict) -> str:
+    best = sessions["largest_real_time_N"]
+    footprint = sessions.get("largest_real_time_N_device_footprint_bytes")
+    lines = [
+        "",
+        f"Capacity: N streams over {sessions['lanes']} replay lane(s) (each its own SRc bindings, graph pool, thread and "
+        f"CUDA stream; stream i on lane i mod L), {sessions['chunks_per_stream']} chunks each (1 chunk = 1 s of speech), "
+        f"every stream compared bit for bit with the same stream run alone; lanes built and every class captured in "
+        f"{sessions['build_and_capture_s']:.1f} s before the rounds. Largest N keeping real time: **{best}**"
+        + (f", device footprint {_gib(footprint)}" if footprint is not None else "") + ". Classes refused: "
+        + (", ".join(f"lane {r['lane']} {r['engine']} {r['class']} ({r['reason']})" for r in sessions["refused_classes"])
+           or "none") + ".",
+        "",
+        "| N | round p50 / p95 (ms, steady) | keeps real time | streams exact | device footprint | reserved |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in sessions["rounds"]:
+        steady = r["round_ms_steady"]
+        lines.append(f"| {r['sessions']} | {steady['p50']:.1f} / {steady['p95']:.1f} | {r['keeps_real_time']} | "
+                     f"{r['streams_exact']}/{r['streams_checked']} | {_gib(r['device_footprint_bytes'])} | "
+                     f"{_gib(r['reserved_bytes'])} |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(record: dict, path: Path) -> None:

@@ -136,7 +136,8 @@ def main() -> None:
         )
         wall_s = time.monotonic() - started
         load_after = os.getloadavg()
-        plugin = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"][0]["plugin"]
+        served = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"][0]
+        plugin, server_memory = served["plugin"], served["memory"]
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -172,6 +173,8 @@ def main() -> None:
         "reply_playback_stall_ms": _stats_ms(stalls),
         "replies_that_stalled": sum(stall > 0 for stall in stalls),
         "model_load": _model_load(plugin, wall_s, args.sessions),
+        # the server process's peak allocated, reserved and device footprint (cadence_fx.memory), after the run
+        "server_memory": server_memory,
         "plugin_after_run": plugin,
     }
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,19 +22,33 @@ Memory: each arm's peak is recorded over the whole run, over the first turn (whe
 happen) and over the later turns (steady state), next to the memory model's prediction of its
 peak delta against eager, derived from the contract alone (`predicted_delta_bytes`).
 
-Capacity (`--capacity 1,2,4,8,16,32`, its own process): N token streams time-multiplexed over
-one set of SRc graph bindings. Each stream owns its carries' contents, its cache dict, its HiFT
-cache and its CUDA RNG state; before a stream's chunk its state is copied into the carries (the
-addresses the graphs read), after it copied back out. Recorded per N: the round time (one chunk
-of every stream: the period at which each stream gets its next 1-second chunk) p50/p95, and
-whether every stream keeps up with real time; streams 0 and N-1 are checked bit for bit against
-the same token streams run alone.
+Memory as the device sees it (`cadence_fx.memory.DeviceMemory`, started first thing in each
+arm's process): besides the peaks above, each arm records the process's peak allocated bytes,
+reserved bytes at the end and the device footprint (`torch.cuda.mem_get_info`, less what was in use
+at the process's start), at the end of the run and again after `torch.cuda.empty_cache()`; every
+arm but eager hands the stock models back to the host once its own copies are built, so the
+footprint is what a deployment of that arm holds. Per replayed class, the graph pool's measured
+growth at its capture stands beside the staging the memory model charges (`graph_pool`).
+
+Capacity (`--capacity 8,16,24,32 --lanes 4`, its own process): N token streams over L replay
+lanes (`cadence_fx.lanes`): each lane its own set of SRc graph bindings, graph pool, host thread
+and CUDA stream; stream i runs on lane i mod L, the streams of one lane taking turns over its
+bindings. Each stream owns its carries' contents, its cache dict, its HiFT cache and its CUDA
+RNG state; before a stream's chunk its state is copied into its lane's carries (the addresses the
+graphs read), after it copied back out; HiFT's RNG draws go through one `RngSection`, from the
+stream's own generator state. Every class of every lane is captured before the rounds (the time
+it took is recorded). Recorded per N: the round time (one chunk of every stream: the period at
+which each stream gets its next 1-second chunk) p50/p95, whether every stream keeps up with real
+time, the device footprint, and every stream checked bit for bit against the same token stream
+run alone (one thread, lane 0's bindings, nothing between its chunks). The record is saved after
+each N, so a run cut short by `--capacity-limit` keeps the counts it finished.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import platform
 import subprocess
@@ -47,6 +61,8 @@ import torch
 from cadence_fx import transform
 from cadence_fx.catalog import derive
 from cadence_fx.determinism import check_repeatable, pin_deterministic
+from cadence_fx.lanes import Lane, RngSection
+from cadence_fx.memory import DeviceMemory
 from cadence_fx.models.token2wav_carry import ENVELOPES, CarryStream, reference_flow
 from cadence_fx.models.token2wav_stream import (
     StockStream,
@@ -167,18 +183,32 @@ def open_stream(arm: str, flow, hift, contract, prompt):
     return StockStream(arm_flow, arm_hift, prompt, float16=float16), engines
 
 
-def run_arm(arm, flow, hift, contract, prompt, turns, device, seed):
+def _shed_stock(arm: str, flow, hift, device: torch.device) -> None:
+    """Every arm but eager runs on copies its build made: the stock flow and HiFT leave the
+    device, so the process holds what a deployment of this arm would hold and no more."""
+    if _base_arm(arm)[0] != "eager" and device.type == "cuda":
+        flow.to("cpu")
+        hift.to("cpu")
+        _sync(device)
+        torch.cuda.empty_cache()
+
+
+def run_arm(arm, flow, hift, contract, prompt, turns, device, seed, memory: DeviceMemory):
     """Stream every turn through one arm. Peak memory counts the arm's own model (weights,
     buffers, carries), graph pools and transients: the eager arms own the stock flow and HiFT,
     the other arms own the copies their build made. The first turn's peak includes every
-    capture; the later turns' peak is the steady state."""
+    capture; the later turns' peak is the steady state. `memory` (started with the process)
+    records what the device sees: reserved bytes and the device footprint, once at the end of
+    the run and once more after `torch.cuda.empty_cache()` hands back the allocator's free blocks."""
     owned = _bytes(flow, hift) if _base_arm(arm)[0] == "eager" else 0
     _sync(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    memory.reset_peak()
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     stream, engines = open_stream(arm, flow, hift, contract, prompt)
+    _shed_stock(arm, flow, hift, device)
     timed_cfm = _Timed(stream.flow.decoder.forward_chunk, device)
     stream.flow.decoder.forward_chunk = timed_cfm
     timed_flow = stream.flow_chunk = _Timed(stream.flow_chunk, device)
@@ -202,6 +232,7 @@ def run_arm(arm, flow, hift, contract, prompt, turns, device, seed):
             chunk_ms.append((time.perf_counter() - start) * 1e3)
             mels.append(out.mel.cpu())
             pcm.append(out.speech.float().cpu())
+            memory.sample()
         timed_cfm.ms = timed_cfm.ms[: len(chunks)]
         cfm_ms, flow_ms = list(timed_cfm.ms), list(timed_flow.ms)
         timed_flow.ms.clear()
@@ -216,73 +247,139 @@ def run_arm(arm, flow, hift, contract, prompt, turns, device, seed):
         "peak_allocated_bytes_first_turn": first_turn,
         "peak_allocated_bytes_later_turns": later_turns,
         "reserved_bytes_end": torch.cuda.memory_reserved(device) if device.type == "cuda" else None,
+        "memory": memory.record(),
         "replay": {name: e.counters.as_dict() for name, e in engines.items()},
+        "graph_pool": {name: e.memory for name, e in engines.items()},
     }
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        result["memory"]["device_footprint_bytes_after_empty_cache"] = memory.footprint()
+        result["memory"]["reserved_bytes_after_empty_cache"] = torch.cuda.memory_reserved(device)
     return result, mels, pcm, stream
 
 
-def capacity(flow, hift, contract, prompt, device, sessions: list[int], chunks: int, seed: int) -> dict:
-    """N token streams over one set of SRc bindings, round robin (`TransformedFlow.swap_in` /
-    `swap_out` around each stream's chunk; see the module docstring)."""
-    transformed, report = transform((flow, hift), contract, capture=False, replay=True)
+def capacity(flow, hift, contract, prompt, device, sessions: list[int], chunks: int, seed: int, lanes: int,
+             memory: DeviceMemory, checkpoint=lambda record: None) -> dict:
+    """N token streams over L replay lanes, each lane its own set of SRc bindings on its own
+    thread and CUDA stream, the streams of a lane round robin over its bindings
+    (`TransformedFlow.swap_in` / `swap_out`), HiFT's device-RNG draws through one `RngSection`;
+    every stream checked bit for bit against the same stream run alone (module docstring)."""
+    started = time.perf_counter()
+    models = [transform((flow, hift), contract, capture=False, replay=True) for _ in range(lanes)]
+    _shed_stock("SRc", flow, hift, device)
+    section = RngSection(device)
+    lane_set = [Lane(f"lane{k}", device) for k in range(lanes)]
 
-    def run_alone(tokens: list[torch.Tensor], rng_seed: int) -> list[torch.Tensor]:
+    def open_session(transformed, index: int):
         stream = CarryStream(transformed, prompt)
-        stream.setup()
-        transformed.swap_in(transformed.session_state(rng_seed))
-        return [stream.step(t, last_chunk=False).speech.float().cpu() for t in tokens]
+        if transformed.base is None:
+            stream.setup()
+        else:
+            stream.reset_turn()  # the prompt state the first setup kept, written in place
+        state = transformed.session_state(seed + index)
+        stream.hift = functools.partial(section.call, state, transformed.hift)
+        return stream, state
 
-    run_alone(random_chunks(7, 4, device=device), seed)  # every class captured before the rounds
-    records, state_bytes = [], 0
-    for n in sessions:
-        token_streams = [random_chunks(5000 + i, chunks, device=device) for i in range(n)]
-        streams, states, outputs = [], [], [[] for _ in range(n)]
-        for i in range(n):
+    def step(transformed, stream, state, tokens):
+        transformed.swap_in(state, rng=False)
+        out = stream.step(tokens, last_chunk=False)
+        transformed.swap_out(state, rng=False)
+        return out.speech
+
+    def warm_up(transformed) -> None:
+        stream, state = open_session(transformed, -1)
+        for tokens in random_chunks(7, 4, device=device):
+            step(transformed, stream, state, tokens)
+
+    # Every class of every lane captured before the rounds (the lanes' captures take turns).
+    for future in [lane.submit(warm_up, models[k][0]) for k, lane in enumerate(lane_set)]:
+        future.result()
+    warm_up_s = time.perf_counter() - started
+    print(f"  {lanes} lane(s) built and captured in {warm_up_s:.1f} s", flush=True)
+    token_streams: dict[int, list[torch.Tensor]] = {}
+    alone: dict[int, list[torch.Tensor]] = {}
+
+    def tokens_of(i: int) -> list[torch.Tensor]:
+        return token_streams.setdefault(i, random_chunks(5000 + i, chunks, device=device))
+
+    def run_alone(i: int) -> list[torch.Tensor]:
+        """Stream i by itself: this thread, lane 0's bindings, nothing between its chunks."""
+        if i not in alone:
+            transformed = models[0][0]
             stream = CarryStream(transformed, prompt)
-            if i == 0:
-                stream.setup()
-            else:
-                stream.reset_turn()  # the prompt state the first setup kept, written in place
-            streams.append(stream)
-            states.append(transformed.session_state(seed + i))
-        state_bytes = states[0].nbytes
-        round_ms, chunk_ms = [], []
+            stream.reset_turn()
+            transformed.swap_in(transformed.session_state(seed + i))
+            alone[i] = [stream.step(t, last_chunk=False).speech.float().cpu() for t in tokens_of(i)]
+        return alone[i]
+
+    records: list[dict] = []
+
+    def summary() -> dict:
+        refused = [{"lane": k, "engine": name, "class": c.shape_class, "thread": c.thread, "reason": c.reason}
+                   for k, (_, report) in enumerate(models) for name, e in report.replays.items()
+                   for c in e.certificates.values() if not c.admitted]
+        keeping = [r for r in records if r["keeps_real_time"] and r["streams_exact"] == r["streams_checked"]]
+        best = max(keeping, key=lambda r: r["sessions"]) if keeping else None
+        return {
+            "lanes": lanes,
+            "chunks_per_stream": chunks,
+            "chunk_period_ms": CHUNK_PERIOD_MS,
+            "build_and_capture_s": warm_up_s,
+            "rng_section_calls": section.calls,
+            "replay": {f"lane{k}": {name: e.counters.as_dict() for name, e in report.replays.items()}
+                       for k, (_, report) in enumerate(models)},
+            "graph_pool_lane0": {name: e.memory for name, e in models[0][1].replays.items()},
+            "refused_classes": refused,
+            "rounds": list(records),
+            "largest_real_time_N": best["sessions"] if best else 0,
+            "largest_real_time_N_device_footprint_bytes": best["device_footprint_bytes"] if best else None,
+            "memory": memory.record(),
+        }
+
+    for n in sessions:
+        assigned = [[i for i in range(n) if i % lanes == k] for k in range(lanes)]
+        opened: dict[int, tuple] = {}
+        for k, lane in enumerate(lane_set):
+            opened.update(lane.submit(lambda k=k: {i: open_session(models[k][0], i) for i in assigned[k]}).result())
+        outputs: list[list[torch.Tensor]] = [[] for _ in range(n)]
+
+        def lane_round(k: int, c: int) -> None:
+            for i in assigned[k]:
+                stream, state = opened[i]
+                outputs[i].append(step(models[k][0], stream, state, tokens_of(i)[c]))
+
+        round_ms = []
         for c in range(chunks):
-            _sync(device)
             round_start = time.perf_counter()
-            for i, stream in enumerate(streams):
-                start = time.perf_counter()
-                transformed.swap_in(states[i])
-                outputs[i].append(stream.step(token_streams[i][c], last_chunk=False).speech)
-                transformed.swap_out(states[i])
-                _sync(device)
-                chunk_ms.append((time.perf_counter() - start) * 1e3)
+            for future in [lane.submit(lane_round, k, c) for k, lane in enumerate(lane_set)]:
+                future.result()
             round_ms.append((time.perf_counter() - round_start) * 1e3)
-        exact = {i: all(torch.equal(a.float().cpu(), b) for a, b in zip(outputs[i], run_alone(token_streams[i], seed + i)))
-                 for i in sorted({0, n - 1})}
-        steady = round_ms[3:]  # the first three chunks cross the classes
-        stats = latency_stats(steady)
+            memory.sample()
+        footprint, reserved = memory.footprint(), (torch.cuda.memory_reserved(device) if device.type == "cuda" else None)
+        exact = [all(torch.equal(a.float().cpu(), b) for a, b in zip(outputs[i], run_alone(i), strict=True))
+                 for i in range(n)]
+        stats = latency_stats(round_ms[3:])  # the first three chunks cross the classes
         record = {
             "sessions": n,
+            "lanes": lanes,
             "round_ms": latency_stats(round_ms),
             "round_ms_steady": stats,
-            "chunk_ms_with_swap": latency_stats(chunk_ms),
             "keeps_real_time": stats["p95"] <= CHUNK_PERIOD_MS,
-            "streams_checked_exact": {str(i): e for i, e in exact.items()},
-            "session_state_bytes": state_bytes * n,
+            "streams_exact": sum(exact),
+            "streams_checked": n,
+            "streams_not_exact": [i for i, e in enumerate(exact) if not e],
+            "session_state_bytes": sum(state.nbytes for _, state in opened.values()),
+            "device_footprint_bytes": footprint,
+            "reserved_bytes": reserved,
         }
         records.append(record)
-        print(f"  capacity N={n}: round p50 {stats['p50']:.1f} ms p95 {stats['p95']:.1f} ms, real time "
-              f"{record['keeps_real_time']}, exact {record['streams_checked_exact']}", flush=True)
-    keeping = [r["sessions"] for r in records if r["keeps_real_time"] and all(r["streams_checked_exact"].values())]
-    return {
-        "chunks_per_stream": chunks,
-        "chunk_period_ms": CHUNK_PERIOD_MS,
-        "carry_bytes_swapped_per_chunk": 2 * state_bytes,
-        "replay": {name: e.counters.as_dict() for name, e in report.replays.items()},
-        "rounds": records,
-        "largest_real_time_N": max(keeping) if keeping else 0,
-    }
+        print(f"  capacity N={n} on {lanes} lane(s): round p50 {stats['p50']:.1f} ms p95 {stats['p95']:.1f} ms, real "
+              f"time {record['keeps_real_time']}, exact {sum(exact)}/{n}, footprint {format_bytes(footprint)}", flush=True)
+        del opened, outputs
+        checkpoint(summary())
+    for lane in lane_set:
+        lane.close()
+    return summary()
 
 
 def _profile_steady_chunk(stream, tokens, device):
@@ -322,6 +419,7 @@ def _compile_arm(args, limit_s: int) -> dict:
 
 def _one_arm(args, device) -> dict:
     """Child mode: build the models, stream one arm, profile a steady chunk, save everything."""
+    memory = DeviceMemory(device)  # first: the device footprint counts from here
     settings = pin_deterministic()
     flow, contract, prompt_tokens = reference_flow(args.depth)
     flow, hift = flow.to(device), build_hift(device=device)
@@ -330,15 +428,18 @@ def _one_arm(args, device) -> dict:
     saved = {"settings": settings}
     torch.set_grad_enabled(args.grad)
     if args.only == "capacity":
+        def checkpoint(partial: dict) -> None:
+            torch.save({**saved, "capacity": partial}, args.only_out)
+
         saved["capacity"] = capacity(flow, hift, contract, prompt, device, _session_counts(args.capacity),
-                                     args.capacity_chunks, args.seed)
+                                     args.capacity_chunks, args.seed, args.lanes, memory, checkpoint)
         return saved
     saved["predicted_delta_bytes"] = predicted_delta_bytes(args.only, contract)
     if args.only == "eager":
         torch.manual_seed(1)
         probe = (torch.randn(1, 80, 58, device=device), torch.zeros(1, 1, 3840, device=device))
         saved["eager_hift_repeats_itself"] = check_repeatable(hift, *probe).equal
-    result, mels, pcm, stream = run_arm(args.only, flow, hift, contract, prompt, turns, device, args.seed)
+    result, mels, pcm, stream = run_arm(args.only, flow, hift, contract, prompt, turns, device, args.seed, memory)
     result["kernels_one_steady_chunk"] = _profile_steady_chunk(stream, turns[0][1], device)
     saved.update(result=result, mels=mels, pcm=pcm)
     return saved
@@ -363,12 +464,14 @@ def _spawn_arm(arm: str, argv: list[str], limit_s: int, scratch: Path) -> dict:
     """Each arm runs in a fresh process: no arm's CUDA or RNG state can reach another's."""
     path = scratch / f"{arm}.pt"
     command = [sys.executable, __file__, *argv, "--only", arm, "--only-out", str(path)]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=limit_s)
+    try:  # the child's progress goes straight to this process's stdout
+        done = subprocess.run(command, stdout=None, stderr=subprocess.PIPE, text=True, timeout=limit_s)
     except subprocess.TimeoutExpired:
+        if path.exists():  # what the child saved before it was cut short
+            return {**torch.load(path, weights_only=False), "outcome": f"killed after {limit_s} s (partial)"}
         return {"outcome": f"killed after {limit_s} s"}
     if done.returncode != 0:
-        return {"outcome": "failed", "error_tail": (done.stderr or done.stdout)[-4000:]}
+        return {"outcome": "failed", "error_tail": (done.stderr or "")[-4000:]}
     return torch.load(path, weights_only=False)
 
 
@@ -386,6 +489,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--capacity", default="", help="session counts for the multi-session run, e.g. 1,2,4,8,16,32")
     parser.add_argument("--capacity-chunks", type=int, default=8, help="chunks per stream in the multi-session run")
+    parser.add_argument("--lanes", type=int, default=1,
+                        help="replay lanes in the multi-session run: each its own bindings, thread and CUDA stream")
     parser.add_argument("--capacity-limit", type=int, default=300, help="seconds the multi-session run may take")
     parser.add_argument("--only", choices=(*ARMS, "capacity"), help=argparse.SUPPRESS)
     parser.add_argument("--only-out", type=Path, help=argparse.SUPPRESS)
@@ -407,6 +512,8 @@ def main(argv=None) -> int:
     if args.capacity:
         if not _session_counts(args.capacity):
             parser.error(f"--capacity must be positive session counts separated by commas, got {args.capacity!r}")
+        if args.lanes < 1:
+            parser.error(f"--lanes must be at least 1, got {args.lanes}")
         if args.capacity_chunks < 4:
             parser.error("--capacity-chunks must be at least 4 (3 chunks cross the classes, then steady rounds)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -79,18 +79,22 @@ class Transformed(abc.ABC):
         tensors, counters = self.resident()
         return SessionState([t.clone() for t in tensors], list(counters), rng_seeded(self.device(), seed))
 
-    def swap_in(self, state: SessionState) -> None:
-        """Before a stream's call: its state into the addresses the graphs read."""
+    def swap_in(self, state: SessionState, *, rng: bool = True) -> None:
+        """Before a stream's call: its state into the addresses the graphs read. `rng=False` leaves
+        the process's generator alone, for a caller that hands the stream's RNG state to the calls
+        that draw (`cadence_fx.lanes.RngSection`: lanes in several threads share one generator)."""
         tensors, _ = self.resident()
         for resident, own in zip(tensors, state.tensors, strict=True):
             resident.copy_(own)
         self.set_counters(state.counters)
-        rng_set(self.device(), state.rng)
+        if rng:
+            rng_set(self.device(), state.rng)
 
-    def swap_out(self, state: SessionState) -> None:
+    def swap_out(self, state: SessionState, *, rng: bool = True) -> None:
         """After a stream's call: what the call wrote, back into the stream's own state."""
         tensors, counters = self.resident()
         for resident, own in zip(tensors, state.tensors, strict=True):
             own.copy_(resident)
         state.counters = list(counters)
-        state.rng = rng_get(self.device())
+        if rng:
+            state.rng = rng_get(self.device())

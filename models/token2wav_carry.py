@@ -355,12 +355,18 @@ class Token2WavAdapter(Adapter):
                 report.graphs[name] = (before[name].graph_module, captured.graph_module)
         if replay:
             n_steps = contract.symbols()["n_steps"]
+            # One graph pool for the stream's engines: the encoder, the CFM loop and HiFT run one
+            # after another on one stream and clone their outputs, so each capture may reuse what
+            # the earlier ones freed instead of holding a pool of its own.
+            pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
             engine = ExactShapeReplay(
                 flow.decoder.forward_chunk,
                 cfm_loop_classes(flow, catalog, n_steps),
                 name="cfm_loop",
                 aliased=["cnn_cache", "att_cache"],
                 hooks=[HostConstantHoist()],
+                pool=pool,
+                inference=True,
             )
             flow.decoder.forward_chunk = engine
             report.replays["cfm_loop"] = engine
@@ -370,13 +376,16 @@ class Token2WavAdapter(Adapter):
                 name="conformer_encoder",
                 aliased=["att_cache"],
                 hooks=[HostConstantHoist()],
+                pool=pool,
+                inference=True,
             )
             flow.encoder.forward_chunk = encoder
             report.replays["conformer_encoder"] = encoder
             if hift is not None:
                 window = catalog.region("hift_source_cache").bound
                 vocoder = ExactShapeReplay(
-                    hift, hift_classes(hift, catalog, window), name="hift", hooks=[Piecewise(), HostConstantHoist()]
+                    hift, hift_classes(hift, catalog, window), name="hift", hooks=[Piecewise(), HostConstantHoist()],
+                    pool=pool, inference=True,
                 )
                 report.replays["hift"] = vocoder
                 hift = vocoder

@@ -23,11 +23,14 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import uvicorn
 from fastapi import FastAPI, WebSocket
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.websockets import WebSocketDisconnect
+
+from cadence_fx.memory import DeviceMemory
 
 from .access import Access, AccessMiddleware
 from .plugins import ModelPlugin, load_plugin
@@ -51,6 +54,8 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Started before the model loads: the device footprint it reports is the service's own.
+        state["memory"] = DeviceMemory("cuda" if torch.cuda.is_available() else "cpu")
         plugin = plugin_factory()
         plugin.reserve(limits.max_sessions)  # before the first session, which then never waits for it
         manager = SessionManager(plugin, limits)
@@ -117,6 +122,8 @@ def create_app(
                     "frame_samples": info.frame_samples,
                     "description": info.description,
                     "plugin": described,
+                    # peak allocated, reserved and device footprint of this process (cadence_fx.memory)
+                    "memory": state["memory"].record(),  # type: ignore[attr-defined]
                 }
             ],
         }

@@ -42,9 +42,21 @@ Without CUDA (or for a class whose tensors are not on a CUDA device) admission, 
 counters work the same, and every admitted call runs eagerly, counted as `no_cuda`: nothing
 pretends to replay.
 
+Threads. Each engine serves one thread at a time (its static buffers and graphs belong to one
+stream; a second thread entering raises `ReplayError`); different engines may run in different
+threads at once, each on its own CUDA stream, sharing a graph pool only with engines of the same
+stream (`pool=`). Captures are serialized process-wide by the device gate (`gate`): a class's
+probe, warm-up and capture hold it exclusive, every call holds it shared. Grad mode is per thread:
+`inference=True` makes the engine run every call under `no_grad` itself, and a class refused in a
+thread is certified and logged with that thread's name. Device-RNG readers share the process's one
+generator: drive them from one thread at a time (`cadence_fx.lanes.RngSection`).
+
+Memory. A captured class's certificate holds the bytes it stages per call (the memory model's
+charge) beside the measured growth of reserved memory over its capture (the graph pool).
+
 The package's modules: `signature` (what a call is keyed on, and why it misses), `certificate`
-(what was checked per class), `counters`, `capture` (the hook seam and the graph segments) and
-`engine` (`ExactShapeReplay`).
+(what was checked per class), `counters`, `capture` (the hook seam and the graph segments),
+`gate` (which threads may touch the device during a capture) and `engine` (`ExactShapeReplay`).
 """
 
 from .capture import NOT_HANDLED, CaptureContext, CaptureHook, current_capture

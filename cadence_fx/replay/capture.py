@@ -160,7 +160,9 @@ class _Recorder:
 
     def begin(self) -> None:
         self._graph = torch.cuda.CUDAGraph()
-        self._graph.capture_begin(pool=self.pool)
+        # thread_local: other threads' CUDA calls (replays and eager work of other engines on their
+        # own streams) neither fail nor invalidate this capture; only this thread's would.
+        self._graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
         # A host sync inside the capture then raises before it reaches CUDA, so the capture stays
         # valid and can be ended cleanly (an invalidated capture leaves the RNG in capture mode).
         with warnings.catch_warnings():

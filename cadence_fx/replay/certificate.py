@@ -38,6 +38,10 @@ class CutRecord:
         return f"{self.name} x{self.count}: {self.reason}"
 
 
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+
 @dataclass(frozen=True)
 class Certificate:
     """What was checked for one class before capture, and the verdict."""
@@ -57,6 +61,15 @@ class Certificate:
     host_constants: tuple[HoistedConstant, ...] = ()
     cuts: tuple[CutRecord, ...] = ()
     checks: tuple[str, ...] = ()
+    thread: str = ""
+    # Memory of a captured class (CUDA only): the static input buffers it stages per call (what the
+    # memory model of DESIGN.md section 2 charges a class: inputs that are not aliased), the growth
+    # of `torch.cuda.memory_reserved` over the capture itself (the graph pool's new segments: the
+    # intermediates the model does not price; a piecewise capture's cut statics included), and over
+    # the whole capture phase (staging included).
+    staged_bytes: int | None = None
+    pool_reserved_bytes: int | None = None
+    reserved_bytes: int | None = None
 
     @property
     def reads_device_rng(self) -> bool:
@@ -67,7 +80,12 @@ class Certificate:
         lines = [f"class {self.shape_class}: {verdict} ({self.reason})",
                  f"  signature: {self.signature.describe()}"]
         if self.captured:
-            lines.append(f"  captured: {self.segments} graph segment(s)")
+            lines.append(f"  captured: {self.segments} graph segment(s) on thread {self.thread!r}")
+        if self.pool_reserved_bytes is not None:
+            lines.append(f"  memory: staging {_mib(self.staged_bytes)} (the memory model's charge), graph pool grew "
+                         f"{_mib(self.pool_reserved_bytes)}, reserved grew {_mib(self.reserved_bytes)} in all")
+        elif not self.admitted:
+            lines.append(f"  refused on thread {self.thread!r}")
         lines.append("  checked: " + ", ".join(self.checks))
         rng = ", ".join(f"+{a}" for a in self.device_rng_advance if a) or "none"
         lines.append(f"  host RNG: {', '.join(self.host_rng) or 'none'}; device RNG philox offset: {rng}")

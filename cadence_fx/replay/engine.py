@@ -7,6 +7,7 @@ import contextlib
 import enum
 import gc
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -28,6 +29,7 @@ from .capture import (
 )
 from .certificate import Certificate, CutRecord
 from .counters import ReplayCounters
+from .gate import GATE
 from .signature import (
     _T,
     Catalog,
@@ -66,7 +68,8 @@ class HostCounters(Protocol):
 
 
 class ReplayError(RuntimeError):
-    """A replay could not complete and the call's effects cannot be undone."""
+    """A replay could not complete and the call's effects cannot be undone, or the engine was
+    driven in a way it cannot serve (from two threads at once)."""
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -133,14 +136,28 @@ class ExactShapeReplay:
             eager across probes, warm-ups and replays.
         warmup: eager runs before capture on the side stream, the certification probe included.
         max_invalidations: after this many invalidations a class stays eager for good.
+        pool: a CUDA graph memory pool (`torch.cuda.graph_pool_handle()`) shared with the engines
+            whose graphs run on the same stream, one after another, never at the same time as these
+            (the engines of one stream: a later capture then reuses the intermediates an earlier
+            one freed); default: a pool of this engine's own, shared by its classes.
+        inference: run every call under `torch.no_grad()`, whatever the calling thread's grad
+            mode (grad mode is per thread: a new thread starts with grad enabled, and a graph
+            replays no autograd history anyway). Without it, a call in grad mode over tensors that
+            require grad is refused as `autograd` (and the refusal is logged with its thread).
         debug: log every refused call with expected against actual.
+
+    Threads: one engine serves one thread at a time (a second thread entering while the first is
+    inside raises `ReplayError`); different engines may be driven from different threads at once,
+    each on its own CUDA stream. Captures are serialized process-wide by the device gate
+    (`cadence_fx.replay.gate`), replays are not.
     """
 
     def __init__(self, fn: Callable[..., Any], catalog: Catalog, *, name: str | None = None,
                  aliased: Sequence[int | str] = (), hooks: Sequence[CaptureHook] = (),
                  modules: Sequence[torch.nn.Module] | None = None, output_rule: str = "clone",
                  host_counters: HostCounters | None = None, warmup: int = 2, max_invalidations: int = 3,
-                 check_module_state: bool = True, debug: bool = False):
+                 check_module_state: bool = True, pool: Any = None, inference: bool = False,
+                 debug: bool = False):
         if output_rule not in ("clone", "static"):
             raise ValueError(f"output_rule must be 'clone' or 'static', not {output_rule!r}")
         if warmup < 1:
@@ -156,11 +173,14 @@ class ExactShapeReplay:
         self.max_invalidations = max_invalidations
         self.check_module_state = check_module_state
         self.debug = debug
+        self.inference = inference
+        self._shared_pool = pool is not None
+        self._inside = threading.RLock()
         self.counters = ReplayCounters()
         self.last_miss: Miss | None = None
         self._classes: dict[Signature, _ClassState] = {}
         self._misses: dict[Signature, Miss] = {}
-        self._pool: Any = None
+        self._pool: Any = pool
         self._state_tensors: list[torch.Tensor] = []
         self._state_ptrs: list[int] = []
         self._predicate: Callable[[Signature], Any] | None = None
@@ -183,6 +203,14 @@ class ExactShapeReplay:
     @property
     def certificates(self) -> dict[str, Certificate]:
         return {st.shape_class.name: st.certificate for st in self._classes.values() if st.certificate}
+
+    @property
+    def memory(self) -> dict[str, dict[str, int | None]]:
+        """Per captured class: staged bytes (the memory model's charge) against the graph pool's
+        measured growth at its capture (`Certificate`); empty without CUDA."""
+        return {name: {"staged_bytes": c.staged_bytes, "pool_reserved_bytes": c.pool_reserved_bytes,
+                       "reserved_bytes": c.reserved_bytes}
+                for name, c in self.certificates.items() if c.pool_reserved_bytes is not None}
 
     @property
     def module_state(self) -> tuple[torch.Tensor, ...]:
@@ -221,6 +249,17 @@ class ExactShapeReplay:
     # -- the call ----------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._inside.acquire(blocking=False):
+            raise ReplayError(f"{self.name}: called from thread {threading.current_thread().name!r} while another "
+                              "thread is inside it: one engine serves one thread at a time (its static buffers "
+                              "and graphs are one stream's); give each thread its own engine")
+        try:
+            with GATE.shared(), (torch.no_grad() if self.inference else contextlib.nullcontext()):
+                return self._call(args, kwargs)
+        finally:
+            self._inside.release()
+
+    def _call(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         self.counters.calls += 1
         if _BUSY.get() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             # Inside another engine's probe or capture: run plainly, the outer engine records it.
@@ -253,7 +292,8 @@ class ExactShapeReplay:
                 st.aliased_ptrs = [(i, leaves[i].data_ptr()) for i in st.aliased]
                 return self._eager(Miss(MissReason.POINTER_DRIFT, (drift,)), args, kwargs)
             return self._eager(Miss(MissReason.NO_CUDA), args, kwargs)
-        return self._certify_and_capture(st, sig, leaves, spec, args, kwargs)
+        with GATE.exclusive():
+            return self._certify_and_capture(st, sig, leaves, spec, args, kwargs)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -406,6 +446,7 @@ class ExactShapeReplay:
         host_rng = rng.host_readers(after)
         copied = [names[i] for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and i not in st.aliased]
         base = dict(shape_class=st.shape_class.name, signature=sig, host_rng=host_rng,
+                    thread=threading.current_thread().name,
                     device_rng_advance=rng.device_advance(after), writes=writes,
                     aliased=tuple(names[i] for i in st.aliased), copied=tuple(copied),
                     host_constants=tuple(probe.constants.values()),
@@ -421,8 +462,10 @@ class ExactShapeReplay:
         elif torch.is_grad_enabled() and (
                 any(k[0] == _T and k[5] for k in sig.leaves)
                 or any(p.requires_grad for m in self.modules for p in m.parameters())):
-            refusal = Miss(MissReason.AUTOGRAD, ("grad mode with tensors that require grad: "
-                                                 "graphs replay no autograd history",))
+            refusal = Miss(MissReason.AUTOGRAD, (
+                f"grad mode with tensors that require grad on thread {threading.current_thread().name!r}: "
+                "graphs replay no autograd history (grad mode is per thread: call it under torch.no_grad() "
+                "there, or build the engine with inference=True)",))
         elif shared := _shares_module_state(names, leaves, st.aliased, buffers):
             refusal = Miss(MissReason.LAYOUT, (f"{shared} share memory with module state the callable "
                                                "writes; a staged copy would go stale: declare them aliased",))
@@ -432,10 +475,7 @@ class ExactShapeReplay:
                 f"{arg} is not dense (its strides leave gaps or repeat elements): the engine stages only dense "
                 "tensors; declare it aliased or pass a dense tensor" for arg in sparse))
         if refusal is not None:
-            st.phase = Phase.EAGER
-            st.refused = refusal
-            st.certificate = Certificate(admitted=False, reason=str(refusal), **base)
-            return self._eager(refusal, args, kwargs)
+            return self._refuse(st, refusal, base, args, kwargs)
         st.aliased_ptrs = [(i, leaves[i].data_ptr()) for i in st.aliased]
         if device is None:
             st.phase = Phase.EAGER
@@ -443,6 +483,15 @@ class ExactShapeReplay:
             st.certificate = Certificate(admitted=True, reason="admitted; no CUDA device: runs eager", **base)
             return self._eager(Miss(MissReason.NO_CUDA), args, kwargs)
         return self._capture(st, sig, leaves, spec, args, kwargs, device, stream, snapshot, rng, base, writes)
+
+    def _refuse(self, st: _ClassState, refusal: Miss, base: dict[str, Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        """A class refused for good: certified as such, logged once (with the thread it was met on:
+        a refusal in a worker thread must not pass unseen), and this call runs eagerly."""
+        st.phase = Phase.EAGER
+        st.refused = refusal
+        st.certificate = Certificate(admitted=False, reason=str(refusal), **base)
+        log.warning("%s: class %s refused on thread %r: %s", self.name, st.shape_class.name, base["thread"], refusal)
+        return self._eager(refusal, args, kwargs)
 
     def _read_counters(self) -> tuple[int, ...]:
         return () if self.host_counters is None else tuple(self.host_counters.read())
@@ -472,6 +521,7 @@ class ExactShapeReplay:
                 self._write_counters(counters)
         torch.cuda.current_stream(device).wait_stream(stream)
 
+        reserved_before = torch.cuda.memory_reserved(device)
         static: list[Any] = list(leaves)
         copy_in: list[tuple[int, torch.Tensor]] = []
         for i, x in enumerate(leaves):
@@ -487,13 +537,15 @@ class ExactShapeReplay:
             if prepare is not None:
                 prepare()
         host_roots = [b for _, b in copy_in if b.device.type == "cpu"]
-        if self._pool is None or not any(other.steps for other in self._classes.values()):
-            # A pool whose graphs are all gone cannot be reused: start a new one.
+        if self._pool is None or not (self._shared_pool or any(other.steps for other in self._classes.values())):
+            # A pool of this engine's own whose graphs are all gone cannot be reused: start a new one.
             self._pool = torch.cuda.graph_pool_handle()
+        staged_bytes = sum(b.numel() * b.element_size() for _, b in copy_in if b.device.type == "cuda")
         recorder = _Recorder(self._pool)
         ctx = CaptureContext("capture", device, recorder, host_data=host_roots)
         torch.cuda.synchronize(device)
         stream.wait_stream(torch.cuda.current_stream(device))
+        pool_before = torch.cuda.memory_reserved(device)
         failure: BaseException | None = None
         # No collection may run inside a capture (a finaliser's CUDA call would break it), so the
         # collector is off while capturing, rather than a full gc.collect() before every capture:
@@ -523,13 +575,12 @@ class ExactShapeReplay:
             else:
                 first = str(failure).strip().splitlines()[0] if str(failure).strip() else ""
                 refusal = Miss(MissReason.UNCAPTURABLE, (f"{type(failure).__name__}: {first}",))
-            st.phase = Phase.EAGER
-            st.refused = refusal
-            st.certificate = Certificate(admitted=False, reason=str(refusal), **base)
-            return self._eager(refusal, args, kwargs)
+            return self._refuse(st, refusal, base, args, kwargs)
 
         # The last segment is captured but not yet run; earlier ones ran at their cuts.
         recorder.steps[-1].run()
+        torch.cuda.synchronize(device)
+        reserved_after = torch.cuda.memory_reserved(device)
         st.host_advance = tuple(after - before for before, after in zip(counters, self._read_counters(), strict=True))
         written = set(writes)
         st.steps = recorder.steps
@@ -551,7 +602,9 @@ class ExactShapeReplay:
         reason = "admitted; captured" + ("; device RNG via graph-safe philox state"
                                          if any(base["device_rng_advance"]) else "")
         st.certificate = Certificate(admitted=True, reason=reason, captured=True, segments=segments,
-                                     written_back=tuple(names[i] for i, _ in st.write_back), **base)
+                                     written_back=tuple(names[i] for i, _ in st.write_back),
+                                     staged_bytes=staged_bytes, pool_reserved_bytes=reserved_after - pool_before,
+                                     reserved_bytes=reserved_after - reserved_before, **base)
         st.phase = Phase.REPLAY
         self.counters.captures += 1
         self.counters.replays += 1
