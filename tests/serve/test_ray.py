@@ -5,12 +5,15 @@ the replica it kills, a fresh one without its sessions."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+import time
 from dataclasses import dataclass
 
 import httpx
 import pytest
 import ray
+import websockets
 from ray import serve
 from servekit import COMMIT, RESPONSE_HEAD, RESPONSE_TAIL, Server, deltas_of, run, tone_reply_pcm, types_of
 
@@ -39,7 +42,6 @@ class Ingress:
 
 
 def _start(port: int) -> None:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     spec = RaySpec(model="tone", replicas=2, limits=LIMITS, plugin_options={"step_delay_s": 0.02})
     serve.run(application(spec), name=APP, route_prefix="/")
@@ -49,6 +51,8 @@ def _start(port: int) -> None:
 def ingress():
     port = free_port()
     failed: list[BaseException] = []
+    # On this thread: Ray's local processes die with the thread that started them.
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
 
     def start() -> None:
         try:
@@ -65,6 +69,7 @@ def ingress():
             raise RuntimeError(f"the Ray Serve application was not up within {START_S:g} s")
         if failed:
             raise failed[0]
+        _wait_until_every_replica_answers(Ingress(port))
         yield Server(Ingress(port))
     finally:
         with_serve = serve.context._get_global_client(raise_if_no_controller_running=False) is not None
@@ -73,12 +78,21 @@ def ingress():
         ray.shutdown()
 
 
+def _wait_until_every_replica_answers(where: Ingress) -> None:
+    """The ingress's first calls on its handles are slow (on shared CPU cores, seconds)."""
+    deadline = time.monotonic() + START_S
+    while httpx.get(where.http_url + "/health", timeout=30).json()["status"] != "ok":
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the replicas did not all answer /health within {START_S:g} s")
+        time.sleep(0.5)
+
+
 def _replica(index: int):
     return serve.get_deployment_handle(f"replica-{index}", app_name=APP)
 
 
-def _audit(index: int, session_id: str) -> dict | None:
-    return _replica(index).audit.remote(session_id).result(timeout_s=30)
+async def _audit(index: int, session_id: str) -> dict | None:
+    return await asyncio.wait_for(_replica(index).audit.remote(session_id), 30)
 
 
 def _resume(sock, last_seq: int) -> dict:
@@ -134,7 +148,7 @@ def test_a_resume_through_the_ingress_lands_on_the_owner_and_loses_nothing(ingre
         await back.send(_resume(sock, before[-1]["server_event_seq"]))
         resumed = await back.recv()
         after = await back.recv_until("response.done", timeout=30)
-        audits = [_audit(i, sock.session_id) for i in (0, 1)]
+        audits = [await _audit(i, sock.session_id) for i in (0, 1)]
         for s in (back, filler):
             await s.send({"type": "session.close"})
             await s.recv_until("session.closed")
@@ -189,16 +203,18 @@ def test_killing_a_replica_ends_its_sessions_and_spares_the_others(ingress, ques
     async def scenario():
         kept, doomed = await ingress.connect("/v1/duplex"), await ingress.connect("/v1/duplex")
         await doomed.no_vad()
-        actor = _replica(replica_of(doomed.session_id)).health.remote().result(timeout_s=30)["actor"]
+        health = await asyncio.wait_for(_replica(replica_of(doomed.session_id)).health.remote(), 30)
+        actor = health["actor"]
         ray.kill(ray.get_actor(actor, namespace="serve"), no_restart=True)
         ended = await doomed.recv(timeout=30)
         await doomed.ws.wait_closed()
         health = httpx.get(ingress.handle.http_url + "/health", timeout=30).json()
         turn = await kept.reply_to(question_pcm, timeout=30)
         back = await ingress.connect(f"/v1/duplex?session_id={doomed.session_id}", created=False)
-        await back.send(_resume(doomed, 1))
+        with contextlib.suppress(websockets.ConnectionClosed):  # a replica still down ends it at once
+            await back.send(_resume(doomed, 1))
         late = await back.recv(timeout=30)
-        audit = _audit(replica_of(kept.session_id), kept.session_id)
+        audit = await _audit(replica_of(kept.session_id), kept.session_id)
         await kept.send({"type": "session.close"})
         await kept.recv_until("session.closed")
         return kept, doomed, ended, health, turn, late, audit
@@ -212,7 +228,7 @@ def test_killing_a_replica_ends_its_sessions_and_spares_the_others(ingress, ques
     zero, one = health["replicas"]
     assert (zero["status"], zero["sessions"]) == ("ok", 1)
     assert one["status"] == "down" or one["sessions"] == 0
-    assert types_of(turn) == ["session.updated", *COMMIT, *RESPONSE_HEAD, *RESPONSE_TAIL]
+    assert types_of(turn) == [*COMMIT, *RESPONSE_HEAD, *RESPONSE_TAIL]
     assert deltas_of(turn) == tone_reply_pcm(56)
     journaled = [e["server_event_seq"] for e in kept.received if "server_event_seq" in e]
     assert journaled == list(range(1, len(journaled) + 1))
