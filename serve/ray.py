@@ -32,8 +32,15 @@ import contextlib
 import json
 import logging
 import re
+import signal
+import ssl
+import sys
+import threading
+import time
+import urllib.request
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlencode
 
 import ray
@@ -48,7 +55,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from .access import Access, AccessMiddleware
-from .app import STATIC, BackgroundServer, background_server, health_of, model_list
+from .app import STATIC, BackgroundServer, Tls, background_server, health_of, model_list
 from .plugins import DEFAULT_PLUGIN, load_plugin
 from .protocol import ProtocolError, encode_event
 from .protocol import events as ev
@@ -57,6 +64,7 @@ from .session.session import CLOSE_GOING_AWAY, CLOSE_TRY_AGAIN, _error_event
 
 log = logging.getLogger("cadence_fx.serve.ray")
 
+APP_NAME = "cadence-fx"  # the Ray Serve application ``cadence-fx serve --ray`` runs
 REPLICA_LOST = "replica_lost"
 _SESSION_ID = re.compile(r"sess_r(\d+)_")
 # A replica that does not answer its probe within this is down (for this connection).
@@ -394,6 +402,16 @@ def visible_gpus() -> int:
     return torch.cuda.device_count()
 
 
+def sized(spec: RaySpec, replicas: int | None) -> RaySpec:
+    """``spec`` sized to the cluster: ``replicas`` replicas (None: one per GPU, or two without
+    GPUs), each with one GPU where the cluster has GPUs."""
+    gpus = visible_gpus()
+    count = replicas if replicas is not None else gpus or 2
+    if gpus and count > gpus:
+        raise ValueError(f"replicas={count}: the Ray cluster has {gpus} GPUs, and each replica takes one")
+    return replace(spec, replicas=count, gpus_per_replica=1.0 if gpus else 0.0)
+
+
 def app(args: dict[str, str]) -> serve.Application:
     """The application builder of ``serve run cadence_fx.serve.ray:app [model=M] [replicas=N]
     [max_sessions=S]``: one replica per GPU, or two CPU replicas on a machine without one."""
@@ -401,9 +419,61 @@ def app(args: dict[str, str]) -> serve.Application:
     unknown = sorted(set(args) - known)
     if unknown:
         raise ValueError(f"unknown argument(s) {', '.join(unknown)}; expected some of {', '.join(sorted(known))}")
-    gpus = visible_gpus()
-    replicas = int(args.get("replicas", gpus or 2))
+    replicas = int(args["replicas"]) if "replicas" in args else None
     limits = Limits(max_sessions=int(args.get("max_sessions", Limits().max_sessions)))
-    return application(
-        RaySpec(model=args.get("model", DEFAULT_PLUGIN), replicas=replicas, limits=limits, gpus_per_replica=1.0 if gpus else 0.0)
-    )
+    return application(sized(RaySpec(model=args.get("model", DEFAULT_PLUGIN), limits=limits), replicas))
+
+
+def run_ray(
+    host: str,
+    port: int,
+    spec: RaySpec,
+    replicas: int | None = None,
+    tls: Tls | None = None,
+    on_ready: Callable[[str, dict], None] | None = None,
+) -> None:
+    """Serve on Ray Serve until interrupted (``cadence-fx serve --ray``): joins the Ray cluster
+    ``RAY_ADDRESS`` names, else starts a local one; Ray's HTTP proxy listens on ``host:port``.
+    ``replicas``: as in ``sized``.
+    On SIGINT or SIGTERM the application is shut down: each replica drains its sessions as a
+    server does (``session.closed``, ``server_shutdown``)."""
+    notice = spec.access.open_notice(host, port)
+    if notice is not None:
+        print(f"cadence-fx serve: {notice}", file=sys.stderr, flush=True)
+    ray.init(include_dashboard=False)  # on this thread: Ray's local processes die with the thread that started them
+    try:
+        spec = sized(spec, replicas)
+        http: dict[str, object] = {"host": host, "port": port}
+        if tls is not None:
+            http |= {"ssl_keyfile": tls.keyfile, "ssl_certfile": tls.certfile}
+        serve.start(http_options=http)
+        serve.run(application(spec), name=APP_NAME, route_prefix="/")
+        base = f"{'https' if tls else 'http'}://{f'[{host}]' if ':' in host else host}:{port}"
+        if on_ready is not None:
+            on_ready(base, _ready_health(base))
+        signal.signal(signal.SIGTERM, _interrupt)
+        with contextlib.suppress(KeyboardInterrupt):
+            threading.Event().wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _ready_health(base: str, timeout_s: float = 120.0) -> dict:
+    """The ingress's ``/health`` once every replica answers it (their first calls are slow)."""
+    probe = base.replace("://0.0.0.0:", "://127.0.0.1:").replace("://[::]:", "://[::1]:") + "/health"
+    context = ssl._create_unverified_context() if probe.startswith("https") else None  # this very process
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            with urllib.request.urlopen(probe, timeout=10, context=context) as answer:
+                health = json.load(answer)
+                if health["status"] == "ok":
+                    return health
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the replicas did not all answer {probe} within {timeout_s:g} s")
+        time.sleep(0.5)
