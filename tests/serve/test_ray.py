@@ -18,7 +18,7 @@ from ray import serve
 from servekit import COMMIT, RESPONSE_HEAD, RESPONSE_TAIL, Server, deltas_of, run, tone_reply_pcm, types_of
 
 from cadence_fx.serve.app import free_port
-from cadence_fx.serve.ray import REPLICA_LOST, RaySpec, application, replica_of, session_prefix
+from cadence_fx.serve.ray import REPLICA_LOST, RaySpec, application, replica_of, session_prefix, sized
 from cadence_fx.serve.session import Limits
 
 APP = "cadence-fx-test"
@@ -107,6 +107,18 @@ def _resume(sock, last_seq: int) -> dict:
 def test_session_ids_name_the_replica_that_allocated_them():
     assert [replica_of(session_prefix(i) + "x-_y") for i in (0, 1, 12)] == [0, 1, 12]
     assert [replica_of(s) for s in ("sess_abc", "sess_rx_abc", "r1_abc")] == [None, None, None]
+
+
+def test_a_deployment_takes_one_replica_per_gpu_or_two_without(monkeypatch):
+    import cadence_fx.serve.ray as on_ray
+
+    spec = RaySpec(model="tone")
+    monkeypatch.setattr(on_ray, "visible_gpus", lambda: 0)
+    assert [(s.replicas, s.gpus_per_replica) for s in (sized(spec, None), sized(spec, 3))] == [(2, 0.0), (3, 0.0)]
+    monkeypatch.setattr(on_ray, "visible_gpus", lambda: 4)
+    assert [(s.replicas, s.gpus_per_replica) for s in (sized(spec, None), sized(spec, 2))] == [(4, 1.0), (2, 1.0)]
+    with pytest.raises(ValueError, match=r"^replicas=5: the Ray cluster has 4 GPUs, and each replica takes one$"):
+        sized(spec, 5)
 
 
 def test_new_sessions_go_to_the_replica_with_the_most_free_slots(ingress):
