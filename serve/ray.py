@@ -205,7 +205,7 @@ class SessionRouter:
             with contextlib.suppress(Exception):
                 listed.append((replica, await asyncio.wait_for(handle.models.remote(), PROBE_S)))  # type: ignore[arg-type]
         if not listed:
-            error = {"type": "server_error", "code": "replica_lost", "message": "no replica is up"}
+            error = {"type": "server_error", "code": REPLICA_LOST, "message": "no replica is up"}
             return JSONResponse({"error": error}, status_code=503)
         first = listed[0][1]
         first["data"][0]["replicas"] = [{"replica": r, "plugin": m["data"][0]["plugin"]} for r, m in listed]
@@ -226,20 +226,21 @@ class SessionRouter:
         """Carries one client WebSocket to a replica's and back, frame for frame, until either
         side closes; a replica lost on the way ends the client's session (``replica_lost``)."""
         path = "/v1/duplex" if ws.url.path == "/v1/duplex" else "/v1/realtime"
-        query = urlencode([(k, v) for k, v in ws.query_params.multi_items()])
-        offered = ws.scope.get("subprotocols", [])
+        query = urlencode(ws.query_params.multi_items())
         headers = {"x-forwarded-for": ws.client.host if ws.client else "unknown"}
         if "authorization" in ws.headers:
             headers["authorization"] = ws.headers["authorization"]
-        upstream, placed = None, None
-        for target in await self.candidates(session_id):
-            placed = target["replica"] if session_id is None else None
-            if placed is not None:
-                self.placing[placed] += 1
+        # Only a duplex connection opened with a session id creates no session (it resumes one).
+        link = _Link(duplex, session_id if duplex else None)
+        upstream = None
+        for target in await self.candidates(link.session_id):
+            if link.session_id is None:
+                link.placed = target["replica"]
+                self.placing[link.placed] += 1
             try:
                 upstream = await websockets.connect(
                     f"{target['url']}{path}?{query}",
-                    subprotocols=offered or None,
+                    subprotocols=ws.scope.get("subprotocols") or None,
                     additional_headers=headers,
                     open_timeout=CONNECT_S,
                     max_size=None,  # the replica's own frames; the client's are limited by the replica
@@ -248,18 +249,12 @@ class SessionRouter:
                 break
             except (OSError, InvalidHandshake, TimeoutError) as exc:
                 log.warning("replica %s refused a connection: %s", target["replica"], exc)
-                if placed is not None:
-                    self.placing[placed] -= 1
-                    placed = None
+                self._placed(link)
         if upstream is None:
-            await self._refuse(ws, duplex, session_id)
+            await self._refuse(ws, link)
             return
         await ws.accept(subprotocol=upstream.subprotocol)
-        held = [session_id]  # the session this connection holds, as the replica names it
-        pumps = {
-            asyncio.create_task(self._to_client(upstream, ws, held, placed)),
-            asyncio.create_task(self._to_replica(ws, upstream)),
-        }
+        pumps = {asyncio.create_task(self._to_client(upstream, ws, link)), asyncio.create_task(_to_replica(ws, upstream))}
         try:
             done, _ = await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
             client_code = next(iter(done)).result()
@@ -267,80 +262,89 @@ class SessionRouter:
             for task in pumps:
                 task.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
+            self._placed(link)
         if client_code is not None:
             await upstream.close(client_code)
-        else:
-            await self._pass_close(upstream, ws, duplex, held[0])
+            return
+        received = upstream.protocol.close_rcvd
+        with contextlib.suppress(Exception):  # the client may be gone too
+            if received is not None:  # the replica closed the session's socket: passed on as it is
+                await ws.close(received.code, received.reason)
+            else:  # the replica went without a close frame: it died
+                log.warning("lost the replica of session %s", link.session_id)
+                await _end_lost(ws, link)
 
-    async def _to_client(self, upstream: ClientConnection, ws: WebSocket, held: list, placed: int | None) -> int | None:
+    def _placed(self, link: _Link) -> None:
+        """The replica a new session was placed on has announced it (or never will)."""
+        if link.placed is not None:
+            self.placing[link.placed] -= 1
+            link.placed = None
+
+    async def _to_client(self, upstream: ClientConnection, ws: WebSocket, link: _Link) -> int | None:
         """Replica frames to the client; None once the replica's socket has ended, or the close
-        code to pass on if the client left first. Names the session the connection holds."""
+        code to pass on if the client left first. Learns which session the connection holds."""
         try:
             async for frame in upstream:
                 if isinstance(frame, str) and frame.startswith(_NAMING_EVENTS):
-                    held[0] = _named_session(frame)
-                    if placed is not None:
-                        self.placing[placed] -= 1
-                        placed = None
+                    link.session_id = _named_session(frame)
+                    self._placed(link)
                 try:
                     await (ws.send_text(frame) if isinstance(frame, str) else ws.send_bytes(frame))
                 except (WebSocketDisconnect, RuntimeError, OSError):
                     return 1000
-            return None
         except ConnectionClosed:
-            return None
-        finally:
-            if placed is not None:
-                self.placing[placed] -= 1
+            pass
+        return None
 
     @staticmethod
-    async def _to_replica(ws: WebSocket, upstream: ClientConnection) -> int | None:
-        """Client frames to the replica; the close code to pass on once the client has left, or
-        None if the replica's socket ended first."""
-        while True:
-            try:
-                message = await ws.receive()
-            except (WebSocketDisconnect, RuntimeError):
-                return 1000
-            if message["type"] == "websocket.disconnect":
-                code = message.get("code", 1000)
-                return code if code in _SENDABLE_CLOSE or 3000 <= code < 5000 else 1000
-            text = message.get("text")
-            try:
-                await upstream.send(text if text is not None else message.get("bytes") or b"")
-            except ConnectionClosed:
-                return None
-
-    @staticmethod
-    async def _pass_close(upstream: ClientConnection, ws: WebSocket, duplex: bool, session_id: str | None) -> None:
-        """The replica's close, passed on as it is; or, when the replica went without one (it died),
-        the session's end: ``session.closed`` (``replica_lost``) on a duplex connection, then 1001."""
-        received = upstream.protocol.close_rcvd
-        with contextlib.suppress(Exception):
-            if received is not None:
-                await ws.close(received.code, received.reason)
-                return
-            log.warning("lost the replica of session %s", session_id)
-            if duplex and session_id is not None:
-                closed = ev.SessionClosed(session_id=session_id, reason=REPLICA_LOST, event_id="event_replica_lost")
-                await ws.send_text(encode_event(closed, duplex=True))
-            await ws.close(CLOSE_GOING_AWAY, REPLICA_LOST)
-
-    @staticmethod
-    async def _refuse(ws: WebSocket, duplex: bool, session_id: str | None) -> None:
-        """No replica for this connection: the session it names is lost with its replica, or no
+    async def _refuse(ws: WebSocket, link: _Link) -> None:
+        """No replica for this connection: the session it resumes is lost with its replica, or no
         replica is up for a new one (``resource_exhausted``, 1013)."""
         await ws.accept(subprotocol="realtime" if "realtime" in ws.scope.get("subprotocols", []) else None)
-        if session_id is not None and replica_of(session_id) is not None:
-            if duplex:
-                closed = ev.SessionClosed(session_id=session_id, reason=REPLICA_LOST, event_id="event_replica_lost")
-                await ws.send_text(encode_event(closed, duplex=True))
-            await ws.close(CLOSE_GOING_AWAY, REPLICA_LOST)
+        if link.session_id is not None and replica_of(link.session_id) is not None:
+            await _end_lost(ws, link)
             return
         error = _error_event(ProtocolError("resource_exhausted", "no replica is up"))
         error.event_id = "event_unbound000001"
-        await ws.send_text(encode_event(error, duplex=duplex))
+        await ws.send_text(encode_event(error, duplex=link.duplex))
         await ws.close(CLOSE_TRY_AGAIN, "resource exhausted")
+
+
+@dataclass
+class _Link:
+    """One bridged connection: the session it holds (as the replica names it, once known), and the
+    replica a new session of it was placed on, until that replica announces it."""
+
+    duplex: bool
+    session_id: str | None
+    placed: int | None = None
+
+
+async def _to_replica(ws: WebSocket, upstream: ClientConnection) -> int | None:
+    """Client frames to the replica; the close code to pass on once the client has left, or None
+    if the replica's socket ended first."""
+    while True:
+        try:
+            message = await ws.receive()
+        except (WebSocketDisconnect, RuntimeError):
+            return 1000
+        if message["type"] == "websocket.disconnect":
+            code = message.get("code", 1000)
+            return code if code in _SENDABLE_CLOSE or 3000 <= code < 5000 else 1000
+        text = message.get("text")
+        try:
+            await upstream.send(text if text is not None else message.get("bytes") or b"")
+        except ConnectionClosed:
+            return None
+
+
+async def _end_lost(ws: WebSocket, link: _Link) -> None:
+    """A session lost with its replica ends as a server going away ends it, with its own reason:
+    ``session.closed`` (``replica_lost``; duplex connections only), then 1001 ``replica_lost``."""
+    if link.duplex and link.session_id is not None:
+        closed = ev.SessionClosed(session_id=link.session_id, reason=REPLICA_LOST, event_id="event_replica_lost")
+        await ws.send_text(encode_event(closed, duplex=True))
+    await ws.close(CLOSE_GOING_AWAY, REPLICA_LOST)
 
 
 def router_app(router: SessionRouter) -> FastAPI:
