@@ -38,7 +38,6 @@ import sys
 import threading
 import time
 import urllib.request
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from urllib.parse import urlencode
@@ -171,9 +170,8 @@ class SessionRouter:
     def __init__(self, replicas: list[DeploymentHandle], spec: RaySpec) -> None:
         self.replicas = replicas
         self.spec = spec
-        # New sessions bridged to a replica that has not yet announced them: its /health does not
-        # count them, so placement does.
-        self.placing: Counter[int] = Counter()
+        # New sessions bridged to each replica that a probe may not count yet: placement counts them.
+        self.placed: dict[int, list[_Link]] = {i: [] for i in range(len(replicas))}
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return router_app(self)
@@ -218,9 +216,20 @@ class SessionRouter:
         if owner is not None and owner < len(self.replicas):
             probe = await self.probe(owner)
             return [probe] if probe["status"] == "ok" else []
+        asked = time.monotonic()
         probes = await asyncio.gather(*(self.probe(i) for i in range(len(self.replicas))))
         live = [p for p in probes if p["status"] == "ok"]
-        return sorted(live, key=lambda p: (p["sessions"] + self.placing[p["replica"]] - p["max_sessions"], p["replica"]))
+        taken = {p["replica"]: p["sessions"] + self._uncounted(p["replica"], asked) for p in live}
+        return sorted(live, key=lambda p: (taken[p["replica"]] - p["max_sessions"], p["replica"]))
+
+    def _uncounted(self, replica: int, asked: float) -> int:
+        """The sessions placed on ``replica`` that a probe asked at ``asked`` may not have counted:
+        those not yet announced, or announced after it was asked. Forgets the ones no probe still
+        in use can miss (a probe answers within ``PROBE_S``)."""
+        now = time.monotonic()
+        links = self.placed[replica]
+        links[:] = [link for link in links if link.announced is None or link.announced > now - 2 * PROBE_S]
+        return sum(link.announced is None or link.announced >= asked for link in links)
 
     async def bridge(self, ws: WebSocket, duplex: bool, session_id: str | None) -> None:
         """Carries one client WebSocket to a replica's and back, frame for frame, until either
@@ -234,9 +243,10 @@ class SessionRouter:
         link = _Link(duplex, session_id if duplex else None)
         upstream = None
         for target in await self.candidates(link.session_id):
+            self._unplace(link)
             if link.session_id is None:
                 link.placed = target["replica"]
-                self.placing[link.placed] += 1
+                self.placed[link.placed].append(link)
             try:
                 upstream = await websockets.connect(
                     f"{target['url']}{path}?{query}",
@@ -249,8 +259,8 @@ class SessionRouter:
                 break
             except (OSError, InvalidHandshake, TimeoutError) as exc:
                 log.warning("replica %s refused a connection: %s", target["replica"], exc)
-                self._placed(link)
         if upstream is None:
+            self._unplace(link)
             await self._refuse(ws, link)
             return
         await ws.accept(subprotocol=upstream.subprotocol)
@@ -262,7 +272,7 @@ class SessionRouter:
             for task in pumps:
                 task.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
-            self._placed(link)
+            self._unplace(link)
         if client_code is not None:
             await upstream.close(client_code)
             return
@@ -274,10 +284,11 @@ class SessionRouter:
                 log.warning("lost the replica of session %s", link.session_id)
                 await _end_lost(ws, link)
 
-    def _placed(self, link: _Link) -> None:
-        """The replica a new session was placed on has announced it (or never will)."""
+    def _unplace(self, link: _Link) -> None:
+        """The connection is over (or goes elsewhere): placement stops counting its session."""
         if link.placed is not None:
-            self.placing[link.placed] -= 1
+            with contextlib.suppress(ValueError):
+                self.placed[link.placed].remove(link)
             link.placed = None
 
     async def _to_client(self, upstream: ClientConnection, ws: WebSocket, link: _Link) -> int | None:
@@ -287,7 +298,8 @@ class SessionRouter:
             async for frame in upstream:
                 if isinstance(frame, str) and frame.startswith(_NAMING_EVENTS):
                     link.session_id = _named_session(frame)
-                    self._placed(link)
+                    if link.announced is None:
+                        link.announced = time.monotonic()
                 try:
                     await (ws.send_text(frame) if isinstance(frame, str) else ws.send_bytes(frame))
                 except (WebSocketDisconnect, RuntimeError, OSError):
@@ -310,14 +322,15 @@ class SessionRouter:
         await ws.close(CLOSE_TRY_AGAIN, "resource exhausted")
 
 
-@dataclass
+@dataclass(eq=False)
 class _Link:
-    """One bridged connection: the session it holds (as the replica names it, once known), and the
-    replica a new session of it was placed on, until that replica announces it."""
+    """One bridged connection: the session it holds (as the replica names it, once known); for a
+    new session, the replica it was placed on and when that replica announced it."""
 
     duplex: bool
     session_id: str | None
     placed: int | None = None
+    announced: float | None = None
 
 
 async def _to_replica(ws: WebSocket, upstream: ClientConnection) -> int | None:
