@@ -95,6 +95,13 @@ async def _audit(index: int, session_id: str) -> dict | None:
     return await asyncio.wait_for(_replica(index).audit.remote(session_id), 30)
 
 
+async def _until_closed(sock):
+    """The events a socket still holds, then its end."""
+    with contextlib.suppress(websockets.ConnectionClosed):
+        while True:
+            yield await sock.recv(timeout=30)
+
+
 def _resume(sock, last_seq: int) -> dict:
     return {
         "type": "session.resume",
@@ -214,12 +221,16 @@ def test_a_takeover_through_the_ingress_replaces_the_owners_connection(ingress):
 def test_killing_a_replica_ends_its_sessions_and_spares_the_others(ingress, question_pcm):
     async def scenario():
         kept, doomed = await ingress.connect("/v1/duplex"), await ingress.connect("/v1/duplex")
+        plain_kept, plain_doomed = await ingress.connect("/v1/realtime"), await ingress.connect("/v1/realtime")
         await doomed.no_vad()
         health = await asyncio.wait_for(_replica(replica_of(doomed.session_id)).health.remote(), 30)
         actor = health["actor"]
         ray.kill(ray.get_actor(actor, namespace="serve"), no_restart=True)
         ended = await doomed.recv(timeout=30)
         await doomed.ws.wait_closed()
+        await plain_doomed.ws.wait_closed()
+        plain_after = [event async for event in _until_closed(plain_doomed)]
+        plain_alive = await plain_kept.update({"instructions": "still here"})
         health = httpx.get(ingress.handle.http_url + "/health", timeout=30).json()
         turn = await kept.reply_to(question_pcm, timeout=30)
         back = await ingress.connect(f"/v1/duplex?session_id={doomed.session_id}", created=False)
@@ -229,16 +240,23 @@ def test_killing_a_replica_ends_its_sessions_and_spares_the_others(ingress, ques
         audit = await _audit(replica_of(kept.session_id), kept.session_id)
         await kept.send({"type": "session.close"})
         await kept.recv_until("session.closed")
-        return kept, doomed, ended, health, turn, late, audit
+        await plain_kept.close()
+        plain = (plain_kept, plain_doomed, plain_after, plain_alive)
+        return kept, doomed, ended, health, turn, late, audit, plain
 
-    kept, doomed, ended, health, turn, late, audit = run(scenario())
-    assert (replica_of(kept.session_id), replica_of(doomed.session_id)) == (0, 1)
+    kept, doomed, ended, health, turn, late, audit, plain = run(scenario())
+    plain_kept, plain_doomed, plain_after, plain_alive = plain
+    placed = [replica_of(s.session_id) for s in (kept, doomed, plain_kept, plain_doomed)]
+    assert placed == [0, 1, 0, 1]
     assert ended == {"type": "session.closed", "event_id": "event_replica_lost", "session_id": doomed.session_id,
                      "reason": REPLICA_LOST}
     assert (doomed.ws.close_code, doomed.ws.close_reason) == (1001, REPLICA_LOST)
+    # A plain Realtime connection gets no Tier 3 event: its socket just closes, 1001 replica_lost.
+    assert (plain_after, plain_doomed.ws.close_code, plain_doomed.ws.close_reason) == ([], 1001, REPLICA_LOST)
+    assert plain_alive["type"] == "session.updated"
     # Replica 1 is down, or already restarted by Ray Serve without the session; replica 0 serves on.
     zero, one = health["replicas"]
-    assert (zero["status"], zero["sessions"]) == ("ok", 1)
+    assert (zero["status"], zero["sessions"]) == ("ok", 2)
     assert one["status"] == "down" or one["sessions"] == 0
     assert types_of(turn) == [*COMMIT, *RESPONSE_HEAD, *RESPONSE_TAIL]
     assert deltas_of(turn) == tone_reply_pcm(56)
