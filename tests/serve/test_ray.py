@@ -72,9 +72,7 @@ def ingress():
         _wait_until_every_replica_answers(Ingress(port))
         yield Server(Ingress(port))
     finally:
-        with_serve = serve.context._get_global_client(raise_if_no_controller_running=False) is not None
-        if with_serve:
-            serve.shutdown()
+        serve.shutdown()
         ray.shutdown()
 
 
