@@ -13,7 +13,8 @@ requests over the replicas of a deployment as it likes and cannot be told "this 
   the same routes as one server. A WebSocket is bridged frame by frame to one replica's own
   socket: a connection opened with ``?session_id=`` (a resume, a takeover, a ``/v1/duplex``
   reconnect) goes to the replica its id names; a new session goes to the replica with the most
-  free slots, asked through the deployments' handles (``SessionReplica.health``). ``/health`` and
+  free slots, asked through the deployments' handles (``SessionReplica.health``), counting the
+  sessions it has just placed that a replica's answer may not count yet. ``/health`` and
   ``/v1/models`` gather every replica's.
 * **A replica that dies** drops its sockets without a close frame. The ingress then ends each of
   its sessions as a server that goes away does, with its own reason: ``session.closed``
@@ -47,9 +48,9 @@ import websockets
 from fastapi import FastAPI, WebSocket
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
-from starlette.websockets import WebSocketDisconnect
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.websockets import WebSocketDisconnect
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
