@@ -171,8 +171,7 @@ class SessionRouter:
     def __init__(self, replicas: list[DeploymentHandle], spec: RaySpec) -> None:
         self.replicas = replicas
         self.spec = spec
-        # New sessions bridged to each replica that a probe may not count yet: placement counts them.
-        self.placed: dict[int, list[_Link]] = {i: [] for i in range(len(replicas))}
+        self.placement = Placement(len(replicas))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return router_app(self)
@@ -219,18 +218,7 @@ class SessionRouter:
             return [probe] if probe["status"] == "ok" else []
         asked = time.monotonic()
         probes = await asyncio.gather(*(self.probe(i) for i in range(len(self.replicas))))
-        live = [p for p in probes if p["status"] == "ok"]
-        taken = {p["replica"]: p["sessions"] + self._uncounted(p["replica"], asked) for p in live}
-        return sorted(live, key=lambda p: (taken[p["replica"]] - p["max_sessions"], p["replica"]))
-
-    def _uncounted(self, replica: int, asked: float) -> int:
-        """The sessions placed on ``replica`` that a probe asked at ``asked`` may not have counted:
-        those not yet announced, or announced after it was asked. Forgets the ones no probe still
-        in use can miss (a probe answers within ``PROBE_S``)."""
-        now = time.monotonic()
-        links = self.placed[replica]
-        links[:] = [link for link in links if link.announced is None or link.announced > now - 2 * PROBE_S]
-        return sum(link.announced is None or link.announced >= asked for link in links)
+        return self.placement.order(probes, asked, time.monotonic())
 
     async def bridge(self, ws: WebSocket, duplex: bool, session_id: str | None) -> None:
         """Carries one client WebSocket to a replica's and back, frame for frame, until either
@@ -241,13 +229,12 @@ class SessionRouter:
         if "authorization" in ws.headers:
             headers["authorization"] = ws.headers["authorization"]
         # Only a duplex connection opened with a session id creates no session (it resumes one).
-        link = _Link(duplex, session_id if duplex else None)
+        link = Link(duplex, session_id if duplex else None)
         upstream = None
         for target in await self.candidates(link.session_id):
-            self._unplace(link)
+            self.placement.forget(link)
             if link.session_id is None:
-                link.placed = target["replica"]
-                self.placed[link.placed].append(link)
+                self.placement.place(link, target["replica"])
             try:
                 upstream = await websockets.connect(
                     f"{target['url']}{path}?{query}",
@@ -261,7 +248,7 @@ class SessionRouter:
             except (OSError, InvalidHandshake, TimeoutError) as exc:
                 log.warning("replica %s refused a connection: %s", target["replica"], exc)
         if upstream is None:
-            self._unplace(link)
+            self.placement.forget(link)
             await self._refuse(ws, link)
             return
         await ws.accept(subprotocol=upstream.subprotocol)
@@ -273,7 +260,7 @@ class SessionRouter:
             for task in pumps:
                 task.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
-            self._unplace(link)
+            self.placement.forget(link)
         if client_code is not None:
             await upstream.close(client_code)
             return
@@ -285,14 +272,7 @@ class SessionRouter:
                 log.warning("lost the replica of session %s", link.session_id)
                 await _end_lost(ws, link)
 
-    def _unplace(self, link: _Link) -> None:
-        """The connection is over (or goes elsewhere): placement stops counting its session."""
-        if link.placed is not None:
-            with contextlib.suppress(ValueError):
-                self.placed[link.placed].remove(link)
-            link.placed = None
-
-    async def _to_client(self, upstream: ClientConnection, ws: WebSocket, link: _Link) -> int | None:
+    async def _to_client(self, upstream: ClientConnection, ws: WebSocket, link: Link) -> int | None:
         """Replica frames to the client; None once the replica's socket has ended, or the close
         code to pass on if the client left first. Learns which session the connection holds."""
         try:
@@ -310,7 +290,7 @@ class SessionRouter:
         return None
 
     @staticmethod
-    async def _refuse(ws: WebSocket, link: _Link) -> None:
+    async def _refuse(ws: WebSocket, link: Link) -> None:
         """No replica for this connection: the session it resumes is lost with its replica, or no
         replica is up for a new one (``resource_exhausted``, 1013)."""
         await ws.accept(subprotocol="realtime" if "realtime" in ws.scope.get("subprotocols", []) else None)
@@ -323,8 +303,42 @@ class SessionRouter:
         await ws.close(CLOSE_TRY_AGAIN, "resource exhausted")
 
 
+class Placement:
+    """Where new sessions go: the live replica with the most free slots (then the lowest index).
+    A probe's ``sessions`` may miss the sessions placed just before it answered, so placement
+    counts them itself: each placed session until its replica announces it (``session.created``),
+    and after that for any probe asked before the announcement. ``forget_after_s``: how long an
+    answer may be in use after it was asked (``PROBE_S``, as a probe answers within it)."""
+
+    def __init__(self, replicas: int, forget_after_s: float = PROBE_S) -> None:
+        self.placed: dict[int, list[Link]] = {i: [] for i in range(replicas)}
+        self.forget_after_s = forget_after_s
+
+    def order(self, probes: list[dict], asked: float, now: float) -> list[dict]:
+        """The live replicas among ``probes`` (asked at ``asked``), best first."""
+        live = [p for p in probes if p["status"] == "ok"]
+        taken = {p["replica"]: p["sessions"] + self._uncounted(p["replica"], asked, now) for p in live}
+        return sorted(live, key=lambda p: (taken[p["replica"]] - p["max_sessions"], p["replica"]))
+
+    def place(self, link: Link, replica: int) -> None:
+        link.placed = replica
+        self.placed[replica].append(link)
+
+    def forget(self, link: Link) -> None:
+        """The connection is over (or goes elsewhere): its session is no longer counted."""
+        if link.placed is not None:
+            with contextlib.suppress(ValueError):
+                self.placed[link.placed].remove(link)
+            link.placed = None
+
+    def _uncounted(self, replica: int, asked: float, now: float) -> int:
+        links = self.placed[replica]
+        links[:] = [link for link in links if link.announced is None or link.announced > now - 2 * self.forget_after_s]
+        return sum(link.announced is None or link.announced >= asked for link in links)
+
+
 @dataclass(eq=False)
-class _Link:
+class Link:
     """One bridged connection: the session it holds (as the replica names it, once known); for a
     new session, the replica it was placed on and when that replica announced it."""
 
@@ -352,7 +366,7 @@ async def _to_replica(ws: WebSocket, upstream: ClientConnection) -> int | None:
             return None
 
 
-async def _end_lost(ws: WebSocket, link: _Link) -> None:
+async def _end_lost(ws: WebSocket, link: Link) -> None:
     """A session lost with its replica ends as a server going away ends it, with its own reason:
     ``session.closed`` (``replica_lost``; duplex connections only), then 1001 ``replica_lost``."""
     if link.duplex and link.session_id is not None:

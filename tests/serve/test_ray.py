@@ -18,7 +18,17 @@ from ray import serve
 from servekit import COMMIT, RESPONSE_HEAD, RESPONSE_TAIL, Server, deltas_of, run, tone_reply_pcm, types_of
 
 from cadence_fx.serve.app import free_port
-from cadence_fx.serve.ray import REPLICA_LOST, RaySpec, application, replica_of, session_prefix, sized
+from cadence_fx.serve.ray import (
+    PROBE_S,
+    REPLICA_LOST,
+    Link,
+    Placement,
+    RaySpec,
+    application,
+    replica_of,
+    session_prefix,
+    sized,
+)
 from cadence_fx.serve.session import Limits
 
 APP = "cadence-fx-test"
@@ -112,6 +122,47 @@ def _resume(sock, last_seq: int) -> dict:
 def test_session_ids_name_the_replica_that_allocated_them():
     assert [replica_of(session_prefix(i) + "x-_y") for i in (0, 1, 12)] == [0, 1, 12]
     assert [replica_of(s) for s in ("sess_abc", "sess_rx_abc", "r1_abc")] == [None, None, None]
+
+
+def _probe(replica: int, sessions: int, max_sessions: int = 8, status: str = "ok") -> dict:
+    return {"replica": replica, "status": status, "sessions": sessions, "max_sessions": max_sessions}
+
+
+def test_placement_prefers_the_most_free_slots_then_the_lowest_index():
+    placement = Placement(3)
+    probes = [_probe(0, 3), _probe(1, 1), _probe(2, 0, status="down")]
+    assert [p["replica"] for p in placement.order(probes, asked=0.0, now=0.0)] == [1, 0]
+    even = [_probe(0, 2), _probe(1, 6, max_sessions=12)]
+    assert [p["replica"] for p in placement.order(even, asked=0.0, now=0.0)] == [0, 1]
+
+
+def test_placement_counts_each_placed_session_once_until_every_probe_sees_it():
+    placement = Placement(2)
+    first, second = Link(duplex=True, session_id=None), Link(duplex=True, session_id=None)
+    empty = [_probe(0, 0), _probe(1, 0)]
+    placement.place(first, placement.order(empty, asked=10.0, now=10.0)[0]["replica"])
+    # A second connection, whose probes were asked before the first session existed.
+    placement.place(second, placement.order(empty, asked=10.0, now=10.1)[0]["replica"])
+    assert (first.placed, second.placed) == (0, 1)
+    first.announced = 10.5
+    # Asked after the first was announced, the probe of replica 0 counts it and placement does not;
+    # the second, not announced yet, placement counts: a tie, so replica 0 (counted twice, the
+    # first would send this one to replica 1).
+    seen = [_probe(0, 1), _probe(1, 0)]
+    assert [p["replica"] for p in placement.order(seen, asked=11.0, now=11.0)] == [0, 1]
+    second.announced = 10.6
+    both = [_probe(0, 1), _probe(1, 1)]
+    # Asked between the two announcements: the probe of replica 1 may have missed the second session, so
+    # placement counts it (a tie, so replica 0; counted by nobody, replica 1 would look emptier).
+    between = [_probe(0, 1), _probe(1, 0)]
+    assert [p["replica"] for p in placement.order(between, asked=10.55, now=11.0)] == [0, 1]
+    # Once no probe still in use can have missed them, they are forgotten.
+    placement.order(both, asked=15.0, now=10.6 + 2 * PROBE_S + 0.1)
+    assert placement.placed == {0: [], 1: []}
+    third = Link(duplex=False, session_id=None)
+    placement.place(third, 1)
+    placement.forget(third)
+    assert (placement.placed, third.placed) == ({0: [], 1: []}, None)
 
 
 def test_a_deployment_takes_one_replica_per_gpu_or_two_without(monkeypatch):
