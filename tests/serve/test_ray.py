@@ -18,6 +18,7 @@ from ray import serve
 from servekit import COMMIT, RESPONSE_HEAD, RESPONSE_TAIL, Server, deltas_of, run, tone_reply_pcm, types_of
 
 from cadence_fx.serve.app import free_port
+from cadence_fx.serve.ray import app as builder
 from cadence_fx.serve.ray import (
     PROBE_S,
     REPLICA_LOST,
@@ -175,6 +176,12 @@ def test_a_deployment_takes_one_replica_per_gpu_or_two_without(monkeypatch):
     assert [(s.replicas, s.gpus_per_replica) for s in (sized(spec, None), sized(spec, 2))] == [(4, 1.0), (2, 1.0)]
     with pytest.raises(ValueError, match=r"^replicas=5: the Ray cluster has 4 GPUs, and each replica takes one$"):
         sized(spec, 5)
+
+
+def test_the_serve_run_builder_refuses_an_unknown_argument():
+    assert isinstance(builder({"model": "tone", "replicas": "2", "max_sessions": "4"}), serve.Application)
+    with pytest.raises(ValueError, match=r"^unknown argument\(s\) modle; expected some of max_sessions, model, replicas$"):
+        builder({"modle": "tone"})
 
 
 def test_new_sessions_go_to_the_replica_with_the_most_free_slots(ingress):
