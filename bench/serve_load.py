@@ -12,6 +12,11 @@ run. Run it from outside the repository's folders (``bench/moshi.py`` would shad
     python bench/serve_load.py --sessions 8 --seconds 60                      # tone: bench/results/serve_load.json
     python bench/serve_load.py --plugin moshi-tiny     # bench/results/serve_load_moshi.json
     python bench/serve_load.py --plugin moshi-full --sessions 2 --seconds 30  # a GPU: serve_load_moshi_full.json
+    python bench/serve_load.py --plugin moshi-full --sessions 128 --ray 2     # 2 GPUs: serve_load_moshi_full_ray2.json
+
+With ``--ray N`` the server is ``cadence-fx serve --ray --replicas N`` (docs/deployment.md): N
+replicas, one GPU each where there are GPUs, ``--sessions`` spread over them by the ingress, each
+replica with room for its share; the report adds each replica's sessions and plugin counters.
 """
 
 from __future__ import annotations
@@ -36,14 +41,21 @@ RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _start_server(port: int, plugin: str, sessions: int, timeout_s: float) -> subprocess.Popen:
+def _start_server(port: int, plugin: str, sessions: int, timeout_s: float, replicas: int) -> subprocess.Popen:
     """The server in its own process, once ``/health`` answers (the plugin's startup, its batch
-    included, prints its progress on stderr meanwhile)."""
-    code = (
-        "from cadence_fx.serve.app import run_server; from cadence_fx.serve.session import Limits; "
-        f"run_server('127.0.0.1', {port}, {plugin!r}, "
-        f"Limits(max_sessions={sessions}, max_sessions_per_client={sessions}))"
-    )
+    included, prints its progress on stderr meanwhile). ``replicas``: 0 for one server process,
+    else ``cadence-fx serve --ray`` with that many replicas, each with room for its share."""
+    if replicas == 0:
+        code = (
+            "from cadence_fx.serve.app import run_server; from cadence_fx.serve.session import Limits; "
+            f"run_server('127.0.0.1', {port}, {plugin!r}, "
+            f"Limits(max_sessions={sessions}, max_sessions_per_client={sessions}))"
+        )
+    else:
+        share = -(-sessions // replicas)
+        argv = ["serve", "--ray", "--replicas", str(replicas), "--model", plugin, "--port", str(port),
+                "--max-sessions", str(share), "--max-sessions-per-client", str(sessions)]
+        code = f"import sys; from cadence_fx.cli import main; sys.exit(main({argv!r}))"
     return server_process(code, port, timeout_s=timeout_s)
 
 
@@ -119,13 +131,17 @@ def main() -> None:
     )
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for the server to come up")
     parser.add_argument("--patience", type=float, default=120.0, help="seconds a session waits for any one answer")
+    parser.add_argument("--ray", type=int, default=0, metavar="N",
+                        help="serve through cadence-fx serve --ray with N replicas (default 0: one server process)")
     args = parser.parse_args()
     named = {"tone": "serve_load.json", "moshi-tiny": "serve_load_moshi.json"}
     out = args.out or RESULTS / named.get(args.plugin, f"serve_load_{args.plugin.replace('-', '_')}.json")
+    if args.out is None and args.ray:
+        out = out.with_name(f"{out.stem}_ray{args.ray}.json")
 
     port = free_port()
     started = time.monotonic()
-    server = _start_server(port, args.plugin, args.sessions, args.startup_timeout)
+    server = _start_server(port, args.plugin, args.sessions, args.startup_timeout, args.ray)
     startup_s = time.monotonic() - started
     load_before = os.getloadavg()
     try:
@@ -136,8 +152,9 @@ def main() -> None:
         )
         wall_s = time.monotonic() - started
         load_after = os.getloadavg()
-        served = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"][0]
-        plugin, server_memory = served["plugin"], served["memory"]
+        model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"][0]
+        plugin, server_memory = model["plugin"], model.get("memory")  # through Ray: per replica, below
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).json()
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -177,6 +194,21 @@ def main() -> None:
         "server_memory": server_memory,
         "plugin_after_run": plugin,
     }
+    if args.ray:
+        # Per replica: the sessions it served (all ended by now) and its plugin's counters.
+        share = -(-args.sessions // args.ray)
+        report["model_load"] = None
+        report["plugin_after_run"] = None
+        report["replicas"] = [
+            {
+                "replica": r["replica"],
+                "status": r["status"],
+                "sessions_served": r.get("sessions_ended"),
+                "model_load": _model_load(m["plugin"], wall_s, share),
+                "plugin_after_run": m["plugin"],
+            }
+            for r, m in zip(health["replicas"], model["replicas"], strict=True)
+        ]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

@@ -45,9 +45,13 @@ STATIC = Path(__file__).resolve().parent / "static"
 REALTIME_SUBPROTOCOL = "realtime"
 
 def create_app(
-    plugin_factory: Callable[[], ModelPlugin], limits: Limits | None = None, access: Access | None = None
+    plugin_factory: Callable[[], ModelPlugin],
+    limits: Limits | None = None,
+    access: Access | None = None,
+    session_prefix: str = "sess_",
 ) -> FastAPI:
-    """The service app. ``plugin_factory`` builds the model plugin once, at startup."""
+    """The service app. ``plugin_factory`` builds the model plugin once, at startup.
+    ``session_prefix``: what its session ids start with (a Ray replica's names the replica)."""
     limits = limits or Limits()
     access = access or Access()
     state: dict[str, object] = {}
@@ -58,7 +62,7 @@ def create_app(
         state["memory"] = DeviceMemory("cuda" if torch.cuda.is_available() else "cpu")
         plugin = plugin_factory()
         plugin.reserve(limits.max_sessions)  # before the first session, which then never waits for it
-        manager = SessionManager(plugin, limits)
+        manager = SessionManager(plugin, limits, session_prefix)
         await manager.start()
         state["plugin"], state["manager"] = plugin, manager
         app.state.manager = manager
@@ -107,26 +111,7 @@ def create_app(
     @app.get("/v1/models")
     async def models() -> dict:
         plugin: ModelPlugin = state["plugin"]  # type: ignore[assignment]
-        info = plugin.info
-        described = await asyncio.to_thread(plugin.describe)
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": info.name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "cadence-fx",
-                    "input_rate": info.input_rate,
-                    "output_rate": info.output_rate,
-                    "frame_samples": info.frame_samples,
-                    "description": info.description,
-                    "plugin": described,
-                    # peak allocated, reserved and device footprint of this process (cadence_fx.memory)
-                    "memory": state["memory"].record(),  # type: ignore[attr-defined]
-                }
-            ],
-        }
+        return model_list(plugin, await asyncio.to_thread(plugin.describe), state["memory"].record())  # type: ignore[attr-defined]
 
     @app.get("/", include_in_schema=False)
     async def page() -> FileResponse:
@@ -136,17 +121,44 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict:
-        manager: SessionManager = state["manager"]  # type: ignore[assignment]
-        return {
-            "status": "ok",
-            "model": manager.plugin.info.name,
-            "sessions": len(manager.sessions),
-            "connections": len(manager.connections),  # sockets open, a session's or not yet
-            "max_sessions": limits.max_sessions,
-            "sessions_ended": manager.ended,
-        }
+        return health_of(state["manager"])  # type: ignore[arg-type]
 
     return app
+
+
+def model_list(plugin: ModelPlugin, described: dict, memory: dict) -> dict:
+    """``/v1/models``: the served model as an OpenAI model list; ``described``: ``plugin.describe()``;
+    ``memory``: this process's peak allocated, reserved and device footprint (`cadence_fx.memory`)."""
+    info = plugin.info
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": info.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "cadence-fx",
+                "input_rate": info.input_rate,
+                "output_rate": info.output_rate,
+                "frame_samples": info.frame_samples,
+                "description": info.description,
+                "plugin": described,
+                "memory": memory,
+            }
+        ],
+    }
+
+
+def health_of(manager: SessionManager) -> dict:
+    """``/health`` (read on the server's event loop, where the sessions live)."""
+    return {
+        "status": "ok",
+        "model": manager.plugin.info.name,
+        "sessions": len(manager.sessions),
+        "connections": len(manager.connections),  # sockets open, a session's or not yet
+        "max_sessions": manager.limits.max_sessions,
+        "sessions_ended": manager.ended,
+    }
 
 
 def frame_ceiling(limits: Limits) -> int:
@@ -165,9 +177,12 @@ class Tls:
     certfile: str
 
 
-def uvicorn_config(app: FastAPI, host: str, port: int, limits: Limits, tls: Tls | None = None) -> uvicorn.Config:
+def uvicorn_config(
+    app: FastAPI, host: str, port: int, limits: Limits, tls: Tls | None = None, forwarded_allow_ips: str | None = None
+) -> uvicorn.Config:
     """The one uvicorn configuration of every server this package starts (``run_server``,
-    ``cadence-fx serve``, ``background_server``)."""
+    ``cadence-fx serve``, ``background_server``). ``forwarded_allow_ips``: the peers whose
+    ``X-Forwarded-For`` names the client (uvicorn's default, None, trusts 127.0.0.1 only)."""
     return uvicorn.Config(
         app,
         host=host,
@@ -178,6 +193,7 @@ def uvicorn_config(app: FastAPI, host: str, port: int, limits: Limits, tls: Tls 
         lifespan="on",
         ssl_keyfile=None if tls is None else tls.keyfile,
         ssl_certfile=None if tls is None else tls.certfile,
+        forwarded_allow_ips=forwarded_allow_ips,
     )
 
 
@@ -243,7 +259,7 @@ def _announce(server: uvicorn.Server, base: str, on_ready: Callable[[str, dict],
 
 @dataclass
 class BackgroundServer:
-    """A uvicorn server on a loopback port in a thread (tests and benchmarks)."""
+    """A uvicorn server in a thread (tests, benchmarks and the Ray replicas, ``serve/ray.py``)."""
 
     server: Server
     thread: threading.Thread
@@ -310,12 +326,16 @@ def background_server(
     tls: Tls | None = None,
     access: Access | None = None,
     port: int | None = None,
+    session_prefix: str = "sess_",
+    forwarded_allow_ips: str | None = None,
 ) -> Iterator[BackgroundServer]:
     """``start_timeout_s`` covers the plugin's startup (its ``reserve``), which a model may take a
-    while over. ``port``: a free one unless given."""
+    while over. ``port``: a free one unless given. ``session_prefix`` and ``forwarded_allow_ips``:
+    as in ``create_app`` and ``uvicorn_config``."""
     limits = limits or Limits()
     port = port or free_port(host)
-    server = Server(uvicorn_config(create_app(plugin_factory, limits, access), host, port, limits, tls))
+    app = create_app(plugin_factory, limits, access, session_prefix)
+    server = Server(uvicorn_config(app, host, port, limits, tls, forwarded_allow_ips))
     thread = threading.Thread(target=server.run, name=f"uvicorn:{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout_s

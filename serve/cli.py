@@ -22,6 +22,8 @@ def _serve(args: argparse.Namespace) -> int:
     from cadence_fx.serve.plugins import loads_weights, plugin_names, takes_prompt
     from cadence_fx.serve.session import Limits
 
+    if args.replicas is not None and not args.ray:
+        raise ValueError("--replicas goes with --ray (without it, one server process serves every session)")
     options = dict(args.plugin_option)
     for flag, value, accepts, what in (("--weights", args.weights, loads_weights, "loads no checkpoint"),
                                        ("--prompt", args.prompt, takes_prompt, "takes no speaker prompt")):
@@ -55,12 +57,20 @@ def _serve(args: argparse.Namespace) -> int:
 
     def ready(base: str, health: dict) -> None:
         ws = base.replace("http", "ws", 1)
+        replicas = f" over {len(health['replicas'])} replicas" if "replicas" in health else ""
         print(
-            f"ready: {health['model']} on {ws}/v1/realtime ({health['max_sessions']} session slots); page at {base}/",
+            f"ready: {health['model']} on {ws}/v1/realtime ({health['max_sessions']} session slots{replicas}); "
+            f"page at {base}/",
             file=sys.stderr,
             flush=True,
         )
 
+    if args.ray:
+        from cadence_fx.serve.ray import RaySpec, run_ray
+
+        spec = RaySpec(model=args.model, limits=limits, access=access, plugin_options=options)
+        run_ray(args.host, args.port, spec, args.replicas, tls, on_ready=ready)
+        return 0
     run_server(args.host, args.port, args.model, limits, access, tls, on_ready=ready, plugin_options=options)
     return 0
 
@@ -145,6 +155,14 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         help="a browser origin (scheme://host:port) allowed besides the server's own; repeatable; '*' allows any",
     )
     serve.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json")
+    serve.add_argument(
+        "--ray", action="store_true",
+        help="serve on Ray Serve (RAY_ADDRESS's cluster, else a local one): replicas of this server behind one "
+             "ingress that routes each session to its replica; --max-sessions is per replica (docs/deployment.md)",
+    )
+    serve.add_argument("--replicas", type=positive_int,
+                       help="with --ray: how many replicas, one GPU each where the cluster has GPUs "
+                            "(default: one per GPU, or 2 without GPUs)")
     serve.set_defaults(run=_serve)
 
     prompt = commands.add_parser("prompt", help="prepare MiniCPM-o Token2Wav's speaker prompt from a WAV and save it")

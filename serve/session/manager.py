@@ -26,9 +26,12 @@ _STOP_S = 5.0
 
 
 class SessionManager:
-    def __init__(self, plugin: ModelPlugin, limits: Limits) -> None:
+    def __init__(self, plugin: ModelPlugin, limits: Limits, session_prefix: str = "sess_") -> None:
         self.plugin = plugin
         self.limits = limits
+        # What every session id this manager allocates starts with: a scaled-out service names the
+        # replica there, so a resume can be routed to the replica that holds the session.
+        self.session_prefix = session_prefix
         self.executor = ThreadPoolExecutor(max(1, limits.workers), thread_name_prefix="cadence-serve")
         # A model call holds its thread for as long as the model takes, and a session has at most
         # one in flight: one thread per session slot, so that no session's model call waits for
@@ -76,7 +79,8 @@ class SessionManager:
         self.model_executor.shutdown(wait=False, cancel_futures=True)
 
     def create(self, transport: Transport, duplex: bool, client: str) -> Session:
-        """A new session with a server-allocated, unguessable id, or ``resource_exhausted``."""
+        """A new session with a server-allocated, unguessable id (``session_prefix`` and 18 random
+        bytes), or ``resource_exhausted``."""
         limits = self.limits
         if self.draining:
             raise ProtocolError("resource_exhausted", "the server is shutting down")
@@ -89,7 +93,7 @@ class SessionManager:
                 f"this client ({quoted(client)}) holds {held} sessions, "
                 f"max_sessions_per_client={limits.max_sessions_per_client}",
             )
-        session_id = "sess_" + secrets.token_urlsafe(18)
+        session_id = self.session_prefix + secrets.token_urlsafe(18)
         session = Session(self, session_id, self.plugin, self.limits, self.executor, duplex, client)
         self.sessions[session_id] = session
         session.start(transport)

@@ -59,6 +59,7 @@ def test_ready_line_over_tls(tmp_path):
         (["--ssl-keyfile", "key.pem"], "--ssl-keyfile and --ssl-certfile go together: give both (PEM files) or neither"),
         (["--ssl-keyfile", "nokey.pem", "--ssl-certfile", "nocert.pem"],
          "no such file 'nokey.pem' (expected a PEM key or certificate)"),
+        (["--replicas", "2"], "--replicas goes with --ray (without it, one server process serves every session)"),
     ],
 )
 def test_bad_tls_options_are_one_sentence(options, sentence, capsys):
@@ -76,3 +77,16 @@ def test_plugin_options_are_read_as_json_values_or_text(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--plugin-option", "step_delay_s"])
     assert "expected NAME=VALUE, got 'step_delay_s'" in capsys.readouterr().err
+
+
+def test_serve_ray_deploys_the_options_as_a_ray_spec(monkeypatch):
+    import cadence_fx.serve.ray as on_ray
+
+    called = []
+    monkeypatch.setattr(on_ray, "run_ray", lambda *args, **kwargs: called.append((args, kwargs)))
+    options = ["--ray", "--replicas", "3", "--max-sessions", "5", "--plugin-option", "step_delay_s=0.04"]
+    assert main(["serve", "--model", "tone", "--port", "9000", *options]) == 0
+    [((host, port, spec, replicas, tls), kwargs)] = called
+    assert (host, port, replicas, tls) == ("127.0.0.1", 9000, 3, None)
+    assert (spec.model, spec.limits.max_sessions, spec.plugin_options) == ("tone", 5, {"step_delay_s": 0.04})
+    assert list(kwargs) == ["on_ready"]
