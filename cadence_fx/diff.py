@@ -572,6 +572,11 @@ def _certificate(cert: Certificate) -> str:
         ("host constants hoisted", "; ".join(map(str, cert.host_constants)) or "none"),
         ("run eagerly between segments", "; ".join(map(str, cert.cuts)) or "none"),
     ]
+    if cert.pool_reserved_bytes is not None:  # measured over the capture (CUDA only)
+        facts.append(("device memory of the capture",
+                      f"staged inputs {_bytes(cert.staged_bytes)} (the memory model's charge); graph pool grew "
+                      f"{_bytes(cert.pool_reserved_bytes)}; reserved grew {_bytes(cert.reserved_bytes)} "
+                      "over the whole capture phase"))
     items = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in facts)
     return f'<dl class="certificate {"admitted" if cert.admitted else "refused"}">{items}</dl>'
 
@@ -651,8 +656,8 @@ def _savings(report: TransformReport, catalog: Catalog) -> str:
         "staged argument and one per argument written back (an output clone is not counted). Saved is the "
         "difference, per call; a class that was not captured saves nothing.</p>" + launched
         + "<h3>Memory per region</h3><p>What the stock code holds for each region against the bytes of its "
-        "carry. The graph pool each captured class holds on the device is not recorded in its certificate, so "
-        "this page does not show it.</p>"
+        "carry. The device memory each captured class took (its staged inputs, and how much the graph pool and "
+        "the reserved memory grew over its capture) is in its certificate, on a GPU.</p>"
         + _table(["region", "stock", "stock from", "carry", "saved"], memory, "memory")
     )
 

@@ -226,3 +226,15 @@ def test_the_terminal_shows_the_same_figures(own):
     text = render_savings(report, report.catalog)
     assert f"{BOUND[2]}  191    -       -      verified; not called since" in text
     assert "kv      1.50 KiB  the stock state the transform replaced  1.50 KiB  0 B" in text
+
+
+def test_a_captured_classs_certificate_shows_the_device_memory_its_capture_took():
+    from cadence_fx.diff import _certificate
+
+    certificate = Certificate("step[L=0]", Signature.of(torch.ones(2)), admitted=True, reason="admitted; captured",
+                              captured=True, segments=1, staged_bytes=2048, pool_reserved_bytes=2 * 2**20,
+                              reserved_bytes=3 * 2**20)
+    page = Page(f"<!DOCTYPE html><html><body>{_certificate(certificate)}</body></html>")
+    assert page.errors == []
+    assert ("staged inputs 2.00 KiB (the memory model&#x27;s charge); graph pool grew 2.00 MiB; reserved grew 3.00 MiB "
+            "over the whole capture phase") in page.text
