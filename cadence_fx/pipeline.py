@@ -64,6 +64,7 @@ from .passes.hoist import HostConstantHoist
 from .passes.state import Resize
 from .passes.window import CarryCounters, Window, WindowCarry, WindowError, rewrite_windows
 from .replay import ExactShapeReplay, Signature
+from .replay.signature import is_dense
 from .report import format_bytes
 from .transformed import Transformed
 
@@ -219,6 +220,14 @@ def _ring_site(gm: torch.fx.GraphModule, graph: str, site: Site, axis: int, outp
                          f"{site.path}: returned anew by the step ({leaf.name}): copied into its carry after every call")
 
 
+def _staged(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The copied inputs as the graphs take them: a view that is not dense (a slice of a longer
+    signal) copied to a contiguous tensor, values unchanged, so a replay can stage it; the stock
+    call keeps the caller's own, and verification compares the two."""
+    return {name: value.contiguous() if isinstance(value, torch.Tensor) and not is_dense(value) else value
+            for name, value in inputs.items()}
+
+
 def _equal(a: Any, b: Any) -> str | None:
     """None when every tensor leaf of `a` equals `b`'s bit for bit (same shape and dtype), else where not."""
     la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
@@ -299,8 +308,9 @@ class BoundOperator:
         if call is None:
             return self._stock(roots, inputs, "not_in_catalog")
         state = [self._carry_view(roots, site) for site in self.sites]
+        staged = _staged(inputs)
         try:
-            signature = Signature.of(inputs, state)
+            signature = Signature.of(staged, state)
         except TypeError:
             return self._stock(roots, inputs, "unkeyable")
         # The state's shapes are bounded by the catalogs (another region's extent varies by its
@@ -320,14 +330,14 @@ class BoundOperator:
                         f"variants captured, now {signature.describe()}): runs the stock code from here; pass a value "
                         "that changes every call as a tensor, or bind it as a counter")
                 return self._stock(roots, inputs, "variants")
-            cls = self.classes[key] = self._capture(roots, inputs, state, call)
+            cls = self.classes[key] = self._capture(roots, staged, state, call)
         if cls.refused is not None:
             return self._stock(roots, inputs, "refused")
         if cls.verify_left > 0:
-            return self._verify(cls, roots, inputs, state)
+            return self._verify(cls, roots, inputs, staged, state)
         self._current = cls
         runner = self.replay if self.replay is not None else cls.graph
-        outputs, new_state = runner(inputs, state)
+        outputs, new_state = runner(staged, state)
         self.counters.graph_calls += 1
         cls.calls += 1
         self._commit(roots, new_state)
@@ -567,8 +577,9 @@ class BoundOperator:
         with torch.no_grad():
             return self.method(**inputs, **_arguments(roots))
 
-    def _verify(self, cls: _Class, roots, inputs, state) -> Any:
-        """The stock call on clones of the state beside the rewritten graph on the carries."""
+    def _verify(self, cls: _Class, roots, inputs, staged, state) -> Any:
+        """The stock call (on the caller's inputs, on clones of the state) beside the rewritten graph
+        (on the staged inputs, on the carries)."""
         counters_before = {p: get_path(roots, p) for p in self._host_counter_paths(roots)}
         originals = [get_path(roots, s.path) for s in self.sites]
         rng = RngState.capture()
@@ -586,7 +597,7 @@ class BoundOperator:
         rng.restore()
         for site, value, original in zip(self.sites, state, originals):
             set_path(roots, site.path, value if site.out is None else original)
-        outputs, new_state = cls.graph(inputs, state)
+        outputs, new_state = cls.graph(staged, state)
         self.counters.graph_calls += 1
         cls.calls += 1
         self._commit(roots, new_state)

@@ -38,7 +38,7 @@ from .signature import (
     ShapeClass,
     Signature,
     _context,
-    _dense,
+    is_dense,
     _flatten,
     _leaf_key,
     _leaf_owners,
@@ -470,7 +470,7 @@ class ExactShapeReplay:
             refusal = Miss(MissReason.LAYOUT, (f"{shared} share memory with module state the callable "
                                                "writes; a staged copy would go stale: declare them aliased",))
         elif sparse := [f"{names[i]} {tuple(x.shape)} strides {x.stride()}" for i, x in enumerate(leaves)
-                        if isinstance(x, torch.Tensor) and i not in st.aliased and not _dense(x)]:
+                        if isinstance(x, torch.Tensor) and i not in st.aliased and not is_dense(x)]:
             refusal = Miss(MissReason.LAYOUT, tuple(
                 f"{arg} is not dense (its strides leave gaps or repeat elements): the engine stages only dense "
                 "tensors; declare it aliased or pass a dense tensor" for arg in sparse))

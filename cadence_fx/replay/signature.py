@@ -96,7 +96,7 @@ def _memory_format(t: torch.Tensor) -> str:
     return "strided"
 
 
-def _dense(t: torch.Tensor) -> bool:
+def is_dense(t: torch.Tensor) -> bool:
     """Non-overlapping and dense: some permutation of `t` is contiguous (or it has no elements),
     so it can be staged."""
     if t.numel() == 0:
