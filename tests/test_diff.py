@@ -140,7 +140,7 @@ def test_each_region_shows_the_stock_state_against_its_carry(page):
     assert [r.stock_bytes for r in report.resizes] == [8192, 3072]
     assert {name: c.buffer.numel() * c.buffer.element_size() for name, c in report.carries.items()} == {
         "attention_kv": 8192, "conv_left_context": 1024}
-    assert "not recorded in its certificate, so this page does not show it" in page.text
+    assert "is in its certificate, on a GPU" in page.text
 
 
 def _traced(fn) -> torch.fx.GraphModule:
