@@ -107,12 +107,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     from cadence_fx.serve.access import Access
     from cadence_fx.serve.app import Tls, run_server
-    from cadence_fx.serve.plugins import loads_weights, plugin_names, takes_prompt
+    from cadence_fx.serve.plugins import has_slots, loads_weights, plugin_names, takes_prompt
     from cadence_fx.serve.session import Limits
 
     options = dict(args.plugin_option)
     for flag, value, accepts, what in (("--weights", args.weights, loads_weights, "loads no checkpoint"),
-                                       ("--prompt", args.prompt, takes_prompt, "takes no speaker prompt")):
+                                       ("--prompt", args.prompt, takes_prompt, "takes no speaker prompt"),
+                                       ("--slots", args.slots, has_slots, "has no batch of slots")):
         if value is None:
             continue
         if not accepts(args.model):
@@ -131,7 +132,8 @@ def _serve(args: argparse.Namespace) -> int:
                 raise ValueError(f"no such file {path!r} (expected a PEM key or certificate)")
         tls = Tls(args.ssl_keyfile, args.ssl_certfile)
     limits = Limits(
-        max_sessions=args.max_sessions,
+        # More sessions than the places' slots hold is refused at startup (the plugin's reserve).
+        max_sessions=args.max_sessions or args.slots or 16,
         max_sessions_per_client=args.max_sessions_per_client,
         idle_ttl_s=args.idle_ttl,
         grace_s=args.grace,
@@ -256,7 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a published checkpoint to serve instead of random weights: a local directory or a "
                             "Hugging Face hub repo id (moshi-full: kyutai/moshiko-pytorch-bf16; token2wav-full: "
                             "openbmb/MiniCPM-o-4_5)")
-    serve.add_argument("--max-sessions", type=_positive_int, default=16)
+    serve.add_argument("--max-sessions", type=_positive_int,
+                       help="live sessions at once (default: --slots when given, else 16)")
+    serve.add_argument("--slots", type=_positive_int, metavar="B",
+                       help="moshi-*: the batch of each tick place, the sessions it ticks in one call; admission "
+                            "is a free slot (default: the batch follows --max-sessions)")
     serve.add_argument(
         "--max-sessions-per-client", type=_positive_int, default=4, help="live sessions one client address may hold"
     )

@@ -136,6 +136,8 @@ def create_app(
             "sessions": len(manager.sessions),
             "connections": len(manager.connections),  # sockets open, a session's or not yet
             "max_sessions": limits.max_sessions,
+            "free_slots": manager.plugin.free_slots(),  # None: the model has no fixed slots
+            "admits": manager.remaining(),  # sessions a new connection may still get
             "sessions_ended": manager.ended,
         }
 
@@ -167,6 +169,10 @@ def uvicorn_config(app: FastAPI, host: str, port: int, limits: Limits, tls: Tls 
         port=port,
         ws="websockets-sansio",
         ws_max_size=frame_ceiling(limits),
+        # No permessage-deflate: the events are mostly base64 audio, which deflates by a quarter at
+        # best, and deflating every event took a third of the event loop's time serving 8 Moshi
+        # sessions (measured, issue 13): time a busy server needs to answer its sessions.
+        ws_per_message_deflate=False,
         log_level="warning",
         lifespan="on",
         ssl_keyfile=None if tls is None else tls.keyfile,

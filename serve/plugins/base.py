@@ -72,6 +72,11 @@ class ModelPlugin(ABC):
         """Build now whatever ``sessions`` concurrent streams will need, so that none waits for it
         later. The server calls it once at startup with its session limit."""
 
+    def free_slots(self) -> int | None:
+        """How many more streams ``open_stream`` admits now, for a plugin with a fixed number of
+        them (a batch's slots); None when only the server's session limit bounds them."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         """What the plugin runs and its counters, for ``/v1/models`` (blocking: the app calls it off
         the event loop)."""

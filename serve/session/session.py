@@ -343,8 +343,9 @@ class Session:
             self.mailbox.put_nowait(_Tick())
 
     def report_rate_limits(self) -> None:
-        """``rate_limits.updated`` to the attached client: ``requests`` are the server's session
-        slots (none left: a new session gets ``resource_exhausted``), ``tokens`` the bytes of input
+        """``rate_limits.updated`` to the attached client: ``requests`` are the sessions the server
+        still admits (its session limit's room, at most the model's free slots; none left: a new
+        session gets ``resource_exhausted``), ``tokens`` the bytes of input
         audio this session may still queue (fewer than an append's: ``input_backpressure``). Sent
         after ``session.created``, to every session when the server fills up or stops being full,
         and to a session when it refuses an append for backpressure and once its queue has drained
@@ -358,7 +359,7 @@ class Session:
                     {
                         "name": "requests",
                         "limit": limits.max_sessions,
-                        "remaining": limits.max_sessions - len(self.manager.sessions),
+                        "remaining": self.manager.remaining(),
                     },
                     {
                         "name": "tokens",
