@@ -95,6 +95,9 @@ def _model_load(plugin: dict, wall_s: float, sessions: int) -> dict | None:
     cpu_ms_per_tick = 1e3 * sum(plugin["tick_cpu_seconds_per_process"]) / ticks
     wall_ms_per_tick = 1e3 * sum(plugin["tick_seconds_per_process"]) / ticks
     cost_ms = cpu_ms_per_tick if plugin["device"] == "cpu" else wall_ms_per_tick
+    def per_tick_ms(parts: list[dict[str, float]]) -> dict[str, float]:
+        return {name: round(1e3 * sum(part[name] for part in parts) / ticks, 2) for name in parts[0]}
+
     return {
         "batched_ticks": ticks,
         "session_frames": frames,
@@ -105,6 +108,13 @@ def _model_load(plugin: dict, wall_s: float, sessions: int) -> dict | None:
         "wall_ms_per_tick": round(wall_ms_per_tick, 2),
         "frames_per_s_at_that_cost_and_fill": round(len(plugin["tick_seconds_per_process"]) * frames / ticks * 1e3 / cost_ms, 1),
         "frames_per_s_real_time_needs": sessions * 12.5,
+        # Where a tick's time went: on the place's ticking thread (the frames made tensors, the
+        # batched call, its outputs to the host and split into rows) and on the scheduler's
+        # thread in the server (gathering the slots that come right back, the round trip to the
+        # place, answering the sessions); and the slots ticks ran without for want of time.
+        "place_ms_per_tick": per_tick_ms(plugin["tick_phase_seconds_per_process"]),
+        "scheduler_ms_per_tick": per_tick_ms(plugin["scheduler_seconds_per_process"]),
+        "follow_misses": sum(plugin["follow_misses_per_process"]),
     }
 
 

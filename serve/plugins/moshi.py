@@ -388,7 +388,8 @@ class MoshiStream(ModelStream):
                     f"feed takes float32 frames of {FRAME_SAMPLES} samples, got {frame.dtype} {frame.shape}"
                 )
         listened = 0
-        for out in self._tick(frames):
+        # While a reply is in progress the session asks for its next frame right after a feed.
+        for out in self._tick(frames, follows=self.budget > 0):
             self.turn_frames += 1
             if out is None:
                 continue

@@ -8,6 +8,12 @@ session order, never lets two of them overlap, and runs them on the manager's mo
 Fence: every response belongs to the epoch in force when it was created. Cancel and barge-in
 advance the epoch and emit the response's terminal events at once; chunks of an older epoch that
 arrive later are dropped and counted, never emitted.
+
+A reply's audio is the one thing not emitted by the owner: its task emits each chunk as the
+model hands it over (on the event loop, through the fence), so a command that waits for the
+model (an append's frames riding ticks of a batch) never holds a playing reply's audio back.
+While a reply plays, an append's frames go to the model one call each, so the reply's next
+chunk is computed between two of them rather than after all.
 """
 
 from __future__ import annotations
@@ -464,8 +470,6 @@ class Session:
         elif isinstance(msg, _Reject):
             if msg.transport is self.transport:
                 self.emit(_error_event(msg.error))
-        elif isinstance(msg, _Chunk):
-            self._on_chunk(msg)
         elif isinstance(msg, _ReplyEnd):
             self._on_reply_end(msg)
         elif isinstance(msg, _Resume):
@@ -511,7 +515,10 @@ class Session:
         led.resampled_samples += resampled
         self._buffer += data
         self._kept()
-        if frames:
+        if frames and self.active is not None:  # one call each: the reply's frames go in between
+            for frame in frames:
+                await self.port.call(self.stream.feed, frame)
+        elif frames:
             await self.port.call(self.stream.feed_frames, frames)
         led.fed_samples += len(frames) * self.plugin.info.frame_samples
         led.pending_samples = len(self._frame)
@@ -779,7 +786,7 @@ class Session:
                 rendered = await self.port.call(self._render, resampler, resp.output_format, guard=current)
                 if rendered is None:
                     break
-                self.mailbox.put_nowait(_Chunk(resp.epoch, resp.id, *rendered))
+                self._on_chunk(_Chunk(resp.epoch, resp.id, *rendered))
             self.mailbox.put_nowait(_ReplyEnd(resp.epoch, resp.id, None))
         except asyncio.CancelledError:
             raise

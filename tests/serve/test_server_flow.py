@@ -3,12 +3,14 @@ Every event received is checked against OpenAI's GA schema by CheckedSocket."""
 
 from __future__ import annotations
 
+import asyncio
 
 import httpx
 from servekit import (
     COMMIT,
     RESPONSE_HEAD,
     RESPONSE_TAIL,
+    Server,
     deltas_of,
     run,
     running,
@@ -18,6 +20,9 @@ from servekit import (
     wav_pcm,
 )
 
+from cadence_fx.serve.app import background_server
+from cadence_fx.serve.plugins import ToneModel
+from cadence_fx.serve.plugins.tone import ToneStream
 from cadence_fx.serve.protocol import PCM24K, PCMA, PCMU, StreamResampler
 from cadence_fx.serve.protocol import audio as wire_audio
 from cadence_fx.serve.session import Limits
@@ -332,6 +337,55 @@ def test_admission_limit_refuses_with_resource_exhausted():
         error, code, admitted = run(scenario(server))
     assert (error["error"]["code"], code) == ("resource_exhausted", 1013)
     assert admitted.startswith("sess_")
+
+
+class SlottedTone(ToneModel):
+    """The tone with a fixed number of streams, as a batch's slots: ``free_slots`` counts those
+    not closed."""
+
+    def __init__(self, slots: int) -> None:
+        super().__init__()
+        self.slots, self.open = slots, 0
+
+    def open_stream(self) -> ToneStream:
+        plugin = self
+
+        class SlotStream(ToneStream):
+            def close(self) -> None:
+                plugin.open -= 1
+
+        self.open += 1
+        return SlotStream(self.feed_delay_s, self.step_delay_s)
+
+    def free_slots(self) -> int:
+        return self.slots - self.open
+
+
+def test_admission_is_a_free_slot_and_rate_limits_count_free_slots():
+    async def scenario(server):
+        first = await server.connect("/v1/duplex")
+        second = await server.connect("/v1/duplex")
+        told = await first.recv()  # the server is full now: the first session learns it
+        refused = await server.connect("/v1/duplex", created=False)
+        error = await refused.recv()
+        await refused.ws.wait_closed()
+        health_full = await asyncio.to_thread(httpx.get, server.handle.http_url + "/health")
+        await second.send({"type": "session.close"})
+        await second.recv_until("session.closed")
+        freed = await first.recv()  # a slot is free again
+        return first.rate_limits, second.rate_limits, told, error, refused.ws.close_code, health_full.json(), freed
+
+    with background_server(lambda: SlottedTone(2), Limits(max_sessions=4, max_sessions_per_client=4)) as handle:
+        first, second, told, error, code, health, freed = run(scenario(Server(handle)))
+    requests = [[(r["name"], r["limit"], r["remaining"]) for r in limits if r["name"] == "requests"]
+                for limits in (first, second, told["rate_limits"], freed["rate_limits"])]
+    assert requests == [[("requests", 4, 1)], [("requests", 4, 0)], [("requests", 4, 0)], [("requests", 4, 1)]]
+    assert (told["type"], freed["type"]) == ("rate_limits.updated", "rate_limits.updated")
+    assert (error["error"]["code"], code) == ("resource_exhausted", 1013)
+    assert error["error"]["message"] == (
+        "every slot of tone's batch is taken (max_sessions=4 is not reached): a session needs a free slot"
+    )
+    assert (health["sessions"], health["max_sessions"], health["free_slots"], health["admits"]) == (2, 4, 0, 0)
 
 
 def test_input_backpressure_refuses_appends_beyond_the_bound_accounts_them_and_updates_rate_limits(question_pcm):
