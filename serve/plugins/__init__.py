@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .base import ModelPlugin, ModelStream, PluginInfo
+from .base import ModelPlugin, ModelStream, PluginInfo, SlotsFull
 from .tone import ToneModel
 
 PluginFactory = Callable[..., ModelPlugin]
@@ -99,6 +99,7 @@ __all__ = [
     "ModelPlugin",
     "ModelStream",
     "PluginInfo",
+    "SlotsFull",
     "ToneModel",
     "has_slots",
     "load_plugin",

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from ..runtime import SlotsFull  # what ``open_stream`` raises when a plugin with slots has none free
+
 
 @dataclass(frozen=True)
 class PluginInfo:
@@ -66,7 +68,8 @@ class ModelPlugin(ABC):
 
     @abstractmethod
     def open_stream(self) -> ModelStream:
-        """A fresh stream for one session; called on the event loop, must be cheap."""
+        """A fresh stream for one session; called on the event loop, must be cheap. A plugin with
+        a fixed number of streams (``free_slots``) raises ``SlotsFull`` when none is free."""
 
     def reserve(self, sessions: int) -> None:
         """Build now whatever ``sessions`` concurrent streams will need, so that none waits for it

@@ -8,9 +8,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from ..plugins import ModelPlugin
+from ..plugins import ModelPlugin, SlotsFull
 from ..protocol import ProtocolError, quoted
-from ..runtime import SlotsFull
 from ..protocol import events as ev
 from .ledger import Ledgers
 from .limits import Limits
