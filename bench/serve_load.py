@@ -147,6 +147,7 @@ def main() -> None:
         wall_s = time.monotonic() - started
         load_after = os.getloadavg()
         plugin = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"][0]["plugin"]
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).json()
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -182,6 +183,7 @@ def main() -> None:
         "reply_playback_stall_ms": _stats_ms(stalls),
         "replies_that_stalled": sum(stall > 0 for stall in stalls),
         "model_load": _model_load(plugin, wall_s, args.sessions),
+        "server_loop_lag_ms": health["loop_lag_ms"],  # the whole server life, startup's wakes included
         "plugin_after_run": plugin,
     }
     out.parent.mkdir(parents=True, exist_ok=True)

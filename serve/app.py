@@ -139,6 +139,11 @@ def create_app(
             "free_slots": manager.plugin.free_slots(),  # None: the model has no fixed slots
             "admits": manager.remaining(),  # sessions a new connection may still get
             "sessions_ended": manager.ended,
+            "loop_lag_ms": {  # how late the session reaper woke: the event loop's lag
+                "wakes": manager.lag_wakes,
+                "mean": round(1e3 * manager.lag_total_s / max(1, manager.lag_wakes), 2),
+                "max": round(1e3 * manager.lag_max_s, 2),
+            },
         }
 
     return app

@@ -42,6 +42,9 @@ class SessionManager:
         self.ended_ledgers: dict[str, Ledgers] = {}
         self._reaper: asyncio.Task | None = None
         self._full = False  # as the sessions were last told
+        # How late the reaper wakes, over its wakes: the event loop's lag, which a loop too busy
+        # with its sessions shows first (``/health``).
+        self.lag_wakes, self.lag_total_s, self.lag_max_s = 0, 0.0, 0.0
 
     async def start(self) -> None:
         self._reaper = asyncio.get_running_loop().create_task(self._reap(), name="session reaper")
@@ -144,6 +147,11 @@ class SessionManager:
 
     async def _reap(self) -> None:
         while True:
+            asleep = time.monotonic()
             await asyncio.sleep(self.limits.reap_interval_s)
+            lag = max(0.0, time.monotonic() - asleep - self.limits.reap_interval_s)
+            self.lag_wakes += 1
+            self.lag_total_s += lag
+            self.lag_max_s = max(self.lag_max_s, lag)
             for session in list(self.sessions.values()):
                 session.tick()
