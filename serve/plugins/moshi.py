@@ -47,7 +47,10 @@ slot of the place with the fewest open streams, and ``SlotsFull`` says so when n
 place's ``SlotScheduler`` (in the server process) runs one batched call at a time, as soon as
 any slot has a frame waiting and for as long as any has, each with one frame of every waiting
 slot (a ``feed_frames`` of k frames rides k ticks); a slot's first tick after a new stream took
-it resets that slot alone.
+it resets that slot alone. A request made while a reply is in progress says it ``follows`` (the
+session asks for the reply's next frame as soon as it is answered), so the next tick waits a
+moment for that slot instead of leaving it for the one after (a batched call costs about the
+same at any fill).
 
 * On a CPU (``processes`` >= 1, 1 by default): worker processes. A tick is bound by per-operator
   overhead in Python (thousands of small operator calls; the depformer's eight codebooks alone

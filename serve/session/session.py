@@ -90,7 +90,7 @@ class _Reject:
 
 
 @dataclass
-class _Chunk:
+class _Chunk:  # not a mailbox message: the reply's task hands it to ``_on_chunk`` itself
     epoch: int
     response_id: str
     model_samples: int
