@@ -154,6 +154,11 @@ class _Engine:
         # its launches and the vendor glue's waits); its outputs copied to the host in one copy
         # (on a GPU: the wait for the device's last stage) and split into the slots' rows.
         self.phase_seconds = {"inputs": 0.0, "call": 0.0, "outputs": 0.0}
+        # On a GPU, also the device's span from the call's first launch to the end of its last
+        # stage (CUDA events, read once the outputs' copy has waited past them): beyond the
+        # stages' own device time, the device waited for the host inside the tick.
+        if self.device.type == "cuda":
+            self.phase_seconds["device"] = 0.0
 
     def handle(self, op: str, args: tuple) -> Any:
         if op == "tick":
@@ -182,10 +187,18 @@ class _Engine:
             raise RuntimeError("this place has no batch: its start failed or never ran")
         started = time.perf_counter()
         tick = Tick({slot: torch.from_numpy(frame) for slot, frame in frames.items()}, joins)
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            first.record()
         called = time.perf_counter()
         out = self.runtime.tick(tick)
         returned = time.perf_counter()
+        if on_gpu:
+            last.record()
         pcm = out.pcm.to("cpu").numpy()  # one copy for the batch, fresh each tick: its rows are the outputs
+        if on_gpu:
+            self.phase_seconds["device"] += first.elapsed_time(last) / 1e3  # done: the copy waited past it
         speaking = set(out.speaking)
         outputs = {slot: pcm[slot] if slot in speaking else None for slot in frames}
         ended = time.perf_counter()
