@@ -36,13 +36,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _start_server(port: int, plugin: str, sessions: int, timeout_s: float) -> subprocess.Popen:
+def _start_server(port: int, plugin: str, sessions: int, reply_lead_s: float, timeout_s: float) -> subprocess.Popen:
     """The server in its own process, once ``/health`` answers (the plugin's startup, its batch
     included, prints its progress on stderr meanwhile)."""
     code = (
         "from cadence_fx.serve.app import run_server; from cadence_fx.serve.session import Limits; "
         f"run_server('127.0.0.1', {port}, {plugin!r}, "
-        f"Limits(max_sessions={sessions}, max_sessions_per_client={sessions}))"
+        f"Limits(max_sessions={sessions}, max_sessions_per_client={sessions}, reply_lead_s={reply_lead_s!r}))"
     )
     return server_process(code, port, timeout_s=timeout_s)
 
@@ -129,13 +129,15 @@ def main() -> None:
     )
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for the server to come up")
     parser.add_argument("--patience", type=float, default=120.0, help="seconds a session waits for any one answer")
+    parser.add_argument("--reply-lead", type=float, default=0.0,
+                        help="the server's Limits.reply_lead_s: how far ahead of playback a reply is computed (0: as fast as it goes)")
     args = parser.parse_args()
     named = {"tone": "serve_load.json", "moshi-tiny": "serve_load_moshi.json"}
     out = args.out or RESULTS / named.get(args.plugin, f"serve_load_{args.plugin.replace('-', '_')}.json")
 
     port = free_port()
     started = time.monotonic()
-    server = _start_server(port, args.plugin, args.sessions, args.startup_timeout)
+    server = _start_server(port, args.plugin, args.sessions, args.reply_lead, args.startup_timeout)
     startup_s = time.monotonic() - started
     load_before = os.getloadavg()
     try:
@@ -169,6 +171,7 @@ def main() -> None:
         "plugin": args.plugin + (" (test double, not a model)" if args.plugin == "tone" else ""),
         "sessions": args.sessions,
         "audio_seconds_per_session": args.seconds,
+        "reply_lead_s": args.reply_lead,
         "server_startup_seconds": round(startup_s, 2),
         "wall_seconds": round(wall_s, 2),
         "load_average_1min_before_and_after": [round(load_before[0], 2), round(load_after[0], 2)],

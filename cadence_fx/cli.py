@@ -137,6 +137,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_sessions_per_client=args.max_sessions_per_client,
         idle_ttl_s=args.idle_ttl,
         grace_s=args.grace,
+        reply_lead_s=args.reply_lead,
     )
     api_key = args.api_key if args.api_key is not None else os.environ.get("CADENCE_FX_API_KEY")
     access = Access(api_key=api_key, allowed_origins=tuple(args.allow_origin), docs=args.docs)
@@ -268,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--idle-ttl", type=float, default=300.0, help="seconds without traffic before a session expires")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds a disconnected session waits for a resume")
+    serve.add_argument("--reply-lead", type=float, default=0.0, metavar="SECONDS",
+                       help="compute a reply at most this far ahead of its playback (0: as fast as the model goes)")
     serve.add_argument("--prompt", metavar="FILE",
                        help="token2wav's speaker prompt: a file written by `cadence-fx prompt`, or a WAV "
                             "(default with --weights: the model's reference voice)")

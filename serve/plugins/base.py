@@ -33,6 +33,11 @@ class PluginInfo:
 class ModelStream(ABC):
     """One session's running model."""
 
+    #: Set by the session for each call, before it starts: True when the session makes its next
+    #: call as soon as this one returns (the next frame of a reply it computes ahead of playback).
+    #: A plugin that ticks sessions together may wait a moment for such a stream's next call.
+    follows: bool = False
+
     @abstractmethod
     def feed(self, frame: np.ndarray) -> None:
         """Take one native frame of user audio: float32, exactly ``frame_samples`` long."""

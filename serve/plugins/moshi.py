@@ -47,10 +47,10 @@ slot of the place with the fewest open streams, and ``SlotsFull`` says so when n
 place's ``SlotScheduler`` (in the server process) runs one batched call at a time, as soon as
 any slot has a frame waiting and for as long as any has, each with one frame of every waiting
 slot (a ``feed_frames`` of k frames rides k ticks); a slot's first tick after a new stream took
-it resets that slot alone. A request made while a reply is in progress says it ``follows`` (the
-session asks for the reply's next frame as soon as it is answered), so the next tick waits a
-moment for that slot instead of leaving it for the one after (a batched call costs about the
-same at any fill).
+it resets that slot alone. A request says it ``follows`` when the session said so for its call
+(``ModelStream.follows``: it asks for the reply's next frame as soon as this is answered), so the
+next tick waits a moment for that slot instead of leaving it for the one after (a batched call
+costs about the same at any fill).
 
 * On a CPU (``processes`` >= 1, 1 by default): worker processes. A tick is bound by per-operator
   overhead in Python (thousands of small operator calls; the depformer's eight codebooks alone
@@ -404,8 +404,7 @@ class MoshiStream(ModelStream):
                     f"feed takes float32 frames of {FRAME_SAMPLES} samples, got {frame.dtype} {frame.shape}"
                 )
         listened = 0
-        # While a reply is in progress the session asks for its next frame right after a feed.
-        for out in self._tick(frames, follows=self.budget > 0):
+        for out in self._tick(frames, follows=self.follows):
             self.turn_frames += 1
             if out is None:
                 continue
@@ -430,8 +429,8 @@ class MoshiStream(ModelStream):
             return None
         out = self._pending.popleft() if self._pending else None
         while out is None:  # only a stream's first tick gives nothing
-            # The session asks for the reply's next frame as soon as this one is out, unless it is the last.
-            (out,) = self._tick([SILENCE], follows=self.budget > 1)
+            # The session asks for the reply's next frame at once (``follows``), unless this is the last.
+            (out,) = self._tick([SILENCE], follows=self.follows and self.budget > 1)
         self.budget -= 1
         self.replied += 1
         self._plugin._count(replied=1)

@@ -13,7 +13,9 @@ A reply's audio is the one thing not emitted by the owner: its task emits each c
 model hands it over (on the event loop, through the fence), so a command that waits for the
 model (an append's frames riding ticks of a batch) never holds a playing reply's audio back.
 While a reply plays, an append's frames go to the model one call each, so the reply's next
-chunk is computed between two of them rather than after all.
+chunk is computed between two of them rather than after all. A reply is computed as fast as the
+model goes, or, with ``Limits.reply_lead_s``, at most that far ahead of its playback (a model
+that ticks sessions together then ticks no faster than their clients play).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..plugins import ModelPlugin
+from ..plugins import ModelPlugin, ModelStream
 from ..protocol import ProtocolError, ResponseParams, SessionConfig, StreamResampler, encode_event, quoted
 from ..protocol import audio as wire_audio
 from ..protocol import events as ev
@@ -61,17 +63,25 @@ def b64_decoded_len(text: str) -> int:
 
 
 class ModelPort:
-    """Runs one stream's blocking calls on the executor, in call order, one at a time."""
+    """Runs one stream's blocking calls on the executor, in call order, one at a time; each call
+    tells the stream whether the next one follows at once (``ModelStream.follows``)."""
 
-    def __init__(self, executor: Executor) -> None:
+    def __init__(self, executor: Executor, stream: ModelStream) -> None:
         self._executor = executor
+        self._stream = stream
         self._lock = asyncio.Lock()
 
-    async def call(self, fn: Callable[..., Any], *args: Any, guard: Callable[[], bool] | None = None) -> Any:
+    async def call(
+        self, fn: Callable[..., Any], *args: Any, guard: Callable[[], bool] | None = None, follows: bool = False
+    ) -> Any:
         async with self._lock:
             if guard is not None and not guard():
                 return None
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, follows, fn, args)
+
+    def _run(self, follows: bool, fn: Callable[..., Any], args: tuple) -> Any:
+        self._stream.follows = follows
+        return fn(*args)
 
 
 # Mailbox messages.
@@ -177,7 +187,7 @@ class Session:
         self.config = SessionConfig(model=plugin.info.name)
         self.conversation_id = "conv_" + session_id.removeprefix("sess_")
         self.stream = plugin.open_stream()
-        self.port = ModelPort(manager.model_executor)
+        self.port = ModelPort(manager.model_executor, self.stream)
         self.mailbox: asyncio.Queue[Any] = asyncio.Queue()
         self.journal = Journal(limits.journal_bytes) if duplex else None
         now = time.monotonic()
@@ -517,7 +527,7 @@ class Session:
         self._kept()
         if frames and self.active is not None:  # one call each: the reply's frames go in between
             for frame in frames:
-                await self.port.call(self.stream.feed, frame)
+                await self.port.call(self.stream.feed, frame, follows=True)  # the reply's next frame follows
         elif frames:
             await self.port.call(self.stream.feed_frames, frames)
         led.fed_samples += len(frames) * self.plugin.info.frame_samples
@@ -781,12 +791,28 @@ class Session:
         def current() -> bool:
             return self.epoch == resp.epoch and not self.closed
 
+        # Pacing (Limits.reply_lead_s): the reply's playback clock starts at its first chunk; a
+        # chunk is computed only once the audio handed out is at most ``lead`` ahead of it.
+        lead, rate = self.limits.reply_lead_s, self.plugin.info.output_rate
+        clock: float | None = None
+        handed_s = last_s = 0.0
         try:
             while True:
-                rendered = await self.port.call(self._render, resampler, resp.output_format, guard=current)
+                ahead = 0.0 if clock is None else handed_s - (time.monotonic() - clock)
+                if lead and ahead > lead:
+                    await asyncio.sleep(ahead - lead)
+                    ahead = lead
+                # The next call follows this one at once unless the chunk it brings puts the reply past its lead.
+                follows = not lead or ahead + last_s <= lead
+                rendered = await self.port.call(
+                    self._render, resampler, resp.output_format, guard=current, follows=follows
+                )
                 if rendered is None:
                     break
                 self._on_chunk(_Chunk(resp.epoch, resp.id, *rendered))
+                clock = time.monotonic() if clock is None else clock
+                last_s = rendered[0] / rate
+                handed_s += last_s
             self.mailbox.put_nowait(_ReplyEnd(resp.epoch, resp.id, None))
         except asyncio.CancelledError:
             raise

@@ -4,6 +4,7 @@ Every event received is checked against OpenAI's GA schema by CheckedSocket."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 from servekit import (
@@ -341,6 +342,37 @@ def test_admission_limit_refuses_with_resource_exhausted():
         error, code, admitted = run(scenario(server))
     assert (error["error"]["code"], code) == ("resource_exhausted", 1013)
     assert admitted.startswith("sess_")
+
+
+def test_a_paced_reply_is_the_same_audio_handed_out_no_further_ahead_of_playback_than_its_lead(question_pcm):
+    """The question's reply is 2.24 s of audio in 40 ms chunks; with a lead of 0.2 s each chunk
+    leaves the server no earlier than its play time (from the first chunk) less the lead."""
+
+    async def scenario(server):
+        sock = await server.connect("/v1/duplex")
+        await sock.no_vad()
+        await sock.append(question_pcm)
+        await sock.send({"type": "input_audio_buffer.commit"})
+        await sock.send({"type": "response.create"})
+        arrivals, events = [], []
+        while not events or events[-1]["type"] != "response.done":
+            events.append(await sock.recv())
+            arrivals.append(time.monotonic())
+        await sock.close()
+        return events, arrivals
+
+    with running(Limits(max_sessions=4, reply_lead_s=0.2)) as server:
+        events, arrivals = run(scenario(server))
+    assert types_of(events, skip_deltas=False) == (
+        COMMIT + RESPONSE_HEAD + ["response.output_audio.delta"] * QUESTION_REPLY_CHUNKS + RESPONSE_TAIL
+    )
+    assert deltas_of(events) == tone_reply_pcm(QUESTION_REPLY_CHUNKS)
+    delivered = [at for at, e in zip(arrivals, events) if e["type"] == "response.output_audio.delta"]
+    # Chunk k is computed once the k chunks before it (40 ms each) are at most 0.2 s ahead of the
+    # clock that started at the first; 0.1 s of slack for the first chunk's own way to this client
+    # (unpaced, every chunk would be here within a few milliseconds of the first).
+    early = [k for k, at in enumerate(delivered) if at - delivered[0] < 0.04 * k - 0.2 - 0.1]
+    assert early == []
 
 
 class SlottedTone(ToneModel):
