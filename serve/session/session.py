@@ -221,6 +221,7 @@ class Session:
         self._tick_queued = False
         self._last_heartbeat = now
         self._runner: asyncio.Task | None = None
+        self._reply_paused = False  # the reply's task waits for its playback (Limits.reply_lead_s)
         self._task: asyncio.Task | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -526,8 +527,11 @@ class Session:
         self._buffer += data
         self._kept()
         if frames and self.active is not None:  # one call each: the reply's frames go in between
-            for frame in frames:
-                await self.port.call(self.stream.feed, frame, follows=True)  # the reply's next frame follows
+            for index, frame in enumerate(frames):
+                # The next call follows at once: this append's next frame, or the reply's next
+                # frame, unless the reply is paced and waits for its playback.
+                follows = index + 1 < len(frames) or not self._reply_paused
+                await self.port.call(self.stream.feed, frame, follows=follows)
         elif frames:
             await self.port.call(self.stream.feed_frames, frames)
         led.fed_samples += len(frames) * self.plugin.info.frame_samples
@@ -800,7 +804,11 @@ class Session:
             while True:
                 ahead = 0.0 if clock is None else handed_s - (time.monotonic() - clock)
                 if lead and ahead > lead:
-                    await asyncio.sleep(ahead - lead)
+                    self._reply_paused = True
+                    try:
+                        await asyncio.sleep(ahead - lead)
+                    finally:
+                        self._reply_paused = False
                     ahead = lead
                 # The next call follows this one at once unless the chunk it brings puts the reply past its lead.
                 follows = not lead or ahead + last_s <= lead
