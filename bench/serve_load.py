@@ -41,7 +41,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _start_server(port: int, plugin: str, sessions: int, timeout_s: float, replicas: int) -> subprocess.Popen:
+def _start_server(port: int, plugin: str, sessions: int, reply_lead_s: float, timeout_s: float,
+                  replicas: int) -> subprocess.Popen:
     """The server in its own process, once ``/health`` answers (the plugin's startup, its batch
     included, prints its progress on stderr meanwhile). ``replicas``: 0 for one server process,
     else ``cadence-fx serve --ray`` with that many replicas, each with room for its share."""
@@ -49,12 +50,13 @@ def _start_server(port: int, plugin: str, sessions: int, timeout_s: float, repli
         code = (
             "from cadence_fx.serve.app import run_server; from cadence_fx.serve.session import Limits; "
             f"run_server('127.0.0.1', {port}, {plugin!r}, "
-            f"Limits(max_sessions={sessions}, max_sessions_per_client={sessions}))"
+            f"Limits(max_sessions={sessions}, max_sessions_per_client={sessions}, reply_lead_s={reply_lead_s!r}))"
         )
     else:
         share = -(-sessions // replicas)
         argv = ["serve", "--ray", "--replicas", str(replicas), "--model", plugin, "--port", str(port),
-                "--max-sessions", str(share), "--max-sessions-per-client", str(sessions)]
+                "--max-sessions", str(share), "--max-sessions-per-client", str(sessions),
+                "--reply-lead", str(reply_lead_s)]
         code = f"import sys; from cadence_fx.cli import main; sys.exit(main({argv!r}))"
     return server_process(code, port, timeout_s=timeout_s)
 
@@ -107,6 +109,9 @@ def _model_load(plugin: dict, wall_s: float, sessions: int) -> dict | None:
     cpu_ms_per_tick = 1e3 * sum(plugin["tick_cpu_seconds_per_process"]) / ticks
     wall_ms_per_tick = 1e3 * sum(plugin["tick_seconds_per_process"]) / ticks
     cost_ms = cpu_ms_per_tick if plugin["device"] == "cpu" else wall_ms_per_tick
+    def per_tick_ms(parts: list[dict[str, float]]) -> dict[str, float]:
+        return {name: round(1e3 * sum(part[name] for part in parts) / ticks, 2) for name in parts[0]}
+
     return {
         "batched_ticks": ticks,
         "session_frames": frames,
@@ -117,6 +122,13 @@ def _model_load(plugin: dict, wall_s: float, sessions: int) -> dict | None:
         "wall_ms_per_tick": round(wall_ms_per_tick, 2),
         "frames_per_s_at_that_cost_and_fill": round(len(plugin["tick_seconds_per_process"]) * frames / ticks * 1e3 / cost_ms, 1),
         "frames_per_s_real_time_needs": sessions * 12.5,
+        # Where a tick's time went: on the place's ticking thread (the frames made tensors, the
+        # batched call, its outputs to the host and split into rows) and on the scheduler's
+        # thread in the server (gathering the slots that come right back, the round trip to the
+        # place, answering the sessions); and the slots ticks ran without for want of time.
+        "place_ms_per_tick": per_tick_ms(plugin["tick_phase_seconds_per_process"]),
+        "scheduler_ms_per_tick": per_tick_ms(plugin["scheduler_seconds_per_process"]),
+        "follow_misses": sum(plugin["follow_misses_per_process"]),
     }
 
 
@@ -133,6 +145,8 @@ def main() -> None:
     parser.add_argument("--patience", type=float, default=120.0, help="seconds a session waits for any one answer")
     parser.add_argument("--ray", type=int, default=0, metavar="N",
                         help="serve through cadence-fx serve --ray with N replicas (default 0: one server process)")
+    parser.add_argument("--reply-lead", type=float, default=0.0,
+                        help="the server's Limits.reply_lead_s: how far ahead of playback a reply is computed (0: as fast as it goes)")
     args = parser.parse_args()
     named = {"tone": "serve_load.json", "moshi-tiny": "serve_load_moshi.json"}
     out = args.out or RESULTS / named.get(args.plugin, f"serve_load_{args.plugin.replace('-', '_')}.json")
@@ -141,7 +155,7 @@ def main() -> None:
 
     port = free_port()
     started = time.monotonic()
-    server = _start_server(port, args.plugin, args.sessions, args.startup_timeout, args.ray)
+    server = _start_server(port, args.plugin, args.sessions, args.reply_lead, args.startup_timeout, args.ray)
     startup_s = time.monotonic() - started
     load_before = os.getloadavg()
     try:
@@ -176,6 +190,7 @@ def main() -> None:
         "plugin": args.plugin + (" (test double, not a model)" if args.plugin == "tone" else ""),
         "sessions": args.sessions,
         "audio_seconds_per_session": args.seconds,
+        "reply_lead_s": args.reply_lead,
         "server_startup_seconds": round(startup_s, 2),
         "wall_seconds": round(wall_s, 2),
         "load_average_1min_before_and_after": [round(load_before[0], 2), round(load_after[0], 2)],
@@ -192,6 +207,7 @@ def main() -> None:
         "model_load": _model_load(plugin, wall_s, args.sessions),
         # the server process's peak allocated, reserved and device footprint (cadence_fx.memory), after the run
         "server_memory": server_memory,
+        "server_loop_lag_ms": health.get("loop_lag_ms"),  # the whole server life, startup's wakes included
         "plugin_after_run": plugin,
     }
     if args.ray:

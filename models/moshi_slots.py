@@ -110,18 +110,28 @@ class TickOutput:
         return (self.tokens[index], self.pcm[index]) if index in self.speaking else None
 
 
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``. To a GPU from pinned memory without waiting: a pageable copy
+    synchronizes the stream, so the host would wait for the device's queued work at every input
+    (and, in a busy server, queue again for the GIL afterwards)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _mask(slots: int, rows: Sequence[int], device: torch.device) -> torch.Tensor:
     mask = torch.zeros(slots, dtype=torch.bool)
     mask[list(rows)] = True
-    return mask.to(device)
+    return _to_device(mask, device)
 
 
 def _frames(slots: int, frame_size: int, frames: Mapping[int, torch.Tensor], device: torch.device) -> torch.Tensor:
-    """`(B, 1, frame_size)`: each live slot's frame in its row, zeros in the masked rows."""
+    """`(B, 1, frame_size)`: each live slot's frame in its row, zeros in the masked rows (one
+    copy for all rows, not one per slot)."""
     batch = torch.zeros(slots, 1, frame_size)
-    for slot, frame in frames.items():
-        batch[slot, 0] = frame
-    return batch.to(device)
+    rows = list(frames)
+    batch[rows, 0] = torch.stack([frames[slot] for slot in rows])
+    return _to_device(batch, device)
 
 
 def _check_tick(tick: Tick, slots: int, frame_size: int) -> None:
@@ -239,15 +249,18 @@ class MoshiSlots:
         # LMGen's offsets reach max_delay + 1 at a slot's (max_delay + 1)-th frame: its first real tokens.
         speaking = tuple(slot for slot in live if ran[slot] + 1 > lm_gen.max_delay)
         with self._generators(), no_compile(), torch.inference_mode():
+            # Every input goes to the device before the first stage runs (the speaking mask too:
+            # it is known on the host), so no copy waits for a stage in flight.
+            live_mask, speaking_mask = _mask(self.slots, live, device), _mask(self.slots, speaking, device)
+            frames = _frames(self.slots, self.frame_size, tick.frames, device)
             if tick.joins:
                 joins = _mask(self.slots, tick.joins, device)
                 mimi.reset_streaming(joins)
                 lm_gen.reset_streaming(joins)
-            codes = self.stages["mimi_encode"](_mask(self.slots, live, device),
-                                               _frames(self.slots, self.frame_size, tick.frames, device))
+            codes = self.stages["mimi_encode"](live_mask, frames)
             tokens = lm_gen.step(codes)
             self.glue.keep_addresses()  # LMGen rebinds its offsets each step
-            pcm = self.stages["mimi_decode"](_mask(self.slots, speaking, device), tokens)
+            pcm = self.stages["mimi_decode"](speaking_mask, tokens)
         self.ran = [count + (slot in live) for slot, count in enumerate(ran)]
         self.ticks += 1
         return TickOutput(live, speaking, tokens[:, :, 0], pcm[:, 0])

@@ -157,7 +157,14 @@ def health_of(manager: SessionManager) -> dict:
         "sessions": len(manager.sessions),
         "connections": len(manager.connections),  # sockets open, a session's or not yet
         "max_sessions": manager.limits.max_sessions,
+        "free_slots": manager.plugin.free_slots(),  # None: the model has no fixed slots
+        "admits": manager.remaining(),  # sessions a new connection may still get
         "sessions_ended": manager.ended,
+        "loop_lag_ms": {  # how late the session reaper woke: the event loop's lag
+            "wakes": manager.lag_wakes,
+            "mean": round(1e3 * manager.lag_total_s / max(1, manager.lag_wakes), 2),
+            "max": round(1e3 * manager.lag_max_s, 2),
+        },
     }
 
 
@@ -189,6 +196,10 @@ def uvicorn_config(
         port=port,
         ws="websockets-sansio",
         ws_max_size=frame_ceiling(limits),
+        # No permessage-deflate: the events are mostly base64 audio, which deflates by a quarter at
+        # best, and deflating every event took a third of the event loop's time serving 8 Moshi
+        # sessions (measured, issue 13): time a busy server needs to answer its sessions.
+        ws_per_message_deflate=False,
         log_level="warning",
         lifespan="on",
         ssl_keyfile=None if tls is None else tls.keyfile,

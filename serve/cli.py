@@ -19,14 +19,15 @@ def _serve(args: argparse.Namespace) -> int:
 
     from cadence_fx.serve.access import Access
     from cadence_fx.serve.app import Tls, run_server
-    from cadence_fx.serve.plugins import loads_weights, plugin_names, takes_prompt
+    from cadence_fx.serve.plugins import has_slots, loads_weights, plugin_names, takes_prompt
     from cadence_fx.serve.session import Limits
 
     if args.replicas is not None and not args.ray:
         raise ValueError("--replicas goes with --ray (without it, one server process serves every session)")
     options = dict(args.plugin_option)
     for flag, value, accepts, what in (("--weights", args.weights, loads_weights, "loads no checkpoint"),
-                                       ("--prompt", args.prompt, takes_prompt, "takes no speaker prompt")):
+                                       ("--prompt", args.prompt, takes_prompt, "takes no speaker prompt"),
+                                       ("--slots", args.slots, has_slots, "has no batch of slots")):
         if value is None:
             continue
         if not accepts(args.model):
@@ -45,10 +46,12 @@ def _serve(args: argparse.Namespace) -> int:
                 raise ValueError(f"no such file {path!r} (expected a PEM key or certificate)")
         tls = Tls(args.ssl_keyfile, args.ssl_certfile)
     limits = Limits(
-        max_sessions=args.max_sessions,
+        # More sessions than the places' slots hold is refused at startup (the plugin's reserve).
+        max_sessions=args.max_sessions or args.slots or 16,
         max_sessions_per_client=args.max_sessions_per_client,
         idle_ttl_s=args.idle_ttl,
         grace_s=args.grace,
+        reply_lead_s=args.reply_lead,
     )
     api_key = args.api_key if args.api_key is not None else os.environ.get("CADENCE_FX_API_KEY")
     access = Access(api_key=api_key, allowed_origins=tuple(args.allow_origin), docs=args.docs)
@@ -126,12 +129,18 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                        help="a published checkpoint to serve instead of random weights: a local directory or a "
                             "Hugging Face hub repo id (moshi-full: kyutai/moshiko-pytorch-bf16; token2wav-full: "
                             "openbmb/MiniCPM-o-4_5)")
-    serve.add_argument("--max-sessions", type=positive_int, default=16)
+    serve.add_argument("--max-sessions", type=positive_int,
+                       help="live sessions at once (default: --slots when given, else 16)")
+    serve.add_argument("--slots", type=positive_int, metavar="B",
+                       help="moshi-*: the batch of each tick place, the sessions it ticks in one call; admission "
+                            "is a free slot (default: the batch follows --max-sessions)")
     serve.add_argument(
         "--max-sessions-per-client", type=positive_int, default=4, help="live sessions one client address may hold"
     )
     serve.add_argument("--idle-ttl", type=float, default=300.0, help="seconds without traffic before a session expires")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds a disconnected session waits for a resume")
+    serve.add_argument("--reply-lead", type=float, default=0.0, metavar="SECONDS",
+                       help="compute a reply at most this far ahead of its playback (0: as fast as the model goes)")
     serve.add_argument("--prompt", metavar="FILE",
                        help="token2wav's speaker prompt: a file written by `cadence-fx prompt`, or a WAV "
                             "(default with --weights: the model's reference voice)")

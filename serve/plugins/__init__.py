@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .base import ModelPlugin, ModelStream, PluginInfo
+from .base import ModelPlugin, ModelStream, PluginInfo, SlotsFull
 from .tone import ToneModel
 
 PluginFactory = Callable[..., ModelPlugin]
@@ -56,6 +56,9 @@ _REGISTRY: dict[str, PluginFactory] = {
 _LOADS_WEIGHTS = {"moshi-tiny", "moshi-small", "moshi-full", "token2wav", "token2wav-full"}
 #: The plugins that take ``prompt=`` (Token2Wav's speaker prompt: ``serve --prompt``).
 _TAKES_PROMPT = {"token2wav", "token2wav-full"}
+#: The plugins that tick their sessions as the slots of a batch and take its size as ``slots=``
+#: (``serve --slots``).
+_HAS_SLOTS = {"moshi-tiny", "moshi-small", "moshi-full"}
 
 
 def register_plugin(name: str, factory: PluginFactory, *, loads_weights: bool = False) -> None:
@@ -78,6 +81,11 @@ def takes_prompt(name: str) -> bool:
     return name in _TAKES_PROMPT
 
 
+def has_slots(name: str) -> bool:
+    """Whether plugin ``name`` ticks its sessions as a batch's slots, of the size given as ``slots``."""
+    return name in _HAS_SLOTS
+
+
 def load_plugin(name: str, **options: Any) -> ModelPlugin:
     try:
         factory = _REGISTRY[name]
@@ -91,7 +99,9 @@ __all__ = [
     "ModelPlugin",
     "ModelStream",
     "PluginInfo",
+    "SlotsFull",
     "ToneModel",
+    "has_slots",
     "load_plugin",
     "loads_weights",
     "plugin_names",

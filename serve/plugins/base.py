@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from ..runtime import SlotsFull  # what ``open_stream`` raises when a plugin with slots has none free
+
 
 @dataclass(frozen=True)
 class PluginInfo:
@@ -30,6 +32,11 @@ class PluginInfo:
 
 class ModelStream(ABC):
     """One session's running model."""
+
+    #: Set by the session for each call, before it starts: True when the session makes its next
+    #: call as soon as this one returns (the next frame of a reply it computes ahead of playback).
+    #: A plugin that ticks sessions together may wait a moment for such a stream's next call.
+    follows: bool = False
 
     @abstractmethod
     def feed(self, frame: np.ndarray) -> None:
@@ -66,11 +73,17 @@ class ModelPlugin(ABC):
 
     @abstractmethod
     def open_stream(self) -> ModelStream:
-        """A fresh stream for one session; called on the event loop, must be cheap."""
+        """A fresh stream for one session; called on the event loop, must be cheap. A plugin with
+        a fixed number of streams (``free_slots``) raises ``SlotsFull`` when none is free."""
 
     def reserve(self, sessions: int) -> None:
         """Build now whatever ``sessions`` concurrent streams will need, so that none waits for it
         later. The server calls it once at startup with its session limit."""
+
+    def free_slots(self) -> int | None:
+        """How many more streams ``open_stream`` admits now, for a plugin with a fixed number of
+        them (a batch's slots); None when only the server's session limit bounds them."""
+        return None
 
     def describe(self) -> dict[str, Any]:
         """What the plugin runs and its counters, for ``/v1/models`` (blocking: the app calls it off

@@ -47,7 +47,10 @@ slot of the place with the fewest open streams, and ``SlotsFull`` says so when n
 place's ``SlotScheduler`` (in the server process) runs one batched call at a time, as soon as
 any slot has a frame waiting and for as long as any has, each with one frame of every waiting
 slot (a ``feed_frames`` of k frames rides k ticks); a slot's first tick after a new stream took
-it resets that slot alone.
+it resets that slot alone. A request says it ``follows`` when the session said so for its call
+(``ModelStream.follows``: it asks for the reply's next frame as soon as this is answered), so the
+next tick waits a moment for that slot instead of leaving it for the one after (a batched call
+costs about the same at any fill).
 
 * On a CPU (``processes`` >= 1, 1 by default): worker processes. A tick is bound by per-operator
   overhead in Python (thousands of small operator calls; the depformer's eight codebooks alone
@@ -147,6 +150,15 @@ class _Engine:
         self.ticks = 0  # batched calls
         self.tick_seconds = 0.0  # spent ticking: this place's load
         self.tick_cpu_seconds = 0.0  # of which its thread ran on a core (less: others had it, or the GPU worked)
+        # The tick's wall time in its parts: the frames made tensors; the batched call (on a GPU:
+        # its launches and the vendor glue's waits); its outputs copied to the host in one copy
+        # (on a GPU: the wait for the device's last stage) and split into the slots' rows.
+        self.phase_seconds = {"inputs": 0.0, "call": 0.0, "outputs": 0.0}
+        # On a GPU, also the device's span from the call's first launch to the end of its last
+        # stage (CUDA events, read once the outputs' copy has waited past them): beyond the
+        # stages' own device time, the device waited for the host inside the tick.
+        if self.device.type == "cuda":
+            self.phase_seconds["device"] = 0.0
 
     def handle(self, op: str, args: tuple) -> Any:
         if op == "tick":
@@ -173,10 +185,27 @@ class _Engine:
         """One batched call: each live slot's 1920 output samples (None before its acoustic delay)."""
         if self.runtime is None:
             raise RuntimeError("this place has no batch: its start failed or never ran")
-        out = self.runtime.tick(Tick({slot: torch.from_numpy(frame) for slot, frame in frames.items()}, joins))
-        pcm = out.pcm.to("cpu").numpy()  # one copy for the batch
+        started = time.perf_counter()
+        tick = Tick({slot: torch.from_numpy(frame) for slot, frame in frames.items()}, joins)
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            first.record()
+        called = time.perf_counter()
+        out = self.runtime.tick(tick)
+        returned = time.perf_counter()
+        if on_gpu:
+            last.record()
+        pcm = out.pcm.to("cpu").numpy()  # one copy for the batch, fresh each tick: its rows are the outputs
+        if on_gpu:
+            self.phase_seconds["device"] += first.elapsed_time(last) / 1e3  # done: the copy waited past it
+        speaking = set(out.speaking)
+        outputs = {slot: pcm[slot] if slot in speaking else None for slot in frames}
+        ended = time.perf_counter()
+        for phase, seconds in (("inputs", called - started), ("call", returned - called), ("outputs", ended - returned)):
+            self.phase_seconds[phase] += seconds
         self.ticks += 1
-        return {slot: pcm[slot].copy() if slot in out.speaking else None for slot in frames}
+        return outputs
 
     def close(self) -> None:
         if self.runtime is not None:
@@ -189,6 +218,7 @@ class _Engine:
             "ticks": self.ticks,
             "tick_seconds": round(self.tick_seconds, 3),
             "tick_cpu_seconds": round(self.tick_cpu_seconds, 3),
+            "phase_seconds": {phase: round(seconds, 3) for phase, seconds in self.phase_seconds.items()},
             "stamps": [] if runtime is None else list(runtime.report.stamps),
             "replays": {} if runtime is None else runtime.counters(),
         }
@@ -374,7 +404,7 @@ class MoshiStream(ModelStream):
                     f"feed takes float32 frames of {FRAME_SAMPLES} samples, got {frame.dtype} {frame.shape}"
                 )
         listened = 0
-        for out in self._tick(frames):
+        for out in self._tick(frames, follows=self.follows):
             self.turn_frames += 1
             if out is None:
                 continue
@@ -399,7 +429,8 @@ class MoshiStream(ModelStream):
             return None
         out = self._pending.popleft() if self._pending else None
         while out is None:  # only a stream's first tick gives nothing
-            (out,) = self._tick([SILENCE])
+            # The session asks for the reply's next frame at once (``follows``), unless this is the last.
+            (out,) = self._tick([SILENCE], follows=self.follows and self.budget > 1)
         self.budget -= 1
         self.replied += 1
         self._plugin._count(replied=1)
@@ -420,8 +451,8 @@ class MoshiStream(ModelStream):
         """The index of the place whose batch holds this stream's slot."""
         return self._place.index
 
-    def _tick(self, frames: list[np.ndarray]) -> list[np.ndarray | None]:
-        outs = self._place.scheduler.submit(self.slot, frames).result()
+    def _tick(self, frames: list[np.ndarray], follows: bool = False) -> list[np.ndarray | None]:
+        outs = self._place.scheduler.submit(self.slot, frames, follows=follows).result()
         self.ticks += len(frames)
         return outs
 
@@ -586,6 +617,13 @@ class MoshiPlugin(ModelPlugin):
             self.streams += 1
         return MoshiStream(self, place, slot)
 
+    def free_slots(self) -> int:
+        """Slots no stream holds, all places together (every slot before the batch is built)."""
+        with self._lock:
+            if not self._started:
+                return len(self._places) * (DEFAULT_SLOTS if self.slots is None else self.slots)
+            return sum(place.scheduler.free for place in self._places)
+
     def _placed_off(self, place: _Place, slot: int) -> None:
         with self._lock:
             place.scheduler.release(slot)
@@ -671,6 +709,13 @@ class MoshiPlugin(ModelPlugin):
             "warm_up_ticks_per_process": [WARM_UP_TICKS if part["slots"] else 0 for part in places],
             "tick_seconds_per_process": [part["tick_seconds"] for part in places],
             "tick_cpu_seconds_per_process": [part["tick_cpu_seconds"] for part in places],
+            # Where a place's time went, per tick part: on its ticking thread (``_Engine.tick``:
+            # inputs, the batched call, outputs) and on its scheduler's thread in the server
+            # (gathering the slots that come right back, the round trip to the place, answering
+            # the sessions), with the slots a tick ran without for want of time to gather them.
+            "tick_phase_seconds_per_process": [part["phase_seconds"] for part in places],
+            "scheduler_seconds_per_process": [s.seconds.as_dict() for s in schedulers],
+            "follow_misses_per_process": [s.follow_misses for s in schedulers],
             "transform": {
                 "stamps": next((part["stamps"] for part in places if part["stamps"]), []),
                 "replays": replays,

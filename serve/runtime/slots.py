@@ -15,16 +15,21 @@ call:
   nothing waiting are left out of the call (the model masks them). The thread ticks as soon as
   anything waits and for as long as anything does: requests that arrive while a tick runs ride
   the next one together, so the more sessions wait, the more each call carries.
-* **a tick waits a moment for the slots of the last one.** A session asks for its next frame
-  only once the last one came back (a reply is computed frame by frame as the client plays it),
-  so right after a tick the slots it ran come back one by one. Ticking on the first would split
-  them into groups, each paying a whole call. So a tick waits up to ``gather_s`` for every slot
-  of the previous tick still taken to have a frame waiting again (slots that were not in it,
-  such as listeners between two frames of their user, hold nothing up).
+* **a tick waits a moment for the slots that said they come right back.** A session asks for
+  its next frame only once the last one came back (a reply is computed frame by frame), so right
+  after a tick such slots come back one by one, each after its session's host work (the event
+  loop of a busy server takes milliseconds per session). Ticking on the first would split them
+  into groups, each paying a whole call (a batched call costs about the same at any fill). A
+  request says whether its session asks again as soon as it is answered (``follows``: a reply's
+  frame, say); a tick waits up to ``gather_s`` for every such slot of the previous tick, still
+  taken, to have a frame waiting again. Slots whose request did not say so (a listener, whose
+  next frame comes when its user sends it) hold nothing up; ``follow_misses`` counts the slots
+  a tick ran without because ``gather_s`` ran out first.
 
 Ticks run in arrival order on one thread, so a slot's frames run in the order its session sent
 them. ``record=True`` keeps every tick's frames and joins (``history``), for checking a run
-against a reference that replays the same schedule.
+against a reference that replays the same schedule. ``seconds`` says where the thread's time
+went (``TickSeconds``).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SlotScheduler", "SlotsFull", "TickRecord"]
+__all__ = ["SlotScheduler", "SlotsFull", "TickRecord", "TickSeconds"]
 
 
 class SlotsFull(RuntimeError):
@@ -52,9 +57,24 @@ class TickRecord:
 
 
 @dataclass
+class TickSeconds:
+    """The scheduler thread's time, summed over its ticks: ``gather`` waiting for the slots that
+    come right back, ``run`` in the batched call, ``handout`` answering the requests a tick ended.
+    Its time asleep with nothing waiting is none of these."""
+
+    gather: float = 0.0
+    run: float = 0.0
+    handout: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"gather": round(self.gather, 3), "run": round(self.run, 3), "handout": round(self.handout, 3)}
+
+
+@dataclass
 class _Request:
     frames: Sequence[Any]
     future: Future
+    follows: bool
     outputs: list[Any] = field(default_factory=list)
 
 
@@ -63,7 +83,7 @@ class SlotScheduler:
     see the module docstring. ``run`` must return an output for every slot in ``frames``."""
 
     def __init__(self, slots: int, run: Callable[[dict[int, Any], tuple[int, ...]], Mapping[int, Any]], *,
-                 name: str, gather_s: float = 0.005, record: bool = False) -> None:
+                 name: str, gather_s: float = 0.02, record: bool = False) -> None:
         if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
             raise ValueError(f"{name}: slots must be a positive number of sessions, got {slots!r}")
         if not gather_s >= 0:
@@ -71,11 +91,13 @@ class SlotScheduler:
         self.slots, self.name, self.gather_s, self._run = slots, name, gather_s, run
         self.ticks = 0  # calls of ``run``
         self.frames = 0  # frames they ran, all slots together
+        self.follow_misses = 0  # slots that said they come right back, left out of a tick after gather_s
+        self.seconds = TickSeconds()
         self.history: list[TickRecord] | None = [] if record else None
         self._taken: set[int] = set()
         self._joining: set[int] = set()  # taken, not yet run since
         self._waiting: dict[int, _Request] = {}
-        self._last: tuple[int, ...] = ()  # the slots of the previous tick
+        self._following: set[int] = set()  # slots whose last answered request said it follows
         self._closed = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=f"{name}-slots", daemon=True)
@@ -107,10 +129,13 @@ class SlotScheduler:
             if slot in self._waiting:
                 raise RuntimeError(f"{self.name}: slot {slot} is released with a request in flight")
             self._taken.discard(slot)
+            self._following.discard(slot)
             self._cond.notify()  # a tick gathering for this slot need not wait for it
 
-    def submit(self, slot: int, frames: Sequence[Any]) -> Future:
-        """A future of ``frames``' outputs, in order. An empty request is answered at once."""
+    def submit(self, slot: int, frames: Sequence[Any], *, follows: bool = False) -> Future:
+        """A future of ``frames``' outputs, in order. An empty request is answered at once.
+        ``follows``: the session submits again as soon as this is answered (the next tick waits
+        for it, up to ``gather_s``)."""
         future: Future = Future()
         with self._cond:
             if self._closed:
@@ -121,7 +146,7 @@ class SlotScheduler:
             if not frames:
                 future.set_result([])
                 return future
-            self._waiting[slot] = _Request(list(frames), future)
+            self._waiting[slot] = _Request(list(frames), future, follows)
             self._cond.notify()
         return future
 
@@ -141,8 +166,9 @@ class SlotScheduler:
             with self._cond:
                 while not self._waiting and not self._closed:
                     self._cond.wait()
+                gathering = time.perf_counter()
                 deadline = time.monotonic() + self.gather_s
-                while not self._closed and any(s in self._taken and s not in self._waiting for s in self._last):
+                while not self._closed and self._following - self._waiting.keys():
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
@@ -150,11 +176,14 @@ class SlotScheduler:
                 if self._closed:
                     waiting, self._waiting = list(self._waiting.values()), {}
                     break
+                self.follow_misses += len(self._following - self._waiting.keys())
+                self._following.clear()
                 requests = dict(sorted(self._waiting.items()))
                 frames = {slot: request.frames[len(request.outputs)] for slot, request in requests.items()}
                 joins = tuple(slot for slot in frames if slot in self._joining)
                 self._joining.difference_update(joins)
-                self._last = tuple(frames)
+            running = time.perf_counter()
+            self.seconds.gather += running - gathering
             try:
                 outputs = self._run(frames, joins)
                 missing = [slot for slot in frames if slot not in outputs]
@@ -168,6 +197,8 @@ class SlotScheduler:
                 for request in requests.values():
                     request.future.set_exception(error)
                 continue
+            handing_out = time.perf_counter()
+            self.seconds.run += handing_out - running
             done = []
             with self._cond:
                 self.ticks += 1
@@ -179,7 +210,10 @@ class SlotScheduler:
                     if len(request.outputs) == len(request.frames):
                         del self._waiting[slot]
                         done.append(request)
+                        if request.follows:
+                            self._following.add(slot)
             for request in done:
                 request.future.set_result(request.outputs)
+            self.seconds.handout += time.perf_counter() - handing_out
         for request in waiting:
             request.future.set_exception(RuntimeError(f"{self.name} closed with the request waiting"))

@@ -39,6 +39,7 @@ class Limits:
     reap_interval_s: float = 0.25
     heartbeat_s: float = 0.0  # 0: no session.heartbeat events
     workers: int = 4  # threads for decode and resampling (model calls get one thread per session slot)
+    reply_lead_s: float = 0.0  # 0: a reply is computed as fast as the model goes; above: at most this far ahead of playback
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

@@ -8,7 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from ..plugins import ModelPlugin
+from ..plugins import ModelPlugin, SlotsFull
 from ..protocol import ProtocolError, quoted
 from ..protocol import events as ev
 from .ledger import Ledgers
@@ -44,6 +44,10 @@ class SessionManager:
         # The final ledgers of the latest ended sessions, for audits and tests.
         self.ended_ledgers: dict[str, Ledgers] = {}
         self._reaper: asyncio.Task | None = None
+        self._full = False  # as the sessions were last told
+        # How late the reaper wakes, over its wakes: the event loop's lag, which a loop too busy
+        # with its sessions shows first (``/health``).
+        self.lag_wakes, self.lag_total_s, self.lag_max_s = 0, 0.0, 0.0
 
     async def start(self) -> None:
         self._reaper = asyncio.get_running_loop().create_task(self._reap(), name="session reaper")
@@ -86,6 +90,12 @@ class SessionManager:
             raise ProtocolError("resource_exhausted", "the server is shutting down")
         if len(self.sessions) >= limits.max_sessions:
             raise ProtocolError("resource_exhausted", f"all {limits.max_sessions} session slots are in use")
+        if self.plugin.free_slots() == 0:
+            raise ProtocolError(
+                "resource_exhausted",
+                f"every slot of {self.plugin.info.name}'s batch is taken (max_sessions={limits.max_sessions} is not "
+                "reached): a session needs a free slot",
+            )
         held = sum(1 for s in self.sessions.values() if s.client == client)
         if held >= limits.max_sessions_per_client:
             raise ProtocolError(
@@ -94,12 +104,21 @@ class SessionManager:
                 f"max_sessions_per_client={limits.max_sessions_per_client}",
             )
         session_id = self.session_prefix + secrets.token_urlsafe(18)
-        session = Session(self, session_id, self.plugin, self.limits, self.executor, duplex, client)
+        try:
+            session = Session(self, session_id, self.plugin, self.limits, self.executor, duplex, client)
+        except SlotsFull as full:
+            raise ProtocolError("resource_exhausted", f"{full}") from None
         self.sessions[session_id] = session
         session.start(transport)
-        if len(self.sessions) == self.limits.max_sessions:  # now full: the others learn it
-            self._report_rate_limits(besides=session)
+        self._admission_changed(besides=session)
         return session
+
+    def remaining(self) -> int:
+        """Sessions the server admits now: the session limit's room, and the model's free slots
+        when it has a fixed number (``ModelPlugin.free_slots``)."""
+        room = self.limits.max_sessions - len(self.sessions)
+        free = self.plugin.free_slots()
+        return room if free is None else min(room, free)
 
     async def resume(self, command: ev.SessionResume, transport: Transport) -> Session:
         session = self.sessions.get(command.session_id)
@@ -109,14 +128,20 @@ class SessionManager:
         return session
 
     def forget(self, session: Session) -> None:
-        was_full = len(self.sessions) == self.limits.max_sessions
+        """Called once the session's stream has closed (its slot, if the model has slots, is free)."""
         if self.sessions.pop(session.id, None) is not None:
-            if was_full:  # a slot is free again
-                self._report_rate_limits()
+            self._admission_changed()
             self.ended += 1
             self.ended_ledgers[session.id] = session.ledgers
             while len(self.ended_ledgers) > _KEEP_ENDED_LEDGERS:
                 del self.ended_ledgers[next(iter(self.ended_ledgers))]
+
+    def _admission_changed(self, besides: Session | None = None) -> None:
+        """When the server fills up or stops being full, every session but ``besides`` learns it."""
+        full = self.remaining() == 0
+        if full != self._full:
+            self._full = full
+            self._report_rate_limits(besides)
 
     def _report_rate_limits(self, besides: Session | None = None) -> None:
         """Every session but `besides` is told the server's session slots changed."""
@@ -126,6 +151,11 @@ class SessionManager:
 
     async def _reap(self) -> None:
         while True:
+            asleep = time.monotonic()
             await asyncio.sleep(self.limits.reap_interval_s)
+            lag = max(0.0, time.monotonic() - asleep - self.limits.reap_interval_s)
+            self.lag_wakes += 1
+            self.lag_total_s += lag
+            self.lag_max_s = max(self.lag_max_s, lag)
             for session in list(self.sessions.values()):
                 session.tick()

@@ -8,6 +8,14 @@ session order, never lets two of them overlap, and runs them on the manager's mo
 Fence: every response belongs to the epoch in force when it was created. Cancel and barge-in
 advance the epoch and emit the response's terminal events at once; chunks of an older epoch that
 arrive later are dropped and counted, never emitted.
+
+A reply's audio is the one thing not emitted by the owner: its task emits each chunk as the
+model hands it over (on the event loop, through the fence), so a command that waits for the
+model (an append's frames riding ticks of a batch) never holds a playing reply's audio back.
+While a reply plays, an append's frames go to the model one call each, so the reply's next
+chunk is computed between two of them rather than after all. A reply is computed as fast as the
+model goes, or, with ``Limits.reply_lead_s``, at most that far ahead of its playback (a model
+that ticks sessions together then ticks no faster than their clients play).
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..plugins import ModelPlugin
+from ..plugins import ModelPlugin, ModelStream
 from ..protocol import ProtocolError, ResponseParams, SessionConfig, StreamResampler, encode_event, quoted
 from ..protocol import audio as wire_audio
 from ..protocol import events as ev
@@ -55,17 +63,25 @@ def b64_decoded_len(text: str) -> int:
 
 
 class ModelPort:
-    """Runs one stream's blocking calls on the executor, in call order, one at a time."""
+    """Runs one stream's blocking calls on the executor, in call order, one at a time; each call
+    tells the stream whether the next one follows at once (``ModelStream.follows``)."""
 
-    def __init__(self, executor: Executor) -> None:
+    def __init__(self, executor: Executor, stream: ModelStream) -> None:
         self._executor = executor
+        self._stream = stream
         self._lock = asyncio.Lock()
 
-    async def call(self, fn: Callable[..., Any], *args: Any, guard: Callable[[], bool] | None = None) -> Any:
+    async def call(
+        self, fn: Callable[..., Any], *args: Any, guard: Callable[[], bool] | None = None, follows: bool = False
+    ) -> Any:
         async with self._lock:
             if guard is not None and not guard():
                 return None
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, follows, fn, args)
+
+    def _run(self, follows: bool, fn: Callable[..., Any], args: tuple) -> Any:
+        self._stream.follows = follows
+        return fn(*args)
 
 
 # Mailbox messages.
@@ -84,7 +100,7 @@ class _Reject:
 
 
 @dataclass
-class _Chunk:
+class _Chunk:  # not a mailbox message: the reply's task hands it to ``_on_chunk`` itself
     epoch: int
     response_id: str
     model_samples: int
@@ -171,7 +187,7 @@ class Session:
         self.config = SessionConfig(model=plugin.info.name)
         self.conversation_id = "conv_" + session_id.removeprefix("sess_")
         self.stream = plugin.open_stream()
-        self.port = ModelPort(manager.model_executor)
+        self.port = ModelPort(manager.model_executor, self.stream)
         self.mailbox: asyncio.Queue[Any] = asyncio.Queue()
         self.journal = Journal(limits.journal_bytes) if duplex else None
         now = time.monotonic()
@@ -205,6 +221,7 @@ class Session:
         self._tick_queued = False
         self._last_heartbeat = now
         self._runner: asyncio.Task | None = None
+        self._reply_paused = False  # the reply's task waits for its playback (Limits.reply_lead_s)
         self._task: asyncio.Task | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -343,8 +360,9 @@ class Session:
             self.mailbox.put_nowait(_Tick())
 
     def report_rate_limits(self) -> None:
-        """``rate_limits.updated`` to the attached client: ``requests`` are the server's session
-        slots (none left: a new session gets ``resource_exhausted``), ``tokens`` the bytes of input
+        """``rate_limits.updated`` to the attached client: ``requests`` are the sessions the server
+        still admits (its session limit's room, at most the model's free slots; none left: a new
+        session gets ``resource_exhausted``), ``tokens`` the bytes of input
         audio this session may still queue (fewer than an append's: ``input_backpressure``). Sent
         after ``session.created``, to every session when the server fills up or stops being full,
         and to a session when it refuses an append for backpressure and once its queue has drained
@@ -358,7 +376,7 @@ class Session:
                     {
                         "name": "requests",
                         "limit": limits.max_sessions,
-                        "remaining": limits.max_sessions - len(self.manager.sessions),
+                        "remaining": self.manager.remaining(),
                     },
                     {
                         "name": "tokens",
@@ -463,8 +481,6 @@ class Session:
         elif isinstance(msg, _Reject):
             if msg.transport is self.transport:
                 self.emit(_error_event(msg.error))
-        elif isinstance(msg, _Chunk):
-            self._on_chunk(msg)
         elif isinstance(msg, _ReplyEnd):
             self._on_reply_end(msg)
         elif isinstance(msg, _Resume):
@@ -510,7 +526,13 @@ class Session:
         led.resampled_samples += resampled
         self._buffer += data
         self._kept()
-        if frames:
+        if frames and self.active is not None:  # one call each: the reply's frames go in between
+            for index, frame in enumerate(frames):
+                # The next call follows at once: this append's next frame, or the reply's next
+                # frame, unless the reply is paced and waits for its playback.
+                follows = index + 1 < len(frames) or not self._reply_paused
+                await self.port.call(self.stream.feed, frame, follows=follows)
+        elif frames:
             await self.port.call(self.stream.feed_frames, frames)
         led.fed_samples += len(frames) * self.plugin.info.frame_samples
         led.pending_samples = len(self._frame)
@@ -773,12 +795,32 @@ class Session:
         def current() -> bool:
             return self.epoch == resp.epoch and not self.closed
 
+        # Pacing (Limits.reply_lead_s): the reply's playback clock starts at its first chunk; a
+        # chunk is computed only once the audio handed out is at most ``lead`` ahead of it.
+        lead, rate = self.limits.reply_lead_s, self.plugin.info.output_rate
+        clock: float | None = None
+        handed_s = last_s = 0.0
         try:
             while True:
-                rendered = await self.port.call(self._render, resampler, resp.output_format, guard=current)
+                ahead = 0.0 if clock is None else handed_s - (time.monotonic() - clock)
+                if lead and ahead > lead:
+                    self._reply_paused = True
+                    try:
+                        await asyncio.sleep(ahead - lead)
+                    finally:
+                        self._reply_paused = False
+                    ahead = lead
+                # The next call follows this one at once unless the chunk it brings puts the reply past its lead.
+                follows = not lead or ahead + last_s <= lead
+                rendered = await self.port.call(
+                    self._render, resampler, resp.output_format, guard=current, follows=follows
+                )
                 if rendered is None:
                     break
-                self.mailbox.put_nowait(_Chunk(resp.epoch, resp.id, *rendered))
+                self._on_chunk(_Chunk(resp.epoch, resp.id, *rendered))
+                clock = time.monotonic() if clock is None else clock
+                last_s = rendered[0] / rate
+                handed_s += last_s
             self.mailbox.put_nowait(_ReplyEnd(resp.epoch, resp.id, None))
         except asyncio.CancelledError:
             raise

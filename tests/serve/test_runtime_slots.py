@@ -87,26 +87,52 @@ def test_a_released_slot_s_next_session_joins_again(scheduler, model):
     assert model.calls == [({0: "old"}, (0,)), ({0: "new"}, (0,))]
 
 
-def test_a_tick_waits_for_the_slots_of_the_last_one_to_come_back():
+def test_a_tick_waits_for_the_slots_of_the_last_one_that_said_they_follow():
     model = Model()
     scheduler = SlotScheduler(3, model, name="double", gather_s=30.0)
     try:
         a, b, c = (scheduler.acquire() for _ in range(3))
         model.gate.clear()
-        scheduler.submit(a, ["a0"])
+        scheduler.submit(a, ["a0"], follows=True)
         assert model.entered.wait(5)  # tick 0: a0 alone, held
         second = scheduler.submit(b, ["b0"])
         model.gate.set()
         threading.Event().wait(0.3)
-        assert not second.done()  # b0 waits for a, which was in tick 0; c was not and holds nothing up
-        third = scheduler.submit(a, ["a1"])
+        assert not second.done()  # b0 waits for a, which said it follows; c was not in tick 0
+        third = scheduler.submit(a, ["a1"], follows=True)
         assert second.result(5) == [(1, 1, "b0")] and third.result(5) == [(1, 0, "a1")]
         fourth = scheduler.submit(b, ["b1"])
         threading.Event().wait(0.3)
-        assert not fourth.done()  # held for a, in tick 1 too
+        assert not fourth.done()  # held for a, which said it follows tick 1 too; b did not
         scheduler.release(a)  # a's session is gone: nothing to wait for
         assert fourth.result(5) == [(2, 1, "b1")]
         assert model.calls == [({0: "a0"}, (0,)), ({0: "a1", 1: "b0"}, (1,)), ({1: "b1"}, ())]
+        assert scheduler.follow_misses == 0
+    finally:
+        scheduler.close()
+
+
+def test_a_slot_that_did_not_say_it_follows_holds_no_tick_up():
+    model = Model()
+    scheduler = SlotScheduler(2, model, name="double", gather_s=30.0)
+    try:
+        a, b = scheduler.acquire(), scheduler.acquire()
+        assert scheduler.submit(a, ["a0"]).result(5) == [(0, 0, "a0")]
+        assert scheduler.submit(b, ["b0"]).result(5) == [(1, 1, "b0")]  # at once: a was in tick 0, a listener
+        assert model.calls == [({0: "a0"}, (0,)), ({1: "b0"}, (1,))]
+    finally:
+        scheduler.close()
+
+
+def test_a_tick_runs_without_a_following_slot_once_gather_s_is_out_and_counts_it():
+    model = Model()
+    scheduler = SlotScheduler(2, model, name="double", gather_s=0.05)
+    try:
+        a, b = scheduler.acquire(), scheduler.acquire()
+        assert scheduler.submit(a, ["a0"], follows=True).result(5) == [(0, 0, "a0")]
+        assert scheduler.submit(b, ["b0"]).result(5) == [(1, 1, "b0")]  # a never came back
+        assert scheduler.submit(b, ["b1"]).result(5) == [(2, 1, "b1")]  # a is not waited for twice
+        assert (scheduler.follow_misses, scheduler.ticks, scheduler.frames) == (1, 3, 3)
     finally:
         scheduler.close()
 

@@ -90,3 +90,23 @@ def test_serve_ray_deploys_the_options_as_a_ray_spec(monkeypatch):
     assert (host, port, replicas, tls) == ("127.0.0.1", 9000, 3, None)
     assert (spec.model, spec.limits.max_sessions, spec.plugin_options) == ("tone", 5, {"step_delay_s": 0.04})
     assert list(kwargs) == ["on_ready"]
+
+
+def test_slots_is_the_batch_of_a_slotted_model_and_the_default_session_limit(monkeypatch):
+    import cadence_fx.serve.app as app
+
+    served = []
+    monkeypatch.setattr(app, "run_server", lambda host, port, model, limits, access, tls, on_ready, plugin_options:
+                        served.append((model, limits.max_sessions, plugin_options)))
+    assert main(["serve", "--model", "moshi-tiny", "--slots", "4"]) == 0
+    assert main(["serve", "--model", "moshi-full", "--slots", "64", "--max-sessions", "32"]) == 0
+    assert main(["serve", "--model", "moshi-tiny"]) == 0
+    assert served == [("moshi-tiny", 4, {"slots": 4}), ("moshi-full", 32, {"slots": 64}), ("moshi-tiny", 16, {})]
+
+
+def test_slots_for_a_model_without_slots_is_one_sentence(capsys):
+    assert main(["serve", "--model", "tone", "--slots", "4"]) == 2
+    assert capsys.readouterr().err == (
+        "cadence-fx serve: error: --slots: tone has no batch of slots; the models that do: moshi-full, moshi-small, "
+        "moshi-tiny\n"
+    )

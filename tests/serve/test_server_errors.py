@@ -122,7 +122,7 @@ def test_a_frame_over_the_ceiling_is_closed_by_uvicorn_with_1009(strict_server):
         await sock.ws.wait_closed()
         return sock.ws.close_code, sock.ws.close_reason
 
-    assert run(scenario()) == (1009, f"frame exceeds limit of {ceiling} bytes")
+    assert run(scenario()) == (1009, f"frame with {ceiling + 1} bytes exceeds limit of {ceiling} bytes")
 
 
 def test_error_echoes_the_client_event_id(strict_server):

@@ -3,12 +3,15 @@ Every event received is checked against OpenAI's GA schema by CheckedSocket."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 
 import httpx
 from servekit import (
     COMMIT,
     RESPONSE_HEAD,
     RESPONSE_TAIL,
+    Server,
     deltas_of,
     run,
     running,
@@ -18,6 +21,9 @@ from servekit import (
     wav_pcm,
 )
 
+from cadence_fx.serve.app import background_server
+from cadence_fx.serve.plugins import ToneModel
+from cadence_fx.serve.plugins.tone import ToneStream
 from cadence_fx.serve.protocol import PCM24K, PCMA, PCMU, StreamResampler
 from cadence_fx.serve.protocol import audio as wire_audio
 from cadence_fx.serve.session import Limits
@@ -315,6 +321,10 @@ def test_models_and_health_routes(server):
     assert [m["id"] for m in models["data"]] == ["tone"]
     assert models["data"][0]["description"].startswith("test double")
     assert (health["status"], health["model"], health["max_sessions"]) == ("ok", "tone", 64)
+    assert (health["free_slots"], health["admits"]) == (None, 64 - health["sessions"])  # the tone has no slots
+    assert sorted(health) == ["admits", "connections", "free_slots", "loop_lag_ms", "max_sessions", "model",
+                              "sessions", "sessions_ended", "status"]
+    assert sorted(health["loop_lag_ms"]) == ["max", "mean", "wakes"]
 
 
 def test_admission_limit_refuses_with_resource_exhausted():
@@ -332,6 +342,86 @@ def test_admission_limit_refuses_with_resource_exhausted():
         error, code, admitted = run(scenario(server))
     assert (error["error"]["code"], code) == ("resource_exhausted", 1013)
     assert admitted.startswith("sess_")
+
+
+def test_a_paced_reply_is_the_same_audio_handed_out_no_further_ahead_of_playback_than_its_lead(question_pcm):
+    """The question's reply is 2.24 s of audio in 40 ms chunks; with a lead of 0.2 s each chunk
+    leaves the server no earlier than its play time (from the first chunk) less the lead."""
+
+    async def scenario(server):
+        sock = await server.connect("/v1/duplex")
+        await sock.no_vad()
+        await sock.append(question_pcm)
+        await sock.send({"type": "input_audio_buffer.commit"})
+        await sock.send({"type": "response.create"})
+        arrivals, events = [], []
+        while not events or events[-1]["type"] != "response.done":
+            events.append(await sock.recv())
+            arrivals.append(time.monotonic())
+        await sock.close()
+        return events, arrivals
+
+    with running(Limits(max_sessions=4, reply_lead_s=0.2)) as server:
+        events, arrivals = run(scenario(server))
+    assert types_of(events, skip_deltas=False) == (
+        COMMIT + RESPONSE_HEAD + ["response.output_audio.delta"] * QUESTION_REPLY_CHUNKS + RESPONSE_TAIL
+    )
+    assert deltas_of(events) == tone_reply_pcm(QUESTION_REPLY_CHUNKS)
+    delivered = [at for at, e in zip(arrivals, events) if e["type"] == "response.output_audio.delta"]
+    # Chunk k is computed once the k chunks before it (40 ms each) are at most 0.2 s ahead of the
+    # clock that started at the first; 0.1 s of slack for the first chunk's own way to this client
+    # (unpaced, every chunk would be here within a few milliseconds of the first).
+    early = [k for k, at in enumerate(delivered) if at - delivered[0] < 0.04 * k - 0.2 - 0.1]
+    assert early == []
+
+
+class SlottedTone(ToneModel):
+    """The tone with a fixed number of streams, as a batch's slots: ``free_slots`` counts those
+    not closed."""
+
+    def __init__(self, slots: int) -> None:
+        super().__init__()
+        self.slots, self.open = slots, 0
+
+    def open_stream(self) -> ToneStream:
+        plugin = self
+
+        class SlotStream(ToneStream):
+            def close(self) -> None:
+                plugin.open -= 1
+
+        self.open += 1
+        return SlotStream(self.feed_delay_s, self.step_delay_s)
+
+    def free_slots(self) -> int:
+        return self.slots - self.open
+
+
+def test_admission_is_a_free_slot_and_rate_limits_count_free_slots():
+    async def scenario(server):
+        first = await server.connect("/v1/duplex")
+        second = await server.connect("/v1/duplex")
+        told = await first.recv()  # the server is full now: the first session learns it
+        refused = await server.connect("/v1/duplex", created=False)
+        error = await refused.recv()
+        await refused.ws.wait_closed()
+        health_full = await asyncio.to_thread(httpx.get, server.handle.http_url + "/health")
+        await second.send({"type": "session.close"})
+        await second.recv_until("session.closed")
+        freed = await first.recv()  # a slot is free again
+        return first.rate_limits, second.rate_limits, told, error, refused.ws.close_code, health_full.json(), freed
+
+    with background_server(lambda: SlottedTone(2), Limits(max_sessions=4, max_sessions_per_client=4)) as handle:
+        first, second, told, error, code, health, freed = run(scenario(Server(handle)))
+    requests = [[(r["name"], r["limit"], r["remaining"]) for r in limits if r["name"] == "requests"]
+                for limits in (first, second, told["rate_limits"], freed["rate_limits"])]
+    assert requests == [[("requests", 4, 1)], [("requests", 4, 0)], [("requests", 4, 0)], [("requests", 4, 1)]]
+    assert (told["type"], freed["type"]) == ("rate_limits.updated", "rate_limits.updated")
+    assert (error["error"]["code"], code) == ("resource_exhausted", 1013)
+    assert error["error"]["message"] == (
+        "every slot of tone's batch is taken (max_sessions=4 is not reached): a session needs a free slot"
+    )
+    assert (health["sessions"], health["max_sessions"], health["free_slots"], health["admits"]) == (2, 4, 0, 0)
 
 
 def test_input_backpressure_refuses_appends_beyond_the_bound_accounts_them_and_updates_rate_limits(question_pcm):
