@@ -266,6 +266,12 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
                 raise BindingError(field, f"{path!r} starts at {_segments(path)[0]!r}, which is not an argument of "
                                           f"{ob.method}; its arguments: {sorted(parameters)}")
         signatures[ob.operator] = signature
+    reached = {rb.region for ob in binding.operators for rb in operator_regions(binding, ob, signatures[ob.operator])}
+    for i, rb in enumerate(binding.regions):
+        if rb.region not in reached:
+            arguments = {ob.method: sorted(signatures[ob.operator].parameters) for ob in binding.operators}
+            raise BindingError(f"regions[{i}].at", f"{rb.at!r}: no operator's method takes the arguments these paths start "
+                                                   f"at, so no operator would keep this region; the methods' arguments: {arguments}")
     if binding.verify < 1:
         raise BindingError("verify", f"at least the first visit of each class is verified against the stock call; got {binding.verify}")
     return signatures

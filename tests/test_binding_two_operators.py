@@ -131,3 +131,17 @@ def test_two_operators_replay_on_cuda_with_the_shared_region_aliased():
                                                            "invalidations": 0, "fallbacks": {}}
     assert report.replays["decode"].counters.as_dict() == {"calls": 6, "captures": 1, "replays": 6, "eager": 0,
                                                            "invalidations": 0, "fallbacks": {}}
+
+
+def test_a_region_no_operator_reaches_is_refused_naming_the_arguments():
+    from cadence_fx import BindingError
+
+    stray = Binding(
+        regions=(RegionBinding("memory", at=("memory.kept",)), RegionBinding("history", at=("past.kept",))),
+        operators=(OperatorBinding("encode", method="encode", units=("x", 1)),),
+    )
+    with pytest.raises(BindingError) as error:
+        transform(EncoderDecoder(), contract(), stray)
+    assert str(error.value) == (
+        "binding.regions[1].at: ('past.kept',): no operator's method takes the arguments these paths start at, so no "
+        "operator would keep this region; the methods' arguments: {'encode': ['memory', 'x']}")
