@@ -239,7 +239,8 @@ def _head_and_tail(node: torch.fx.Node) -> tuple[torch.fx.Node, int, int, int] |
         return None
     last = _tail_slice(second)
     source, dim, start, end, step = (*first.args, *(None,) * (5 - len(first.args)))[:5]
-    if last is None or last[0] is not source or start not in (None, 0) or step not in (None, 1) or not isinstance(end, int):
+    if last is None or last[0] is not source or start not in (None, 0) or step not in (None, 1) or not isinstance(end, int) \
+            or not 0 < end < _END:
         return None
     axis = _axis(source, dim if dim is not None else 0)
     if last[1] != axis or _axis(node, node.args[1] if len(node.args) > 1 else 0) != axis:
