@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO / "tests"))
 import byom_example  # noqa: E402
 
 from cadence_fx import SlidingWindow, transform  # noqa: E402
-from cadence_fx.report import measured_commit, stats  # noqa: E402
+from cadence_fx.report import latency_stats, measured_commit  # noqa: E402
 
 RETAINED = 250  # tokens the window keeps (Mistral's sliding_window counts the current token too)
 CALLS = 130  # enough to reach the steady class (125 calls fill the window) and stay in it
@@ -85,7 +85,7 @@ def main() -> None:
         "calls_per_stream": CALLS,
         "stock_stream_seconds": round(stock_s, 3),
         "streams": streams,
-        "capture_and_rewrite_ms_per_class": stats(capture_ms),
+        "capture_and_rewrite_ms_per_class": latency_stats(capture_ms),
         "capture_and_rewrite_seconds_total": round(sum(capture_ms) / 1e3, 2),
         "operator": op.counters.as_dict(),
         "replay": None if op.replay is None else op.replay.counters.as_dict(),
