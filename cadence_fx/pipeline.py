@@ -68,7 +68,7 @@ from .replay.signature import is_dense
 from .report import format_bytes
 from .transformed import Transformed
 
-__all__ = ["BoundModel", "BoundOperator", "OperatorCounters", "transform_bound"]
+__all__ = ["BoundModel", "BoundOperator", "OperatorCounters", "class_name", "transform_bound"]
 
 #: Signatures (host values, layouts) captured per catalog class at most; more run the stock code.
 VARIANTS = 4
@@ -161,6 +161,17 @@ def _structure(out: Any, roots: dict[str, Any]) -> tuple[list, tuple]:
     return leaves, (spec, others)
 
 
+def _writes_in_place(node: torch.fx.Node) -> bool:
+    """Whether `node` calls an in-place (mutable-schema) op, which writes its first argument."""
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.is_mutable and bool(node.args)
+
+
+def class_name(operator: str, units: int, extent: int, flush: bool = False) -> str:
+    """The name of an operator's catalog class in reports, stamps and certificates."""
+    return f"{operator}[n={units},L={extent}]" + ("(flush)" if flush else "")
+
+
 def _undeclared_state(program, roots: dict[str, Any], sites: list[Site]) -> list[str]:
     """Paths of the tensors in the state objects (not the bound sites) that the step writes in place
     but the export lifted as constants: a graph would start every call from their value at capture."""
@@ -169,8 +180,7 @@ def _undeclared_state(program, roots: dict[str, Any], sites: list[Site]) -> list
         if spec.kind.name != "CONSTANT_TENSOR":
             continue
         node = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == spec.arg.name)
-        if any(user.op == "call_function" and getattr(user.target, "_schema", None) is not None
-               and user.target._schema.is_mutable and user.args and user.args[0] is node for user in node.users):
+        if any(_writes_in_place(user) and user.args[0] is node for user in node.users):
             written.add(spec.target)
     lifted = {id(program.constants[target]) for target in written}
     if not lifted:
@@ -210,8 +220,7 @@ def _ring_site(gm: torch.fx.GraphModule, graph: str, site: Site, axis: int, outp
     that returns a new tensor instead still runs exact: its result is copied into the carry."""
     node = pytree.tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args)[output]
     leaf = node
-    while node.op == "call_function" and getattr(node.target, "_schema", None) is not None and node.target._schema.is_mutable \
-            and node.args and isinstance(node.args[0], torch.fx.Node):
+    while _writes_in_place(node) and isinstance(node.args[0], torch.fx.Node):
         node = node.args[0]
     if node.op == "placeholder" and node.name == placeholder:
         return RetentionSite(graph, leaf.name, site.region, axis, "ring", False,
@@ -241,22 +250,13 @@ def _equal(a: Any, b: Any) -> str | None:
     return None
 
 
-class _Regions:
-    """The regions' buffers and their sites' carries, shared by every operator of a bound model:
-    operators that bind the same region (a cache two methods read and write) keep one buffer and one
-    carry per site, so each sees what the other retained."""
-
-    def __init__(self):
-        self.buffers: dict[str, torch.Tensor] = {}
-        self.carries: dict[tuple[str, tuple[int, ...]], WindowCarry] = {}
-
-
 class BoundOperator:
     """One hot operator of a bound model: call it as the stock method. It binds the regions whose
     paths start at its method's arguments (or the model itself)."""
 
     def __init__(self, model: Any, contract: Contract, catalog: Catalog, binding: Binding, ob: OperatorBinding,
-                 signature: inspect.Signature, report, *, replay: bool, shared: _Regions):
+                 signature: inspect.Signature, report, *, replay: bool,
+                 shared: dict[tuple[str, tuple[int, ...]], WindowCarry]):
         self.model, self.contract, self.catalog, self.binding, self.ob = model, contract, catalog, binding, ob
         self.method = method_of(model, ob.method)
         self.signature = signature
@@ -264,6 +264,9 @@ class BoundOperator:
         self.op = next(op for op in contract.operators if op.name == ob.operator)
         self.op_catalog = catalog.operator(ob.operator)
         self.regions = operator_regions(binding, ob, signature)
+        # Every operator's carries by (region, site index): operators that bind the same region (a
+        # cache two methods read and write) keep one carry per site, so each sees what the other
+        # retained; the region's buffer is `report.carries[region].buffer`.
         self.shared = shared
         self.roots = {p.split(".")[0] for rb in self.regions for p in rb.at} | {p.split(".")[0] for p in ob.counters}
         self.counters = OperatorCounters()
@@ -326,7 +329,7 @@ class BoundOperator:
                 if (units, extent) not in self._unbounded:
                     self._unbounded.add((units, extent))
                     self.report.stamps.append(
-                        f"{self.ob.operator}[n={units},L={extent}]: the calls' host values or layouts differ ({VARIANTS} "
+                        f"{class_name(self.ob.operator, units, extent)}: the calls' host values or layouts differ ({VARIANTS} "
                         f"variants captured, now {signature.describe()}): runs the stock code from here; pass a value "
                         "that changes every call as a tensor, or bind it as a counter")
                 return self._stock(roots, inputs, "variants")
@@ -383,20 +386,20 @@ class BoundOperator:
             if region.axis < lead:
                 raise ValueError(f"region {rb.region!r}: its retention axis {region.axis} is one of the {lead} "
                                  "leading dims the binding's paths index; bind the tensors that hold the axis")
-            allocated = rb.region in self.shared.buffers
+            allocated = rb.region in self.report.carries
             if not allocated:
-                self.shared.buffers[rb.region] = torch.zeros(derived.shape, dtype=DTYPES[region.dtype], device=device)
-            buffer = self.shared.buffers[rb.region]
+                buffer = torch.zeros(derived.shape, dtype=DTYPES[region.dtype], device=device)
+                self.report.carries[rb.region] = WindowCarry(rb.region, rb.region, buffer, region.axis)
+            buffer = self.report.carries[rb.region].buffer
             for site in found:
                 key = (rb.region, site.index)
-                if key not in self.shared.carries:
-                    self.shared.carries[key] = WindowCarry(site.path, rb.region, buffer[site.index], region.axis - lead,
-                                                           auditor=self.report.auditor)
-                carry = self.carries[site.path] = self.shared.carries[key]
+                if key not in self.shared:
+                    self.shared[key] = WindowCarry(site.path, rb.region, buffer[site.index], region.axis - lead,
+                                                   auditor=self.report.auditor)
+                carry = self.carries[site.path] = self.shared[key]
                 self._holder.add_module(f"carry{len(self.sites)}", carry)
                 self.sites.append(site)
             if not allocated:
-                self.report.carries[rb.region] = WindowCarry(rb.region, rb.region, buffer, region.axis)
                 self.report.stamps.append(f"state rule: {rb.region} at {'x'.join(map(str, derived.shape))} "
                                           f"({format_bytes(derived.bytes)}), {len(found)} sites at one address each")
         for path in self._counter_paths(roots):
@@ -494,7 +497,7 @@ class BoundOperator:
     # -- capture, verification, fallback -----------------------------------------------------
 
     def _capture(self, roots, inputs, state, call: CatalogClass) -> _Class:
-        name = f"{self.ob.operator}[n={call.call},L={call.extent}]" + ("(flush)" if call.flush else "")
+        name = class_name(self.ob.operator, call.call, call.extent, call.flush)
         cls = _Class(name, call, verify_left=self.binding.verify)
         started = time.perf_counter()
         private = _private(roots)
@@ -740,7 +743,7 @@ def transform_bound(model: Any, contract: Contract, binding: Binding, catalog: C
         if op.name in signatures and not op.in_scope:
             raise ValueError(f"operator {op.name!r}: {op.verdict}; raise the budget (transform(..., budget=N), "
                              f"`--budget N` on the CLI) to capture all {op.width} classes")
-    shared = _Regions()
+    shared: dict[tuple[str, tuple[int, ...]], WindowCarry] = {}
     operators = {ob.operator: BoundOperator(model, contract, catalog, binding, ob, signatures[ob.operator], report,
                                             replay=replay, shared=shared)
                  for ob in binding.operators}
