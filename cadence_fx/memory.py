@@ -47,6 +47,11 @@ class DeviceMemory:
             torch.cuda.synchronize(self.device)
             self.used_at_start = _used(self.device)
 
+    @classmethod
+    def of_process(cls) -> DeviceMemory:
+        """This process's figures on the current CUDA device; without CUDA, every figure is None."""
+        return cls("cuda" if torch.cuda.is_available() else "cpu")
+
     def reset_peak(self) -> None:
         """Start a new measurement window: peak allocated and the sampled maxima from now on."""
         if self.cuda:

@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import uvicorn
 from fastapi import FastAPI, WebSocket
 from fastapi.responses import FileResponse
@@ -59,7 +58,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Started before the model loads: the device footprint it reports is the service's own.
-        state["memory"] = DeviceMemory("cuda" if torch.cuda.is_available() else "cpu")
+        state["memory"] = DeviceMemory.of_process()
         plugin = plugin_factory()
         plugin.reserve(limits.max_sessions)  # before the first session, which then never waits for it
         manager = SessionManager(plugin, limits, session_prefix)

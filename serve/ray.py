@@ -116,7 +116,7 @@ class SessionReplica:
     def __init__(self, replica: int, spec: RaySpec) -> None:
         self.replica = replica
         # Started before the model loads: the device footprint it reports is this replica's own.
-        self.memory = DeviceMemory("cuda" if torch.cuda.is_available() else "cpu")
+        self.memory = DeviceMemory.of_process()
         self._stack = contextlib.ExitStack()
         host = ray.util.get_node_ip_address()
         self.server: BackgroundServer = self._stack.enter_context(
