@@ -20,6 +20,8 @@ the new state instead (a functional step), `out` gives the matching paths rooted
 the call's result (``"return.1.[0::2].0"``); the caller then threads the returned state back in.
 A path may be a whole argument (``"state"``, with ``out=("return.1",)``: a step that takes its
 state as a tensor and returns the new one); an argument left at its default (None) is no state yet.
+A ring the operator allocates inside every call and drops on return is bound ``per_call=True``,
+with no paths: there is nothing to keep between calls.
 """
 
 from __future__ import annotations
@@ -48,11 +50,17 @@ class BindingError(ValueError):
 
 @dataclass(frozen=True)
 class RegionBinding:
-    """Region `region` of the contract lives at `at` (one or more paths, see the module docstring)."""
+    """Region `region` of the contract lives at `at` (one or more paths, see the module docstring).
+
+    `per_call`: the operator allocates the region inside each call and drops it on return (a
+    vendor that enters a fresh streaming state per call), so nothing is kept between calls: no
+    paths (`at` empty), no carry; each call sees the region at its derived extent, and the graph
+    allocates it as the stock call does."""
 
     region: str
-    at: tuple[str, ...]
+    at: tuple[str, ...] = ()
     out: tuple[str, ...] = ()
+    per_call: bool = False
 
 
 @dataclass(frozen=True)
@@ -209,7 +217,7 @@ def operator_regions(binding: Binding, ob: OperatorBinding, signature: inspect.S
     """The regions an operator binds: those whose every path starts at one of its method's arguments
     or at the model itself (its own region always does: `check_binding` checks it)."""
     parameters = set(signature.parameters) | {SELF}
-    return [rb for rb in binding.regions if all(_segments(p)[0] in parameters for p in rb.at)]
+    return [rb for rb in binding.regions if not rb.per_call and all(_segments(p)[0] in parameters for p in rb.at)]
 
 
 def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str, inspect.Signature]:
@@ -223,6 +231,15 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
     for i, rb in enumerate(binding.regions):
         if rb.region not in regions:
             raise BindingError(f"regions[{i}].region", f"the contract declares no region {rb.region!r}; declared: {sorted(regions)}")
+        if rb.per_call:
+            if rb.at or rb.out:
+                raise BindingError(f"regions[{i}]", f"region {rb.region!r} is per_call (allocated inside each call): "
+                                                    f"it has no paths to keep, got at={rb.at!r} out={rb.out!r}")
+            if not isinstance(regions[rb.region].retention, RingCache):
+                raise BindingError(f"regions[{i}].per_call", f"region {rb.region!r} retains by "
+                                                             f"{type(regions[rb.region].retention).__name__}: only a "
+                                                             "RingCache (a fixed extent) can be allocated afresh each call")
+            continue
         if not rb.at or not all(isinstance(p, str) and p and all(_segments(p)) for p in rb.at):
             raise BindingError(f"regions[{i}].at", f"needs one or more paths 'argument' or 'argument.attribute...', got {rb.at!r}")
         if rb.out and (len(rb.out) != len(rb.at) or not all(
@@ -260,14 +277,18 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
         units = [] if isinstance(ob.units, int) else [(f"operators[{i}].units", ob.units[0])]
         paths = units + [(f"operators[{i}].counters[{j}]", p) for j, p in enumerate(ob.counters)]
         own = binding.region(operators[ob.operator].region)
-        paths += [(f"regions[{binding.regions.index(own)}].at", p) for p in own.at]
+        paths += [(f"regions[{binding.regions.index(own)}].at", p) for p in own.at]  # none when per_call
         for field, path in paths:
             if _segments(path)[0] not in parameters:
                 raise BindingError(field, f"{path!r} starts at {_segments(path)[0]!r}, which is not an argument of "
                                           f"{ob.method}; its arguments: {sorted(parameters)}")
         signatures[ob.operator] = signature
     reached = {rb.region for ob in binding.operators for rb in operator_regions(binding, ob, signatures[ob.operator])}
+    reached |= {operators[ob.operator].region for ob in binding.operators}
     for i, rb in enumerate(binding.regions):
+        if rb.region not in reached and rb.per_call:
+            raise BindingError(f"regions[{i}].per_call", f"region {rb.region!r} is allocated inside each call of its "
+                                                         "operator, but no bound operator has it as its region")
         if rb.region not in reached:
             arguments = {ob.method: sorted(signatures[ob.operator].parameters) for ob in binding.operators}
             raise BindingError(f"regions[{i}].at", f"{rb.at!r}: no operator's method takes the arguments these paths start "

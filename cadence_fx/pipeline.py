@@ -214,6 +214,16 @@ def _undeclared_state(program, roots: dict[str, Any], sites: list[Site]) -> list
     return found
 
 
+def _viewed(node: Any) -> Any:
+    """The tensor `node` is a view of (through view ops: select, slice, view...), or `node` itself."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.args:
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or schema.is_mutable or not schema.returns or schema.returns[0].alias_info is None:
+            break
+        node = node.args[0]
+    return node
+
+
 def _ring_site(gm: torch.fx.GraphModule, graph: str, site: Site, axis: int, output: int, placeholder: str | None) -> RetentionSite:
     """A ring region's site needs no rewrite when the step writes it in place (its output is its
     input, through in-place ops): the carry is then the ring, one address for the stream. A step
@@ -223,8 +233,13 @@ def _ring_site(gm: torch.fx.GraphModule, graph: str, site: Site, axis: int, outp
     while _writes_in_place(node) and isinstance(node.args[0], torch.fx.Node):
         node = node.args[0]
     if node.op == "placeholder" and node.name == placeholder:
-        return RetentionSite(graph, leaf.name, site.region, axis, "ring", False,
-                             f"{site.path}: written in place by the step ({leaf.name}): the carry is the ring, nothing to rewrite")
+        writes = [n for n in gm.graph.nodes if _writes_in_place(n) and _viewed(n.args[0]) is node]
+        if not writes:  # another operator's ring, which this step only passes on
+            return RetentionSite(graph, leaf.name, site.region, axis, "ring", False,
+                                 f"{site.path}: not written by the step: passed through at its address")
+        writer = leaf if leaf is not node else writes[-1]
+        return RetentionSite(graph, writer.name, site.region, axis, "ring", False,
+                             f"{site.path}: written in place by the step ({writer.name}): the carry is the ring, nothing to rewrite")
     return RetentionSite(graph, leaf.name, site.region, axis, "ring", False,
                          f"{site.path}: returned anew by the step ({leaf.name}): copied into its carry after every call")
 
@@ -264,6 +279,8 @@ class BoundOperator:
         self.op = next(op for op in contract.operators if op.name == ob.operator)
         self.op_catalog = catalog.operator(ob.operator)
         self.regions = operator_regions(binding, ob, signature)
+        # A region the operator allocates inside each call: no sites, the same extent every call.
+        self.per_call = binding.region(self.op.region).per_call
         # Every operator's carries by (region, site index): operators that bind the same region (a
         # cache two methods read and write) keep one carry per site, so each sees what the other
         # retained; the region's buffer is `report.carries[region].buffer`.
@@ -426,6 +443,8 @@ class BoundOperator:
 
     def _retained(self, roots: dict[str, Any]) -> int | None:
         """The operator region's retained extent (0 before any state); None when its sites disagree."""
+        if self.per_call:
+            return self.catalog.region(self.op.region).bound
         extents = set()
         for site in self.sites:
             if site.region != self.op.region:

@@ -2,10 +2,19 @@
 
 Every attention cache is the vendor's preallocated `RingCache`, written in place at a device-side
 offset, so shapes never change: the derived catalog width is 1 for every operator.
+
+`MOSHI_LM_BINDING` binds the LM's two steps of a frame as data for the one pipeline
+(`transform(lm_gen, contract, MOSHI_LM_BINDING)`, on a streaming `LMGen`): the main step
+(`LMModel.forward_text`), whose ring caches are its region and whose device-side offsets and
+host-side `offset_cpu`s are its counters, and the depformer step (`LMGen.depformer_step`: all
+codebooks and their sampling), whose ring the vendor allocates afresh inside every call
+(`per_call`). The family's four stages still run through its adapter (`moshi_replay.py`);
+these two are the first of them on the pipeline.
 """
 
 from __future__ import annotations
 
+from cadence_fx.binding import Binding, OperatorBinding, RegionBinding
 from cadence_fx.contract import (
     Admission,
     Clock,
@@ -20,7 +29,32 @@ from cadence_fx.contract import (
     RingCache,
 )
 
-__all__ = ["moshi_contract"]
+__all__ = ["MOSHI_LM_BINDING", "moshi_contract"]
+
+# The vendor keeps a streaming module's state in its `_streaming_state` (entered by `streaming()`).
+_TRANSFORMER = "self.lm_model.transformer"
+_ATTENTION = f"{_TRANSFORMER}.layers.*.self_attn._streaming_state"
+
+#: Where a streaming `LMGen`'s per-frame operators keep their state. The main step's is each
+#: attention layer's `RingKVCache` (keys and values stacked, as the contract's `lm_kv` lays them
+#: out), written in place at `end_offset`, the device-side offsets (rope positions, ring ends) each
+#: call advances in place, and the host-side `offset_cpu`s it counts. One call is one frame.
+MOSHI_LM_BINDING = Binding(
+    regions=(
+        RegionBinding("lm_kv", at=(f"{_ATTENTION}.kv_cache.cache",)),
+        RegionBinding("depformer_kv", per_call=True),  # `depformer_step` enters `depformer.streaming()` itself
+    ),
+    operators=(
+        OperatorBinding("lm_step", method="lm_model.forward_text", units=1, counters=(
+            f"{_ATTENTION}.kv_cache.end_offset",
+            f"{_ATTENTION}.offset",
+            f"{_ATTENTION}.offset_cpu",
+            f"{_TRANSFORMER}._streaming_state.offsets",
+            f"{_TRANSFORMER}.layers.*._streaming_state.offset_cpu",
+        )),
+        OperatorBinding("depformer_step", method="depformer_step", units=1),
+    ),
+)
 
 
 def moshi_contract(

@@ -1,0 +1,108 @@
+"""Moshi's LM on the one pipeline: the vendor's two per-frame steps of a streaming `LMGen` bound as
+data (`models/moshi.py: MOSHI_LM_BINDING`), no adapter code. The main step's rings are written in
+place by the vendor's own scatter, so nothing is rewritten: the pipeline exports each step once,
+verifies it against the stock call (the RNG rewound between the two: the depformer samples 8
+tokens a frame), then runs the exported graphs (replayed on CUDA) with the rings aliased at one
+address per layer. A reset (`reset_streaming`, as a new session does) writes the offsets in place,
+so the graphs keep serving the next stream."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from cadence_fx import BindingError, RegionBinding, transform
+from cadence_fx.models.moshi import MOSHI_LM_BINDING
+from cadence_fx.models.moshi_replay import contract_for
+from cadence_fx.models.moshi_stream import TINY, LMGen, build_models, no_compile
+
+FRAMES = 6
+
+
+def frames(lm, seed: int) -> list[torch.Tensor]:
+    """`FRAMES` frames of (1, 17, 1) tokens: text in [0, text_card), audio in [0, card)."""
+    generator = torch.Generator().manual_seed(seed)
+    text = torch.randint(0, lm.text_card, (FRAMES, 1, 1, 1), generator=generator)
+    audio = torch.randint(0, lm.card, (FRAMES, 1, lm.num_codebooks - 1, 1), generator=generator)
+    return list(torch.cat([text, audio], dim=2))
+
+
+def stream(lm_step, depformer_step, lm_gen, tokens: list[torch.Tensor], device: str, seed: int):
+    """Each frame: the main step, its greedy text token, the depformer's sampled audio tokens."""
+    outputs, addresses = [], set()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for frame in tokens:
+            out, text_logits = lm_step(frame.to(device))
+            text = text_logits[:, 0, 0].argmax(dim=-1)
+            outputs.append((out, text_logits, depformer_step(text, out)))
+            layers = lm_gen.lm_model.transformer.layers
+            addresses.add(tuple(layer.self_attn._streaming_state.kv_cache.cache.data_ptr() for layer in layers))
+    return outputs, addresses
+
+
+def run(device: str, streams: int):
+    with no_compile():  # the vendor compiles its rope and gating with torch.compile unless told not to
+        stock, lm_gen = (LMGen(build_models(TINY, device).lm, use_sampling=True) for _ in range(2))
+        stock.streaming_forever(1)
+        lm_gen.streaming_forever(1)
+        bound, report = transform(lm_gen, contract_for(TINY), MOSHI_LM_BINDING)
+        for seed in range(streams):
+            tokens = frames(lm_gen.lm_model, seed)
+            expected, _ = stream(stock.lm_model.forward_text, stock.depformer_step, stock, tokens, device, seed)
+            actual, addresses = stream(bound.operators["lm_step"], bound.operators["depformer_step"], lm_gen,
+                                       tokens, device, seed)
+            for got, want in zip(actual, expected, strict=True):
+                assert all(torch.equal(a, e) for a, e in zip(got, want, strict=True))
+            assert len(addresses) == 1  # every frame of every stream on the same ring
+            stock.reset_streaming()
+            lm_gen.reset_streaming()
+    return report
+
+
+def test_the_lm_steps_stream_bit_identically_through_the_pipeline_from_their_binding():
+    report = run("cpu", streams=2)
+    lm, depformer = report.operators["lm_step"], report.operators["depformer_step"]
+    assert [cls.name for cls in lm.classes.values()] == ["lm_step[n=1,L=3000]"]
+    assert [cls.name for cls in depformer.classes.values()] == ["depformer_step[n=1,L=8]"]
+    # The first frame adopts each layer's ring and its three device-side offsets into the carries.
+    assert lm.counters.as_dict() == {"calls": 2 * FRAMES, "graph_calls": 2 * FRAMES, "verified": 2, "stock": 0,
+                                     "adopted": 4, "stock_by_reason": {}}
+    # The depformer's ring lives inside each call: nothing to adopt, every call through its graph.
+    assert depformer.counters.as_dict() == {"calls": 2 * FRAMES, "graph_calls": 2 * FRAMES, "verified": 2, "stock": 0,
+                                            "adopted": 0, "stock_by_reason": {}}
+    # The ring's path starts at the model, so both operators bind it; only the main step writes it.
+    ring = "self.lm_model.transformer.layers.0.self_attn._streaming_state.kv_cache.cache"
+    assert [(s.graph, s.kind, s.rewritten, s.reason) for s in report.sites] == [
+        ("lm_step[n=1,L=3000]", "ring", False,
+         f"{ring}: written in place by the step (scatter__1): the carry is the ring, nothing to rewrite"),
+        ("depformer_step[n=1,L=8]", "ring", False, f"{ring}: not written by the step: passed through at its address"),
+    ]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_the_lm_steps_replay_every_steady_frame_on_one_ring():
+    report = run("cuda", streams=3)
+    # The first two frames ever are verified beside the stock call; every later one replays, the
+    # depformer's sampling included.
+    for name in ("lm_step", "depformer_step"):
+        assert report.replays[name].counters.as_dict() == {"calls": 3 * FRAMES - 2, "captures": 1,
+                                                           "replays": 3 * FRAMES - 2, "eager": 0,
+                                                           "invalidations": 0, "fallbacks": {}}
+
+
+def test_a_per_call_region_is_declared_without_paths_and_only_for_a_ring():
+    lm_gen = LMGen(build_models(TINY).lm)
+    contract = contract_for(TINY)
+    regions = MOSHI_LM_BINDING.regions
+    with pytest.raises(BindingError, match=r"binding.regions\[1\]: region 'depformer_kv' is per_call \(allocated inside "
+                                           r"each call\): it has no paths to keep, got at=\('self.x',\) out=\(\)"):
+        transform(lm_gen, contract, dataclasses.replace(
+            MOSHI_LM_BINDING, regions=(regions[0], RegionBinding("depformer_kv", at=("self.x",), per_call=True))))
+    with pytest.raises(BindingError, match=r"binding.regions\[2\].per_call: region 'mimi_decoder_kv' is allocated inside "
+                                           r"each call of its operator, but no bound operator has it as its region"):
+        transform(lm_gen, contract, dataclasses.replace(
+            MOSHI_LM_BINDING, regions=(*regions, RegionBinding("mimi_decoder_kv", per_call=True))))
