@@ -11,7 +11,9 @@ Paths are dotted, rooted at an argument of the operator's method by its paramete
 ``"cache.layers.*.keys"`` is attribute ``keys`` of every element of ``cache.layers``. A segment is
 an attribute name, a mapping key or a sequence index; ``*`` matches every index of a sequence, in
 order, and a slice ``[start:stop:step]`` every index it selects (``buffer.[0::2]``: the even
-elements). A region bound at several paths (``keys`` and ``values``) lays them out along one more
+elements); ``**`` matches every module below a module, itself included, that has the rest of the
+path (``"self.encoder.**._streaming_state.previous"``: every streaming convolution's buffer,
+whatever the depth), in `named_modules()` order. A region bound at several paths (``keys`` and ``values``) lays them out along one more
 leading dimension, after the wildcards': site ``layers.3.values`` is ``region[3, 1]``. A value of
 None on the way (a cache not filled yet) is state not retained yet.
 
@@ -38,6 +40,7 @@ from .contract import Contract, PromptPlusHistory, RingCache, SlidingWindow
 __all__ = ["Binding", "BindingError", "OperatorBinding", "RegionBinding", "Site", "check_binding", "resolve"]
 
 WILDCARD = "*"
+DEEP = "**"  # every module below (itself included) that has the rest of the path, in `named_modules()` order
 
 
 class BindingError(ValueError):
@@ -117,7 +120,7 @@ RETURN = "return"
 
 
 def _is_pattern(segment: str) -> bool:
-    return segment == WILDCARD or _SLICE.match(segment) is not None
+    return segment in (WILDCARD, DEEP) or _SLICE.match(segment) is not None
 
 
 def _selected(segment: str, length: int) -> range:
@@ -146,7 +149,19 @@ def resolve(root: Any, path: str) -> Iterator[tuple[tuple[int, ...], str, Any]]:
             yield indices, concrete, value
             return
         head, tail = rest[0], rest[1:]
-        if _is_pattern(head):
+        if head == DEEP:
+            if not isinstance(value, torch.nn.Module):
+                raise TypeError(f"{DEEP!r} after {concrete!r} needs a module, found {type(value).__name__}")
+            found = []
+            for name, module in value.named_modules():
+                try:  # a module without the rest of the path is no match
+                    found.append(list(walk(module, tail, (), f"{concrete}.{name}" if name else concrete)))
+                except (AttributeError, KeyError):
+                    continue
+            for i, matches in enumerate(found):
+                for more, where, leaf in matches:
+                    yield indices + (i,) + more, where, leaf
+        elif _is_pattern(head):
             if not isinstance(value, (list, tuple, torch.nn.ModuleList)):
                 raise TypeError(f"{head!r} after {concrete!r} needs a sequence, found {type(value).__name__}")
             for i, position in enumerate(_selected(head, len(value))):
@@ -242,6 +257,9 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
             continue
         if not rb.at or not all(isinstance(p, str) and p and all(_segments(p)) for p in rb.at):
             raise BindingError(f"regions[{i}].at", f"needs one or more paths 'argument' or 'argument.attribute...', got {rb.at!r}")
+        if rb.out and any(DEEP in _segments(p) for p in rb.at):
+            raise BindingError(f"regions[{i}].out", f"{DEEP!r} matches paths of any depth, so it has no `out` "
+                                                    f"counterpart; bind the returned state with '*' or slices, got {rb.at!r}")
         if rb.out and (len(rb.out) != len(rb.at) or not all(
                 isinstance(p, str) and _segments(p)[0] == RETURN and sum(map(_is_pattern, _segments(p))) == sum(map(_is_pattern, _segments(a)))
                 for p, a in zip(rb.out, rb.at))):

@@ -3,13 +3,13 @@
 Every attention cache is the vendor's preallocated `RingCache`, written in place at a device-side
 offset, so shapes never change: the derived catalog width is 1 for every operator.
 
-`MOSHI_LM_BINDING` binds the LM's two steps of a frame as data for the one pipeline
+`MIMI_BINDING` binds Mimi's encode and decode, and `MOSHI_LM_BINDING` the LM's two steps of a frame as data for the one pipeline
 (`transform(lm_gen, contract, MOSHI_LM_BINDING)`, on a streaming `LMGen`): the main step
 (`LMModel.forward_text`), whose ring caches are its region and whose device-side offsets and
 host-side `offset_cpu`s are its counters, and the depformer step (`LMGen.depformer_step`: all
 codebooks and their sampling), whose ring the vendor allocates afresh inside every call
-(`per_call`). The family's four stages still run through its adapter (`moshi_replay.py`);
-these two are the first of them on the pipeline.
+(`per_call`). The service's batched slots runtime still runs the family's adapter
+(`moshi_replay.py`, `moshi_slots.py`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from cadence_fx.contract import (
     RingCache,
 )
 
-__all__ = ["MOSHI_LM_BINDING", "moshi_contract"]
+__all__ = ["MIMI_BINDING", "MOSHI_LM_BINDING", "moshi_contract"]
 
 # The vendor keeps a streaming module's state in its `_streaming_state` (entered by `streaming()`).
 _TRANSFORMER = "self.lm_model.transformer"
@@ -53,6 +53,31 @@ MOSHI_LM_BINDING = Binding(
             f"{_TRANSFORMER}.layers.*._streaming_state.offset_cpu",
         )),
         OperatorBinding("depformer_step", method="depformer_step", units=1),
+    ),
+)
+
+
+def _mimi_counters(*parts: str) -> tuple[str, ...]:
+    """The per-stream state of Mimi's `parts` besides their rings, at any depth (`**`): the streaming
+    convolutions' buffers and first-call flags, the transformers' offsets and ring ends."""
+    state = ("previous", "first", "partial", "offset", "offsets", "offset_cpu", "kv_cache.end_offset")
+    return tuple(f"self.{part}.**._streaming_state.{name}" for part in parts for name in state)
+
+
+#: Where a streaming `MimiModel`'s encode and decode keep their state: each transformer's rings
+#: (the contract's `mimi_encoder_kv` / `mimi_decoder_kv`), and everything else each stage moves,
+#: found at any depth so one binding fits every SEANet layout. A call is one 80 ms frame: two
+#: steps of the transformers' 25 Hz clock.
+MIMI_BINDING = Binding(
+    regions=(
+        RegionBinding("mimi_encoder_kv", at=("self.encoder_transformer.transformer.layers.*.self_attn._streaming_state.kv_cache.cache",)),
+        RegionBinding("mimi_decoder_kv", at=("self.decoder_transformer.transformer.layers.*.self_attn._streaming_state.kv_cache.cache",)),
+    ),
+    operators=(
+        OperatorBinding("mimi_encode", method="encode", units=2,
+                        counters=_mimi_counters("encoder", "downsample", "encoder_transformer")),
+        OperatorBinding("mimi_decode", method="decode", units=2,
+                        counters=_mimi_counters("decoder", "upsample", "decoder_transformer")),
     ),
 )
 

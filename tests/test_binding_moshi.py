@@ -1,5 +1,10 @@
-"""Moshi's LM on the one pipeline: the vendor's two per-frame steps of a streaming `LMGen` bound as
-data (`models/moshi.py: MOSHI_LM_BINDING`), no adapter code. The main step's rings are written in
+"""Moshi on the one pipeline, its four stages bound as data (`models/moshi.py`), no adapter code.
+
+Mimi (`MIMI_BINDING`): encode and decode of a streaming `MimiModel`, their rings and every
+streaming convolution's state found at any depth (`**`); the first-call flags the vendor rebinds
+(`state.first = torch.where(...)`) are read back after each call and kept at one address.
+
+The LM (`MOSHI_LM_BINDING`): the vendor's two per-frame steps of a streaming `LMGen`. The main step's rings are written in
 place by the vendor's own scatter, so nothing is rewritten: the pipeline exports each step once,
 verifies it against the stock call (the RNG rewound between the two: the depformer samples 8
 tokens a frame), then runs the exported graphs (replayed on CUDA) with the rings aliased at one
@@ -14,9 +19,9 @@ import pytest
 import torch
 
 from cadence_fx import BindingError, RegionBinding, transform
-from cadence_fx.models.moshi import MOSHI_LM_BINDING
+from cadence_fx.models.moshi import MIMI_BINDING, MOSHI_LM_BINDING
 from cadence_fx.models.moshi_replay import contract_for
-from cadence_fx.models.moshi_stream import TINY, LMGen, build_models, no_compile
+from cadence_fx.models.moshi_stream import FRAME_SIZE, TINY, LMGen, build_models, no_compile, random_pcm
 
 FRAMES = 6
 
@@ -43,7 +48,7 @@ def stream(lm_step, depformer_step, lm_gen, tokens: list[torch.Tensor], device: 
     return outputs, addresses
 
 
-def run(device: str, streams: int):
+def run_lm(device: str, streams: int):
     with no_compile():  # the vendor compiles its rope and gating with torch.compile unless told not to
         stock, lm_gen = (LMGen(build_models(TINY, device).lm, use_sampling=True) for _ in range(2))
         stock.streaming_forever(1)
@@ -63,7 +68,7 @@ def run(device: str, streams: int):
 
 
 def test_the_lm_steps_stream_bit_identically_through_the_pipeline_from_their_binding():
-    report = run("cpu", streams=2)
+    report = run_lm("cpu", streams=2)
     lm, depformer = report.operators["lm_step"], report.operators["depformer_step"]
     assert [cls.name for cls in lm.classes.values()] == ["lm_step[n=1,L=3000]"]
     assert [cls.name for cls in depformer.classes.values()] == ["depformer_step[n=1,L=8]"]
@@ -85,7 +90,7 @@ def test_the_lm_steps_stream_bit_identically_through_the_pipeline_from_their_bin
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_the_lm_steps_replay_every_steady_frame_on_one_ring():
-    report = run("cuda", streams=3)
+    report = run_lm("cuda", streams=3)
     # The first two frames ever are verified beside the stock call; every later one replays, the
     # depformer's sampling included.
     for name in ("lm_step", "depformer_step"):
@@ -106,3 +111,79 @@ def test_a_per_call_region_is_declared_without_paths_and_only_for_a_ring():
                                            r"each call of its operator, but no bound operator has it as its region"):
         transform(lm_gen, contract, dataclasses.replace(
             MOSHI_LM_BINDING, regions=(*regions, RegionBinding("mimi_decoder_kv", per_call=True))))
+
+
+def mimi_stream(encode, decode, mimi, pcm: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], set]:
+    """Each 1,920-sample frame encoded to codes, the codes decoded back to PCM."""
+    outputs, addresses = [], set()
+    with torch.no_grad():
+        for start in range(0, pcm.shape[-1], FRAME_SIZE):
+            codes = encode(pcm[..., start:start + FRAME_SIZE])
+            outputs.append((codes, decode(codes)))
+            rings = [t.transformer.layers[0].self_attn._streaming_state.kv_cache.cache
+                     for t in (mimi.encoder_transformer, mimi.decoder_transformer)]
+            addresses.add(tuple(ring.data_ptr() for ring in rings))
+    return outputs, addresses
+
+
+def run_mimi(device: str, streams: int):
+    from moshi.utils.compile import no_cuda_graph
+
+    # The vendor's own CUDA graphs off (its flag, read on every call): the pipeline's replay runs instead.
+    with no_compile(), no_cuda_graph():
+        stock, mimi = build_models(TINY, device).mimi, build_models(TINY, device).mimi
+        stock.streaming_forever(1)
+        mimi.streaming_forever(1)
+        bound, report = transform(mimi, contract_for(TINY), MIMI_BINDING)
+        for seed in range(streams):
+            pcm = random_pcm(FRAMES, seed, device=device)
+            expected, _ = mimi_stream(stock.encode, stock.decode, stock, pcm)
+            actual, addresses = mimi_stream(bound.operators["mimi_encode"], bound.operators["mimi_decode"], mimi, pcm)
+            for got, want in zip(actual, expected, strict=True):
+                assert all(torch.equal(a, e) for a, e in zip(got, want, strict=True))
+            assert len(addresses) == 1
+            stock.reset_streaming()
+            mimi.reset_streaming()
+    return report
+
+
+def test_mimi_streams_bit_identically_through_the_pipeline_from_its_binding():
+    report = run_mimi("cpu", streams=2)
+    encode, decode = report.operators["mimi_encode"], report.operators["mimi_decode"]
+    assert [cls.name for cls in encode.classes.values()] == ["mimi_encode[n=2,L=250]"]
+    assert [cls.name for cls in decode.classes.values()] == ["mimi_decode[n=2,L=250]"]
+    # `**` found every piece of state at this depth: the encoder's 7 streaming convolutions (buffer
+    # and first-call flag each), its transformer's offsets and ring end, and the ring itself (the
+    # decoder's ring too: both paths start at the model, so encode passes it through untouched).
+    assert [s.path.split("self.", 1)[1] for s in encode.sites] == [
+        "encoder_transformer.transformer.layers.0.self_attn._streaming_state.kv_cache.cache",
+        "decoder_transformer.transformer.layers.0.self_attn._streaming_state.kv_cache.cache",
+        *[f"encoder.model.{i}._streaming_state.previous" for i in (0, 2, 4, 6, 8, 10)],
+        *[f"encoder.model.{i}._streaming_state.first" for i in (0, 2, 4, 6, 8, 10)],
+        "downsample.conv._streaming_state.previous",
+        "downsample.conv._streaming_state.first",
+        "encoder_transformer.transformer.layers.0.self_attn._streaming_state.offset",
+        "encoder_transformer.transformer._streaming_state.offsets",
+        "encoder_transformer.transformer.layers.0.self_attn._streaming_state.kv_cache.end_offset",
+    ]
+    for op in (encode, decode):
+        assert op.counters.graph_calls == op.counters.calls == 2 * FRAMES and op.counters.stock == 0
+        assert op.counters.verified == 2
+    assert all(not s.rewritten for s in report.sites)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_mimi_replays_every_steady_frame():
+    report = run_mimi("cuda", streams=3)
+    for name in ("mimi_encode", "mimi_decode"):
+        assert report.replays[name].counters.as_dict() == {"calls": 3 * FRAMES - 2, "captures": 1,
+                                                           "replays": 3 * FRAMES - 2, "eager": 0,
+                                                           "invalidations": 0, "fallbacks": {}}
+
+
+def test_a_deep_pattern_has_no_out_counterpart():
+    mimi = build_models(TINY).mimi
+    with pytest.raises(BindingError, match=r"binding.regions\[0\].out: '\*\*' matches paths of any depth"):
+        transform(mimi, contract_for(TINY), dataclasses.replace(MIMI_BINDING, regions=(
+            RegionBinding("mimi_encoder_kv", at=("self.**.cache",), out=("return.**.cache",)), MIMI_BINDING.regions[1])))
