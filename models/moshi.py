@@ -3,10 +3,11 @@
 Every attention cache is the vendor's preallocated `RingCache`, written in place at a device-side
 offset, so shapes never change: the derived catalog width is 1 for every operator.
 
-`MIMI_BINDING` binds Mimi's encode and decode, and `MOSHI_LM_BINDING` the LM's two steps of a frame as data for the one pipeline
-(`transform(lm_gen, contract, MOSHI_LM_BINDING)`, on a streaming `LMGen`): the main step
-(`LMModel.forward_text`), whose ring caches are its region and whose device-side offsets and
-host-side `offset_cpu`s are its counters, and the depformer step (`LMGen.depformer_step`: all
+`MIMI_BINDING` (on a streaming `MimiModel`) and `MOSHI_LM_BINDING` (on a streaming `LMGen`) bind
+the four stages as data for the one pipeline (`transform(lm_gen, contract, MOSHI_LM_BINDING)`):
+Mimi's encode and decode with their rings and every streaming convolution's state; the LM's main
+step (`LMModel.forward_text`), whose ring caches are its region and whose device-side offsets and
+host-side `offset_cpu`s are its counters; and the depformer step (`LMGen.depformer_step`: all
 codebooks and their sampling), whose ring the vendor allocates afresh inside every call
 (`per_call`). The service's batched slots runtime still runs the family's adapter
 (`moshi_replay.py`, `moshi_slots.py`).
