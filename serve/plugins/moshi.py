@@ -44,13 +44,16 @@ How a duplex model maps onto the session's turns:
 Where the ticks run: in **tick places**, each holding one copy of the weights and one batch of
 ``slots`` slots (an ``_Engine``). Admission is a free slot: a new stream takes the lowest free
 slot of the place with the fewest open streams, and ``SlotsFull`` says so when none is left. A
-place's ``SlotScheduler`` (in the server process) runs one batched call at a time, as soon as
-any slot has a frame waiting and for as long as any has, each with one frame of every waiting
-slot (a ``feed_frames`` of k frames rides k ticks); a slot's first tick after a new stream took
-it resets that slot alone. A request says it ``follows`` when the session said so for its call
-(``ModelStream.follows``: it asks for the reply's next frame as soon as this is answered), so the
-next tick waits a moment for that slot instead of leaving it for the one after (a batched call
-costs about the same at any fill).
+place's ``SlotScheduler`` (in the server process) ticks as soon as any slot has a frame waiting
+and for as long as any has, each tick one batched call with one frame of every waiting slot (a
+``feed_frames`` of k frames rides k ticks); a slot's first tick after a new stream took it resets
+that slot alone. A tick is launched (on a GPU: its work and its PCM's copy to a pinned host
+buffer enqueued) and collected later, so the scheduler gathers and launches the next tick while
+the device computes this one, and hands this one out after. A request says it ``follows`` when
+the session said so for its call (``ModelStream.follows``: it asks for the reply's next frame as
+soon as this is answered): a tick that answers one is handed out before the next is launched, and
+the next waits a moment for that slot instead of leaving it for the one after (a batched call
+costs about the same at any fill, and a slot left out each time would ride every other tick).
 
 * On a CPU (``processes`` >= 1, 1 by default): worker processes. A tick is bound by per-operator
   overhead in Python (thousands of small operator calls; the depformer's eight codebooks alone
