@@ -208,7 +208,7 @@ class SlotScheduler:
         running: _Launched | None = None  # launched, not yet handed out
         while True:
             if running is not None and (running.error is not None or running.ends_a_follower):
-                self._hand_out(running)  # the next tick waits for that slot to come back
+                self._hand_out(running)  # failed: its requests learn now; a follower: the next tick waits for it
                 running = None
             tick = self._gather(block=running is None)
             if tick is None:  # closed, or nothing to launch while a tick runs: its outputs first
