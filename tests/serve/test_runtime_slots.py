@@ -1,5 +1,6 @@
 """``SlotScheduler``: admission is a free slot, a tick runs one frame of every waiting slot in one
-call, a slot's next session joins at its first tick, and every failure is named."""
+call, a slot's next session joins at its first tick, the next tick is launched while the last one
+runs unless that one answers a slot that follows, and every failure is named."""
 
 from __future__ import annotations
 
@@ -198,3 +199,155 @@ def test_closing_fails_what_still_waits_and_refuses_what_comes(model):
         waiting.result(5)
     with pytest.raises(RuntimeError, match="double is closed"):
         scheduler.acquire()
+
+
+class Device:
+    """A model double on a device: ``launch`` returns at once, ``collect`` blocks until its tick
+    is let through (``gate``); ``events`` is the order of both."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+        self.gate = threading.Event()
+        self.fail_collect: set[int] = set()
+
+    def launch(self, frames: dict, joins: tuple) -> int:
+        self.events.append(("launch", dict(frames), joins))
+        return len(self.launches) - 1
+
+    @property
+    def launches(self) -> list[tuple]:
+        return [event for event in self.events if event[0] == "launch"]
+
+    def collect(self, tick: int) -> dict:
+        assert self.gate.wait(10)
+        self.events.append(("collect", tick))
+        if tick in self.fail_collect:
+            raise RuntimeError(f"device lost at tick {tick}")
+        return {slot: (tick, slot, frame) for slot, frame in self.launches[tick][1].items()}
+
+    def wait_for(self, count: int) -> None:
+        for _ in range(500):
+            if len(self.events) >= count:
+                return
+            threading.Event().wait(0.01)
+        raise AssertionError(f"{count} events expected, got {self.events}")
+
+
+def test_the_next_tick_is_launched_before_the_last_one_is_collected():
+    device = Device()
+    scheduler = SlotScheduler(2, device.launch, device.collect, name="device", gather_s=30.0)
+    try:
+        a = scheduler.acquire()
+        answer = scheduler.submit(a, ["a0", "a1", "a2"])
+        device.wait_for(2)
+        threading.Event().wait(0.2)
+        # Tick 1 is on its way while tick 0's collect still waits for the device, no further.
+        assert device.events == [("launch", {0: "a0"}, (0,)), ("launch", {0: "a1"}, ())]
+        device.gate.set()
+        assert answer.result(5) == [(0, 0, "a0"), (1, 0, "a1"), (2, 0, "a2")]
+        assert device.events == [
+            ("launch", {0: "a0"}, (0,)),
+            ("launch", {0: "a1"}, ()),
+            ("collect", 0),
+            ("launch", {0: "a2"}, ()),
+            ("collect", 1),
+            ("collect", 2),
+        ]
+        assert (scheduler.ticks, scheduler.frames, scheduler.ahead) == (3, 3, 2)
+    finally:
+        device.gate.set()
+        scheduler.close()
+
+
+def test_a_tick_that_answers_a_following_slot_is_handed_out_before_the_next_is_launched():
+    device = Device()
+    scheduler = SlotScheduler(2, device.launch, device.collect, name="device", gather_s=30.0)
+    try:
+        a, b = scheduler.acquire(), scheduler.acquire()
+        first = scheduler.submit(a, ["a0"], follows=True)
+        second = scheduler.submit(b, ["b0", "b1"])
+        device.wait_for(1)
+        threading.Event().wait(0.2)
+        assert device.events == [("launch", {0: "a0", 1: "b0"}, (0, 1))]  # b1 waits: a comes right back
+        device.gate.set()
+        assert first.result(5) == [(0, 0, "a0")]
+        threading.Event().wait(0.2)
+        assert not second.done()  # b1 waits (up to gather_s) for a's next frame
+        third = scheduler.submit(a, ["a1"])
+        assert second.result(5) == [(0, 1, "b0"), (1, 1, "b1")] and third.result(5) == [(1, 0, "a1")]
+        assert device.events == [
+            ("launch", {0: "a0", 1: "b0"}, (0, 1)),
+            ("collect", 0),
+            ("launch", {0: "a1", 1: "b1"}, ()),
+            ("collect", 1),
+        ]
+        assert (scheduler.ahead, scheduler.follow_misses) == (0, 0)
+    finally:
+        device.gate.set()
+        scheduler.close()
+
+
+def test_a_slot_taken_while_a_tick_runs_joins_at_the_next_tick_launched():
+    device = Device()
+    scheduler = SlotScheduler(3, device.launch, device.collect, name="device", gather_s=0, record=True)
+    try:
+        a = scheduler.acquire()
+        first = scheduler.submit(a, ["a0", "a1", "a2"])
+        device.wait_for(2)  # ticks 0 and 1 launched, 0 not collected
+        b = scheduler.acquire()
+        second = scheduler.submit(b, ["b0"])
+        device.gate.set()
+        assert first.result(5) == [(0, 0, "a0"), (1, 0, "a1"), (2, 0, "a2")] and second.result(5) == [(2, 1, "b0")]
+        scheduler.release(b)
+        assert scheduler.acquire() == b
+        assert scheduler.submit(b, ["new"]).result(5) == [(3, 1, "new")]
+        launches = [({0: "a0"}, (0,)), ({0: "a1"}, ()), ({0: "a2", 1: "b0"}, (1,)), ({1: "new"}, (1,))]
+        assert [(frames, joins) for _, frames, joins in device.launches] == launches
+        assert scheduler.history == [TickRecord(frames, joins) for frames, joins in launches]
+    finally:
+        device.gate.set()
+        scheduler.close()
+
+
+def test_a_tick_that_fails_after_the_next_was_launched_fails_its_requests_once_and_the_join_is_retried():
+    device = Device()
+    device.fail_collect.add(0)
+    scheduler = SlotScheduler(2, device.launch, device.collect, name="device", gather_s=0, record=True)
+    try:
+        a = scheduler.acquire()
+        failed = scheduler.submit(a, ["x", "y"])
+        device.wait_for(2)  # y's tick launched ahead of x's collect
+        device.gate.set()
+        with pytest.raises(RuntimeError, match="device lost at tick 0"):
+            failed.result(5)
+        device.wait_for(4)  # tick 1 collected too
+        assert scheduler.submit(a, ["z"]).result(5) == [(2, 0, "z")]
+        assert device.events == [
+            ("launch", {0: "x"}, (0,)),
+            ("launch", {0: "y"}, ()),
+            ("collect", 0),
+            ("collect", 1),  # ran, and answers nothing: its request failed at tick 0
+            ("launch", {0: "z"}, (0,)),
+            ("collect", 2),
+        ]
+        assert scheduler.history == [TickRecord({0: "y"}, ()), TickRecord({0: "z"}, (0,))]
+    finally:
+        device.gate.set()
+        scheduler.close()
+
+
+def test_closing_hands_out_the_tick_in_flight_and_fails_the_frames_not_launched():
+    device = Device()
+    scheduler = SlotScheduler(1, device.launch, device.collect, name="device", gather_s=0)
+    a = scheduler.acquire()
+    request = scheduler.submit(a, ["a0", "a1", "a2"])
+    device.wait_for(2)
+    closer = threading.Thread(target=scheduler.close)
+    closer.start()
+    while not scheduler.closed:
+        threading.Event().wait(0.01)
+    device.gate.set()
+    closer.join(5)
+    with pytest.raises(RuntimeError, match="device closed with the request waiting"):
+        request.result(5)
+    assert device.events == [("launch", {0: "a0"}, (0,)), ("launch", {0: "a1"}, ()), ("collect", 0), ("collect", 1)]
