@@ -122,16 +122,13 @@ def _model_load(plugin: dict, wall_s: float, sessions: int) -> dict | None:
         "wall_ms_per_tick": round(wall_ms_per_tick, 2),
         "frames_per_s_at_that_cost_and_fill": round(len(plugin["tick_seconds_per_process"]) * frames / ticks * 1e3 / cost_ms, 1),
         "frames_per_s_real_time_needs": sessions * 12.5,
-        # Where a tick's time went: on the place's ticking thread (launching: the frames made
-        # tensors, the batched call, its PCM's copy to the host enqueued; collecting: the wait for
-        # that copy, the PCM split into rows) and on the scheduler's thread in the server
-        # (gathering the slots that come right back, launching, collecting: the wait for the
-        # place, answering the sessions); the slots ticks ran without for want of time; and the
-        # ticks launched while the previous one still ran (its host work under the device's).
+        # Where a tick's time went: on the place's ticking thread (the frames made tensors, the
+        # batched call, its outputs to the host and split into rows) and on the scheduler's
+        # thread in the server (gathering the slots that come right back, the round trip to the
+        # place, answering the sessions); and the slots ticks ran without for want of time.
         "place_ms_per_tick": per_tick_ms(plugin["tick_phase_seconds_per_process"]),
         "scheduler_ms_per_tick": per_tick_ms(plugin["scheduler_seconds_per_process"]),
         "follow_misses": sum(plugin["follow_misses_per_process"]),
-        "ticks_ahead": sum(plugin["ticks_ahead_per_process"]),
     }
 
 

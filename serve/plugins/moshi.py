@@ -44,16 +44,13 @@ How a duplex model maps onto the session's turns:
 Where the ticks run: in **tick places**, each holding one copy of the weights and one batch of
 ``slots`` slots (an ``_Engine``). Admission is a free slot: a new stream takes the lowest free
 slot of the place with the fewest open streams, and ``SlotsFull`` says so when none is left. A
-place's ``SlotScheduler`` (in the server process) ticks as soon as any slot has a frame waiting
-and for as long as any has, each tick one batched call with one frame of every waiting slot (a
-``feed_frames`` of k frames rides k ticks); a slot's first tick after a new stream took it resets
-that slot alone. A tick is launched (on a GPU: its work and its PCM's copy to a pinned host
-buffer enqueued) and collected later, so the scheduler gathers and launches the next tick while
-the device computes this one, and hands this one out after. A request says it ``follows`` when
-the session said so for its call (``ModelStream.follows``: it asks for the reply's next frame as
-soon as this is answered): a tick that answers one is handed out before the next is launched, and
-the next waits a moment for that slot instead of leaving it for the one after (a batched call
-costs about the same at any fill, and a slot left out each time would ride every other tick).
+place's ``SlotScheduler`` (in the server process) runs one batched call at a time, as soon as
+any slot has a frame waiting and for as long as any has, each with one frame of every waiting
+slot (a ``feed_frames`` of k frames rides k ticks); a slot's first tick after a new stream took
+it resets that slot alone. A request says it ``follows`` when the session said so for its call
+(``ModelStream.follows``: it asks for the reply's next frame as soon as this is answered), so the
+next tick waits a moment for that slot instead of leaving it for the one after (a batched call
+costs about the same at any fill).
 
 * On a CPU (``processes`` >= 1, 1 by default): worker processes. A tick is bound by per-operator
   overhead in Python (thousands of small operator calls; the depformer's eight codebooks alone
@@ -132,7 +129,7 @@ SIZES: dict[str, MoshiConfig] = {"tiny": TINY, "small": SMALL, "full": FULL}
 DEVICES: dict[str, str] = {"tiny": "cpu", "small": "cpu", "full": "cuda"}  # each size's default device
 FRAME_SAMPLES = 1920  # 80 ms at 24 kHz: one tick
 SILENCE = np.zeros(FRAME_SAMPLES, dtype=np.float32)
-WORKER_OPS = ("launch", "collect", "tick", "start", "parameters", "describe")
+WORKER_OPS = ("tick", "start", "parameters", "describe")
 MAX_SLOTS = 64  # the largest batch per place: the vendor's own batch of 64 measured 110 GiB on one H200 (issue 13)
 DEFAULT_SLOTS = 8  # a place's batch when a stream opens before any ``reserve``
 
@@ -140,30 +137,9 @@ DEFAULT_SLOTS = 8  # a place's batch when a stream opens before any ``reserve``
 # ---------------------------------------------------------------- in a worker process
 
 
-@dataclasses.dataclass(eq=False)
-class _Launched:
-    """A tick launched on an engine: its outputs' copy to the host is enqueued into ``host`` (one
-    of the engine's two buffers), done once ``copied`` is (None off a GPU: done already)."""
-
-    frames: tuple[int, ...]  # the tick's live slots
-    speaking: frozenset[int]
-    host: torch.Tensor  # (B, frame) float32
-    copied: torch.cuda.Event | None
-    span: tuple[torch.cuda.Event, torch.cuda.Event] | None  # the device's first and last stage
-
-
 class _Engine:
     """A place's weights (a checkpoint's, else random from the seed) and its batch of slots
-    (``MoshiSlots``), on one device.
-
-    A tick is launched (``launch``: the frames staged, the batched call enqueued, its PCM's copy
-    to the host enqueued) and later collected (``collect``: the copy waited for, the rows handed
-    out), so the place's scheduler gathers the next tick while the device computes this one. The
-    device carries everything from one tick to the next (the sampled tokens feed the next LM step
-    on the device's stream); only the PCM comes to the host, into one of two host buffers (pinned
-    on a GPU) in turn: at most two ticks are launched and not collected, so the copy of tick t+1
-    never writes the buffer that tick t's collect reads. Off a GPU the same calls run in order,
-    the copy done when ``launch`` returns."""
+    (``MoshiSlots``), on one device."""
 
     def __init__(self, config: MoshiConfig, sampling: bool, device: str, checkpoint: MoshiCheckpoint | None) -> None:
         self.config, self.sampling, self.device = config, sampling, torch.device(device)
@@ -171,35 +147,26 @@ class _Engine:
             build_models(config, self.device) if checkpoint is None else checkpoint.load(self.device, config.lm_dtype)
         )
         self.runtime: MoshiSlots | None = None
-        self.host: list[torch.Tensor] = []  # the two buffers the ticks' PCM is copied into, in turn
-        self.launched: deque[_Launched] = deque()  # launched, not yet collected, oldest first
-        self.launches = 0
-        self.ticks = 0  # batched calls collected
-        self.tick_seconds = 0.0  # spent launching and collecting ticks: this place's load
+        self.ticks = 0  # batched calls
+        self.tick_seconds = 0.0  # spent ticking: this place's load
         self.tick_cpu_seconds = 0.0  # of which its thread ran on a core (less: others had it, or the GPU worked)
-        # The tick's wall time in its parts. Launching: the frames made tensors; the batched call
-        # (on a GPU: its launches and the vendor glue's waits); the PCM's copy to the host
-        # enqueued. Collecting: the wait for that copy (on a GPU: for the device, while the next
-        # tick is queued behind it); the PCM split into the slots' rows.
-        self.phase_seconds = {"inputs": 0.0, "call": 0.0, "copy": 0.0, "wait": 0.0, "outputs": 0.0}
+        # The tick's wall time in its parts: the frames made tensors; the batched call (on a GPU:
+        # its launches and the vendor glue's waits); its outputs copied to the host in one copy
+        # (on a GPU: the wait for the device's last stage) and split into the slots' rows.
+        self.phase_seconds = {"inputs": 0.0, "call": 0.0, "outputs": 0.0}
         # On a GPU, also the device's span from the call's first launch to the end of its last
-        # stage (CUDA events, read once the copy has waited past them): beyond the stages' own
-        # device time, the device waited for the host inside the tick.
+        # stage (CUDA events, read once the outputs' copy has waited past them): beyond the
+        # stages' own device time, the device waited for the host inside the tick.
         if self.device.type == "cuda":
             self.phase_seconds["device"] = 0.0
 
     def handle(self, op: str, args: tuple) -> Any:
-        if op in ("launch", "collect", "tick"):
+        if op == "tick":
             started, cpu = time.perf_counter(), time.thread_time()
-            if op == "launch":
-                result = self.launch(*args)
-            elif op == "collect":
-                result = self.collect(*args)
-            else:
-                result = self.collect(self.launch(*args))
+            outs = self.tick(*args)
             self.tick_seconds += time.perf_counter() - started
             self.tick_cpu_seconds += time.thread_time() - cpu
-            return result
+            return outs
         if op == "start":
             return self.start(*args)
         if op == "describe":
@@ -210,69 +177,33 @@ class _Engine:
 
     def start(self, slots: int) -> None:
         """The batch of ``slots`` slots, built (its stages warmed up: certified on a CPU, captured
-        on a GPU) and reset to a fresh streaming state, so no session's frame pays for it; and
-        the two host buffers of its PCM."""
+        on a GPU) and reset to a fresh streaming state, so no session's frame pays for it."""
         self.runtime, _ = transform_slots(self.models, contract_for(self.config, slots=slots),
                                           sampling=self.sampling, seed=self.config.seed)
-        pinned = self.device.type == "cuda"
-        self.host = [torch.empty(slots, self.runtime.frame_size, pin_memory=pinned) for _ in range(2)]
 
-    def launch(self, frames: dict[int, np.ndarray], joins: tuple[int, ...]) -> _Launched:
-        """One batched call enqueued, its PCM's copy to the host too; ``collect`` hands it out."""
+    def tick(self, frames: dict[int, np.ndarray], joins: tuple[int, ...]) -> dict[int, np.ndarray | None]:
+        """One batched call: each live slot's 1920 output samples (None before its acoustic delay)."""
         if self.runtime is None:
             raise RuntimeError("this place has no batch: its start failed or never ran")
-        if len(self.launched) == len(self.host):
-            raise RuntimeError(
-                f"{len(self.launched)} ticks are launched and not collected; collect the oldest before "
-                f"launching another (its PCM's host buffer would be the next copy's)"
-            )
         started = time.perf_counter()
         tick = Tick({slot: torch.from_numpy(frame) for slot, frame in frames.items()}, joins)
         on_gpu = self.device.type == "cuda"
-        span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if on_gpu else None
-        if span:
-            span[0].record()
+        if on_gpu:
+            first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            first.record()
         called = time.perf_counter()
         out = self.runtime.tick(tick)
         returned = time.perf_counter()
-        host = self.host[self.launches % len(self.host)]
-        copied = None
-        if span:
-            span[1].record()
-            host.copy_(out.pcm, non_blocking=True)  # into pinned memory: the host does not wait
-            copied = torch.cuda.Event()
-            copied.record()
-        else:
-            host.copy_(out.pcm)
-        launched = _Launched(tuple(frames), frozenset(out.speaking), host, copied, span)
-        self.launched.append(launched)
-        self.launches += 1
+        if on_gpu:
+            last.record()
+        pcm = out.pcm.to("cpu").numpy()  # one copy for the batch, fresh each tick: its rows are the outputs
+        if on_gpu:
+            self.phase_seconds["device"] += first.elapsed_time(last) / 1e3  # done: the copy waited past it
+        speaking = set(out.speaking)
+        outputs = {slot: pcm[slot] if slot in speaking else None for slot in frames}
         ended = time.perf_counter()
-        for phase, seconds in (("inputs", called - started), ("call", returned - called), ("copy", ended - returned)):
+        for phase, seconds in (("inputs", called - started), ("call", returned - called), ("outputs", ended - returned)):
             self.phase_seconds[phase] += seconds
-        return launched
-
-    def collect(self, launched: _Launched) -> dict[int, np.ndarray | None]:
-        """A launched tick's outputs, the oldest not yet collected: each live slot's 1920 output
-        samples (None before its acoustic delay)."""
-        if not self.launched or self.launched[0] is not launched:
-            raise RuntimeError(
-                f"ticks are collected in the order they were launched: this one is "
-                f"{'not the oldest' if any(launched is other for other in self.launched) else 'not launched here'} "
-                f"({len(self.launched)} launched and not collected)"
-            )
-        started = time.perf_counter()
-        if launched.copied is not None:
-            launched.copied.synchronize()
-        if launched.span is not None:
-            self.phase_seconds["device"] += launched.span[0].elapsed_time(launched.span[1]) / 1e3  # done: the copy waited past it
-        waited = time.perf_counter()
-        pcm = launched.host.numpy().copy()  # one copy for the batch, fresh each tick: its rows are the outputs
-        self.launched.popleft()  # its buffer is free for the next launch once its rows are copied out
-        outputs = {slot: pcm[slot] if slot in launched.speaking else None for slot in launched.frames}
-        ended = time.perf_counter()
-        self.phase_seconds["wait"] += waited - started
-        self.phase_seconds["outputs"] += ended - waited
         self.ticks += 1
         return outputs
 
@@ -342,14 +273,8 @@ class _Place(ABC):
     streams: int  # open streams placed here
     scheduler: SlotScheduler | None = None  # its slots, once the batch size is known
 
-    def launch_tick(self, frames: dict[int, np.ndarray], joins: tuple[int, ...]) -> Future:
-        """The tick under way; ``collect_tick`` its outputs. Here the whole tick, answered when
-        the engine has launched and collected it (a worker process's: the scheduler gathers the
-        next tick meanwhile)."""
-        return self.submit("tick", frames, joins)
-
-    def collect_tick(self, launched: Future) -> dict[int, np.ndarray | None]:
-        return launched.result()
+    def run_tick(self, frames: dict[int, np.ndarray], joins: tuple[int, ...]) -> dict[int, np.ndarray | None]:
+        return self.call("tick", frames, joins)
 
     @abstractmethod
     def submit(self, op: str, *args: Any) -> Future: ...
@@ -379,15 +304,6 @@ class _InProcess(_Place):
         if device == "cuda":
             pin_deterministic()  # for the process's life: a stream is bit-exact against deterministic eager
         return _Engine(config, sampling, device, checkpoint)
-
-    def launch_tick(self, frames: dict[int, np.ndarray], joins: tuple[int, ...]) -> Future:
-        """The engine's launch, on the place's thread: the future is done once the tick's work
-        (and its PCM's copy) is enqueued on the device; the collect queued after the next launch
-        then waits for the device."""
-        return self.submit("launch", frames, joins)
-
-    def collect_tick(self, launched: Future) -> dict[int, np.ndarray | None]:
-        return self.call("collect", launched.result())
 
     def submit(self, op: str, *args: Any) -> Future:
         return self._thread.submit(self._handle, op, args)
@@ -725,8 +641,7 @@ class MoshiPlugin(ModelPlugin):
             return
         self.slots = slots
         for place in self._places:
-            place.scheduler = SlotScheduler(slots, place.launch_tick, place.collect_tick,
-                                            name=f"{self.name}[{place.index}]", record=self.record)
+            place.scheduler = SlotScheduler(slots, place.run_tick, name=f"{self.name}[{place.index}]", record=self.record)
             self._started.append(place.submit("start", slots))
 
     def _capacity(self, slots: int | None = None) -> str:
@@ -794,16 +709,13 @@ class MoshiPlugin(ModelPlugin):
             "warm_up_ticks_per_process": [WARM_UP_TICKS if part["slots"] else 0 for part in places],
             "tick_seconds_per_process": [part["tick_seconds"] for part in places],
             "tick_cpu_seconds_per_process": [part["tick_cpu_seconds"] for part in places],
-            # Where a place's time went, per tick part: on its ticking thread (``_Engine``'s
-            # launch: inputs, the batched call, the PCM's copy enqueued; its collect: the wait for
-            # that copy, the rows split) and on its scheduler's thread in the server (gathering the
-            # slots that come right back, launching, collecting: the wait for the place, answering
-            # the sessions), with the slots a tick ran without for want of time to gather them and
-            # the ticks launched while the previous one still ran.
+            # Where a place's time went, per tick part: on its ticking thread (``_Engine.tick``:
+            # inputs, the batched call, outputs) and on its scheduler's thread in the server
+            # (gathering the slots that come right back, the round trip to the place, answering
+            # the sessions), with the slots a tick ran without for want of time to gather them.
             "tick_phase_seconds_per_process": [part["phase_seconds"] for part in places],
             "scheduler_seconds_per_process": [s.seconds.as_dict() for s in schedulers],
             "follow_misses_per_process": [s.follow_misses for s in schedulers],
-            "ticks_ahead_per_process": [s.ahead for s in schedulers],
             "transform": {
                 "stamps": next((part["stamps"] for part in places if part["stamps"]), []),
                 "replays": replays,

@@ -81,36 +81,3 @@ def test_a_session_over_uvicorn_on_cuda_delivers_the_vendors_samples(models):
     assert same(sent, list(padded.reshape(fed, FRAME_SAMPLES)) + [SILENCE] * reply_frames)
     assert rate == 24_000
     assert deltas_of(events) == wire_audio.encode_samples(np.concatenate(got[fed:]), PCM24K)
-
-
-def test_an_engine_on_cuda_launches_a_tick_before_collecting_the_last_and_each_is_the_vendors_batched_call(models):
-    """Two ticks queued on the device at a time, each tick's PCM copied into its own pinned host
-    buffer and collected after the next was launched: every output is the vendor's eager batched
-    call's, bit for bit (the plugin pins deterministic kernels as its place does)."""
-    from cadence_fx.determinism import pin_deterministic
-    from cadence_fx.models.moshi_slots import Tick, vendor_slots
-    from cadence_fx.models.moshi_stream import no_compile
-    from cadence_fx.serve.plugins.moshi import _Engine
-
-    pin_deterministic()
-    pcm = user_frames(12, seed=61)
-    ticks = [({0: pcm[0]}, (0,)), ({0: pcm[1], 1: pcm[2]}, (1,)), ({1: pcm[3]}, ()), ({0: pcm[4], 1: pcm[5]}, ()),
-             ({0: pcm[6], 1: pcm[7]}, (0,)), ({0: pcm[8]}, ()), ({0: pcm[9], 1: pcm[10]}, ()), ({1: pcm[11]}, ())]
-    with no_compile(), torch.no_grad():
-        engine = _Engine(SMALL, True, "cuda", None)
-        engine.start(2)
-        assert all(buffer.is_pinned() for buffer in engine.host)
-        collected, launched = [], [engine.launch(*ticks[0])]
-        for frames, joins in ticks[1:]:
-            launched.append(engine.launch(frames, joins))
-            collected.append(engine.collect(launched[-2]))
-        collected.append(engine.collect(launched[-1]))
-        engine.close()
-        want = vendor_slots(models, 2, [Tick({s: torch.from_numpy(f) for s, f in frames.items()}, joins)
-                                        for frames, joins in ticks], sampling=True, seed=SMALL.seed)
-    assert engine.ticks == len(ticks) and engine.phase_seconds["device"] > 0
-    for (frames, _), outs, out in zip(ticks, collected, want):
-        assert list(outs) == list(frames)
-        for slot, got in outs.items():
-            assert (got is None) == (slot not in out.speaking)
-            assert got is None or np.array_equal(got, out.pcm[slot].cpu().numpy()), slot

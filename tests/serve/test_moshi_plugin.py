@@ -299,43 +299,6 @@ def test_a_session_over_uvicorn_delivers_the_vendors_samples(models, capfd):
     assert audio == wire_audio.encode_samples(np.concatenate(got[fed:]), PCM24K)
 
 
-def test_an_engine_launches_a_tick_before_collecting_the_last_and_each_is_the_vendors_batched_call(models):
-    """Two ticks launched at a time, each collected from its own host buffer after the next was
-    launched (and the one after it reuses that buffer): every output is the vendor's."""
-    from cadence_fx.models.moshi_slots import Tick, vendor_slots
-    from cadence_fx.models.moshi_stream import no_compile
-    from cadence_fx.serve.plugins.moshi import _Engine
-
-    pcm = user_frames(12, seed=60)
-    ticks = [({0: pcm[0]}, (0,)), ({0: pcm[1], 1: pcm[2]}, (1,)), ({1: pcm[3]}, ()), ({0: pcm[4], 1: pcm[5]}, ()),
-             ({0: pcm[6], 1: pcm[7]}, (0,)), ({0: pcm[8]}, ()), ({0: pcm[9], 1: pcm[10]}, ()), ({1: pcm[11]}, ())]
-    with no_compile(), torch.no_grad():
-        engine = _Engine(TINY, True, "cpu", None)
-        engine.start(2)
-        collected, launched = [], [engine.launch(*ticks[0])]
-        for frames, joins in ticks[1:]:
-            launched.append(engine.launch(frames, joins))
-            with pytest.raises(RuntimeError) as third:
-                engine.launch(frames, joins)
-            with pytest.raises(RuntimeError) as newest:
-                engine.collect(launched[-1])
-            collected.append(engine.collect(launched[-2]))
-        collected.append(engine.collect(launched[-1]))
-        engine.close()
-        want = vendor_slots(models, 2, [Tick({s: torch.from_numpy(f) for s, f in frames.items()}, joins)
-                                        for frames, joins in ticks], sampling=True, seed=TINY.seed)
-    assert str(third.value) == ("2 ticks are launched and not collected; collect the oldest before launching "
-                                "another (its PCM's host buffer would be the next copy's)")
-    assert str(newest.value) == ("ticks are collected in the order they were launched: this one is not the oldest "
-                                 "(2 launched and not collected)")
-    assert engine.ticks == len(ticks) and sum(out is not None for outs in collected for out in outs.values()) > 4
-    for (frames, _), outs, out in zip(ticks, collected, want):
-        assert list(outs) == list(frames)
-        for slot, got in outs.items():
-            assert (got is None) == (slot not in out.speaking)
-            assert got is None or np.array_equal(got, out.pcm[slot].numpy()), slot
-
-
 def test_moshi_full_without_a_gpu_fails_at_once_naming_what_is_missing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError) as refused:
