@@ -119,6 +119,7 @@ class ReplayLane:
         self.lane = lane
         self.room: int | None = None  # streams it may hold (``reserve``); None: not bounded
         self.streams = 0  # open streams assigned here (under the plugin's lock)
+        self.served = 0  # streams ever assigned here
         self.chunks = 0  # session chunks run here (counted on the lane's thread)
         self.warm_s = 0.0  # the warm-up's seconds: prompt state, then every class certified and captured
         self.captured = 0  # classes captured by the warm-up
@@ -344,6 +345,7 @@ class Token2WavPlugin(ModelPlugin):
                                 f"({len(self.lanes)} lanes); a session needs a lane with room")
             lane = min(open_lanes, key=lambda lane: lane.streams)
             lane.streams += 1
+            lane.served += 1
             stream = Token2WavStream(self, self.streams, lane)
             self.streams += 1
             self.open_streams += 1
@@ -361,7 +363,8 @@ class Token2WavPlugin(ModelPlugin):
             for name, engine in lane.transformed.report.replays.items():
                 _add(replays.setdefault(name, {}), engine.counters.as_dict())
         with self._lock:
-            lanes = [{"lane": lane.index, "streams_open": lane.streams, "room": lane.room, "chunks": lane.chunks,
+            lanes = [{"lane": lane.index, "streams_open": lane.streams, "streams_served": lane.served,
+                      "room": lane.room, "chunks": lane.chunks,
                       "warm_seconds": round(lane.warm_s, 2), "classes_captured": lane.captured} for lane in self.lanes]
             streams, open_streams = self.streams, self.open_streams
         return {
