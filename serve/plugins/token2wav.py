@@ -257,6 +257,8 @@ class Token2WavPlugin(ModelPlugin):
             self.lanes = [ReplayLane(k, transform((flow, hift), contract, capture=False)[0], Lane(f"{name}-lane{k}", self.device))
                           for k in range(lanes)]
         del flow, hift  # each lane holds its own copy
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # built on the default stream, which the lanes' streams do not wait for
         for lane in self.lanes:
             lane.run(self._warm, lane)
             eager = " (a CPU captures none: every class runs eager)" if self.device.type == "cpu" else ""
