@@ -14,6 +14,16 @@ run. Run it from outside the repository's folders (``bench/moshi.py`` would shad
     python bench/serve_load.py --plugin moshi-full --sessions 2 --seconds 30  # a GPU: serve_load_moshi_full.json
     python bench/serve_load.py --plugin moshi-full --sessions 128 --ray 2     # 2 GPUs: serve_load_moshi_full_ray2.json
 
+``--lanes L`` serves a Token2Wav plugin on L replay lanes (``cadence-fx serve --lanes``; default the
+plugin's own). For a plugin on lanes the report adds how many lanes there were, how many ran a
+session's chunk, and each lane's sessions and chunks (``lanes``), and the plugin's own start-up
+time (``plugin_startup_seconds``: building the model and warming every lane, within
+``server_startup_seconds``, which runs until ``/health`` answers). ``server_memory`` is the server
+process's peak allocated, reserved and device footprint (``torch.cuda.mem_get_info``, less what
+was in use when the service started; ``cadence_fx.memory``), read after the run.
+
+    python bench/serve_load.py --sessions 24 --seconds 60 --plugin token2wav-full --lanes 8   # an H200
+
 With ``--ray N`` the server is ``cadence-fx serve --ray --replicas N`` (docs/deployment.md): N
 replicas, one GPU each where there are GPUs, ``--sessions`` spread over them by the ingress, each
 replica with room for its share; the report adds each replica's sessions and plugin counters.
@@ -36,13 +46,14 @@ import httpx
 from cadence_fx.report import latency_stats, measured_commit
 from cadence_fx.serve.app import free_port, server_process
 from cadence_fx.serve.loadgen import run_load, speech_pattern
+from cadence_fx.serve.plugins import has_lanes, plugin_names
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _start_server(port: int, plugin: str, sessions: int, reply_lead_s: float, timeout_s: float,
-                  replicas: int) -> subprocess.Popen:
+                  replicas: int, options: dict[str, object]) -> subprocess.Popen:
     """The server in its own process, once ``/health`` answers (the plugin's startup, its batch
     included, prints its progress on stderr meanwhile). ``replicas``: 0 for one server process,
     else ``cadence-fx serve --ray`` with that many replicas, each with room for its share."""
@@ -50,13 +61,15 @@ def _start_server(port: int, plugin: str, sessions: int, reply_lead_s: float, ti
         code = (
             "from cadence_fx.serve.app import run_server; from cadence_fx.serve.session import Limits; "
             f"run_server('127.0.0.1', {port}, {plugin!r}, "
-            f"Limits(max_sessions={sessions}, max_sessions_per_client={sessions}, reply_lead_s={reply_lead_s!r}))"
+            f"Limits(max_sessions={sessions}, max_sessions_per_client={sessions}, reply_lead_s={reply_lead_s!r}), "
+            f"plugin_options={options!r})"
         )
     else:
         share = -(-sessions // replicas)
         argv = ["serve", "--ray", "--replicas", str(replicas), "--model", plugin, "--port", str(port),
                 "--max-sessions", str(share), "--max-sessions-per-client", str(sessions),
                 "--reply-lead", str(reply_lead_s)]
+        argv += [f"--{name}={value}" for name, value in options.items()]
         code = f"import sys; from cadence_fx.cli import main; sys.exit(main({argv!r}))"
     return server_process(code, port, timeout_s=timeout_s)
 
@@ -132,6 +145,23 @@ def _model_load(plugin: dict, wall_s: float, sessions: int) -> dict | None:
     }
 
 
+def _lanes(plugin: dict | None) -> dict | None:
+    """For a plugin on replay lanes (``token2wav*``): how many, how many ran a session's chunk, and
+    each lane's sessions and chunks, its warm-up and the classes it captured."""
+    if not plugin or "lanes" not in plugin:
+        return None
+    lanes = plugin["lanes"]
+    return {
+        "lanes": len(lanes),
+        "lanes_used": plugin["lanes_used"],
+        "room_per_lane": lanes[0]["room"],
+        "sessions_per_lane": [lane["streams_served"] for lane in lanes],
+        "chunks_per_lane": [lane["chunks"] for lane in lanes],
+        "warm_seconds_per_lane": [lane["warm_seconds"] for lane in lanes],
+        "classes_captured_per_lane": [lane["classes_captured"] for lane in lanes],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=8)
@@ -147,7 +177,15 @@ def main() -> None:
                         help="serve through cadence-fx serve --ray with N replicas (default 0: one server process)")
     parser.add_argument("--reply-lead", type=float, default=0.0,
                         help="the server's Limits.reply_lead_s: how far ahead of playback a reply is computed (0: as fast as it goes)")
+    parser.add_argument("--lanes", type=int, metavar="L",
+                        help="token2wav*: the plugin's replay lanes (cadence-fx serve --lanes; default: the plugin's own)")
     args = parser.parse_args()
+    if args.lanes is not None and not has_lanes(args.plugin):
+        parser.error(f"--lanes: {args.plugin} has no replay lanes; the models that do: "
+                     f"{', '.join(name for name in plugin_names() if has_lanes(name))}")
+    if args.lanes is not None and args.lanes < 1:
+        parser.error(f"--lanes must be at least 1, got {args.lanes}")
+    options = {} if args.lanes is None else {"lanes": args.lanes}
     named = {"tone": "serve_load.json", "moshi-tiny": "serve_load_moshi.json"}
     out = args.out or RESULTS / named.get(args.plugin, f"serve_load_{args.plugin.replace('-', '_')}.json")
     if args.out is None and args.ray:
@@ -155,7 +193,7 @@ def main() -> None:
 
     port = free_port()
     started = time.monotonic()
-    server = _start_server(port, args.plugin, args.sessions, args.reply_lead, args.startup_timeout, args.ray)
+    server = _start_server(port, args.plugin, args.sessions, args.reply_lead, args.startup_timeout, args.ray, options)
     startup_s = time.monotonic() - started
     load_before = os.getloadavg()
     try:
@@ -192,6 +230,7 @@ def main() -> None:
         "audio_seconds_per_session": args.seconds,
         "reply_lead_s": args.reply_lead,
         "server_startup_seconds": round(startup_s, 2),
+        "plugin_startup_seconds": plugin.get("startup_seconds") if plugin else None,
         "wall_seconds": round(wall_s, 2),
         "load_average_1min_before_and_after": [round(load_before[0], 2), round(load_after[0], 2)],
         "all_input_accounted": all(r.appended_bytes == r.committed_bytes for r in results),
@@ -205,6 +244,7 @@ def main() -> None:
         "reply_playback_stall_ms": _stats_ms(stalls),
         "replies_that_stalled": sum(stall > 0 for stall in stalls),
         "model_load": _model_load(plugin, wall_s, args.sessions),
+        "lanes": _lanes(plugin),
         # the server process's peak allocated, reserved and device footprint (cadence_fx.memory), after the run
         "server_memory": server_memory,
         "server_loop_lag_ms": health.get("loop_lag_ms"),  # the whole server life, startup's wakes included
@@ -214,6 +254,9 @@ def main() -> None:
         # Per replica: the sessions it served (all ended by now) and its plugin's counters.
         share = -(-args.sessions // args.ray)
         report["model_load"] = None
+        report["lanes"] = None
+        report["plugin_startup_seconds"] = None
+        report["server_memory"] = None
         report["plugin_after_run"] = None
         report["replicas"] = [
             {
@@ -221,6 +264,9 @@ def main() -> None:
                 "status": r["status"],
                 "sessions_served": r.get("sessions_ended"),
                 "model_load": _model_load(m["plugin"], wall_s, share),
+                "lanes": _lanes(m["plugin"]),
+                "plugin_startup_seconds": m["plugin"].get("startup_seconds"),
+                "server_memory": m["memory"],
                 "plugin_after_run": m["plugin"],
             }
             for r, m in zip(health["replicas"], model["replicas"], strict=True)

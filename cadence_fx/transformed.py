@@ -47,13 +47,10 @@ def rng_set(device: torch.device, state: torch.Tensor) -> None:
 
 
 def rng_seeded(device: torch.device, seed: int) -> torch.Tensor:
-    """The generator state `seed` gives on `device`, leaving the current state as it was."""
-    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-        if device.type == "cuda":
-            torch.cuda.manual_seed(seed)
-        else:
-            torch.manual_seed(seed)
-        return rng_get(device)
+    """The generator state `seed` gives on `device` (what `manual_seed(seed)` gives the process's
+    generator there), from a generator of its own: the process's generators are never touched, so
+    another thread may draw from them meanwhile (`cadence_fx.lanes.RngSection`)."""
+    return torch.Generator(device).manual_seed(seed).get_state()
 
 
 class Transformed(abc.ABC):

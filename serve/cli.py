@@ -19,7 +19,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from cadence_fx.serve.access import Access
     from cadence_fx.serve.app import Tls, run_server
-    from cadence_fx.serve.plugins import has_slots, loads_weights, plugin_names, takes_prompt
+    from cadence_fx.serve.plugins import has_lanes, has_slots, loads_weights, plugin_names, takes_prompt
     from cadence_fx.serve.session import Limits
 
     if args.replicas is not None and not args.ray:
@@ -27,7 +27,8 @@ def _serve(args: argparse.Namespace) -> int:
     options = dict(args.plugin_option)
     for flag, value, accepts, what in (("--weights", args.weights, loads_weights, "loads no checkpoint"),
                                        ("--prompt", args.prompt, takes_prompt, "takes no speaker prompt"),
-                                       ("--slots", args.slots, has_slots, "has no batch of slots")):
+                                       ("--slots", args.slots, has_slots, "has no batch of slots"),
+                                       ("--lanes", args.lanes, has_lanes, "has no replay lanes")):
         if value is None:
             continue
         if not accepts(args.model):
@@ -134,6 +135,10 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--slots", type=positive_int, metavar="B",
                        help="moshi-*: the batch of each tick place, the sessions it ticks in one call; admission "
                             "is a free slot (default: the batch follows --max-sessions)")
+    serve.add_argument("--lanes", type=positive_int, metavar="L",
+                       help="token2wav*: replay lanes, each its own copy of the flow and graphs on its own thread and "
+                            "CUDA stream, warmed at startup; sessions spread over them, ceil(--max-sessions / L) on "
+                            "each (default: 8 on token2wav-full, 1 on token2wav)")
     serve.add_argument(
         "--max-sessions-per-client", type=positive_int, default=4, help="live sessions one client address may hold"
     )

@@ -202,7 +202,8 @@ class SessionRouter:
         }
 
     async def models(self) -> JSONResponse:
-        """The model list of the first replica up, with every live replica's plugin description."""
+        """The model list of the first replica up, with every live replica's plugin description and
+        memory figures."""
         listed = []
         for replica, handle in enumerate(self.replicas):
             with contextlib.suppress(Exception):
@@ -211,7 +212,8 @@ class SessionRouter:
             error = {"type": "server_error", "code": REPLICA_LOST, "message": "no replica is up"}
             return JSONResponse({"error": error}, status_code=503)
         first = listed[0][1]
-        first["data"][0]["replicas"] = [{"replica": r, "plugin": m["data"][0]["plugin"]} for r, m in listed]
+        first["data"][0]["replicas"] = [{"replica": r, "plugin": m["data"][0]["plugin"], "memory": m["data"][0]["memory"]}
+                                        for r, m in listed]
         return JSONResponse(first)
 
     async def candidates(self, session_id: str | None) -> list[dict]:

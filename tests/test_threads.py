@@ -170,6 +170,19 @@ def test_an_rng_section_draws_for_each_session_what_it_draws_alone():
     assert section.calls == 6
 
 
+def test_seeding_a_session_never_touches_the_process_generator(monkeypatch):
+    """A lane seeds a new session while another lane's `RngSection` call may be drawing from the
+    process's generator: the seeding must neither seed nor restore that generator."""
+    device, touched = torch.device("cpu"), []
+    monkeypatch.setattr(torch, "manual_seed", lambda *args: touched.append("manual_seed"))
+    monkeypatch.setattr(torch, "set_rng_state", lambda *args: touched.append("set_rng_state"))
+    state = rng_seeded(device, 7)
+    monkeypatch.undo()
+    assert touched == []
+    torch.manual_seed(7)
+    assert torch.equal(state, torch.get_rng_state())  # what seeding the process's generator gives
+
+
 def test_device_memory_without_cuda_measures_nothing():
     memory = DeviceMemory("cpu")
     memory.sample()

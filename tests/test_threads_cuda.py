@@ -173,3 +173,16 @@ def test_a_second_engine_capturing_into_a_shared_pool_reuses_what_the_first_free
     assert first.staged_bytes == second.staged_bytes == alone.staged_bytes == 512 * 512 * 4
     assert first.pool_reserved_bytes > 0 and alone.pool_reserved_bytes > 0
     assert second.pool_reserved_bytes == 0
+
+
+def test_a_session_seeded_on_the_device_draws_what_the_process_generator_seeded_alike_draws():
+    """`rng_seeded` uses a generator of its own (it must not touch the process's, which another
+    lane may be drawing from): its state is the one `torch.cuda.manual_seed` gives."""
+    device = torch.device(DEVICE)
+    state = rng_seeded(device, 11)
+    with torch.random.fork_rng(devices=[0]):
+        torch.cuda.manual_seed(11)
+        assert torch.equal(state, torch.cuda.get_rng_state(device))
+        expected = torch.rand(5, device=device)
+        torch.cuda.set_rng_state(state, device)
+        assert torch.equal(torch.rand(5, device=device), expected)

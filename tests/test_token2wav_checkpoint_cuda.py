@@ -35,7 +35,8 @@ def test_a_reply_on_the_full_size_checkpoint_is_the_vendors_own_stream(tmp_path)
     prompt = random_prompt(3, n_tokens=PROMPT_TOKENS)
     checkpoint.save_prompt(prompt, tmp_path / "voice.safetensors")
 
-    plugin = Token2WavPlugin("full", seed=SEED, weights=assets.parents[1], prompt=tmp_path / "voice.safetensors")
+    plugin = Token2WavPlugin("full", seed=SEED, weights=assets.parents[1], prompt=tmp_path / "voice.safetensors",
+                             lanes=1)  # the checkpoint is under test here: one lane
     stream = plugin.open_stream()
     for _ in range(round(MIN_REPLY_CHUNKS * INPUT_RATE / FRAME_SAMPLES)):
         stream.feed(np.zeros(FRAME_SAMPLES, dtype=np.float32))

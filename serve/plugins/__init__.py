@@ -6,8 +6,9 @@
 load torch and the vendor only when chosen, and load a published checkpoint instead of random
 weights when given ``weights`` (``loads_weights``). ``token2wav-full`` is MiniCPM-o 4.5's Token2Wav at full
 size on an NVIDIA GPU as a reply voice on stand-in speech tokens (``token2wav.py``), ``token2wav``
-the same at reduced depth on the CPU; both load a published checkpoint too, and take a speaker
-prompt as ``prompt`` (``takes_prompt``). ``tone`` is a test double used by the service's tests, not
+the same at reduced depth on the CPU; both load a published checkpoint too, take a speaker
+prompt as ``prompt`` (``takes_prompt``) and run their sessions on replay lanes, as many as
+``lanes`` (``has_lanes``). ``tone`` is a test double used by the service's tests, not
 a model.
 """
 
@@ -59,6 +60,9 @@ _TAKES_PROMPT = {"token2wav", "token2wav-full"}
 #: The plugins that tick their sessions as the slots of a batch and take its size as ``slots=``
 #: (``serve --slots``).
 _HAS_SLOTS = {"moshi-tiny", "moshi-small", "moshi-full"}
+#: The plugins that run their sessions on replay lanes and take how many as ``lanes=``
+#: (``serve --lanes``).
+_HAS_LANES = {"token2wav", "token2wav-full"}
 
 
 def register_plugin(name: str, factory: PluginFactory, *, loads_weights: bool = False) -> None:
@@ -86,6 +90,11 @@ def has_slots(name: str) -> bool:
     return name in _HAS_SLOTS
 
 
+def has_lanes(name: str) -> bool:
+    """Whether plugin ``name`` runs its sessions on replay lanes, as many as given as ``lanes``."""
+    return name in _HAS_LANES
+
+
 def load_plugin(name: str, **options: Any) -> ModelPlugin:
     try:
         factory = _REGISTRY[name]
@@ -101,6 +110,7 @@ __all__ = [
     "PluginInfo",
     "SlotsFull",
     "ToneModel",
+    "has_lanes",
     "has_slots",
     "load_plugin",
     "loads_weights",

@@ -28,21 +28,38 @@ step (``Token2wav.stream``): 28 tokens (25 + 3 look-ahead) to 50 mel frames to 2
 reply's last chunk flushes the tail (``last_chunk=True``). Every reply starts from the prompt state
 (``reset_turn``), as a new utterance does in the vendor.
 
-Sessions. One set of bindings (weights, captured graphs, prompt state) serves every stream. Each
-stream owns a ``SessionState`` (its carries' contents and extents and its RNG state, seeded with
-``rng_seed``) and a ``CarryStream`` (its cache dict and HiFT cache); a chunk swaps its state in,
-runs, and swaps it out, under one lock (``TransformedFlow.swap_in`` / ``swap_out``). A stream's
-audio is the stock vendor stream of its tokens from its seed, bit for bit.
-``bench/results/token2wav_capacity.json`` measured 12 such streams in real time on an H200.
+Sessions, on lanes. The plugin runs its streams on L replay lanes (``lanes``, ``serve --lanes``;
+``cadence_fx.lanes``): each lane is one host thread and one CUDA stream with its own transformed
+flow (its own weights' copy, captured graphs, graph pool, carries and prompt state), so the lanes'
+chunks run at the same time on one GPU. A new stream goes to the lane with the fewest open streams
+(the lowest index among them) and stays there. Inside a lane, streams take turns over its graphs:
+each stream owns a ``SessionState`` (its carries' contents and extents and its RNG state, seeded
+with ``rng_seed``) and a ``CarryStream`` (its cache dict and HiFT cache); a chunk swaps its state
+in, runs, and swaps it out, on the lane's thread (``TransformedFlow.swap_in`` / ``swap_out``).
+HiFT draws noise every call from the process's one generator, so its calls, from every lane, go
+through one ``RngSection`` from the stream's own generator state. A stream's audio is the stock
+vendor stream of its tokens from its seed, bit for bit, whichever lane it runs on and whatever runs
+beside it. ``DEFAULT_LANES``: 8 on ``token2wav-full`` (on an H200, 8 lanes kept 24 streams in real
+time in the capacity benchmark, ``bench/results/token2wav_lanes8.json``), 1 on the CPU.
 
-Construction builds the flow, sets up the prompt state and runs one warm-up reply of
-``WARM_UP_CHUNKS`` chunks, which certifies and captures every catalog class, so no session's
-chunk pays for a capture.
+Admission. ``reserve(sessions)`` (the server's session limit, at start-up) gives each lane room
+for ``ceil(sessions / lanes)`` streams; ``free_slots`` is the room left over all lanes, which the
+server's ``/health`` and ``rate_limits.updated`` report, and ``open_stream`` raises ``SlotsFull``
+when no lane has room. Before ``reserve`` (the plugin used without a server) a lane's room is not
+bounded.
+
+Start-up. Construction builds the flow, makes the lanes, and warms each lane in turn before any
+session: the prompt state, then one reply of ``WARM_UP_CHUNKS`` chunks, which certifies and
+captures every catalog class the service uses, so no session's chunk pays for a capture. Each
+lane prints a line of progress on stderr as it finishes; ``describe`` reports the start-up time.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +68,7 @@ import torch
 
 from cadence_fx import transform
 from cadence_fx.determinism import pin_deterministic
+from cadence_fx.lanes import Lane, RngSection
 from cadence_fx.models import token2wav_checkpoint as checkpoint
 from cadence_fx.models.token2wav_carry import (
     CarryStream,
@@ -61,7 +79,7 @@ from cadence_fx.models.token2wav_carry import (
 from cadence_fx.models.token2wav_stream import Prompt, build_hift, random_chunks, random_prompt
 from cadence_fx.transformed import SessionState
 
-from .base import ModelPlugin, ModelStream, PluginInfo
+from .base import ModelPlugin, ModelStream, PluginInfo, SlotsFull
 
 INPUT_RATE = 24_000
 FRAME_SAMPLES = 1_920  # 80 ms; the plugin only counts the user's samples
@@ -71,6 +89,9 @@ MIN_REPLY_CHUNKS = 3
 WARM_UP_CHUNKS = 4  # extents 302, 352, 402, then the flush at 402: every class of the catalog
 WARM_UP_SEED = 999_999  # tokens and RNG of the warm-up reply, which no session hears
 DEPTHS = {"full": "cuda", "reduced": "cpu"}
+# Replay lanes when ``lanes`` is not given: on an H200, 8 lanes kept 24 streams in real time
+# (bench/results/token2wav_lanes8.json); on the CPU, eager, lanes only add threads.
+DEFAULT_LANES = {"full": 8, "reduced": 1}
 
 
 def token_seed(stream: int, turn: int) -> int:
@@ -88,13 +109,39 @@ def reply_chunks(turn_samples: int, max_reply_chunks: int) -> int:
     return min(max_reply_chunks, max(MIN_REPLY_CHUNKS, turn_samples // INPUT_RATE))
 
 
+class ReplayLane:
+    """One lane of the plugin (module docstring): a ``Lane`` (host thread, CUDA stream), its own
+    transformed flow, and the streams assigned to it."""
+
+    def __init__(self, index: int, transformed: TransformedFlow, lane: Lane) -> None:
+        self.index = index
+        self.transformed = transformed
+        self.lane = lane
+        self.room: int | None = None  # streams it may hold (``reserve``); None: not bounded
+        self.streams = 0  # open streams assigned here (under the plugin's lock)
+        self.served = 0  # streams ever assigned here
+        self.chunks = 0  # session chunks run here (counted on the lane's thread)
+        self.warm_s = 0.0  # the warm-up's seconds: prompt state, then every class certified and captured
+        self.captured = 0  # classes captured by the warm-up
+
+    def run(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on the lane's thread and stream; waits for it (and its device work)."""
+        return self.lane.submit(fn, *args).result()
+
+    def free(self) -> int | None:
+        return None if self.room is None else self.room - self.streams
+
+
 class Token2WavStream(ModelStream):
-    def __init__(self, plugin: Token2WavPlugin, index: int) -> None:
+    """One session's stream, on one lane: every device call runs on that lane's thread."""
+
+    def __init__(self, plugin: Token2WavPlugin, index: int, lane: ReplayLane) -> None:
         self._plugin = plugin
         self.index = index
+        self.lane = lane
         self.turn = 0
         self.turn_samples = 0
-        self._stream = CarryStream(plugin.transformed, plugin.prompt)
+        self._stream: CarryStream | None = None  # made on the lane's thread, at the first reply
         self._state: SessionState | None = None
         self._tokens: list[torch.Tensor] = []
         self._next = 0
@@ -111,29 +158,37 @@ class Token2WavStream(ModelStream):
     def begin_response(self) -> None:
         n = reply_chunks(self.turn_samples, self._plugin.max_reply_chunks)
         self.turn_samples = 0
-        plugin = self._plugin
-        self._tokens = random_chunks(token_seed(self.index, self.turn), n, device=plugin.device)
-        self._next = 0
+        self.lane.run(self._begin, n, self.turn)
         self.turn += 1
-        with plugin.lock, torch.no_grad():
-            if self._state is None:
-                self._state = plugin.transformed.session_state(rng_seed(plugin.seed, self.index))
-            plugin.transformed.swap_in(self._state)
-            self._stream.reset_turn()  # the prompt state, written into the carries in place
-            plugin.transformed.swap_out(self._state)
+
+    def _begin(self, n: int, turn: int) -> None:
+        """On the lane's thread: the reply's tokens, and the stream back at the prompt state."""
+        plugin, transformed = self._plugin, self.lane.transformed
+        self._tokens = random_chunks(token_seed(self.index, turn), n, device=plugin.device)
+        self._next = 0
+        if self._state is None:
+            self._stream, self._state = plugin.session(self.lane, rng_seed(plugin.seed, self.index))
+            return  # a new session starts at the prompt state
+        transformed.swap_in(self._state, rng=False)
+        self._stream.reset_turn()  # the prompt state, written into the carries in place
+        transformed.swap_out(self._state, rng=False)
 
     def step(self) -> np.ndarray | None:
         if self._next >= len(self._tokens):
             self._tokens = []
             return None
-        plugin, i = self._plugin, self._next
+        i = self._next
         self._next += 1
-        with plugin.lock, torch.no_grad():
-            plugin.transformed.swap_in(self._state)
-            out = self._stream.step(self._tokens[i], last_chunk=i == len(self._tokens) - 1)
-            plugin.transformed.swap_out(self._state)
-            plugin.chunks += 1
-            return out.speech.float().reshape(-1).cpu().numpy()
+        return self.lane.run(self._chunk, self._tokens[i], i == len(self._tokens) - 1)
+
+    def _chunk(self, tokens: torch.Tensor, last_chunk: bool) -> np.ndarray:
+        """On the lane's thread: one chunk of the reply, over the lane's graphs."""
+        transformed = self.lane.transformed
+        transformed.swap_in(self._state, rng=False)
+        out = self._stream.step(tokens, last_chunk=last_chunk)
+        transformed.swap_out(self._state, rng=False)
+        self.lane.chunks += 1
+        return out.speech.float().reshape(-1).cpu().numpy()
 
     def cancel(self) -> None:
         self._tokens = []
@@ -141,8 +196,12 @@ class Token2WavStream(ModelStream):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._state, self._tokens = None, []
-            self._plugin.open_streams -= 1
+            self.lane.run(self._release)
+            self._plugin.placed_off(self.lane)
+
+    def _release(self) -> None:
+        """On the lane's thread: the stream's device state is freed where its device work ran."""
+        self._stream, self._state, self._tokens = None, None, []
 
 
 def _is_wav(prompt: str | Path | None) -> bool:
@@ -159,12 +218,17 @@ class Token2WavPlugin(ModelPlugin):
         max_reply_chunks: int = 8,
         weights: str | Path | None = None,
         prompt: str | Path | None = None,
+        lanes: int | None = None,
     ) -> None:
+        started = time.perf_counter()
         if depth not in DEPTHS:
             raise ValueError(f"depth must be one of {sorted(DEPTHS)}, got {depth!r}")
         if max_reply_chunks < MIN_REPLY_CHUNKS:
             raise ValueError(f"max_reply_chunks must be at least {MIN_REPLY_CHUNKS} (the catalog's first flush), "
                              f"got {max_reply_chunks}")
+        lanes = DEFAULT_LANES[depth] if lanes is None else lanes
+        if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
+            raise ValueError(f"lanes must be a positive integer (replay lanes, each its own copy of the flow), got {lanes!r}")
         name = "token2wav-full" if depth == "full" else "token2wav"
         self.device = torch.device(DEPTHS[depth])
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -186,18 +250,22 @@ class Token2WavPlugin(ModelPlugin):
             name=name, input_rate=INPUT_RATE, output_rate=OUTPUT_RATE, frame_samples=FRAME_SAMPLES,
             description=f"MiniCPM-o 4.5 Token2Wav ({what}) transformed by cadence-fx, on stand-in speech tokens",
         )
-        self.lock = threading.Lock()
-        self.open_streams = self.streams = self.chunks = 0
-        with torch.no_grad():
-            self.transformed: TransformedFlow
-            self.transformed, self.report = transform((flow, hift), contract, capture=False)
-            del flow
-            warm = CarryStream(self.transformed, self.prompt)
-            warm.setup()  # the prompt state every reply starts from
-            self.transformed.swap_in(self.transformed.session_state(WARM_UP_SEED))
-            tokens = random_chunks(WARM_UP_SEED, WARM_UP_CHUNKS, device=self.device)
-            for i, chunk in enumerate(tokens):
-                warm.step(chunk, last_chunk=i == WARM_UP_CHUNKS - 1)
+        self._lock = threading.Lock()  # the lanes' stream counts and the plugin's
+        self.open_streams = self.streams = 0
+        self.rng = RngSection(self.device)
+        with torch.no_grad():  # a lane's thread runs in the grad mode of the thread that made it
+            self.lanes = [ReplayLane(k, transform((flow, hift), contract, capture=False)[0], Lane(f"{name}-lane{k}", self.device))
+                          for k in range(lanes)]
+        del flow, hift  # each lane holds its own copy
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # built on the default stream, which the lanes' streams do not wait for
+        for lane in self.lanes:
+            lane.run(self._warm, lane)
+            eager = " (a CPU captures none: every class runs eager)" if self.device.type == "cpu" else ""
+            print(f"{name}: lane {lane.index + 1}/{lanes} warm: {lane.captured} classes captured{eager} in {lane.warm_s:.1f} s",
+                  file=sys.stderr, flush=True)
+        self.startup_s = time.perf_counter() - started
+        print(f"{name}: {lanes} lane(s) warm; start-up took {self.startup_s:.1f} s", file=sys.stderr, flush=True)
 
     def _random(self, prompt: str | Path | None) -> tuple[torch.nn.Module, torch.nn.Module, Prompt]:
         """The reference flow at this depth with random weights; a random prompt unless a prompt
@@ -225,21 +293,107 @@ class Token2WavPlugin(ModelPlugin):
         flow = checkpoint.load_flow(found, seed=self.seed, device=self.device)
         return flow, checkpoint.load_hift(found, device=self.device), loaded
 
+    def session(self, lane: ReplayLane, seed: int) -> tuple[CarryStream, SessionState]:
+        """On ``lane``'s thread: a stream's carry loop and state at the prompt state (the lane's
+        first one computes it), HiFT's draws through the plugin's ``RngSection`` from the state's
+        own generator state, which ``seed`` gives."""
+        transformed = lane.transformed
+        stream = CarryStream(transformed, self.prompt)
+        if transformed.base is None:
+            stream.setup()  # the prompt state every reply on this lane starts from, kept by the lane
+        else:
+            stream.reset_turn()
+        state = transformed.session_state(seed)
+        stream.hift = functools.partial(self.rng.call, state, transformed.hift)
+        return stream, state
+
+    def _warm(self, lane: ReplayLane) -> None:
+        """On ``lane``'s thread: the prompt state, then a reply that runs every class of the catalog."""
+        started = time.perf_counter()
+        stream, _ = self.session(lane, WARM_UP_SEED)
+        tokens = random_chunks(WARM_UP_SEED, WARM_UP_CHUNKS, device=self.device)
+        for i, chunk in enumerate(tokens):
+            stream.step(chunk, last_chunk=i == WARM_UP_CHUNKS - 1)
+        lane.captured = sum(engine.counters.captures for engine in lane.transformed.report.replays.values())
+        lane.warm_s = time.perf_counter() - started
+
+    def reserve(self, sessions: int) -> None:
+        """Room for ``sessions`` streams: ``ceil(sessions / lanes)`` on each lane; refused when a
+        lane already holds more open streams than that."""
+        room = -(-sessions // len(self.lanes))
+        with self._lock:
+            crowded = [lane.index for lane in self.lanes if lane.streams > room]
+            if crowded:
+                raise ValueError(f"{self.info.name}: lanes {crowded} already hold more than {room} streams, the room "
+                                 f"{sessions} sessions over {len(self.lanes)} lanes give each")
+            for lane in self.lanes:
+                lane.room = room
+        print(f"{self.info.name}: room for {sessions} sessions, {room} on each of {len(self.lanes)} lane(s)",
+              file=sys.stderr, flush=True)
+
+    def free_slots(self) -> int | None:
+        """Streams the lanes still have room for (None before ``reserve``: not bounded)."""
+        with self._lock:
+            free = [lane.free() for lane in self.lanes]
+        return None if None in free else sum(free)
+
     def open_stream(self) -> Token2WavStream:
-        stream = Token2WavStream(self, self.streams)
-        self.streams += 1
-        self.open_streams += 1
+        """On the lane with the fewest open streams (the lowest index among them) that has room;
+        ``SlotsFull`` when none has."""
+        with self._lock:
+            open_lanes = [lane for lane in self.lanes if lane.free() != 0]
+            if not open_lanes:
+                raise SlotsFull(f"{self.info.name}: every lane holds its {self.lanes[0].room} streams "
+                                f"({len(self.lanes)} lanes); a session needs a lane with room")
+            lane = min(open_lanes, key=lambda lane: lane.streams)
+            lane.streams += 1
+            lane.served += 1
+            stream = Token2WavStream(self, self.streams, lane)
+            self.streams += 1
+            self.open_streams += 1
         return stream
 
+    def placed_off(self, lane: ReplayLane) -> None:
+        """A stream on ``lane`` closed: its room is free."""
+        with self._lock:
+            lane.streams -= 1
+            self.open_streams -= 1
+
     def describe(self) -> dict[str, Any]:
+        replays: dict[str, dict[str, Any]] = {}
+        for lane in self.lanes:
+            for name, engine in lane.transformed.report.replays.items():
+                _add(replays.setdefault(name, {}), engine.counters.as_dict())
+        with self._lock:
+            lanes = [{"lane": lane.index, "streams_open": lane.streams, "streams_served": lane.served,
+                      "room": lane.room, "chunks": lane.chunks,
+                      "warm_seconds": round(lane.warm_s, 2), "classes_captured": lane.captured} for lane in self.lanes]
+            streams, open_streams = self.streams, self.open_streams
         return {
             "model": self.info.name,
             "depth": self.depth,
             "weights": self.weights or "random",
             "device": str(self.device),
-            "streams": self.streams,
-            "streams_open": self.open_streams,
-            "chunks": self.chunks,
-            "stamps": list(self.report.stamps),
-            "replays": {name: engine.counters.as_dict() for name, engine in self.report.replays.items()},
+            "streams": streams,
+            "streams_open": open_streams,
+            "chunks": sum(lane["chunks"] for lane in lanes),
+            "startup_seconds": round(self.startup_s, 2),
+            "lanes": lanes,
+            "lanes_used": sum(1 for lane in lanes if lane["chunks"]),  # lanes that ran a session's chunk
+            "rng_section_calls": self.rng.calls,
+            "stamps": list(self.lanes[0].transformed.report.stamps),
+            "replays": replays,
         }
+
+    def close(self) -> None:
+        for lane in self.lanes:
+            lane.lane.close()
+
+
+def _add(total: dict[str, Any], counters: dict[str, Any]) -> None:
+    """Add nested counters into ``total`` (the lanes' replay counters, summed)."""
+    for key, value in counters.items():
+        if isinstance(value, dict):
+            _add(total.setdefault(key, {}), value)
+        else:
+            total[key] = total.get(key, 0) + value

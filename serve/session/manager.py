@@ -93,8 +93,8 @@ class SessionManager:
         if self.plugin.free_slots() == 0:
             raise ProtocolError(
                 "resource_exhausted",
-                f"every slot of {self.plugin.info.name}'s batch is taken (max_sessions={limits.max_sessions} is not "
-                "reached): a session needs a free slot",
+                f"every slot of {self.plugin.info.name} is taken (its batch's, or its lanes' room; "
+                f"max_sessions={limits.max_sessions} is not reached): a session needs a free slot",
             )
         held = sum(1 for s in self.sessions.values() if s.client == client)
         if held >= limits.max_sessions_per_client:

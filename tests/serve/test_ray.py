@@ -203,6 +203,9 @@ def test_models_lists_the_model_once_with_every_replica(ingress):
     models = httpx.get(ingress.handle.http_url + "/v1/models", timeout=30).json()
     assert [m["id"] for m in models["data"]] == ["tone"]
     assert [r["replica"] for r in models["data"][0]["replicas"]] == [0, 1]
+    figures = ["device_footprint_bytes_end", "device_footprint_bytes_max", "device_used_at_start_bytes",
+               "peak_allocated_bytes", "reserved_bytes_end", "reserved_bytes_max"]
+    assert [sorted(r["memory"]) for r in models["data"][0]["replicas"]] == [figures, figures]  # each replica's own
 
 
 def test_a_resume_through_the_ingress_lands_on_the_owner_and_loses_nothing(ingress, question_pcm):

@@ -110,3 +110,22 @@ def test_slots_for_a_model_without_slots_is_one_sentence(capsys):
         "cadence-fx serve: error: --slots: tone has no batch of slots; the models that do: moshi-full, moshi-small, "
         "moshi-tiny\n"
     )
+
+
+def test_lanes_go_to_a_model_with_replay_lanes_and_nowhere_else(monkeypatch, capsys):
+    import cadence_fx.serve.app as app
+
+    served = []
+    monkeypatch.setattr(app, "run_server", lambda host, port, model, limits, access, tls, on_ready, plugin_options:
+                        served.append((model, limits.max_sessions, plugin_options)))
+    assert main(["serve", "--model", "token2wav-full", "--lanes", "8", "--max-sessions", "24"]) == 0
+    assert main(["serve", "--model", "token2wav"]) == 0
+    assert served == [("token2wav-full", 24, {"lanes": 8}), ("token2wav", 16, {})]
+    capsys.readouterr()
+    assert main(["serve", "--model", "moshi-tiny", "--lanes", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "cadence-fx serve: error: --lanes: moshi-tiny has no replay lanes; the models that do: token2wav, token2wav-full\n"
+    )
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "token2wav", "--lanes", "0"])
+    assert capsys.readouterr().err.endswith("cadence-fx serve: error: argument --lanes: expected a positive integer, got 0\n")

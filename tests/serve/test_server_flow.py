@@ -419,7 +419,8 @@ def test_admission_is_a_free_slot_and_rate_limits_count_free_slots():
     assert (told["type"], freed["type"]) == ("rate_limits.updated", "rate_limits.updated")
     assert (error["error"]["code"], code) == ("resource_exhausted", 1013)
     assert error["error"]["message"] == (
-        "every slot of tone's batch is taken (max_sessions=4 is not reached): a session needs a free slot"
+        "every slot of tone is taken (its batch's, or its lanes' room; max_sessions=4 is not reached): a session "
+        "needs a free slot"
     )
     assert (health["sessions"], health["max_sessions"], health["free_slots"], health["admits"]) == (2, 4, 0, 0)
 

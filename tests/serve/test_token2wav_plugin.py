@@ -1,8 +1,12 @@
 """``token2wav`` (MiniCPM-o 4.5's Token2Wav, reduced depth, CPU) as a reply voice: a stream's
 reply is the stock vendor stream of its stand-in tokens from its seed, bit for bit, turn after
-turn and whatever other streams run between its chunks; reply lengths follow the contract."""
+turn and whatever other streams run between its chunks or beside them on other replay lanes;
+reply lengths follow the contract; admission is a lane with room."""
 
 from __future__ import annotations
+
+import re
+import threading
 
 import numpy as np
 import pytest
@@ -18,6 +22,7 @@ from cadence_fx.serve.plugins.token2wav import (
     INPUT_RATE,
     MIN_REPLY_CHUNKS,
     WARM_UP_CHUNKS,
+    SlotsFull,
     Token2WavPlugin,
     reply_chunks,
     rng_seed,
@@ -119,6 +124,8 @@ def test_bad_frames_and_settings_are_refused_with_what_was_expected(plugin):
         Token2WavPlugin("tiny")
     with pytest.raises(ValueError, match="max_reply_chunks must be at least 3"):
         Token2WavPlugin("reduced", max_reply_chunks=2)
+    with pytest.raises(ValueError, match=r"lanes must be a positive integer \(replay lanes, each its own copy of the flow\), got 0"):
+        Token2WavPlugin("reduced", lanes=0)
 
 
 def test_the_full_size_plugin_needs_cuda_and_says_so(monkeypatch):
@@ -159,3 +166,60 @@ def test_a_session_over_uvicorn_hears_the_stock_vendor_stream(plugin, stock_mode
         events = run(scenario(Server(handle)))
     expected = np.concatenate(Stock(plugin, stock_models, index).reply(MIN_REPLY_CHUNKS))
     assert deltas_of(events) == wire_audio.encode_samples(expected, PCM24K)
+
+
+def test_streams_on_two_lanes_at_once_each_give_their_stream_run_alone(stock_models, capsys):
+    """Three sessions over two replay lanes (two on lane 0, taking turns over its flow; one on lane
+    1), their replies computed at the same time from three threads, as the server's model threads
+    call them: each session's PCM is its stock stream run alone, bit for bit."""
+    plugin = Token2WavPlugin("reduced", seed=5, max_reply_chunks=4, lanes=2)
+    progress = capsys.readouterr().err.splitlines()
+    for k in (1, 2):
+        line = next(line for line in progress if line.startswith(f"token2wav: lane {k}/2 warm"))
+        assert re.fullmatch(rf"token2wav: lane {k}/2 warm: 0 classes captured \(a CPU captures none: every class "
+                            r"runs eager\) in \d+\.\d s", line)
+    assert plugin.free_slots() is None  # not bounded before the server's reserve
+    plugin.reserve(3)
+    assert plugin.free_slots() == 4  # room for ceil(3 / 2) = 2 on each lane
+    streams = [plugin.open_stream() for _ in range(3)]
+    assert [s.lane.index for s in streams] == [0, 1, 0] and plugin.free_slots() == 1
+    turns = {0: [4.2, 0.5], 1: [3.0], 2: [1.0]}  # seconds of each turn: replies of 4, 3; 3; 3 chunks
+    heard: dict[int, list[list[np.ndarray]]] = {}
+    start = threading.Barrier(3, timeout=60)
+
+    def session(k: int) -> None:
+        start.wait()
+        heard[k] = []
+        for seconds in turns[k]:
+            turn(streams[k], seconds)
+            streams[k].begin_response()
+            heard[k].append(drain(streams[k]))
+
+    threads = [threading.Thread(target=session, args=(k,), name=f"model-{k}") for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not any(t.is_alive() for t in threads) and sorted(heard) == [0, 1, 2]
+    for k, stream in enumerate(streams):
+        stock = Stock(plugin, stock_models, stream.index)
+        expected = [stock.reply(reply_chunks(round(seconds * INPUT_RATE / FRAME_SAMPLES) * FRAME_SAMPLES, 4))
+                    for seconds in turns[k]]
+        assert [len(reply) for reply in heard[k]] == [len(reply) for reply in expected]
+        assert all(np.array_equal(g, w) for got, want in zip(heard[k], expected) for g, w in zip(got, want))
+    described = plugin.describe()
+    assert [(lane["streams_open"], lane["room"], lane["chunks"]) for lane in described["lanes"]] == [(2, 2, 10), (1, 2, 3)]
+    assert described["lanes_used"] == 2 and described["chunks"] == 13
+    assert described["rng_section_calls"] == 2 * WARM_UP_CHUNKS + 13  # every HiFT call, the warm-ups' too
+
+    fourth = plugin.open_stream()  # lane 1 has room for one more
+    assert fourth.lane.index == 1 and plugin.free_slots() == 0
+    with pytest.raises(SlotsFull, match=r"token2wav: every lane holds its 2 streams \(2 lanes\); a session needs a lane with room"):
+        plugin.open_stream()
+    with pytest.raises(ValueError, match=r"token2wav: lanes \[0, 1\] already hold more than 1 streams"):
+        plugin.reserve(2)
+    fourth.close()
+    assert plugin.free_slots() == 1 and plugin.describe()["streams_open"] == 3
+    for stream in streams:
+        stream.close()
+    plugin.close()
