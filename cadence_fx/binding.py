@@ -13,9 +13,10 @@ an attribute name, a mapping key or a sequence index; ``*`` matches every index 
 order, and a slice ``[start:stop:step]`` every index it selects (``buffer.[0::2]``: the even
 elements); ``**`` matches every module below a module, itself included, that has the rest of the
 path (``"self.encoder.**._streaming_state.previous"``: every streaming convolution's buffer,
-whatever the depth), in `named_modules()` order. A region bound at several paths (``keys`` and ``values``) lays them out along one more
-leading dimension, after the wildcards': site ``layers.3.values`` is ``region[3, 1]``. A value of
-None on the way (a cache not filled yet) is state not retained yet.
+whatever the depth), in `named_modules()` order. A region bound at several paths (``keys`` and
+``values``) lays them out along one more leading dimension, after the wildcards': site
+``layers.3.values`` is ``region[3, 1]``. A value of None on the way (a cache not filled yet) is
+state not retained yet.
 
 Where the call mutates its state argument (a cache object), `at` is all it takes. Where it returns
 the new state instead (a functional step), `out` gives the matching paths rooted at ``return``,
@@ -302,7 +303,7 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
                                           f"{ob.method}; its arguments: {sorted(parameters)}")
         signatures[ob.operator] = signature
     reached = {rb.region for ob in binding.operators for rb in operator_regions(binding, ob, signatures[ob.operator])}
-    reached |= {operators[ob.operator].region for ob in binding.operators}
+    reached |= {operators[ob.operator].region for ob in binding.operators}  # a per_call region has no paths
     for i, rb in enumerate(binding.regions):
         if rb.region not in reached and rb.per_call:
             raise BindingError(f"regions[{i}].per_call", f"region {rb.region!r} is allocated inside each call of its "
