@@ -92,3 +92,12 @@ class ModelPlugin(ABC):
 
     def close(self) -> None:
         """Release shared state at server shutdown."""
+
+
+def add_counters(total: dict[str, Any], counters: dict[str, Any]) -> None:
+    """Add nested counters into ``total`` (several engines' or processes' replay counters, summed)."""
+    for key, value in counters.items():
+        if isinstance(value, dict):
+            add_counters(total.setdefault(key, {}), value)
+        else:
+            total[key] = total.get(key, 0) + value

@@ -123,7 +123,7 @@ from cadence_fx.models.moshi_stream import (
 )
 
 from ..runtime.slots import SlotScheduler, SlotsFull, TickRecord
-from .base import ModelPlugin, ModelStream, PluginInfo
+from .base import ModelPlugin, ModelStream, PluginInfo, add_counters
 
 SIZES: dict[str, MoshiConfig] = {"tiny": TINY, "small": SMALL, "full": FULL}
 DEVICES: dict[str, str] = {"tiny": "cpu", "small": "cpu", "full": "cuda"}  # each size's default device
@@ -222,15 +222,6 @@ class _Engine:
             "stamps": [] if runtime is None else list(runtime.report.stamps),
             "replays": {} if runtime is None else runtime.counters(),
         }
-
-
-def _merge(total: dict[str, Any], counters: dict[str, Any]) -> None:
-    """Add nested counters into ``total``."""
-    for key, value in counters.items():
-        if isinstance(value, dict):
-            _merge(total.setdefault(key, {}), value)
-        else:
-            total[key] = total.get(key, 0) + value
 
 
 def _worker_main() -> None:
@@ -680,7 +671,7 @@ class MoshiPlugin(ModelPlugin):
         places = [part.result() for part in parts]
         replays: dict[str, Any] = {}
         for part in places:
-            _merge(replays, part["replays"])
+            add_counters(replays, part["replays"])
         schedulers = [p.scheduler for p in self._places if p.scheduler is not None]
         return {
             "model": self.name,

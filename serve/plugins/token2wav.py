@@ -79,7 +79,7 @@ from cadence_fx.models.token2wav_carry import (
 from cadence_fx.models.token2wav_stream import Prompt, build_hift, random_chunks, random_prompt
 from cadence_fx.transformed import SessionState
 
-from .base import ModelPlugin, ModelStream, PluginInfo, SlotsFull
+from .base import ModelPlugin, ModelStream, PluginInfo, SlotsFull, add_counters
 
 INPUT_RATE = 24_000
 FRAME_SAMPLES = 1_920  # 80 ms; the plugin only counts the user's samples
@@ -251,7 +251,7 @@ class Token2WavPlugin(ModelPlugin):
             description=f"MiniCPM-o 4.5 Token2Wav ({what}) transformed by cadence-fx, on stand-in speech tokens",
         )
         self._lock = threading.Lock()  # the lanes' stream counts and the plugin's
-        self.open_streams = self.streams = 0
+        self.streams = 0
         self.rng = RngSection(self.device)
         with torch.no_grad():  # a lane's thread runs in the grad mode of the thread that made it
             self.lanes = [ReplayLane(k, transform((flow, hift), contract, capture=False)[0], Lane(f"{name}-lane{k}", self.device))
@@ -350,32 +350,30 @@ class Token2WavPlugin(ModelPlugin):
             lane.served += 1
             stream = Token2WavStream(self, self.streams, lane)
             self.streams += 1
-            self.open_streams += 1
         return stream
 
     def placed_off(self, lane: ReplayLane) -> None:
         """A stream on ``lane`` closed: its room is free."""
         with self._lock:
             lane.streams -= 1
-            self.open_streams -= 1
 
     def describe(self) -> dict[str, Any]:
         replays: dict[str, dict[str, Any]] = {}
         for lane in self.lanes:
             for name, engine in lane.transformed.report.replays.items():
-                _add(replays.setdefault(name, {}), engine.counters.as_dict())
+                add_counters(replays.setdefault(name, {}), engine.counters.as_dict())
         with self._lock:
             lanes = [{"lane": lane.index, "streams_open": lane.streams, "streams_served": lane.served,
                       "room": lane.room, "chunks": lane.chunks,
                       "warm_seconds": round(lane.warm_s, 2), "classes_captured": lane.captured} for lane in self.lanes]
-            streams, open_streams = self.streams, self.open_streams
+            streams = self.streams
         return {
             "model": self.info.name,
             "depth": self.depth,
             "weights": self.weights or "random",
             "device": str(self.device),
             "streams": streams,
-            "streams_open": open_streams,
+            "streams_open": sum(lane["streams_open"] for lane in lanes),
             "chunks": sum(lane["chunks"] for lane in lanes),
             "startup_seconds": round(self.startup_s, 2),
             "lanes": lanes,
@@ -388,12 +386,3 @@ class Token2WavPlugin(ModelPlugin):
     def close(self) -> None:
         for lane in self.lanes:
             lane.lane.close()
-
-
-def _add(total: dict[str, Any], counters: dict[str, Any]) -> None:
-    """Add nested counters into ``total`` (the lanes' replay counters, summed)."""
-    for key, value in counters.items():
-        if isinstance(value, dict):
-            _add(total.setdefault(key, {}), value)
-        else:
-            total[key] = total.get(key, 0) + value
