@@ -90,6 +90,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import queue
 import signal
 import socket
 import statistics
@@ -369,14 +370,55 @@ class _Worker(_Place):
             self.process.wait()
 
 
+class _Ahead:
+    """A reply's frames ticked ahead on silence: one request of ``count`` silent frames to the
+    slot, whose outputs arrive one per tick (``on_output``) while the session hands out the
+    earlier ones; ``stop`` cuts it short and gives back what ran and was not taken."""
+
+    def __init__(self, scheduler: SlotScheduler, slot: int, count: int) -> None:
+        self._scheduler, self._slot, self.count = scheduler, slot, count
+        self._outputs: queue.SimpleQueue = queue.SimpleQueue()
+        self.taken = 0
+        self.future = scheduler.submit(slot, [SILENCE] * count, on_output=self._outputs.put)
+
+    @property
+    def done(self) -> bool:
+        return self.taken == self.count
+
+    def next(self) -> np.ndarray | None:
+        """The next output, as soon as its tick ends; what failed the tick, if one did."""
+        while True:
+            try:
+                out = self._outputs.get(timeout=0.05)
+            except queue.Empty:
+                if self.future.done():  # failed or cut short: no output is coming
+                    self.future.result()  # raises what failed the tick
+                    raise RuntimeError("the reply's frames ahead were cut short while the reply waited for them")
+                continue
+            self.taken += 1
+            return out
+
+    def stop(self) -> list[np.ndarray | None]:
+        """The frames no tick has taken dropped; the outputs that ran and were not taken yet."""
+        ran = self._scheduler.truncate(self._slot).result()
+        self.count = len(ran)
+        left = ran[self.taken:]
+        self.taken = self.count
+        return left
+
+
 class MoshiStream(ModelStream):
     """One session's conversation with Moshi: the turn bookkeeping here, the ticks in its slot
     of its place's batch. A reply frame that a ``feed`` computed is handed out by ``step``
-    without a request."""
+    without a request. A reply that follows at once (``follows``: not paced) is ticked ahead on
+    silence in one request (``_Ahead``): its slot rides every tick until the reply's frames are
+    done, with no round trip through the session between two of them; a user frame fed
+    meanwhile stops it first, and the frames it computed stay the reply's, in order."""
 
     def __init__(self, plugin: MoshiPlugin, place: _Place, slot: int) -> None:
         self._plugin, self._place, self.slot = plugin, place, slot
-        self._pending: deque[np.ndarray] = deque()  # reply frames computed by ``feed``
+        self._pending: deque[np.ndarray] = deque()  # reply frames computed, not handed out yet
+        self._ahead: _Ahead | None = None
         self._closed = False
         self.budget = 0  # reply frames still to come out of ``step``
         self.turn_frames = 0  # user frames fed since the last ``begin_response``
@@ -394,6 +436,7 @@ class MoshiStream(ModelStream):
                 raise ValueError(
                     f"feed takes float32 frames of {FRAME_SAMPLES} samples, got {frame.dtype} {frame.shape}"
                 )
+        self._stop_ahead()
         listened = 0
         for out in self._tick(frames, follows=self.follows):
             self.turn_frames += 1
@@ -420,8 +463,16 @@ class MoshiStream(ModelStream):
             return None
         out = self._pending.popleft() if self._pending else None
         while out is None:  # only a stream's first tick gives nothing
-            # The session asks for the reply's next frame at once (``follows``), unless this is the last.
-            (out,) = self._tick([SILENCE], follows=self.follows and self.budget > 1)
+            if self._ahead is None and self.follows and self.budget > 1:
+                self._ahead = _Ahead(self._place.scheduler, self.slot, self.budget)
+            if self._ahead is not None:
+                out = self._ahead.next()
+                self.ticks += 1
+                if self._ahead.done:
+                    self._ahead.future.result()
+                    self._ahead = None
+            else:  # paced, or the last frame: one tick, and nothing ahead of it
+                (out,) = self._tick([SILENCE])
         self.budget -= 1
         self.replied += 1
         self._plugin._count(replied=1)
@@ -429,6 +480,7 @@ class MoshiStream(ModelStream):
 
     def cancel(self) -> None:
         self.budget = 0
+        self._stop_ahead()
         self._pending.clear()
 
     def close(self) -> None:
@@ -441,6 +493,20 @@ class MoshiStream(ModelStream):
     def place(self) -> int:
         """The index of the place whose batch holds this stream's slot."""
         return self._place.index
+
+    def _stop_ahead(self) -> None:
+        """The reply's frames ahead stopped; those that ran are the reply's, in order (its
+        pending frames, while it still has frames to come) or its user's turn's (dropped)."""
+        if self._ahead is None:
+            return
+        ahead, self._ahead = self._ahead, None
+        ran = ahead.stop()
+        self.ticks += len(ran)
+        left = [out for out in ran if out is not None]
+        kept = left[: max(self.budget - len(self._pending), 0)]
+        self._pending.extend(kept)
+        self.listened += len(left) - len(kept)
+        self._plugin._count(listened=len(left) - len(kept))
 
     def _tick(self, frames: list[np.ndarray], follows: bool = False) -> list[np.ndarray | None]:
         outs = self._place.scheduler.submit(self.slot, frames, follows=follows).result()
