@@ -162,6 +162,17 @@ def _lanes(plugin: dict | None) -> dict | None:
     }
 
 
+def _error_kinds(results) -> dict[str, int]:
+    """How many error events of each kind the sessions got: "type/code: message" (the message's
+    first 160 characters), so a failed run says why."""
+    kinds: dict[str, int] = {}
+    for result in results:
+        for error in result.errors:
+            kind = f"{error.get('type')}/{error.get('code')}: {str(error.get('message'))[:160]}"
+            kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=8)
@@ -236,6 +247,7 @@ def main() -> None:
         "all_input_accounted": all(r.appended_bytes == r.committed_bytes for r in results),
         "all_output_complete_and_in_order": all(r.accounted for r in results),
         "errors": sum(len(r.errors) for r in results),
+        "error_kinds": _error_kinds(results),
         "appended_bytes": sum(r.appended_bytes for r in results),
         "committed_bytes": sum(r.committed_bytes for r in results),
         "responses": len(replies),

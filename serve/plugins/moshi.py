@@ -391,16 +391,21 @@ class _Ahead:
             try:
                 out = self._outputs.get(timeout=0.05)
             except queue.Empty:
-                if self.future.done():  # failed or cut short: no output is coming
-                    self.future.result()  # raises what failed the tick
-                    raise RuntimeError("the reply's frames ahead were cut short while the reply waited for them")
-                continue
+                if not self.future.done():
+                    continue
+                # Done: every output it ran was put before the future was answered.
+                ran = self.future.result()  # raises what failed the tick
+                if len(ran) == self.taken:
+                    raise RuntimeError(f"the reply's frames ahead ended after {len(ran)} of {self.count}: "
+                                       "nothing is left to hand out") from None
+                out = self._outputs.get_nowait()
             self.taken += 1
             return out
 
     def stop(self) -> list[np.ndarray | None]:
         """The frames no tick has taken dropped; the outputs that ran and were not taken yet."""
-        ran = self._scheduler.truncate(self._slot).result()
+        self._scheduler.truncate(self._slot)  # a no-op once the request has ended
+        ran = self.future.result()
         self.count = len(ran)
         left = ran[self.taken:]
         self.taken = self.count
@@ -437,8 +442,12 @@ class MoshiStream(ModelStream):
                     f"feed takes float32 frames of {FRAME_SAMPLES} samples, got {frame.dtype} {frame.shape}"
                 )
         self._stop_ahead()
+        # The slot's next request follows at once only if the reply will want a tick right after
+        # this one: its frames computed (pending, and these) do not cover it. Otherwise the
+        # session's next call is served from them, and a tick waiting for the slot would wait in vain.
+        follows = self.follows and self.budget - len(self._pending) > len(frames)
         listened = 0
-        for out in self._tick(frames, follows=self.follows):
+        for out in self._tick(frames, follows=follows):
             self.turn_frames += 1
             if out is None:
                 continue
