@@ -109,6 +109,7 @@ import numpy as np
 import torch
 
 from cadence_fx.determinism import pin_deterministic
+from cadence_fx.memory import DeviceMemory
 from cadence_fx.models.moshi_checkpoint import MoshiCheckpoint, locate
 from cadence_fx.models.moshi_replay import contract_for
 from cadence_fx.models.moshi_slots import WARM_UP_TICKS, MoshiSlots, Tick, transform_slots
@@ -160,6 +161,9 @@ class _Engine:
         # stages' own device time, the device waited for the host inside the tick.
         if self.device.type == "cuda":
             self.phase_seconds["device"] = 0.0
+        # This process's device memory (peak allocated, reserved, footprint): a worker process's
+        # own, which the server process, holding no CUDA memory of its own, cannot see.
+        self.memory = DeviceMemory(self.device) if self.device.type == "cuda" else None
 
     def handle(self, op: str, args: tuple) -> Any:
         if op == "tick":
@@ -222,6 +226,7 @@ class _Engine:
             "phase_seconds": {phase: round(seconds, 3) for phase, seconds in self.phase_seconds.items()},
             "stamps": [] if runtime is None else list(runtime.report.stamps),
             "replays": {} if runtime is None else runtime.counters(),
+            "memory": None if self.memory is None else self.memory.record(),
         }
 
 
@@ -237,8 +242,10 @@ def _worker_main() -> None:
     torch.set_grad_enabled(False)
     config = dataclasses.replace(SIZES[options["size"]], seed=options["seed"])
     checkpoint = None if options["weights"] is None else MoshiCheckpoint.from_json(options["weights"])
+    if options["device"] == "cuda":
+        pin_deterministic()  # this process's: a stream is bit-exact against deterministic eager
     with no_compile():
-        engine = _Engine(config, options["sampling"], "cpu", checkpoint)
+        engine = _Engine(config, options["sampling"], options["device"], checkpoint)
         while True:
             try:
                 request = conn.recv()
@@ -602,13 +609,13 @@ class MoshiPlugin(ModelPlugin):
             raise ValueError(f"max_reply_frames must be at least 1, got {max_reply_frames}")
         if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS):
             raise ValueError(f"slots must be a batch of 1 to {MAX_SLOTS} sessions per place, got {slots!r}")
-        processes = (1 if device == "cpu" else 0) if processes is None else processes
+        processes = 1 if processes is None else processes
         if processes < 0:
             raise ValueError(f"processes must be 0 (ticks in the server process) or more, got {processes}")
-        if device == "cuda" and processes:
+        if device == "cuda" and processes > 1:
             raise ValueError(
-                f"on cuda the ticks run in the server process (processes=0), not in {processes} worker "
-                "processes: each would need the GPU and its own copy of the weights"
+                f"on cuda the ticks run in one worker process (processes=1) or in the server process "
+                f"(processes=0), not in {processes} worker processes: each would need its own copy of the weights on the GPU"
             )
         if processes and threads is None:
             threads = 1
@@ -636,7 +643,7 @@ class MoshiPlugin(ModelPlugin):
             available = sorted(os.sched_getaffinity(0))
             if pin and processes * threads <= len(available):
                 self.cores = [available[i * threads : (i + 1) * threads] for i in range(processes)]
-            options = {"size": size, "seed": seed, "sampling": sampling, "threads": threads,
+            options = {"size": size, "device": device, "seed": seed, "sampling": sampling, "threads": threads,
                        "weights": None if self.checkpoint is None else self.checkpoint.to_json()}
             self._places: list[_Place] = [
                 _Worker(i, self.name, options | {"cores": self.cores[i] if self.cores else None})
@@ -782,6 +789,8 @@ class MoshiPlugin(ModelPlugin):
             "tick_phase_seconds_per_process": [part["phase_seconds"] for part in places],
             "scheduler_seconds_per_process": [s.seconds.as_dict() for s in schedulers],
             "follow_misses_per_process": [s.follow_misses for s in schedulers],
+            # On a GPU, each ticking process's own device memory (a worker's is not the server's).
+            "memory_per_process": [part["memory"] for part in places],
             "transform": {
                 "stamps": next((part["stamps"] for part in places if part["stamps"]), []),
                 "replays": replays,

@@ -1,4 +1,4 @@
-"""Moshi served on a GPU: the plugin ticks in the server process, its sessions the slots of one
+"""Moshi served on a GPU: the plugin ticks in one worker process (or the server process), its sessions the slots of one
 batch whose stages replay as CUDA graphs, and a session's audio is its slot's row of the vendor's
 own batched eager loop over the same ticks (frames, joins, seed), bit for bit. At SMALL size
 (``moshi-small-cuda``): the same plugin and device path as ``moshi-full``, with weights that build
@@ -12,6 +12,7 @@ import torch
 
 from servekit import AUDIO, Server, deltas_of, interleaved_replies, read_wav, run, same, slot_reference
 
+from cadence_fx.determinism import pin_deterministic
 from cadence_fx.models.moshi_stream import SMALL, build_models, random_pcm
 from cadence_fx.serve.app import background_server
 from cadence_fx.serve.plugins.moshi import FRAME_SAMPLES, SILENCE, MoshiPlugin
@@ -28,7 +29,8 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def models():
     """The plugin's weights, built here on the GPU from SMALL and its seed as the plugin builds them.
-    The references run after the plugin's transform, so under the same pinned kernels."""
+    The references run under the deterministic kernels the ticking process pins (a worker pins its own)."""
+    pin_deterministic()
     return build_models(SMALL, device="cuda")
 
 
@@ -36,9 +38,10 @@ def user_frames(n: int, seed: int) -> list[np.ndarray]:
     return list(random_pcm(n, seed=seed).reshape(n, FRAME_SAMPLES).numpy())
 
 
-def test_interleaved_streams_on_cuda_are_each_their_slots_row_and_every_call_replays(models):
+@pytest.mark.parametrize("processes", [1, 0])
+def test_interleaved_streams_on_cuda_are_each_their_slots_row_and_every_call_replays(models, processes):
     turns = [user_frames(4, seed=50), user_frames(4, seed=51)]
-    plugin = MoshiPlugin(size="small", device="cuda", record=True)
+    plugin = MoshiPlugin(size="small", device="cuda", record=True, processes=processes)
     try:
         plugin.reserve(2)
         out_a, out_b = interleaved_replies(plugin.open_stream(), plugin.open_stream(), turns, 4)
@@ -49,7 +52,10 @@ def test_interleaved_streams_on_cuda_are_each_their_slots_row_and_every_call_rep
     for slot, (turn, out) in enumerate(zip(turns, (out_a, out_b))):
         sent, got = slot_reference(models, plugin, place=0, slot=slot, session=0)
         assert same(sent, turn + [SILENCE] * 4) and same(out, got[4:8]), slot
-    assert (plugin.name, described["device"], described["processes"]) == ("moshi-small-cuda", "cuda", 0)
+    assert (plugin.name, described["device"], described["processes"]) == ("moshi-small-cuda", "cuda", processes)
+    # The ticking process's own device memory, a worker's included.
+    (memory,) = described["memory_per_process"]
+    assert memory["peak_allocated_bytes"] > 0 and memory["reserved_bytes_end"] >= memory["peak_allocated_bytes"]
     assert (described["slots_per_process"], described["frames"]["ticks"]) == ([2], 16)
     replays = described["transform"]["replays"]
     for name in ("mimi_encode", "lm_step", "depformer_step", "mimi_decode"):

@@ -377,7 +377,7 @@ def test_moshi_full_without_a_gpu_fails_at_once_naming_what_is_missing(monkeypat
         ({"size": "huge"}, "unknown Moshi size 'huge'; expected one of tiny, small, full"),
         ({"device": "tpu"}, "unknown device 'tpu' for Moshi; expected 'cpu' or 'cuda'"),
         ({"processes": -1}, "processes must be 0 (ticks in the server process) or more, got -1"),
-        ({"size": "full", "processes": 2}, "on cuda the ticks run in the server process (processes=0), not in 2 "),
+        ({"size": "full", "processes": 2}, "on cuda the ticks run in one worker process (processes=1) or in the server process (processes=0), not in 2 "),
         ({"processes": 0, "threads": 2}, "threads is the torch thread count of each worker process; "),
         ({"threads": 0}, "threads must be at least 1, got 0"),
         ({"slots": 0}, "slots must be a batch of 1 to 64 sessions per place, got 0"),
