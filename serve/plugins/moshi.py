@@ -134,12 +134,6 @@ SILENCE = np.zeros(FRAME_SAMPLES, dtype=np.float32)
 WORKER_OPS = ("tick", "start", "parameters", "describe")
 MAX_SLOTS = 64  # the largest batch per place: the vendor's own batch of 64 measured 110 GiB on one H200 (issue 13)
 DEFAULT_SLOTS = 8  # a place's batch when a stream opens before any ``reserve``
-# How long a tick waits for the slots that said they come right back (``SlotScheduler``). On a
-# CPU a batched call costs little more than one slot's, so waiting to fill it pays. On a GPU the
-# device would idle while the tick waits: measured at 64 sessions on the H200, 12 to 17 ms of every
-# ~75 ms cycle went to waiting (bench/results/serve_load_moshi_full_64*.json), so a slot that
-# comes back late rides the next tick instead.
-GATHER_S = {"cpu": 0.02, "cuda": 0.0}
 
 
 # ---------------------------------------------------------------- in a worker process
@@ -720,8 +714,7 @@ class MoshiPlugin(ModelPlugin):
             return
         self.slots = slots
         for place in self._places:
-            place.scheduler = SlotScheduler(slots, place.run_tick, name=f"{self.name}[{place.index}]",
-                                            gather_s=GATHER_S[self.device], record=self.record)
+            place.scheduler = SlotScheduler(slots, place.run_tick, name=f"{self.name}[{place.index}]", record=self.record)
             self._started.append(place.submit("start", slots))
 
     def _capacity(self, slots: int | None = None) -> str:
