@@ -477,6 +477,10 @@ class BoundOperator:
                 self.counters.adopted += 1
             return view
         carry = self.carries[site.path]
+        if value.shape[carry.axis] > carry.capacity:
+            # The stock code retained more than the contract's bound (a model that does not trim as
+            # declared): no class of the catalog has this extent, so the state stays the stock's own.
+            return value
         view = carry.view()
         if value.data_ptr() != view.data_ptr() or value.shape != view.shape or value.stride() != view.stride():
             view = carry.adopt(value)

@@ -226,3 +226,21 @@ def test_a_whisper_decoder_streams_with_an_encoder_decoder_cache():
     # taken into their carries once
     assert op.counters.as_dict() == {"calls": 8, "graph_calls": 8, "verified": 4, "stock": 0, "adopted": 8,
                                      "stock_by_reason": {}}
+
+
+def test_a_stream_past_the_bound_runs_the_stock_code_instead_of_overflowing_the_carry():
+    """Bug (fixed in pipeline.py `_carry_view`): a call outside the catalog runs the stock code, whose
+    retained state is then taken into the carries; when the stock code retained more than the
+    carry's bound (full attention past N, or a prompt longer than the window) the adoption raised
+    `CarryError: kv: 12 units exceed the carry's bound 10` and the stream died."""
+    model, config = qwen3()
+    tokens, sizes = random_tokens(12), [STEP] * 6
+    expected = stream_dynamic(model, config, tokens, sizes)
+    bound, report = transform(model, kv_contract("qwen3_full", 2, 2, tokens=8), DYNAMIC_CACHE)
+    assert exact(stream_dynamic(bound, config, tokens, sizes), expected)
+    assert exact(stream_dynamic(bound, config, tokens, sizes), expected)
+    op = report.operators["decoder_step"]
+    assert [cls.name for cls in op.classes.values()] == [f"decoder_step[n=2,L={e}]" for e in (0, 2, 4, 6, 8)]
+    # the call at L=10 of each stream is no class (the window keeps at most 8 + 2): stock
+    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 10, "verified": 5, "stock": 2, "adopted": 0,
+                                     "stock_by_reason": {"not_in_catalog": 2}}
