@@ -559,7 +559,10 @@ class BoundOperator:
                                         positions.get(f"[0][1][{i}]")))
                 continue
             keep = derived.lower + derived.window
-            retained = call.extent if site.region == self.op.region else keep
+            # Another region's extent is its own (a sliding window still filling beside a growing
+            # cache): what this call brings, not its bound.
+            retained = call.extent if site.region == self.op.region else (
+                0 if example[i] is None else example[i].shape[self.carries[site.path].axis])
             windows.append(Window(
                 site=site.path, region=site.region, output=out_leaves[i],
                 input=None if example[i] is None else positions.get(f"[0][1][{i}]"),

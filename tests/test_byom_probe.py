@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import (DynamicCache, EncoderDecoderCache, GPT2Config, GPT2LMHeadModel, Qwen3Config,
-                          Qwen3ForCausalLM, WhisperConfig, WhisperForConditionalGeneration)
+from transformers import (DynamicCache, EncoderDecoderCache, Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,
+                          GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM, WhisperConfig, WhisperForConditionalGeneration)
 from transformers.modeling_outputs import BaseModelOutput
 
 from cadence_fx import (Admission, Binding, Clock, ClockKind, Contract, Interactivity, Lifetime, Operator,
@@ -244,3 +244,48 @@ def test_a_stream_past_the_bound_runs_the_stock_code_instead_of_overflowing_the_
     # the call at L=10 of each stream is no class (the window keeps at most 8 + 2): stock
     assert op.counters.as_dict() == {"calls": 12, "graph_calls": 10, "verified": 5, "stock": 2, "adopted": 0,
                                      "stock_by_reason": {"not_in_catalog": 2}}
+
+
+GEMMA_WINDOW = 5  # a sliding layer's cache keeps its last GEMMA_WINDOW - 1 tokens
+
+
+def test_gemma3_hybrid_layers_stream_from_their_first_call_on_the_exported_steps():
+    """Bug (fixed in pipeline.py `_capture`): sliding and full layers are two regions; the operator's
+    region (the full layers') decides the class, and the pipeline declared every other region at its
+    whole window, so while the sliding layers were still filling (L=0, L=2) the window pass refused
+    the class (`cache.layers.0.keys: slice_5 has extent 2, the catalog class declares 4`) and those
+    calls ran the stock code. The other region's extent is the one the call brings."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(num_hidden_layers=4, sliding_window=GEMMA_WINDOW,
+                              layer_types=["sliding_attention", "full_attention"] * 2, **TINY)
+    model = Gemma3ForCausalLM(config).eval()
+    tokens, sizes = random_tokens(12), [STEP] * 6
+    expected = stream_dynamic(model, config, tokens, sizes)
+    contract = Contract(
+        family="gemma3_hybrid",
+        clocks=(Clock("token", ClockKind.TOKENS), Clock("call", ClockKind.CALLS)),
+        rates=(Rate("token", "call", STEP, name="tokens_per_call"),),
+        quantities={"layers": 2, "kv_heads": 2, "head_dim": 8},  # of each kind
+        regions=(Region("kv_full", dims=KV_DIMS, axis=4, clock="token", stride=STEP, dtype="float32",
+                        lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=12)),
+                 Region("kv_sliding", dims=KV_DIMS, axis=4, clock="token", stride=STEP, dtype="float32",
+                        lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=GEMMA_WINDOW - 1))),
+        operators=(Operator("decoder_step", "kv_full", steady=STEP),),
+        admission=Admission("token", max_per_call=STEP),
+        interactivity=Interactivity(stages=("decoder",)),
+    )
+    binding = Binding(
+        regions=(RegionBinding("kv_full", at=("cache.layers.[1::2].keys", "cache.layers.[1::2].values")),
+                 RegionBinding("kv_sliding", at=("cache.layers.[0::2].keys", "cache.layers.[0::2].values"))),
+        operators=(OperatorBinding("decoder_step", units=("input_ids", 1),
+                                   counters=("cache.layers.*.is_initialized", "cache.layers.[0::2].cumulative_length")),),
+        verify=1,
+    )
+    bound, report = transform(model, contract, binding)
+    assert exact(stream_dynamic(bound, config, tokens, sizes), expected)
+    assert exact(stream_dynamic(bound, config, tokens, sizes), expected)
+    op = report.operators["decoder_step"]
+    assert {cls.name: cls.refused for cls in op.classes.values()} == {
+        f"decoder_step[n=2,L={e}]": None for e in (0, 2, 4, 6, 8, 10)}
+    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 12, "verified": 6, "stock": 0, "adopted": 0,
+                                     "stock_by_reason": {}}
