@@ -172,6 +172,33 @@ def class_name(operator: str, units: int, extent: int, flush: bool = False) -> s
     return f"{operator}[n={units},L={extent}]" + ("(flush)" if flush else "")
 
 
+def _host_values(roots: dict[str, Any]) -> dict[str, Any]:
+    """Every host scalar (bool, int, float, str) in the state objects the call takes (not the model), by path."""
+    found, seen = {}, set()
+
+    def walk(value, path, depth):
+        if isinstance(value, (bool, int, float, str)):
+            found[path] = value
+            return
+        if id(value) in seen or depth > 8 or isinstance(value, (torch.Tensor, torch.nn.Module, type)):
+            return
+        seen.add(id(value))
+        if isinstance(value, dict):
+            children = value
+        elif isinstance(value, (list, tuple)):
+            children = dict(enumerate(value))
+        elif hasattr(value, "__dict__"):
+            children = vars(value)
+        else:
+            return
+        for key, child in children.items():
+            walk(child, f"{path}.{key}", depth + 1)
+
+    for name, root in _arguments(roots).items():
+        walk(root, name, 0)
+    return found
+
+
 def _undeclared_state(program, roots: dict[str, Any], sites: list[Site]) -> list[str]:
     """Paths of the tensors in the state objects (not the bound sites) that the step writes in place
     but the export lifted as constants: a graph would start every call from their value at capture."""
@@ -610,6 +637,7 @@ class BoundOperator:
         """The stock call (on the caller's inputs, on clones of the state) beside the rewritten graph
         (on the staged inputs, on the carries)."""
         counters_before = {p: get_path(roots, p) for p in self._host_counter_paths(roots)}
+        hosts_before = _host_values(roots)
         originals = [get_path(roots, s.path) for s in self.sites]
         rng = RngState.capture()
         for site, value in zip(self.sites, state):
@@ -618,6 +646,11 @@ class BoundOperator:
         if cls.outputs is None:
             cls.outputs = _structure(expected, roots)[1]
         expected_state = _new_state(self.sites, roots, expected)
+        # A host value the stock call moves that the binding leaves out (a cache's `is_initialized`)
+        # is one no graph call would move: a later stock call would then read a stale value.
+        hosts_after, declared = _host_values(roots), tuple(self._counter_paths(roots))
+        moved = [f"{p} ({hosts_before.get(p)!r} -> {hosts_after.get(p)!r})" for p in sorted(hosts_before.keys() | hosts_after.keys())
+                 if hosts_before.get(p) != hosts_after.get(p) and not any(p == d or p.startswith(d + ".") for d in declared)]
         effects = {}
         for path, before in counters_before.items():
             after = get_path(roots, path)
@@ -638,6 +671,9 @@ class BoundOperator:
         if why is None and returned != cls.outputs:
             why = (f"the call returned host values {returned[1]}, an earlier call of the class returned "
                    f"{cls.outputs[1]}: a graph would return the first ones every call")
+        if why is None and moved:
+            why = (f"the stock call moved host values the binding does not declare: {', '.join(moved)}; a graph would "
+                   "not move them: bind them as the operator's counters")
         if why is None and cls.effects is not None and cls.effects != effects:
             why = f"host counters moved {effects}, an earlier call of the class moved them {cls.effects}"
         if why is not None:

@@ -289,3 +289,30 @@ def test_gemma3_hybrid_layers_stream_from_their_first_call_on_the_exported_steps
         f"decoder_step[n=2,L={e}]": None for e in (0, 2, 4, 6, 8, 10)}
     assert op.counters.as_dict() == {"calls": 12, "graph_calls": 12, "verified": 6, "stock": 0, "adopted": 0,
                                      "stock_by_reason": {}}
+
+
+def test_a_host_flag_the_binding_leaves_out_refuses_the_class_that_moves_it():
+    """Bug (fixed in pipeline.py `_verify`): a binding without `cache.layers.*.is_initialized`
+    verified every class, since the verified stock calls set the flag on the caller's cache. A
+    later stream then ran its first call through the graph, which sets no flag; its next stock call
+    (a 1-token call, no class) found the flag False, re-initialised the layer and dropped the
+    retained tokens: wrong logits, silently. A host value the stock call moves and the binding
+    leaves out now refuses the class, saying which."""
+    model, config = gpt2()
+    tokens, sizes = random_tokens(7), [STEP, STEP, STEP, 1]
+    expected = stream_dynamic(model, config, tokens, sizes)
+    binding = Binding(regions=DYNAMIC_CACHE.regions,
+                      operators=(OperatorBinding("decoder_step", units=("input_ids", 1)),), verify=1)
+    bound, report = transform(model, kv_contract("gpt2", 2, 4, tokens=8), binding)
+    assert exact(stream_dynamic(bound, config, tokens, sizes), expected)
+    assert exact(stream_dynamic(bound, config, tokens, sizes), expected)
+    op = report.operators["decoder_step"]
+    assert {cls.name: cls.refused for cls in op.classes.values()} == {
+        "decoder_step[n=2,L=0]": "verification: the stock call moved host values the binding does not declare: "
+                                 "cache.layers.0.is_initialized (False -> True), cache.layers.1.is_initialized "
+                                 "(False -> True); a graph would not move them: bind them as the operator's counters",
+        "decoder_step[n=2,L=2]": None, "decoder_step[n=2,L=4]": None}
+    # the refused first call ran its graph beside the stock call once; every stock call's retained
+    # state (4 sites) is then taken into the carries
+    assert op.counters.as_dict() == {"calls": 8, "graph_calls": 5, "verified": 2, "stock": 4, "adopted": 16,
+                                     "stock_by_reason": {"verification": 1, "refused": 1, "not_in_catalog": 2}}
