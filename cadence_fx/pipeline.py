@@ -576,10 +576,16 @@ class BoundOperator:
         for i, (path, _) in enumerate(pytree.tree_flatten_with_path(((inputs, example), {}))[0]):
             positions[pytree.keystr(path)] = placeholders[i]
         out_leaves = pytree.tree_unflatten(list(range(gm._out_spec.num_leaves)), gm._out_spec)[1]
+        returned = pytree.tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args)
         windows, rings = [], []
         for i, site in enumerate(self.sites):
             if site.region is None:  # a device-side counter: the step moves it in place, nothing to rewrite
                 continue
+            # A first call (no state yet) is where a wrong contract shape would first show, inside the graph.
+            value = returned[out_leaves[i]].meta.get("val")
+            error = self._site_shape_error(site, value) if isinstance(value, torch.Tensor) else None
+            if error is not None:
+                raise ValueError(f"{self.ob.operator}: after the call {error}")
             region, derived = self.contract.region(site.region), self.catalog.region(site.region)
             if isinstance(region.retention, RingCache):
                 rings.append(_ring_site(gm, name, site, self.carries[site.path].axis, out_leaves[i],

@@ -12,6 +12,7 @@ rewritten graphs only (on CPU, eager), so a host value the graphs would not move
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from transformers import (DynamicCache, EncoderDecoderCache, Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,
@@ -316,3 +317,17 @@ def test_a_host_flag_the_binding_leaves_out_refuses_the_class_that_moves_it():
     # state (4 sites) is then taken into the carries
     assert op.counters.as_dict() == {"calls": 8, "graph_calls": 5, "verified": 2, "stock": 4, "adopted": 16,
                                      "stock_by_reason": {"verification": 1, "refused": 1, "not_in_catalog": 2}}
+
+
+def test_a_contract_shape_the_first_call_contradicts_is_an_error_naming_the_site():
+    """Bug (fixed in pipeline.py `_capture`): with no state yet the first call's shapes went
+    unchecked, and a contract declaring 2 heads where GPT-2 keeps 4 failed inside the graph with
+    `RuntimeError: The size of tensor a (2) must match the size of tensor b (4) at non-singleton
+    dimension 1` (from passes/carry.py). It now fails as a later call's state would: naming the
+    site, what it holds and what the contract declares."""
+    model, config = gpt2()
+    bound, _ = transform(model, kv_contract("gpt2", 2, 2, tokens=8), DYNAMIC_CACHE)
+    with pytest.raises(ValueError) as error:
+        stream_dynamic(bound, config, random_tokens(2), [STEP])
+    assert str(error.value) == ("decoder_step: after the call cache.layers.0.keys holds torch.float32 (1, 4, 2, 8), "
+                                "the contract declares torch.float32 (1, 2) x extent x (8,)")
