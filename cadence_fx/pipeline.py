@@ -47,6 +47,7 @@ from .binding import (
     RETURN,
     SELF,
     Binding,
+    BindingError,
     OperatorBinding,
     Site,
     get_path,
@@ -523,7 +524,14 @@ class BoundOperator:
                 set_path(roots, site.path, value)
 
     def _counter_paths(self, roots: dict[str, Any]) -> list[str]:
-        return [concrete for path in self.ob.counters for _, concrete, _ in resolve(roots[path.split(".")[0]], path)]
+        found = []
+        for j, path in enumerate(self.ob.counters):
+            try:
+                found += [concrete for _, concrete, _ in resolve(roots[path.split(".")[0]], path)]
+            except (AttributeError, KeyError, IndexError, TypeError) as error:
+                field = f"operators[{self.binding.operators.index(self.ob)}].counters[{j}]"
+                raise BindingError(field, f"{path!r} does not resolve on this call's arguments: {error}") from None
+        return found
 
     def _host_counter_paths(self, roots: dict[str, Any]) -> list[str]:
         """The counters that are host values (ints, flags): a graph cannot move them, the pipeline does."""

@@ -19,7 +19,7 @@ from transformers import (DynamicCache, EncoderDecoderCache, Gemma3ForCausalLM, 
                           GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM, WhisperConfig, WhisperForConditionalGeneration)
 from transformers.modeling_outputs import BaseModelOutput
 
-from cadence_fx import (Admission, Binding, Clock, ClockKind, Contract, Interactivity, Lifetime, Operator,
+from cadence_fx import (Admission, Binding, BindingError, Clock, ClockKind, Contract, Interactivity, Lifetime, Operator,
                         OperatorBinding, Rate, Region, RegionBinding, RingCache, SlidingWindow, transform)
 
 STEP = 2  # tokens (or frames) a call
@@ -331,3 +331,19 @@ def test_a_contract_shape_the_first_call_contradicts_is_an_error_naming_the_site
         stream_dynamic(bound, config, random_tokens(2), [STEP])
     assert str(error.value) == ("decoder_step: after the call cache.layers.0.keys holds torch.float32 (1, 4, 2, 8), "
                                 "the contract declares torch.float32 (1, 2) x extent x (8,)")
+
+
+def test_a_counter_path_the_state_does_not_have_is_a_binding_error_naming_the_counter():
+    """Error quality (fixed in pipeline.py `_counter_paths`): the byom example's Mistral counters on
+    a full-attention cache, whose `DynamicLayer` has no `cumulative_length`, failed at the first
+    call with a bare `AttributeError: 'DynamicLayer' object has no attribute 'cumulative_length'`
+    from deep in binding.resolve; it now names the binding field and the path."""
+    model, config = qwen3()
+    binding = Binding(regions=DYNAMIC_CACHE.regions, operators=(
+        OperatorBinding("decoder_step", units=("input_ids", 1),
+                        counters=("cache.layers.*.cumulative_length", "cache.layers.*.is_initialized")),))
+    bound, _ = transform(model, kv_contract("qwen3_full", 2, 2, tokens=8), binding)
+    with pytest.raises(BindingError) as error:
+        stream_dynamic(bound, config, random_tokens(2), [STEP])
+    assert str(error.value) == ("binding.operators[0].counters[0]: 'cache.layers.*.cumulative_length' does not resolve "
+                                "on this call's arguments: 'DynamicLayer' object has no attribute 'cumulative_length'")
