@@ -47,6 +47,7 @@ from .binding import (
     RETURN,
     SELF,
     Binding,
+    BindingError,
     OperatorBinding,
     Site,
     get_path,
@@ -170,6 +171,33 @@ def _writes_in_place(node: torch.fx.Node) -> bool:
 def class_name(operator: str, units: int, extent: int, flush: bool = False) -> str:
     """The name of an operator's catalog class in reports, stamps and certificates."""
     return f"{operator}[n={units},L={extent}]" + ("(flush)" if flush else "")
+
+
+def _host_values(roots: dict[str, Any]) -> dict[str, Any]:
+    """Every host scalar (bool, int, float, str) in the state objects the call takes (not the model), by path."""
+    found, seen = {}, set()
+
+    def walk(value, path, depth):
+        if isinstance(value, (bool, int, float, str)):
+            found[path] = value
+            return
+        if id(value) in seen or depth > 8 or isinstance(value, (torch.Tensor, torch.nn.Module, type)):
+            return
+        seen.add(id(value))
+        if isinstance(value, dict):
+            children = value
+        elif isinstance(value, (list, tuple)):
+            children = dict(enumerate(value))
+        elif hasattr(value, "__dict__"):
+            children = vars(value)
+        else:
+            return
+        for key, child in children.items():
+            walk(child, f"{path}.{key}", depth + 1)
+
+    for name, root in _arguments(roots).items():
+        walk(root, name, 0)
+    return found
 
 
 def _undeclared_state(program, roots: dict[str, Any], sites: list[Site]) -> list[str]:
@@ -477,6 +505,10 @@ class BoundOperator:
                 self.counters.adopted += 1
             return view
         carry = self.carries[site.path]
+        if value.shape[carry.axis] > carry.capacity:
+            # The stock code retained more than the contract's bound (a model that does not trim as
+            # declared): no class of the catalog has this extent, so the state stays the stock's own.
+            return value
         view = carry.view()
         if value.data_ptr() != view.data_ptr() or value.shape != view.shape or value.stride() != view.stride():
             view = carry.adopt(value)
@@ -492,7 +524,14 @@ class BoundOperator:
                 set_path(roots, site.path, value)
 
     def _counter_paths(self, roots: dict[str, Any]) -> list[str]:
-        return [concrete for path in self.ob.counters for _, concrete, _ in resolve(roots[path.split(".")[0]], path)]
+        found = []
+        for j, path in enumerate(self.ob.counters):
+            try:
+                found += [concrete for _, concrete, _ in resolve(roots[path.split(".")[0]], path)]
+            except (AttributeError, KeyError, IndexError, TypeError) as error:
+                field = f"operators[{self.binding.operators.index(self.ob)}].counters[{j}]"
+                raise BindingError(field, f"{path!r} does not resolve on this call's arguments: {error}") from None
+        return found
 
     def _host_counter_paths(self, roots: dict[str, Any]) -> list[str]:
         """The counters that are host values (ints, flags): a graph cannot move them, the pipeline does."""
@@ -545,17 +584,26 @@ class BoundOperator:
         for i, (path, _) in enumerate(pytree.tree_flatten_with_path(((inputs, example), {}))[0]):
             positions[pytree.keystr(path)] = placeholders[i]
         out_leaves = pytree.tree_unflatten(list(range(gm._out_spec.num_leaves)), gm._out_spec)[1]
+        returned = pytree.tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args)
         windows, rings = [], []
         for i, site in enumerate(self.sites):
             if site.region is None:  # a device-side counter: the step moves it in place, nothing to rewrite
                 continue
+            # A first call (no state yet) is where a wrong contract shape would first show, inside the graph.
+            value = returned[out_leaves[i]].meta.get("val")
+            error = self._site_shape_error(site, value) if isinstance(value, torch.Tensor) else None
+            if error is not None:
+                raise ValueError(f"{self.ob.operator}: after the call {error}")
             region, derived = self.contract.region(site.region), self.catalog.region(site.region)
             if isinstance(region.retention, RingCache):
                 rings.append(_ring_site(gm, name, site, self.carries[site.path].axis, out_leaves[i],
                                         positions.get(f"[0][1][{i}]")))
                 continue
             keep = derived.lower + derived.window
-            retained = call.extent if site.region == self.op.region else keep
+            # Another region's extent is its own (a sliding window still filling beside a growing
+            # cache): what this call brings, not its bound.
+            retained = call.extent if site.region == self.op.region else (
+                0 if example[i] is None else example[i].shape[self.carries[site.path].axis])
             windows.append(Window(
                 site=site.path, region=site.region, output=out_leaves[i],
                 input=None if example[i] is None else positions.get(f"[0][1][{i}]"),
@@ -603,6 +651,7 @@ class BoundOperator:
         """The stock call (on the caller's inputs, on clones of the state) beside the rewritten graph
         (on the staged inputs, on the carries)."""
         counters_before = {p: get_path(roots, p) for p in self._host_counter_paths(roots)}
+        hosts_before = _host_values(roots)
         originals = [get_path(roots, s.path) for s in self.sites]
         rng = RngState.capture()
         for site, value in zip(self.sites, state):
@@ -611,6 +660,11 @@ class BoundOperator:
         if cls.outputs is None:
             cls.outputs = _structure(expected, roots)[1]
         expected_state = _new_state(self.sites, roots, expected)
+        # A host value the stock call moves that the binding leaves out (a cache's `is_initialized`)
+        # is one no graph call would move: a later stock call would then read a stale value.
+        hosts_after, declared = _host_values(roots), tuple(self._counter_paths(roots))
+        moved = [f"{p} ({hosts_before.get(p)!r} -> {hosts_after.get(p)!r})" for p in sorted(hosts_before.keys() | hosts_after.keys())
+                 if hosts_before.get(p) != hosts_after.get(p) and not any(p == d or p.startswith(d + ".") for d in declared)]
         effects = {}
         for path, before in counters_before.items():
             after = get_path(roots, path)
@@ -631,6 +685,9 @@ class BoundOperator:
         if why is None and returned != cls.outputs:
             why = (f"the call returned host values {returned[1]}, an earlier call of the class returned "
                    f"{cls.outputs[1]}: a graph would return the first ones every call")
+        if why is None and moved:
+            why = (f"the stock call moved host values the binding does not declare: {', '.join(moved)}; a graph would "
+                   "not move them: bind them as the operator's counters")
         if why is None and cls.effects is not None and cls.effects != effects:
             why = f"host counters moved {effects}, an earlier call of the class moved them {cls.effects}"
         if why is not None:
