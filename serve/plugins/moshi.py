@@ -50,7 +50,11 @@ slot (a ``feed_frames`` of k frames rides k ticks); a slot's first tick after a 
 it resets that slot alone. A request says it ``follows`` when the session said so for its call
 (``ModelStream.follows``: it asks for the reply's next frame as soon as this is answered), so the
 next tick waits a moment for that slot instead of leaving it for the one after (a batched call
-costs about the same at any fill).
+costs about the same at any fill). A reply that follows at once (not paced) and finds no frame a
+``feed`` computed is **ticked ahead** on silence in one request for the rest of its frames
+(``_Ahead``): its slot rides every tick with no round trip through the session between two of
+its frames, each output handed to the session as its tick ends; a user frame fed meanwhile (or a
+cancel) cuts it short (``SlotScheduler.truncate``), and the frames it ran stay the reply's, in order.
 
 * On a CPU (``processes`` >= 1, 1 by default): worker processes. A tick is bound by per-operator
   overhead in Python (thousands of small operator calls; the depformer's eight codebooks alone
@@ -61,14 +65,16 @@ costs about the same at any fill).
   sessions in one batch, with one torch thread, pinned to a core of its own (``pin``), and the
   vendor's process-wide no-compile flag held for its life; the other core is the server's. A
   worker builds the same weights from the seed.
-* On a GPU (``processes=0``, the only choice there): one thread of the server process, which
-  holds the device. Worker processes would each need their own copy of FULL's 15 GB of weights
-  and a CUDA context, and a single-threaded worker buys nothing when the work is on the device: a
-  replayed tick launches a few CUDA graphs, and torch lets go of the GIL while it waits for the
-  device, so the event loop stays responsive. The thread sets no process-wide torch option but
-  the vendor's no-compile flag (held while the plugin is open) and, on a GPU, deterministic
-  kernels (``pin_deterministic``, for the life of the process). A CPU plugin can tick there too
-  (``processes=0``), which the CPU tests use.
+* On a GPU (``processes=1`` by default, at most 1): one worker process holds the device, the
+  weights and the batch, and pins deterministic kernels (``pin_deterministic``) for its life. A
+  replayed tick is a few CUDA graphs launched between the vendor's eager glue, and that glue
+  competes for the interpreter with the server's event loop when both share a process: measured
+  at 64 sessions on the H200, the device's span of a tick was 59.4 ms in the server process and
+  51.2 ms in a worker (``bench/results/serve_load_moshi_full_64_ahead.json``,
+  ``serve_load_moshi_full_64_worker.json``). A second worker would need a second copy of FULL's
+  15 GB of weights. ``processes=0`` ticks on one thread of the server process instead (the thread
+  sets no process-wide torch option but the vendor's no-compile flag, held while the plugin is
+  open, and on a GPU deterministic kernels for the life of the process); the CPU tests use it.
 
 The batch samples from torch's default generator of the device; its runtime swaps the batch's
 own generator states (seeded once with ``seed``) in for each tick, so nothing else in the
@@ -589,8 +595,8 @@ class MoshiPlugin(ModelPlugin):
         it at ``reserve(sessions)`` to ``ceil(sessions / places)``, or to ``DEFAULT_SLOTS`` when a
         stream opens first; given, ``reserve`` refuses more sessions than the places' slots hold.
         ``record`` keeps every batched tick's frames and joins (``history``), to check a run
-        against the vendor's batched loop. ``processes`` defaults to 1 on a CPU and must be 0 (its
-        default) on a GPU.
+        against the vendor's batched loop. ``processes`` defaults to 1; on a GPU it is 1 or 0 (the
+        server process).
         ``threads`` is torch's intra-op thread count in each worker process (1 by default): the
         model is small enough that a tick is bound by per-operator overhead, and a second thread
         only contends for the cores the other workers and the event loop need. ``pin`` puts each
