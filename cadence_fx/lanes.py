@@ -6,9 +6,7 @@ thread with one CUDA stream: give each lane its own transformed model (its own g
 and carries) and its own sessions, and the lanes' chunks run concurrently, each lane's graphs on
 its own stream. Inside a lane, sessions take turns over the lane's graphs as before
 (`Transformed.swap_in` / `swap_out`), so a session's result does not depend on which lane or
-which other sessions ran beside it. A lane runs its tasks in submission order, except that an
-`urgent` task (the first chunk of a reply, which a listener is waiting for) goes before every
-ordinary task still waiting; a task already running is never interrupted.
+which other sessions ran beside it.
 
 What a thread does not inherit is set by the lane itself: its grad mode is the one of the thread
 that made the lane (a new thread starts with grad enabled, and an engine would then refuse every
@@ -28,10 +26,8 @@ it draws when it runs alone.
 from __future__ import annotations
 
 import contextlib
-import itertools
-import queue
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
@@ -43,12 +39,8 @@ from .transformed import SessionState, rng_get, rng_set
 __all__ = ["Lane", "RngSection"]
 
 
-URGENT, ORDINARY, CLOSE = 0, 1, 2  # a task's rank in its lane's queue: lower runs first
-
-
 class Lane:
-    """One host thread and one CUDA stream (module docstring). Tasks run in submission order,
-    `urgent` ones before the ordinary ones still waiting."""
+    """One host thread and one CUDA stream (module docstring). Tasks run in submission order."""
 
     def __init__(self, name: str, device: torch.device | str):
         self.name = name
@@ -56,36 +48,15 @@ class Lane:
         self.grad_enabled = torch.is_grad_enabled()
         cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.stream = torch.cuda.Stream(self.device) if cuda else None
-        self.urgent = 0  # urgent tasks submitted
-        self._order = itertools.count()
-        self._queue: queue.PriorityQueue = queue.PriorityQueue()
-        self._closed = False
-        self._thread = threading.Thread(target=self._work, name=f"{name}_0", daemon=True)
-        self._thread.start()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=name, initializer=self._enter)
 
-    def submit(self, fn: Callable[..., Any], *args: Any, urgent: bool = False) -> Future:
-        """Run `fn(*args)` on the lane's thread and stream; the future's result is ready on the
-        device too (the lane synchronises its stream before the task ends). `urgent`: before every
-        ordinary task still waiting."""
-        if self._closed:
-            raise RuntimeError(f"lane {self.name} is closed")
-        future: Future = Future()
-        self.urgent += urgent
-        self._queue.put((URGENT if urgent else ORDINARY, next(self._order), fn, args, future))
-        return future
-
-    def _work(self) -> None:
+    def _enter(self) -> None:
         torch.set_grad_enabled(self.grad_enabled)
-        while True:
-            rank, _, fn, args, future = self._queue.get()
-            if rank == CLOSE:
-                return
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(self._run(fn, args, {}))
-            except BaseException as error:  # noqa: BLE001 - the submitter learns why
-                future.set_exception(error)
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        """Run `fn(*args, **kwargs)` on the lane's thread and stream; the future's result is
+        ready on the device too (the lane synchronises its stream before the task ends)."""
+        return self._executor.submit(self._run, fn, args, kwargs)
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         stream_ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
@@ -96,11 +67,7 @@ class Lane:
         return out
 
     def close(self) -> None:
-        """After every task already submitted has run."""
-        if not self._closed:
-            self._closed = True
-            self._queue.put((CLOSE, next(self._order), None, (), None))
-            self._thread.join()
+        self._executor.shutdown(wait=True)
 
 
 class RngSection:

@@ -153,26 +153,6 @@ def test_a_lane_runs_its_tasks_in_the_grad_mode_of_the_thread_that_made_it():
         loud.close()
 
 
-def test_a_lane_runs_an_urgent_task_before_the_ordinary_ones_waiting_and_closes_after_the_rest():
-    lane, ran, held = Lane("ordered", "cpu"), [], threading.Event()
-    running = lane.submit(held.wait, 30)  # the lane's thread is busy until `held` is set
-    waiting = [lane.submit(ran.append, name) for name in ("a", "b")]
-    urgent = [lane.submit(ran.append, name, urgent=True) for name in ("first", "second")]
-    failing = lane.submit(lambda: 1 / 0)
-    held.set()
-    for future in (running, *waiting, *urgent):
-        future.result(timeout=30)
-    with pytest.raises(ZeroDivisionError):
-        failing.result(timeout=30)
-    # Urgent tasks in their submission order, then the ordinary ones in theirs; the running one was not interrupted.
-    assert ran == ["first", "second", "a", "b"] and lane.urgent == 2
-    late = lane.submit(ran.append, "late")
-    lane.close()  # runs what was submitted before it
-    assert late.done() and ran[-1] == "late"
-    with pytest.raises(RuntimeError, match="lane ordered is closed"):
-        lane.submit(ran.append, "refused")
-
-
 def test_an_rng_section_draws_for_each_session_what_it_draws_alone():
     device = torch.device("cpu")
     alone = []

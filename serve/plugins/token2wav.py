@@ -124,10 +124,9 @@ class ReplayLane:
         self.warm_s = 0.0  # the warm-up's seconds: prompt state, then every class certified and captured
         self.captured = 0  # classes captured by the warm-up
 
-    def run(self, fn: Any, *args: Any, urgent: bool = False) -> Any:
-        """``fn(*args)`` on the lane's thread and stream; waits for it (and its device work).
-        ``urgent``: before the lane's ordinary tasks still waiting (``Lane``)."""
-        return self.lane.submit(fn, *args, urgent=urgent).result()
+    def run(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on the lane's thread and stream; waits for it (and its device work)."""
+        return self.lane.submit(fn, *args).result()
 
     def free(self) -> int | None:
         return None if self.room is None else self.room - self.streams
@@ -159,7 +158,7 @@ class Token2WavStream(ModelStream):
     def begin_response(self) -> None:
         n = reply_chunks(self.turn_samples, self._plugin.max_reply_chunks)
         self.turn_samples = 0
-        self.lane.run(self._begin, n, self.turn, urgent=True)  # a listener waits for the reply's first chunk
+        self.lane.run(self._begin, n, self.turn)
         self.turn += 1
 
     def _begin(self, n: int, turn: int) -> None:
@@ -180,8 +179,7 @@ class Token2WavStream(ModelStream):
             return None
         i = self._next
         self._next += 1
-        # The first chunk is what the listener waits for; the others have the audio before them to play.
-        return self.lane.run(self._chunk, self._tokens[i], i == len(self._tokens) - 1, urgent=i == 0)
+        return self.lane.run(self._chunk, self._tokens[i], i == len(self._tokens) - 1)
 
     def _chunk(self, tokens: torch.Tensor, last_chunk: bool) -> np.ndarray:
         """On the lane's thread: one chunk of the reply, over the lane's graphs."""
@@ -367,7 +365,6 @@ class Token2WavPlugin(ModelPlugin):
         with self._lock:
             lanes = [{"lane": lane.index, "streams_open": lane.streams, "streams_served": lane.served,
                       "room": lane.room, "chunks": lane.chunks,
-                      "urgent_tasks": lane.lane.urgent,  # reply starts and first chunks, run before waiting chunks
                       "warm_seconds": round(lane.warm_s, 2), "classes_captured": lane.captured} for lane in self.lanes]
             streams = self.streams
         return {
