@@ -518,10 +518,14 @@ class BoundOperator:
         return view
 
     def _commit(self, roots: dict[str, Any], new_state: list) -> None:
-        """Mutated state objects get the carry views back; returned state is in the output already."""
+        """Mutated state objects get the carry views back; returned state is in the output already.
+        A ring the step returns anew (Whisper's cross-attention keys, computed by a stream's first
+        call) is taken into its carry now, so the state object holds the carry from this call on."""
         for site, value in zip(self.sites, new_state):
             if site.out is None:
                 set_path(roots, site.path, value)
+                if site.region is not None and value is not None:
+                    self._carry_view(roots, site)
 
     def _counter_paths(self, roots: dict[str, Any]) -> list[str]:
         found = []
