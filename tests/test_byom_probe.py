@@ -14,6 +14,8 @@ its class's first replays a CUDA graph."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -23,6 +25,7 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from cadence_fx import (Admission, Binding, BindingError, Clock, ClockKind, Contract, Interactivity, Lifetime, Operator,
                         OperatorBinding, Rate, Region, RegionBinding, RingCache, SlidingWindow, transform)
+from cadence_fx.binding import get_path, resolve, set_path
 
 STEP = 2  # tokens (or frames) a call
 CUDA_STREAMS = 3
@@ -313,8 +316,9 @@ def whisper_streams(device: str, streams: int):
         regions=(RegionBinding("self_kv", at=(layers.format("self", "keys"), layers.format("self", "values"))),
                  RegionBinding("cross_kv", at=(layers.format("cross", "keys"), layers.format("cross", "values")))),
         operators=(OperatorBinding("decoder_step", units=("decoder_input_ids", 1),
+                                   # `is_updated` is a dict keyed by layer index (ints)
                                    counters=(layers.format("self", "is_initialized"), layers.format("cross", "is_initialized"),
-                                             "cache.is_updated")),),
+                                             "cache.is_updated.0", "cache.is_updated.1")),),
         verify=1,
     )
     return streamed(model, contract, binding, stream, streams)
@@ -335,6 +339,17 @@ def test_a_whisper_decoder_streams_with_an_encoder_decoder_cache():
 def test_a_whisper_decoder_replays_every_call_after_its_class_is_verified_on_cuda():
     _, report = whisper_streams("cuda", CUDA_STREAMS)
     assert_replay_counters(report, WHISPER_CLASSES, CUDA_STREAMS, "cuda", may_refuse=frozenset({FIRST}))
+
+
+def test_a_digit_segment_names_a_mapping_s_int_key_when_it_has_no_such_string_key():
+    """Bug (fixed in binding.py `_key`): Whisper's `EncoderDecoderCache.is_updated` is keyed by layer
+    index, and `cache.is_updated.0` looked up the string "0": KeyError."""
+    flags = {0: False, 1: True}
+    roots = {"cache": SimpleNamespace(is_updated=flags, named={"0": "the string key", 0: "the int key"})}
+    assert list(resolve(roots["cache"], "cache.is_updated.1")) == [((), "cache.is_updated.1", True)]
+    assert get_path(roots, "cache.named.0") == "the string key"  # a string key the mapping has comes first
+    set_path(roots, "cache.is_updated.0", True)
+    assert flags == {0: True, 1: True}
 
 
 def test_a_stream_past_the_bound_runs_the_stock_code_instead_of_overflowing_the_carry():
