@@ -20,7 +20,8 @@ import pytest
 import torch
 from torch import nn
 from transformers import (DynamicCache, EncoderDecoderCache, Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,
-                          GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM, WhisperConfig, WhisperForConditionalGeneration)
+                          GPT2LMHeadModel, MambaConfig, MambaForCausalLM, Qwen3Config, Qwen3ForCausalLM, WhisperConfig,
+                          WhisperForConditionalGeneration)
 from transformers.modeling_outputs import BaseModelOutput
 
 from cadence_fx import (Admission, Binding, BindingError, Clock, ClockKind, Contract, Interactivity, Lifetime, Operator,
@@ -479,3 +480,66 @@ def test_a_counter_path_the_state_does_not_have_is_a_binding_error_naming_the_co
         stream_dynamic(bound, config, random_tokens(2), [STEP])
     assert str(error.value) == ("binding.operators[0].counters[0]: 'cache.layers.*.cumulative_length' does not resolve "
                                 "on this call's arguments: 'DynamicLayer' object has no attribute 'cumulative_length'")
+
+
+MAMBA_KERNEL, MAMBA_STATE, MAMBA_INNER = 4, 8, 64
+# Each stream's first call meets a cache not allocated yet (no class: stock), then 5 of one class.
+MAMBA_CLASSES = {f"decoder_step[n=2,L={MAMBA_KERNEL}]": 5}
+
+
+def mamba_streams(device: str, streams: int):
+    """A recurrent model: each layer keeps a causal convolution's last MAMBA_KERNEL inputs and a
+    selective-scan state of fixed size, both allocated at the first call and written in place
+    (`copy_`) by every later one (transformers' `LinearAttentionLayer`, keyed by state index 0).
+    Both are RingCache regions: the shape never changes, the carry is the state itself. The scan
+    state has no time axis, so its contract names a clock of its own for its state dimension
+    (`state`, stride 1): the contract has no retention for state that is not along a clock."""
+    torch.manual_seed(0)
+    config = MambaConfig(vocab_size=64, hidden_size=32, state_size=MAMBA_STATE, num_hidden_layers=2, expand=2,
+                         conv_kernel=MAMBA_KERNEL)
+    model = MambaForCausalLM(config).eval().to(device)
+    tokens = random_tokens(12, device)
+
+    def stream(m):
+        cache, logits, addresses = DynamicCache(config=config), [], []
+        with torch.no_grad():
+            for t in range(0, tokens.shape[1], STEP):
+                logits.append(m(input_ids=tokens[:, t:t + STEP], cache=cache, use_cache=True).logits)
+                addresses.append({f"cache.layers.{i}.{kind}.0": getattr(layer, kind)[0].data_ptr()
+                                  for i, layer in enumerate(cache.layers) for kind in ("conv_states", "recurrent_states")})
+        return logits, addresses
+
+    contract = Contract(
+        family="mamba",
+        clocks=(Clock("token", ClockKind.TOKENS), Clock("state", ClockKind.TOKENS), Clock("call", ClockKind.CALLS)),
+        rates=(Rate("token", "call", STEP, name="tokens_per_call"),),
+        quantities={"layers": 2, "inner": MAMBA_INNER},
+        regions=(Region("conv", dims=("layers", 1, "inner", "token"), axis=3, clock="token", stride=STEP, dtype="float32",
+                        lifetime=Lifetime.PER_STREAM, retention=RingCache(MAMBA_KERNEL)),
+                 Region("scan", dims=("layers", 1, "inner", "state"), axis=3, clock="state", stride=1, dtype="float32",
+                        lifetime=Lifetime.PER_STREAM, retention=RingCache(MAMBA_STATE))),
+        operators=(Operator("decoder_step", "conv", steady=STEP),),
+        admission=Admission("token", max_per_call=STEP),
+        interactivity=Interactivity(stages=("decoder",)),
+    )
+    binding = Binding(regions=(RegionBinding("conv", at=("cache.layers.*.conv_states.0",)),
+                               RegionBinding("scan", at=("cache.layers.*.recurrent_states.0",))),
+                      operators=(OperatorBinding("decoder_step", units=("input_ids", 1)),), verify=1)
+    return streamed(model, contract, binding, stream, streams)
+
+
+def test_a_mamba_decoder_streams_its_fixed_size_states_in_place():
+    _, report = mamba_streams("cpu", streams=2)
+    op = report.operators["decoder_step"]
+    # the first call of each stream runs stock and allocates the states; its 4 tensors are adopted
+    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 10, "verified": 1, "stock": 2, "adopted": 8,
+                                     "stock_by_reason": {"not_in_catalog": 2}}
+    assert [(s.kind, s.rewritten) for s in report.sites] == [("ring", False)] * 4
+    assert_replay_counters(report, MAMBA_CLASSES, streams=2, device="cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_a_mamba_decoder_replays_every_steady_call_after_the_first_on_cuda():
+    _, report = mamba_streams("cuda", CUDA_STREAMS)
+    assert_replay_counters(report, MAMBA_CLASSES, CUDA_STREAMS, "cuda")
