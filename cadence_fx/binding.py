@@ -9,7 +9,9 @@ it and runs one pipeline (`cadence_fx.pipeline`) whatever the model.
 Paths are dotted, rooted at an argument of the operator's method by its parameter name, or at
 ``self``, the model itself (``"self.layers.*.attn.k_cache"``: a buffer the model reassigns):
 ``"cache.layers.*.keys"`` is attribute ``keys`` of every element of ``cache.layers``. A segment is
-an attribute name, a mapping key or a sequence index; ``*`` matches every index of a sequence, in
+an attribute name, a mapping key or a sequence index; a segment of digits names a mapping's int
+key when the mapping has no such string key (``"cache.is_updated.0"``: Whisper's flags, keyed by
+layer index); ``*`` matches every index of a sequence, in
 order, and a slice ``[start:stop:step]`` every index it selects (``buffer.[0::2]``: the even
 elements); ``**`` matches every module below a module, itself included, that has the rest of the
 path (``"self.encoder.**._streaming_state.previous"``: every streaming convolution's buffer,
@@ -131,11 +133,19 @@ def _selected(segment: str, length: int) -> range:
     return range(length)[slice(start, stop, step)]
 
 
+def _key(mapping: dict, segment: str) -> Any:
+    """The key `segment` names in `mapping`: itself, or the int its digits spell when the mapping
+    has that int key and not the string (paths are text, a layer index is often an int key)."""
+    if segment not in mapping and segment.isdigit() and int(segment) in mapping:
+        return int(segment)
+    return segment
+
+
 def _child(value: Any, segment: str) -> Any:
     if value is None:
         return None
     if isinstance(value, dict):
-        return value[segment]
+        return value[_key(value, segment)]
     if isinstance(value, (list, tuple)) and segment.lstrip("-").isdigit():
         return value[int(segment)]
     return getattr(value, segment)
@@ -194,7 +204,7 @@ def set_path(roots: dict[str, Any], path: str, value: Any) -> None:
         raise ValueError(f"{path!r}: cannot place state under a None")
     last = rest[-1]
     if isinstance(parent, dict):
-        parent[last] = value
+        parent[_key(parent, last)] = value
     elif isinstance(parent, list) and last.isdigit():
         parent[int(last)] = value
     else:

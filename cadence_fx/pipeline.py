@@ -390,7 +390,8 @@ class BoundOperator:
         cls.calls += 1
         self._commit(roots, new_state)
         for path, (kind, value) in cls.effects.items():
-            set_path(roots, path, get_path(roots, path) + value if kind == "add" else value)
+            # each call its own copy of a value set, never one object shared by every stream
+            set_path(roots, path, get_path(roots, path) + value if kind == "add" else copy.deepcopy(value))
         return self._rebuild(cls, outputs, roots)
 
     def _arguments(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -518,10 +519,14 @@ class BoundOperator:
         return view
 
     def _commit(self, roots: dict[str, Any], new_state: list) -> None:
-        """Mutated state objects get the carry views back; returned state is in the output already."""
+        """Mutated state objects get the carry views back; returned state is in the output already.
+        A ring the step returns anew (Whisper's cross-attention keys, computed by a stream's first
+        call) is taken into its carry now, so the state object holds the carry from this call on."""
         for site, value in zip(self.sites, new_state):
             if site.out is None:
                 set_path(roots, site.path, value)
+                if site.region is not None and value is not None:
+                    self._carry_view(roots, site)
 
     def _counter_paths(self, roots: dict[str, Any]) -> list[str]:
         found = []
@@ -668,7 +673,9 @@ class BoundOperator:
         effects = {}
         for path, before in counters_before.items():
             after = get_path(roots, path)
-            effects[path] = ("set", after) if isinstance(after, bool) or not isinstance(after, int) else ("add", after - before)
+            # A value set is kept as a copy: the object itself (a dict of flags) is this stream's.
+            effects[path] = (("set", copy.deepcopy(after)) if isinstance(after, bool) or not isinstance(after, int)
+                             else ("add", after - before))
         counters_after = {p: get_path(roots, p) for p in counters_before}
         rng.restore()
         for site, value, original in zip(self.sites, state, originals):

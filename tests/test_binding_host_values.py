@@ -112,3 +112,50 @@ def test_a_host_value_the_call_returns_that_changes_is_refused_by_verification()
     steady = next(cls for cls in report.operators["smooth"].classes.values() if cls.call.extent == WINDOW)
     assert steady.refused == ("verification: the call returned host values {1: ('value', 4)}, an earlier call of the "
                               "class returned {1: ('value', 3)}: a graph would return the first ones every call")
+
+
+class FlaggedCache:
+    """A window whose host flags live in a dict the call updates in place (as Whisper's
+    `EncoderDecoderCache.is_updated`)."""
+
+    def __init__(self):
+        self.kept = None
+        self.flags = {"started": False}
+
+
+class Starter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, cache: FlaggedCache):
+        x = self.proj(x)
+        full = x if cache.kept is None else torch.cat([cache.kept, x], dim=1)
+        cache.kept = full[:, -WINDOW:]
+        cache.flags["started"] = True
+        return full.cumsum(1)[:, -x.shape[1]:]
+
+
+def test_a_counter_the_call_sets_is_each_stream_s_own_value_not_the_verified_call_s_object():
+    """Bug (fixed in pipeline.py `_verify` and `_call`): a counter that is no int (a dict of flags)
+    was moved by handing every graph call the very object the verified stock call left, so every
+    later stream's cache shared the first stream's dict: resetting one stream's flags reset all."""
+    frames = torch.randn(1, CALLS * STEP, DIM, generator=torch.Generator().manual_seed(3))
+    model = Starter().eval()
+    binding = Binding(regions=BINDING.regions,
+                      operators=(OperatorBinding("smooth", units=("x", 1), counters=("cache.flags",)),), verify=1)
+    bound, report = transform(model, contract(), binding)
+
+    def stream(m, cache):
+        with torch.no_grad():
+            return [m(frames[:, call * STEP:(call + 1) * STEP], cache) for call in range(CALLS)]
+
+    expected = stream(model, FlaggedCache())
+    first, second = FlaggedCache(), FlaggedCache()
+    for cache in (first, second):
+        assert all(torch.equal(a, e) for a, e in zip(stream(bound, cache), expected, strict=True))
+    assert report.operators["smooth"].counters.verified == 3  # the first stream's classes; the second runs graphs only
+    assert second.flags == {"started": True} and second.flags is not first.flags
+    first.flags["started"] = False  # the first stream starts over
+    assert second.flags == {"started": True}

@@ -8,21 +8,33 @@ call up to N is a class of the catalog and runs the exported step; a call past N
 the stock code.
 
 Every test uses `Binding(verify=1)`: the first stream verifies each class, the second runs the
-rewritten graphs only (on CPU, eager), so a host value the graphs would not move shows there."""
+rewritten graphs only (on CPU, eager), so a host value the graphs would not move shows there. Each
+model's test has a `cuda` twin: the same streams (three of them) on the GPU, where every call after
+its class's first replays a CUDA graph."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 from transformers import (DynamicCache, EncoderDecoderCache, Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,
-                          GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM, WhisperConfig, WhisperForConditionalGeneration)
+                          GPT2LMHeadModel, MambaConfig, MambaForCausalLM, Qwen3Config, Qwen3ForCausalLM, WhisperConfig,
+                          WhisperForConditionalGeneration)
 from transformers.modeling_outputs import BaseModelOutput
 
 from cadence_fx import (Admission, Binding, BindingError, Clock, ClockKind, Contract, Interactivity, Lifetime, Operator,
                         OperatorBinding, Rate, Region, RegionBinding, RingCache, SlidingWindow, transform)
+from cadence_fx.binding import get_path, resolve, set_path
 
 STEP = 2  # tokens (or frames) a call
+CUDA_STREAMS = 3
+# On the GPU the stock call of a first chunk (as many queries as keys) lets SDPA apply its own
+# causal mask (`is_causal`), while transformers materialises the mask whenever torch.export traces;
+# the two kernels may round differently (measured on the H200 for Mistral, tests/test_binding_cuda.py),
+# and verification then refuses that class: the stream stays exact on the stock code.
+FIRST = "decoder_step[n=2,L=0]"
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, max_position_embeddings=128, attn_implementation="sdpa")
 KV_DIMS = ("layers", 2, 1, "kv_heads", "token", "head_dim")  # [layer, keys|values] x one layer's cache
@@ -52,60 +64,132 @@ DYNAMIC_CACHE = Binding(
 )
 
 
-def stream_dynamic(model, config, tokens: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    """The stock way to stream: calls of `sizes` tokens into one DynamicCache, positions given."""
-    cache, logits, t = DynamicCache(config=config), [], 0
+def layer_addresses(layers, prefix: str) -> dict[str, int]:
+    """Where each layer's keys and values are, by their binding path."""
+    return {f"{prefix}.{i}.{kind}": getattr(layer, kind).data_ptr() for i, layer in enumerate(layers)
+            for kind in ("keys", "values")}
+
+
+def stream_dynamic(model, config, tokens: torch.Tensor, sizes: list[int]) -> tuple[list[torch.Tensor], list[dict[str, int]]]:
+    """The stock way to stream: calls of `sizes` tokens into one DynamicCache, positions given.
+    Returns the logits, and after each call where each site of the cache is."""
+    cache, logits, addresses, t = DynamicCache(config=config), [], [], 0
     with torch.no_grad():
         for n in sizes:
-            out = model(input_ids=tokens[:, t:t + n], position_ids=torch.arange(t, t + n)[None], cache=cache, use_cache=True)
+            out = model(input_ids=tokens[:, t:t + n], position_ids=torch.arange(t, t + n, device=tokens.device)[None],
+                        cache=cache, use_cache=True)
             logits.append(out.logits)
+            addresses.append(layer_addresses(cache.layers, "cache.layers"))
             t += n
-    return logits
+    return logits, addresses
 
 
 def exact(actual: list, expected: list) -> bool:
     return all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
 
 
-def qwen3() -> tuple[Qwen3ForCausalLM, Qwen3Config]:
+def streamed(model, contract: Contract, binding: Binding, stream, streams: int):
+    """`streams` streams of the transformed model, each bit-identical to the stock model's, every
+    site at its carry's address from each stream's first call to its last. `stream(m)` returns
+    the outputs and, after each call, where each site is (by its binding path)."""
+    expected, _ = stream(model)
+    bound, report = transform(model, contract, binding)
+    for _ in range(streams):
+        actual, addresses = stream(bound)
+        assert exact(actual, expected)
+        assert addresses == [{path: carry.address for path, carry in bound.carries.items()}] * len(expected)
+    return bound, report
+
+
+def assert_replay_counters(report, visits: dict[str, int], streams: int, device: str, may_refuse: frozenset = frozenset()):
+    """The replay engine's counters after `streams` streams that each visit the catalog classes
+    `visits` (class name -> calls a stream, in the order first met). Every binding here verifies
+    one visit (`Binding(verify=1)`): a class's first call ever runs beside the stock call, outside
+    the engine; each later call goes to the engine, which captures the class's graph at its first
+    call and replays it from then on (the capturing call replays too). Without CUDA the engine runs
+    each call eager (`no_cuda`). A class verification refused (only one of `may_refuse`) runs the
+    stock code on every visit, never the engine."""
+    (op,) = report.operators.values()
+    assert [cls.name for cls in op.classes.values()] == list(visits)
+    refused = {cls.name: cls.refused for cls in op.classes.values() if cls.refused}
+    assert set(refused) <= may_refuse and all(why.startswith("verification: ") for why in refused.values()), refused
+    if refused:
+        assert op.counters.stock_by_reason == {"verification": len(refused), "refused": (streams - 1) * len(refused)}
+    engine = {name: streams * n - 1 for name, n in visits.items() if name not in refused}
+    calls = sum(engine.values())
+    if device == "cuda":
+        expected = {"calls": calls, "captures": sum(1 for n in engine.values() if n), "replays": calls, "eager": 0,
+                    "invalidations": 0, "fallbacks": {}}
+    else:
+        expected = {"calls": calls, "captures": 0, "replays": 0, "eager": calls, "invalidations": 0,
+                    "fallbacks": {"no_cuda": calls}}
+    assert report.replays[op.ob.operator].counters.as_dict() == expected
+
+
+def qwen3(device: str = "cpu") -> tuple[Qwen3ForCausalLM, Qwen3Config]:
     torch.manual_seed(0)
     config = Qwen3Config(num_hidden_layers=2, **TINY)
-    return Qwen3ForCausalLM(config).eval(), config
+    return Qwen3ForCausalLM(config).eval().to(device), config
 
 
-def gpt2() -> tuple[GPT2LMHeadModel, GPT2Config]:
+def gpt2(device: str = "cpu") -> tuple[GPT2LMHeadModel, GPT2Config]:
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2,
                         attn_implementation="sdpa")
-    return GPT2LMHeadModel(config).eval(), config
+    return GPT2LMHeadModel(config).eval().to(device), config
 
 
-def random_tokens(n: int) -> torch.Tensor:
-    return torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(1))
+def random_tokens(n: int, device: str = "cpu") -> torch.Tensor:
+    return torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(1)).to(device)
+
+
+QWEN3_CLASSES = {f"decoder_step[n=2,L={e}]": 1 for e in (0, 2, 4, 6, 8, 10)}  # 6 calls a stream, one per class
+
+
+def qwen3_streams(device: str, streams: int):
+    model, config = qwen3(device)
+    tokens, sizes = random_tokens(12, device), [STEP] * 6
+    return streamed(model, kv_contract("qwen3_full", 2, 2, tokens=12), DYNAMIC_CACHE,
+                    lambda m: stream_dynamic(m, config, tokens, sizes), streams)
 
 
 def test_qwen3_full_attention_streams_to_its_bound_on_the_exported_steps():
-    model, config = qwen3()
-    tokens, sizes = random_tokens(12), [STEP] * 6
-    expected = stream_dynamic(model, config, tokens, sizes)
-    bound, report = transform(model, kv_contract("qwen3_full", 2, 2, tokens=12), DYNAMIC_CACHE)
-    assert exact(stream_dynamic(bound, config, tokens, sizes), expected)
-    assert exact(stream_dynamic(bound, config, tokens, sizes), expected)
+    _, report = qwen3_streams("cpu", streams=2)
     op = report.operators["decoder_step"]
-    assert [cls.name for cls in op.classes.values()] == [f"decoder_step[n=2,L={e}]" for e in (0, 2, 4, 6, 8, 10)]
     assert op.counters.as_dict() == {"calls": 12, "graph_calls": 12, "verified": 6, "stock": 0, "adopted": 0,
                                      "stock_by_reason": {}}
+    assert_replay_counters(report, QWEN3_CLASSES, streams=2, device="cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_qwen3_full_attention_replays_every_call_after_its_class_is_verified_on_cuda():
+    _, report = qwen3_streams("cuda", CUDA_STREAMS)
+    assert_replay_counters(report, QWEN3_CLASSES, CUDA_STREAMS, "cuda", may_refuse=frozenset({FIRST}))
+
+
+GPT2_CLASSES = {f"decoder_step[n=2,L={e}]": 1 for e in (0, 2, 4, 6)}  # 4 calls a stream, one per class
+
+
+def gpt2_streams(device: str, streams: int):
+    model, config = gpt2(device)
+    tokens, sizes = random_tokens(8, device), [STEP] * 4
+    return streamed(model, kv_contract("gpt2", 2, 4, tokens=8), DYNAMIC_CACHE,
+                    lambda m: stream_dynamic(m, config, tokens, sizes), streams)
 
 
 def test_gpt2_streams_bit_identically_through_the_same_cache_binding():
-    model, config = gpt2()
-    tokens, sizes = random_tokens(8), [STEP] * 4
-    expected = stream_dynamic(model, config, tokens, sizes)
-    bound, report = transform(model, kv_contract("gpt2", 2, 4, tokens=8), DYNAMIC_CACHE)
-    assert exact(stream_dynamic(bound, config, tokens, sizes), expected)
-    assert exact(stream_dynamic(bound, config, tokens, sizes), expected)
+    _, report = gpt2_streams("cpu", streams=2)
     assert report.operators["decoder_step"].counters.as_dict() == {
         "calls": 8, "graph_calls": 8, "verified": 4, "stock": 0, "adopted": 0, "stock_by_reason": {}}
+    assert_replay_counters(report, GPT2_CLASSES, streams=2, device="cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_gpt2_replays_every_call_after_its_class_is_verified_on_cuda():
+    _, report = gpt2_streams("cuda", CUDA_STREAMS)
+    assert_replay_counters(report, GPT2_CLASSES, CUDA_STREAMS, "cuda", may_refuse=frozenset({FIRST}))
 
 
 CHANNELS, KERNEL, CONV_LAYERS = 8, 3, 3
@@ -121,7 +205,8 @@ class CausalConvStack(nn.Module):
         self.start()
 
     def start(self) -> None:
-        self.contexts = [torch.zeros(1, CHANNELS, KERNEL - 1) for _ in range(CONV_LAYERS)]
+        device = self.convs[0].weight.device
+        self.contexts = [torch.zeros(1, CHANNELS, KERNEL - 1, device=device) for _ in range(CONV_LAYERS)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, conv in enumerate(self.convs):
@@ -131,17 +216,23 @@ class CausalConvStack(nn.Module):
         return x
 
 
-def test_a_causal_conv_stack_with_its_contexts_in_a_list_attribute_streams_on_carries():
+CONV_CLASSES = {"vocoder_step[n=2,L=2]": 6}  # 6 calls a stream, all of one class
+
+
+def conv_stack_streams(device: str, streams: int):
     torch.manual_seed(0)
-    model = CausalConvStack().eval()
-    frames = torch.randn(1, CHANNELS, 6 * STEP, generator=torch.Generator().manual_seed(1))
+    model = CausalConvStack().eval().to(device)
+    frames = torch.randn(1, CHANNELS, 6 * STEP, generator=torch.Generator().manual_seed(1)).to(device)
 
     def stream(m):
         model.start()
+        outputs, addresses = [], []
         with torch.no_grad():
-            return [m(frames[..., t:t + STEP]) for t in range(0, frames.shape[-1], STEP)]
+            for t in range(0, frames.shape[-1], STEP):
+                outputs.append(m(frames[..., t:t + STEP]))
+                addresses.append({f"self.contexts.{i}": c.data_ptr() for i, c in enumerate(model.contexts)})
+        return outputs, addresses
 
-    expected = stream(model)
     contract = Contract(
         family="conv_stack",
         clocks=(Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
@@ -156,23 +247,34 @@ def test_a_causal_conv_stack_with_its_contexts_in_a_list_attribute_streams_on_ca
     )
     binding = Binding(regions=(RegionBinding("conv_context", at=("self.contexts.*",)),),
                       operators=(OperatorBinding("vocoder_step", units=("x", 2)),), verify=1)
-    bound, report = transform(model, contract, binding)
-    assert exact(stream(bound), expected)
-    assert exact(stream(bound), expected)
+    return streamed(model, contract, binding, stream, streams)
+
+
+def test_a_causal_conv_stack_with_its_contexts_in_a_list_attribute_streams_on_carries():
+    _, report = conv_stack_streams("cpu", streams=2)
     op = report.operators["vocoder_step"]
-    assert [cls.name for cls in op.classes.values()] == ["vocoder_step[n=2,L=2]"]
-    # each stream's fresh zero contexts are copied into the carries: 3 a stream
+    # each stream's fresh zero contexts are copied into the carries: 3 a stream; the list holds
+    # the carries' views from then on, one address each (`streamed`)
     assert op.counters.as_dict() == {"calls": 12, "graph_calls": 12, "verified": 1, "stock": 0, "adopted": 6,
                                      "stock_by_reason": {}}
     assert [(s.kind, s.rewritten) for s in report.sites] == [("append", True)] * CONV_LAYERS
-    # the list holds the carries' views now, one address each
-    assert [c.data_ptr() for c in model.contexts] == [op.carries[f"self.contexts.{i}"].address for i in range(CONV_LAYERS)]
+    assert_replay_counters(report, CONV_CLASSES, streams=2, device="cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_a_causal_conv_stack_replays_every_call_after_the_first_on_cuda():
+    _, report = conv_stack_streams("cuda", CUDA_STREAMS)
+    assert_replay_counters(report, CONV_CLASSES, CUDA_STREAMS, "cuda")
 
 
 ENCODER_FRAMES, WHISPER_TOKENS = 6, 8
 
 
-def test_a_whisper_decoder_streams_with_an_encoder_decoder_cache():
+WHISPER_CLASSES = {f"decoder_step[n=2,L={e}]": 1 for e in (0, 2, 4, 6)}  # 4 calls a stream, one per class
+
+
+def whisper_streams(device: str, streams: int):
     """Self-attention grows (SlidingWindow to the stream's length), cross-attention is the encoder's
     keys and values, computed at the first call and read after (a RingCache of the encoder's extent)."""
     torch.manual_seed(0)
@@ -180,19 +282,20 @@ def test_a_whisper_decoder_streams_with_an_encoder_decoder_cache():
                            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
                            max_source_positions=ENCODER_FRAMES, max_target_positions=32, attn_implementation="sdpa",
                            pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
-    model = WhisperForConditionalGeneration(config).eval()
-    encoded = BaseModelOutput(last_hidden_state=torch.randn(1, ENCODER_FRAMES, 32, generator=torch.Generator().manual_seed(2)))
-    tokens = random_tokens(WHISPER_TOKENS)
+    model = WhisperForConditionalGeneration(config).eval().to(device)
+    encoded = BaseModelOutput(last_hidden_state=torch.randn(1, ENCODER_FRAMES, 32, generator=torch.Generator().manual_seed(2)).to(device))
+    tokens = random_tokens(WHISPER_TOKENS, device)
 
     def stream(m):
-        cache, logits = EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config)), []
+        cache, logits, addresses = EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config)), [], []
         with torch.no_grad():
             for t in range(0, WHISPER_TOKENS, STEP):
                 logits.append(m(encoder_outputs=encoded, decoder_input_ids=tokens[:, t:t + STEP], use_cache=True,
-                                decoder_position_ids=torch.arange(t, t + STEP)[None], cache=cache).logits)
-        return logits
+                                decoder_position_ids=torch.arange(t, t + STEP, device=device)[None], cache=cache).logits)
+                addresses.append(layer_addresses(cache.self_attention_cache.layers, "cache.self_attention_cache.layers")
+                                 | layer_addresses(cache.cross_attention_cache.layers, "cache.cross_attention_cache.layers"))
+        return logits, addresses
 
-    expected = stream(model)
     contract = Contract(
         family="whisper_decoder",
         clocks=(Clock("token", ClockKind.TOKENS), Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
@@ -214,19 +317,40 @@ def test_a_whisper_decoder_streams_with_an_encoder_decoder_cache():
         regions=(RegionBinding("self_kv", at=(layers.format("self", "keys"), layers.format("self", "values"))),
                  RegionBinding("cross_kv", at=(layers.format("cross", "keys"), layers.format("cross", "values")))),
         operators=(OperatorBinding("decoder_step", units=("decoder_input_ids", 1),
+                                   # `is_updated` is a dict keyed by layer index (ints)
                                    counters=(layers.format("self", "is_initialized"), layers.format("cross", "is_initialized"),
-                                             "cache.is_updated")),),
+                                             "cache.is_updated.0", "cache.is_updated.1")),),
         verify=1,
     )
-    bound, report = transform(model, contract, binding)
-    assert exact(stream(bound), expected)
-    assert exact(stream(bound), expected)
+    return streamed(model, contract, binding, stream, streams)
+
+
+def test_a_whisper_decoder_streams_with_an_encoder_decoder_cache():
+    _, report = whisper_streams("cpu", streams=2)
     op = report.operators["decoder_step"]
-    assert [cls.name for cls in op.classes.values()] == [f"decoder_step[n=2,L={e}]" for e in (0, 2, 4, 6)]
     # each stream's cross-attention keys and values (4 sites), computed by its first call, are
     # taken into their carries once
     assert op.counters.as_dict() == {"calls": 8, "graph_calls": 8, "verified": 4, "stock": 0, "adopted": 8,
                                      "stock_by_reason": {}}
+    assert_replay_counters(report, WHISPER_CLASSES, streams=2, device="cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_a_whisper_decoder_replays_every_call_after_its_class_is_verified_on_cuda():
+    _, report = whisper_streams("cuda", CUDA_STREAMS)
+    assert_replay_counters(report, WHISPER_CLASSES, CUDA_STREAMS, "cuda", may_refuse=frozenset({FIRST}))
+
+
+def test_a_digit_segment_names_a_mapping_s_int_key_when_it_has_no_such_string_key():
+    """Bug (fixed in binding.py `_key`): Whisper's `EncoderDecoderCache.is_updated` is keyed by layer
+    index, and `cache.is_updated.0` looked up the string "0": KeyError."""
+    flags = {0: False, 1: True}
+    roots = {"cache": SimpleNamespace(is_updated=flags, named={"0": "the string key", 0: "the int key"})}
+    assert list(resolve(roots["cache"], "cache.is_updated.1")) == [((), "cache.is_updated.1", True)]
+    assert get_path(roots, "cache.named.0") == "the string key"  # a string key the mapping has comes first
+    set_path(roots, "cache.is_updated.0", True)
+    assert flags == {0: True, 1: True}
 
 
 def test_a_stream_past_the_bound_runs_the_stock_code_instead_of_overflowing_the_carry():
@@ -236,10 +360,10 @@ def test_a_stream_past_the_bound_runs_the_stock_code_instead_of_overflowing_the_
     `CarryError: kv: 12 units exceed the carry's bound 10` and the stream died."""
     model, config = qwen3()
     tokens, sizes = random_tokens(12), [STEP] * 6
-    expected = stream_dynamic(model, config, tokens, sizes)
+    expected, _ = stream_dynamic(model, config, tokens, sizes)
     bound, report = transform(model, kv_contract("qwen3_full", 2, 2, tokens=8), DYNAMIC_CACHE)
-    assert exact(stream_dynamic(bound, config, tokens, sizes), expected)
-    assert exact(stream_dynamic(bound, config, tokens, sizes), expected)
+    assert exact(stream_dynamic(bound, config, tokens, sizes)[0], expected)
+    assert exact(stream_dynamic(bound, config, tokens, sizes)[0], expected)
     op = report.operators["decoder_step"]
     assert [cls.name for cls in op.classes.values()] == [f"decoder_step[n=2,L={e}]" for e in (0, 2, 4, 6, 8)]
     # the call at L=10 of each stream is no class (the window keeps at most 8 + 2): stock
@@ -248,20 +372,15 @@ def test_a_stream_past_the_bound_runs_the_stock_code_instead_of_overflowing_the_
 
 
 GEMMA_WINDOW = 5  # a sliding layer's cache keeps its last GEMMA_WINDOW - 1 tokens
+GEMMA_CLASSES = {f"decoder_step[n=2,L={e}]": 1 for e in (0, 2, 4, 6, 8, 10)}  # 6 calls a stream, one per class
 
 
-def test_gemma3_hybrid_layers_stream_from_their_first_call_on_the_exported_steps():
-    """Bug (fixed in pipeline.py `_capture`): sliding and full layers are two regions; the operator's
-    region (the full layers') decides the class, and the pipeline declared every other region at its
-    whole window, so while the sliding layers were still filling (L=0, L=2) the window pass refused
-    the class (`cache.layers.0.keys: slice_5 has extent 2, the catalog class declares 4`) and those
-    calls ran the stock code. The other region's extent is the one the call brings."""
+def gemma3_streams(device: str, streams: int):
     torch.manual_seed(0)
     config = Gemma3TextConfig(num_hidden_layers=4, sliding_window=GEMMA_WINDOW,
                               layer_types=["sliding_attention", "full_attention"] * 2, **TINY)
-    model = Gemma3ForCausalLM(config).eval()
-    tokens, sizes = random_tokens(12), [STEP] * 6
-    expected = stream_dynamic(model, config, tokens, sizes)
+    model = Gemma3ForCausalLM(config).eval().to(device)
+    tokens, sizes = random_tokens(12, device), [STEP] * 6
     contract = Contract(
         family="gemma3_hybrid",
         clocks=(Clock("token", ClockKind.TOKENS), Clock("call", ClockKind.CALLS)),
@@ -282,14 +401,28 @@ def test_gemma3_hybrid_layers_stream_from_their_first_call_on_the_exported_steps
                                    counters=("cache.layers.*.is_initialized", "cache.layers.[0::2].cumulative_length")),),
         verify=1,
     )
-    bound, report = transform(model, contract, binding)
-    assert exact(stream_dynamic(bound, config, tokens, sizes), expected)
-    assert exact(stream_dynamic(bound, config, tokens, sizes), expected)
+    return streamed(model, contract, binding, lambda m: stream_dynamic(m, config, tokens, sizes), streams)
+
+
+def test_gemma3_hybrid_layers_stream_from_their_first_call_on_the_exported_steps():
+    """Bug (fixed in pipeline.py `_capture`): sliding and full layers are two regions; the operator's
+    region (the full layers') decides the class, and the pipeline declared every other region at its
+    whole window, so while the sliding layers were still filling (L=0, L=2) the window pass refused
+    the class (`cache.layers.0.keys: slice_5 has extent 2, the catalog class declares 4`) and those
+    calls ran the stock code. The other region's extent is the one the call brings."""
+    _, report = gemma3_streams("cpu", streams=2)
     op = report.operators["decoder_step"]
-    assert {cls.name: cls.refused for cls in op.classes.values()} == {
-        f"decoder_step[n=2,L={e}]": None for e in (0, 2, 4, 6, 8, 10)}
+    assert {cls.name: cls.refused for cls in op.classes.values()} == {name: None for name in GEMMA_CLASSES}
     assert op.counters.as_dict() == {"calls": 12, "graph_calls": 12, "verified": 6, "stock": 0, "adopted": 0,
                                      "stock_by_reason": {}}
+    assert_replay_counters(report, GEMMA_CLASSES, streams=2, device="cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_gemma3_hybrid_layers_replay_every_call_after_its_class_is_verified_on_cuda():
+    _, report = gemma3_streams("cuda", CUDA_STREAMS)
+    assert_replay_counters(report, GEMMA_CLASSES, CUDA_STREAMS, "cuda", may_refuse=frozenset({FIRST}))
 
 
 def test_a_host_flag_the_binding_leaves_out_refuses_the_class_that_moves_it():
@@ -301,12 +434,12 @@ def test_a_host_flag_the_binding_leaves_out_refuses_the_class_that_moves_it():
     leaves out now refuses the class, saying which."""
     model, config = gpt2()
     tokens, sizes = random_tokens(7), [STEP, STEP, STEP, 1]
-    expected = stream_dynamic(model, config, tokens, sizes)
+    expected, _ = stream_dynamic(model, config, tokens, sizes)
     binding = Binding(regions=DYNAMIC_CACHE.regions,
                       operators=(OperatorBinding("decoder_step", units=("input_ids", 1)),), verify=1)
     bound, report = transform(model, kv_contract("gpt2", 2, 4, tokens=8), binding)
-    assert exact(stream_dynamic(bound, config, tokens, sizes), expected)
-    assert exact(stream_dynamic(bound, config, tokens, sizes), expected)
+    assert exact(stream_dynamic(bound, config, tokens, sizes)[0], expected)
+    assert exact(stream_dynamic(bound, config, tokens, sizes)[0], expected)
     op = report.operators["decoder_step"]
     assert {cls.name: cls.refused for cls in op.classes.values()} == {
         "decoder_step[n=2,L=0]": "verification: the stock call moved host values the binding does not declare: "
@@ -347,3 +480,66 @@ def test_a_counter_path_the_state_does_not_have_is_a_binding_error_naming_the_co
         stream_dynamic(bound, config, random_tokens(2), [STEP])
     assert str(error.value) == ("binding.operators[0].counters[0]: 'cache.layers.*.cumulative_length' does not resolve "
                                 "on this call's arguments: 'DynamicLayer' object has no attribute 'cumulative_length'")
+
+
+MAMBA_KERNEL, MAMBA_STATE, MAMBA_INNER = 4, 8, 64
+# Each stream's first call meets a cache not allocated yet (no class: stock), then 5 of one class.
+MAMBA_CLASSES = {f"decoder_step[n=2,L={MAMBA_KERNEL}]": 5}
+
+
+def mamba_streams(device: str, streams: int):
+    """A recurrent model: each layer keeps a causal convolution's last MAMBA_KERNEL inputs and a
+    selective-scan state of fixed size, both allocated at the first call and written in place
+    (`copy_`) by every later one (transformers' `LinearAttentionLayer`, keyed by state index 0).
+    Both are RingCache regions: the shape never changes, the carry is the state itself. The scan
+    state has no time axis, so its contract names a clock of its own for its state dimension
+    (`state`, stride 1): the contract has no retention for state that is not along a clock."""
+    torch.manual_seed(0)
+    config = MambaConfig(vocab_size=64, hidden_size=32, state_size=MAMBA_STATE, num_hidden_layers=2, expand=2,
+                         conv_kernel=MAMBA_KERNEL)
+    model = MambaForCausalLM(config).eval().to(device)
+    tokens = random_tokens(12, device)
+
+    def stream(m):
+        cache, logits, addresses = DynamicCache(config=config), [], []
+        with torch.no_grad():
+            for t in range(0, tokens.shape[1], STEP):
+                logits.append(m(input_ids=tokens[:, t:t + STEP], cache=cache, use_cache=True).logits)
+                addresses.append({f"cache.layers.{i}.{kind}.0": getattr(layer, kind)[0].data_ptr()
+                                  for i, layer in enumerate(cache.layers) for kind in ("conv_states", "recurrent_states")})
+        return logits, addresses
+
+    contract = Contract(
+        family="mamba",
+        clocks=(Clock("token", ClockKind.TOKENS), Clock("state", ClockKind.TOKENS), Clock("call", ClockKind.CALLS)),
+        rates=(Rate("token", "call", STEP, name="tokens_per_call"),),
+        quantities={"layers": 2, "inner": MAMBA_INNER},
+        regions=(Region("conv", dims=("layers", 1, "inner", "token"), axis=3, clock="token", stride=STEP, dtype="float32",
+                        lifetime=Lifetime.PER_STREAM, retention=RingCache(MAMBA_KERNEL)),
+                 Region("scan", dims=("layers", 1, "inner", "state"), axis=3, clock="state", stride=1, dtype="float32",
+                        lifetime=Lifetime.PER_STREAM, retention=RingCache(MAMBA_STATE))),
+        operators=(Operator("decoder_step", "conv", steady=STEP),),
+        admission=Admission("token", max_per_call=STEP),
+        interactivity=Interactivity(stages=("decoder",)),
+    )
+    binding = Binding(regions=(RegionBinding("conv", at=("cache.layers.*.conv_states.0",)),
+                               RegionBinding("scan", at=("cache.layers.*.recurrent_states.0",))),
+                      operators=(OperatorBinding("decoder_step", units=("input_ids", 1)),), verify=1)
+    return streamed(model, contract, binding, stream, streams)
+
+
+def test_a_mamba_decoder_streams_its_fixed_size_states_in_place():
+    _, report = mamba_streams("cpu", streams=2)
+    op = report.operators["decoder_step"]
+    # the first call of each stream runs stock and allocates the states; its 4 tensors are adopted
+    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 10, "verified": 1, "stock": 2, "adopted": 8,
+                                     "stock_by_reason": {"not_in_catalog": 2}}
+    assert [(s.kind, s.rewritten) for s in report.sites] == [("ring", False)] * 4
+    assert_replay_counters(report, MAMBA_CLASSES, streams=2, device="cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_a_mamba_decoder_replays_every_steady_call_after_the_first_on_cuda():
+    _, report = mamba_streams("cuda", CUDA_STREAMS)
+    assert_replay_counters(report, MAMBA_CLASSES, CUDA_STREAMS, "cuda")
