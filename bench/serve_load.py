@@ -257,7 +257,8 @@ def main() -> None:
         "replies_that_stalled": sum(stall > 0 for stall in stalls),
         "model_load": _model_load(plugin, wall_s, args.sessions),
         "lanes": _lanes(plugin),
-        # the server process's peak allocated, reserved and device footprint (cadence_fx.memory), after the run
+        # the server process's peak allocated, reserved and device footprint (cadence_fx.memory), after the run;
+        # a model in a worker process (moshi-full) has its own in plugin_after_run.memory_per_process
         "server_memory": server_memory,
         "server_loop_lag_ms": health.get("loop_lag_ms"),  # the whole server life, startup's wakes included
         "plugin_after_run": plugin,
