@@ -88,6 +88,20 @@ def exact(actual: list, expected: list) -> bool:
     return all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
 
 
+def streamed_returning(model, contract: Contract, binding: Binding, stream, streams: int):
+    """`streamed` for a step that returns its new state (`RegionBinding.out`): the caller threads
+    what the call returned back in, so its addresses are not the carries' (the pipeline takes a
+    passed state into the carries before each call); only the outputs are compared. A state the
+    transformed step returns may be a view of its carry, which the next call overwrites: a caller
+    that keeps an earlier call's state (to roll back) must clone it, so the streams here compare
+    the state as returned by the last call only."""
+    expected = stream(model)
+    bound, report = transform(model, contract, binding)
+    for _ in range(streams):
+        assert exact(stream(bound), expected)
+    return bound, report
+
+
 def streamed(model, contract: Contract, binding: Binding, stream, streams: int):
     """`streams` streams of the transformed model, each bit-identical to the stock model's, every
     site at its carry's address from each stream's first call to its last. `stream(m)` returns
@@ -101,21 +115,23 @@ def streamed(model, contract: Contract, binding: Binding, stream, streams: int):
     return bound, report
 
 
-def assert_replay_counters(report, visits: dict[str, int], streams: int, device: str, may_refuse: frozenset = frozenset()):
+def assert_replay_counters(report, visits: dict[str, int], streams: int, device: str, may_refuse: frozenset = frozenset(),
+                           later: frozenset = frozenset()):
     """The replay engine's counters after `streams` streams that each visit the catalog classes
     `visits` (class name -> calls a stream, in the order first met). Every binding here verifies
     one visit (`Binding(verify=1)`): a class's first call ever runs beside the stock call, outside
     the engine; each later call goes to the engine, which captures the class's graph at its first
     call and replays it from then on (the capturing call replays too). Without CUDA the engine runs
     each call eager (`no_cuda`). A class verification refused (only one of `may_refuse`) runs the
-    stock code on every visit, never the engine."""
+    stock code on every visit, never the engine. A class of `later` is one the first stream does
+    not meet (its first call finds no state to count the sites by, and runs the stock code)."""
     (op,) = report.operators.values()
     assert [cls.name for cls in op.classes.values()] == list(visits)
     refused = {cls.name: cls.refused for cls in op.classes.values() if cls.refused}
     assert set(refused) <= may_refuse and all(why.startswith("verification: ") for why in refused.values()), refused
     if refused:
         assert op.counters.stock_by_reason == {"verification": len(refused), "refused": (streams - 1) * len(refused)}
-    engine = {name: streams * n - 1 for name, n in visits.items() if name not in refused}
+    engine = {name: (streams - (name in later)) * n - 1 for name, n in visits.items() if name not in refused}
     calls = sum(engine.values())
     if device == "cuda":
         expected = {"calls": calls, "captures": sum(1 for n in engine.values() if n), "replays": calls, "eager": 0,
@@ -543,3 +559,86 @@ def test_a_mamba_decoder_streams_its_fixed_size_states_in_place():
 def test_a_mamba_decoder_replays_every_steady_call_after_the_first_on_cuda():
     _, report = mamba_streams("cuda", CUDA_STREAMS)
     assert_replay_counters(report, MAMBA_CLASSES, CUDA_STREAMS, "cuda")
+
+
+CONF_DIM, CONF_HEADS, CONF_HEAD_DIM, CONF_KERNEL, CONF_WINDOW = 16, 2, 8, 3, 4
+
+
+class ConformerBlock(nn.Module):
+    """A streaming conformer block with a functional step: the depthwise convolution's last
+    CONF_KERNEL - 1 frames and the attention's keys and values (stacked, concatenated then trimmed
+    to CONF_WINDOW frames) come in as arguments and go back out as results."""
+
+    def __init__(self):
+        super().__init__()
+        self.ff, self.qkv, self.out = nn.Linear(CONF_DIM, CONF_DIM), nn.Linear(CONF_DIM, 3 * CONF_DIM), nn.Linear(CONF_DIM, CONF_DIM)
+        self.depthwise = nn.Conv1d(CONF_DIM, CONF_DIM, CONF_KERNEL, groups=CONF_DIM)
+        self.pointwise, self.norm = nn.Linear(CONF_DIM, CONF_DIM), nn.LayerNorm(CONF_DIM)
+
+    def forward(self, x, conv_cache, kv_cache=None):
+        x = x + 0.5 * torch.tanh(self.ff(x))
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, CONF_HEADS, CONF_HEAD_DIM).permute(2, 0, 3, 1, 4)
+        kv = torch.stack([k, v])
+        if kv_cache is not None:
+            kv = torch.cat([kv_cache, kv], dim=3)
+        past = kv.shape[3] - t
+        mask = torch.arange(kv.shape[3], device=x.device)[None, :] <= (past + torch.arange(t, device=x.device))[:, None]
+        attended = torch.nn.functional.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask)
+        x = x + self.out(attended.transpose(1, 2).reshape(b, t, CONF_DIM))
+        full = torch.cat([conv_cache, x.transpose(1, 2)], dim=2)
+        x = x + self.pointwise(self.depthwise(full).transpose(1, 2))
+        return self.norm(x), full[:, :, -(CONF_KERNEL - 1):], kv[:, :, :, -CONF_WINDOW:]
+
+
+# 6 calls a stream: the window fills in two calls, then 4 of the steady class
+CONFORMER_CLASSES = {"block_step[n=2,L=0]": 1, "block_step[n=2,L=2]": 1, "block_step[n=2,L=4]": 4}
+
+
+def conformer_streams(device: str, streams: int):
+    torch.manual_seed(0)
+    model = ConformerBlock().eval().to(device)
+    frames = torch.randn(1, 6 * STEP, CONF_DIM, generator=torch.Generator().manual_seed(1)).to(device)
+
+    def stream(m):
+        conv, kv, outputs = torch.zeros(1, CONF_DIM, CONF_KERNEL - 1, device=device), None, []
+        with torch.no_grad():
+            for t in range(0, frames.shape[1], STEP):
+                y, conv, kv = m(frames[:, t:t + STEP], conv, kv)
+                outputs.append(y)
+        return outputs + [conv, kv]  # the state as returned last (see `streamed_returning`)
+
+    contract = Contract(
+        family="conformer_block",
+        clocks=(Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
+        rates=(Rate("frame", "call", STEP, name="frames_per_call"),),
+        quantities={"channels": CONF_DIM, "heads": CONF_HEADS, "head_dim": CONF_HEAD_DIM},
+        regions=(Region("kv", dims=(2, 1, "heads", "frame", "head_dim"), axis=3, clock="frame", stride=STEP,
+                        dtype="float32", lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=CONF_WINDOW)),
+                 Region("conv", dims=(1, "channels", "frame"), axis=2, clock="frame", stride=STEP, dtype="float32",
+                        lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=CONF_KERNEL - 1, initial=CONF_KERNEL - 1),
+                        holds_call=False)),
+        operators=(Operator("block_step", "kv", steady=STEP),),
+        admission=Admission("frame", max_per_call=STEP),
+        interactivity=Interactivity(stages=("encoder",)),
+    )
+    binding = Binding(regions=(RegionBinding("kv", at=("kv_cache",), out=("return.2",)),
+                               RegionBinding("conv", at=("conv_cache",), out=("return.1",))),
+                      operators=(OperatorBinding("block_step", units=("x", 1)),), verify=1)
+    return streamed_returning(model, contract, binding, stream, streams)
+
+
+def test_a_functional_conformer_block_streams_both_caches_through_its_returned_state():
+    _, report = conformer_streams("cpu", streams=2)
+    op = report.operators["block_step"]
+    # each stream's fresh zero convolution context is taken into its carry once
+    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 12, "verified": 3, "stock": 0, "adopted": 2,
+                                     "stock_by_reason": {}}
+    assert_replay_counters(report, CONFORMER_CLASSES, streams=2, device="cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_a_functional_conformer_block_replays_every_call_after_its_class_is_verified_on_cuda():
+    _, report = conformer_streams("cuda", CUDA_STREAMS)
+    assert_replay_counters(report, CONFORMER_CLASSES, CUDA_STREAMS, "cuda")
