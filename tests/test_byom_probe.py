@@ -642,3 +642,77 @@ def test_a_functional_conformer_block_streams_both_caches_through_its_returned_s
 def test_a_functional_conformer_block_replays_every_call_after_its_class_is_verified_on_cuda():
     _, report = conformer_streams("cuda", CUDA_STREAMS)
     assert_replay_counters(report, CONFORMER_CLASSES, CUDA_STREAMS, "cuda")
+
+
+LSTM_INPUT, LSTM_HIDDEN, LSTM_LAYERS = 8, 16, 2
+
+
+class LstmStep(nn.Module):
+    """A streaming step on an `nn.LSTM`: its hidden state `(h, c)` is passed in (None at first) and returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(LSTM_INPUT, LSTM_HIDDEN, LSTM_LAYERS, batch_first=True)
+        self.head = nn.Linear(LSTM_HIDDEN, LSTM_INPUT)
+
+    def forward(self, x, state=None):
+        y, (h, c) = self.lstm(x, state)
+        return self.head(y), (h, c)
+
+
+# Each stream's first call (no state yet: extent 0) is no class: stock; then 5 of one class.
+LSTM_CLASSES = {f"lstm_step[n=2,L={LSTM_HIDDEN}]": 5}
+
+
+def lstm_streams(device: str, streams: int):
+    """The hidden state has no time axis. As Mamba's scan state, its contract names a clock of its
+    own for the hidden dimension (`state`), a fixed-size RingCache region; this region is also the
+    operator's (there is no other), whose steady call is counted in the admission's clock, so the
+    contract needs a rate from `state` to `frame` as well (1: any rate converts)."""
+    torch.manual_seed(0)
+    model = LstmStep().eval().to(device)
+    frames = torch.randn(1, 6 * STEP, LSTM_INPUT, generator=torch.Generator().manual_seed(1)).to(device)
+
+    def stream(m):
+        state, outputs = None, []
+        with torch.no_grad():
+            for t in range(0, frames.shape[1], STEP):
+                y, state = m(frames[:, t:t + STEP], state)
+                outputs.append(y)
+        return outputs + list(state)
+
+    contract = Contract(
+        family="lstm",
+        clocks=(Clock("frame", ClockKind.FRAMES), Clock("state", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
+        rates=(Rate("frame", "call", STEP, name="frames_per_call"), Rate("state", "frame", 1)),
+        quantities={"layers": LSTM_LAYERS},
+        regions=(Region("hidden", dims=(2, "layers", 1, "state"), axis=3, clock="state", stride=STEP, dtype="float32",
+                        lifetime=Lifetime.PER_STREAM, retention=RingCache(LSTM_HIDDEN)),),
+        operators=(Operator("lstm_step", "hidden", steady=STEP),),
+        admission=Admission("frame", max_per_call=STEP),
+        interactivity=Interactivity(stages=("encoder",)),
+    )
+    binding = Binding(regions=(RegionBinding("hidden", at=("state.0", "state.1"), out=("return.1.0", "return.1.1")),),
+                      operators=(OperatorBinding("lstm_step", units=("x", 1)),), verify=1)
+    return streamed_returning(model, contract, binding, stream, streams)
+
+
+def test_an_lstm_step_streams_its_hidden_state_tuple_as_a_ring():
+    """Bug (fixed in binding.py `set_path`): a site inside a tuple (`state.0`, the LSTM's `h`) could
+    not be written (`AttributeError: 'tuple' object has no attribute '0'`): the export refused the
+    class, and the stock fallback, which puts clones of the state in place, crashed the stream. A
+    tuple is now rebuilt with the element replaced, in its parent's place."""
+    _, report = lstm_streams("cpu", streams=2)
+    op = report.operators["lstm_step"]
+    # the step returns new tensors: each call's returned (h, c) is copied into the carries at the next call
+    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 10, "verified": 1, "stock": 2, "adopted": 20,
+                                     "stock_by_reason": {"not_in_catalog": 2}}
+    assert [(s.kind, s.rewritten) for s in report.sites] == [("ring", False)] * 2
+    assert_replay_counters(report, LSTM_CLASSES, streams=2, device="cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_an_lstm_step_replays_every_steady_call_after_the_first_on_cuda():
+    _, report = lstm_streams("cuda", CUDA_STREAMS)
+    assert_replay_counters(report, LSTM_CLASSES, CUDA_STREAMS, "cuda")
