@@ -173,6 +173,8 @@ def resolve(root: Any, path: str) -> Iterator[tuple[tuple[int, ...], str, Any]]:
                 for more, where, leaf in matches:
                     yield indices + (i,) + more, where, leaf
         elif _is_pattern(head):
+            if value is None:  # a sequence not there yet (a legacy `past_key_values` before the first call): no sites
+                return
             if not isinstance(value, (list, tuple, torch.nn.ModuleList)):
                 raise TypeError(f"{head!r} after {concrete!r} needs a sequence, found {type(value).__name__}")
             for i, position in enumerate(_selected(head, len(value))):

@@ -349,6 +349,9 @@ class BoundOperator:
             raise TypeError(f"{self.ob.operator}: the call passes no {sorted(missing)}, where the binding keeps its state")
         inputs = {k: v for k, v in arguments.items() if k not in self.roots}
         if not self.carries:
+            if any(not sites(rb, roots) for rb in self.regions):
+                # A wildcard met None (no state yet, the stock call makes it): the sites cannot be counted
+                return self._stock(roots, inputs, "no_state_yet")
             self._allocate(roots)
         extent = self._retained(roots)
         units = self._units(arguments)

@@ -20,8 +20,9 @@ import pytest
 import torch
 from torch import nn
 from transformers import (DynamicCache, EncoderDecoderCache, Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,
-                          GPT2LMHeadModel, MambaConfig, MambaForCausalLM, Qwen3Config, Qwen3ForCausalLM, WhisperConfig,
-                          WhisperForConditionalGeneration)
+                          GPT2LMHeadModel, MambaConfig, MambaForCausalLM, Qwen3Config, Qwen3ForCausalLM, RwkvConfig,
+                          RwkvForCausalLM, WhisperConfig, WhisperForConditionalGeneration)
+from transformers.models.rwkv import modeling_rwkv
 from transformers.modeling_outputs import BaseModelOutput
 
 from cadence_fx import (Admission, Binding, BindingError, Clock, ClockKind, Contract, Interactivity, Lifetime, Operator,
@@ -716,3 +717,147 @@ def test_an_lstm_step_streams_its_hidden_state_tuple_as_a_ring():
 def test_an_lstm_step_replays_every_steady_call_after_the_first_on_cuda():
     _, report = lstm_streams("cuda", CUDA_STREAMS)
     assert_replay_counters(report, LSTM_CLASSES, CUDA_STREAMS, "cuda")
+
+
+LEGACY_DIM, LEGACY_WINDOW = 16, 4
+
+
+class LegacyAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(LEGACY_DIM, 3 * LEGACY_DIM), nn.Linear(LEGACY_DIM, LEGACY_DIM)
+
+    def forward(self, x, past):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        mask = torch.arange(k.shape[2], device=x.device)[None, :] <= (k.shape[2] - t + torch.arange(t, device=x.device))[:, None]
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return x + self.out(attended.transpose(1, 2).reshape(b, t, LEGACY_DIM)), (k[:, :, -LEGACY_WINDOW:], v[:, :, -LEGACY_WINDOW:])
+
+
+class LegacyDecoder(nn.Module):
+    """A decoder with the legacy cache: `past_key_values` a tuple of `(keys, values)` per layer, None
+    at first, returned (each layer concatenated, then trimmed to its last LEGACY_WINDOW tokens)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, LEGACY_DIM), nn.Linear(LEGACY_DIM, 64)
+        self.layers = nn.ModuleList(LegacyAttention() for _ in range(2))
+
+    def forward(self, input_ids, past_key_values=None):
+        x, cache = self.embed(input_ids), []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, None if past_key_values is None else past_key_values[i])
+            cache.append(kv)
+        return self.head(x), tuple(cache)
+
+
+# The first stream's first call finds past_key_values None: no sites to count, stock; every later
+# stream starts at L=0 on the carries.
+LEGACY_CLASSES = {"decoder_step[n=2,L=2]": 1, "decoder_step[n=2,L=4]": 4, "decoder_step[n=2,L=0]": 1}
+
+
+def legacy_streams(device: str, streams: int):
+    torch.manual_seed(0)
+    model = LegacyDecoder().eval().to(device)
+    tokens = random_tokens(6 * STEP, device)
+
+    def stream(m):
+        past, outputs = None, []
+        with torch.no_grad():
+            for t in range(0, tokens.shape[1], STEP):
+                logits, past = m(tokens[:, t:t + STEP], past_key_values=past)
+                outputs.append(logits)
+        return outputs + [x for kv in past for x in kv]
+
+    contract = kv_contract("legacy_past_key_values", 2, 2, tokens=LEGACY_WINDOW)
+    binding = Binding(regions=(RegionBinding("kv", at=("past_key_values.*.0", "past_key_values.*.1"),
+                                             out=("return.1.*.0", "return.1.*.1")),),
+                      operators=(OperatorBinding("decoder_step", units=("input_ids", 1)),), verify=1)
+    return streamed_returning(model, contract, binding, stream, streams)
+
+
+def test_a_legacy_tuple_of_tuples_past_key_values_streams_from_none():
+    """Bug (fixed in binding.py `resolve` and pipeline.py `_call`): the first call of a stream passes
+    `past_key_values=None`, and the region's paths (`past_key_values.*.0`) could not count their
+    sites there: `TypeError: '*' after 'past_key_values' needs a sequence, found NoneType`, the
+    stream dead at its first call. A wildcard over None is state not retained yet: until the sites
+    can be counted, calls run the stock code (`no_state_yet`)."""
+    _, report = legacy_streams("cpu", streams=2)
+    op = report.operators["decoder_step"]
+    # the first stock call's returned state (4 sites) is taken into the carries at the next call
+    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 11, "verified": 3, "stock": 1, "adopted": 4,
+                                     "stock_by_reason": {"no_state_yet": 1}}
+    assert_replay_counters(report, LEGACY_CLASSES, streams=2, device="cpu", later=frozenset({"decoder_step[n=2,L=0]"}))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_a_legacy_past_key_values_replays_every_call_after_its_class_is_verified_on_cuda():
+    _, report = legacy_streams("cuda", CUDA_STREAMS)
+    assert_replay_counters(report, LEGACY_CLASSES, CUDA_STREAMS, "cuda", later=frozenset({"decoder_step[n=2,L=0]"}))
+
+
+RWKV_HIDDEN = 32
+# Stream 1's first call: no state (None), stock; every stream's first call then finds it None
+# (extent 0: no class), stock; 5 calls a stream of the one class.
+RWKV_CLASSES = {f"decoder_step[n=2,L={RWKV_HIDDEN}]": 5}
+
+
+def rwkv_streams(device: str, streams: int):
+    """`transformers` RWKV: its `state` is a list of 5 tensors (batch, hidden, layers), None at first,
+    made by the first call, written in place by every call and returned as `out.state`. No time
+    axis: as Mamba's scan state, a `state` clock of its own (and, the operator's region being this
+    one, a rate to the token clock), a RingCache of the hidden size."""
+    torch.manual_seed(0)
+    config = RwkvConfig(vocab_size=64, hidden_size=RWKV_HIDDEN, num_hidden_layers=2, attention_hidden_size=RWKV_HIDDEN,
+                        intermediate_size=64, context_length=64)
+    model = RwkvForCausalLM(config).eval().to(device)
+    tokens = random_tokens(6 * STEP, device)
+
+    def stream(m):
+        state, outputs = None, []
+        with torch.no_grad():
+            for t in range(0, tokens.shape[1], STEP):
+                out = m(input_ids=tokens[:, t:t + STEP], state=state, use_cache=True)
+                state = out.state
+                outputs.append(out.logits)
+        return outputs + list(state)
+
+    contract = Contract(
+        family="rwkv",
+        clocks=(Clock("token", ClockKind.TOKENS), Clock("state", ClockKind.TOKENS), Clock("call", ClockKind.CALLS)),
+        rates=(Rate("token", "call", STEP, name="tokens_per_call"), Rate("state", "token", 1)),
+        quantities={"layers": 2},
+        regions=(Region("state", dims=(5, 1, "state", "layers"), axis=2, clock="state", stride=STEP, dtype="float32",
+                        lifetime=Lifetime.PER_STREAM, retention=RingCache(RWKV_HIDDEN)),),
+        operators=(Operator("decoder_step", "state", steady=STEP),),
+        admission=Admission("token", max_per_call=STEP),
+        interactivity=Interactivity(stages=("decoder",)),
+    )
+    binding = Binding(regions=(RegionBinding("state", at=("state.*",)),),
+                      operators=(OperatorBinding("decoder_step", units=("input_ids", 1)),), verify=1)
+    return streamed_returning(model, contract, binding, stream, streams)
+
+
+def test_rwkv_streams_its_state_list_in_place_from_none():
+    _, report = rwkv_streams("cpu", streams=2)
+    op = report.operators["decoder_step"]
+    # each stream's state, made by its first (stock) call, is taken into the carries once (5 sites)
+    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 10, "verified": 1, "stock": 2, "adopted": 10,
+                                     "stock_by_reason": {"no_state_yet": 1, "not_in_catalog": 1}}
+    assert [(s.kind, s.rewritten) for s in report.sites] == [("ring", False)] * 5
+    assert_replay_counters(report, RWKV_CLASSES, streams=2, device="cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_rwkv_replays_every_steady_call_after_the_first_on_cuda(monkeypatch):
+    # With ninja, transformers builds its own WKV kernel (a C++ extension torch.export cannot trace)
+    # when the model is made; without it, the model runs its torch implementation, which exports.
+    monkeypatch.setattr(modeling_rwkv, "is_ninja_available", lambda: False)
+    monkeypatch.setattr(modeling_rwkv, "rwkv_cuda_kernel", None)
+    _, report = rwkv_streams("cuda", CUDA_STREAMS)
+    assert_replay_counters(report, RWKV_CLASSES, CUDA_STREAMS, "cuda")
