@@ -14,11 +14,13 @@ its class's first replays a CUDA graph."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from transformers import (DynamicCache, EncoderDecoderCache, Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,
                           GPT2LMHeadModel, MambaConfig, MambaForCausalLM, Qwen3Config, Qwen3ForCausalLM, RwkvConfig,
                           RwkvForCausalLM, WhisperConfig, WhisperForConditionalGeneration)
@@ -861,3 +863,103 @@ def test_rwkv_replays_every_steady_call_after_the_first_on_cuda(monkeypatch):
     monkeypatch.setattr(modeling_rwkv, "rwkv_cuda_kernel", None)
     _, report = rwkv_streams("cuda", CUDA_STREAMS)
     assert_replay_counters(report, RWKV_CLASSES, CUDA_STREAMS, "cuda")
+
+
+CODEC_CHANNELS = 8
+
+
+@dataclass
+class DecodeOutput:
+    audio: torch.Tensor
+    context: torch.Tensor
+
+
+pytree.register_dataclass(DecodeOutput)  # what the refusal below asks for
+
+
+@dataclass
+class OpaqueDecodeOutput:  # the same, not registered with torch's pytree
+    audio: torch.Tensor
+    context: torch.Tensor
+
+
+class CodecDecoder(nn.Module):
+    """A codec's decoder whose hot operator is `decode_step`, not `forward`, taking keyword-only
+    arguments and returning a dataclass that holds the new state (a causal conv's left context)."""
+
+    def __init__(self, output: type = DecodeOutput):
+        super().__init__()
+        self.conv = nn.Conv1d(CODEC_CHANNELS, CODEC_CHANNELS, KERNEL)
+        self.output = output
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:  # the offline path, never streamed
+        return torch.tanh(self.conv(frames))
+
+    def decode_step(self, *, frames: torch.Tensor, context: torch.Tensor, gain: float = 1.0):
+        full = torch.cat([context, frames], dim=-1)
+        return self.output(audio=torch.tanh(self.conv(full)) * gain, context=full[..., -(KERNEL - 1):])
+
+
+CODEC_CLASSES = {"decode_step[n=2,L=2]": 6}  # 6 calls a stream, all of one class
+
+
+def codec_streams(device: str, streams: int, output: type = DecodeOutput):
+    torch.manual_seed(0)
+    model = CodecDecoder(output).eval().to(device)
+    frames = torch.randn(1, CODEC_CHANNELS, 6 * STEP, generator=torch.Generator().manual_seed(1)).to(device)
+
+    def stream(m):
+        context, outputs = torch.zeros(1, CODEC_CHANNELS, KERNEL - 1, device=device), []
+        with torch.no_grad():
+            for t in range(0, frames.shape[-1], STEP):
+                out = m.decode_step(frames=frames[..., t:t + STEP], context=context, gain=0.5)
+                assert isinstance(out, output)
+                context = out.context
+                outputs.append(out.audio)
+        return outputs + [context]
+
+    contract = Contract(
+        family="codec_decoder",
+        clocks=(Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
+        rates=(Rate("frame", "call", STEP, name="frames_per_call"),),
+        quantities={"channels": CODEC_CHANNELS},
+        regions=(Region("context", dims=(1, "channels", "frame"), axis=2, clock="frame", stride=STEP, dtype="float32",
+                        lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=KERNEL - 1, initial=KERNEL - 1),
+                        holds_call=False),),
+        operators=(Operator("decode_step", "context", steady=STEP),),
+        admission=Admission("frame", max_per_call=STEP),
+        interactivity=Interactivity(stages=("decoder",)),
+    )
+    binding = Binding(regions=(RegionBinding("context", at=("context",), out=("return.context",)),),
+                      operators=(OperatorBinding("decode_step", method="decode_step", units=("frames", 2)),), verify=1)
+    return streamed_returning(model, contract, binding, stream, streams)
+
+
+def test_a_keyword_only_method_returning_a_registered_dataclass_streams_on_its_graph():
+    _, report = codec_streams("cpu", streams=2)
+    op = report.operators["decode_step"]
+    # each stream's fresh zero context is taken into the carry once
+    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 12, "verified": 1, "stock": 0, "adopted": 2,
+                                     "stock_by_reason": {}}
+    assert_replay_counters(report, CODEC_CLASSES, streams=2, device="cpu")
+
+
+def test_a_returned_object_pytree_cannot_flatten_refuses_its_class_saying_how_to_register_it():
+    """Bug (fixed in pipeline.py `_structure`): an unregistered dataclass is one pytree leaf, kept
+    whole as a host value of the output; every graph call returned the verified call's object,
+    its audio and context those of that first call: wrong outputs from the second call on, silently
+    (verification saw no tensor to compare). The class is now refused, saying what to do."""
+    _, report = codec_streams("cpu", streams=2, output=OpaqueDecodeOutput)
+    op = report.operators["decode_step"]
+    assert {cls.name: cls.refused for cls in op.classes.values()} == {
+        "decode_step[n=2,L=2]": "the call returns an object of type OpaqueDecodeOutput holding tensors, which torch's pytree does not "
+                                "flatten; register it (torch.utils._pytree.register_dataclass(OpaqueDecodeOutput) for a "
+                                "dataclass) or return a tuple, list or dict"}
+    assert op.counters.stock_by_reason == {"refused": 12}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_a_keyword_only_method_returning_a_dataclass_replays_every_call_after_the_first_on_cuda():
+    _, report = codec_streams("cuda", CUDA_STREAMS)
+    assert_replay_counters(report, CODEC_CLASSES, CUDA_STREAMS, "cuda")
