@@ -27,8 +27,8 @@ from transformers import (DynamicCache, EncoderDecoderCache, Gemma3ForCausalLM, 
 from transformers.models.rwkv import modeling_rwkv
 from transformers.modeling_outputs import BaseModelOutput
 
-from cadence_fx import (Admission, Binding, BindingError, Clock, ClockKind, Contract, Interactivity, Lifetime, Operator,
-                        OperatorBinding, Rate, Region, RegionBinding, RingCache, SlidingWindow, transform)
+from cadence_fx import (Admission, Binding, BindingError, Clock, ClockKind, Contract, ContractError, Interactivity,
+                        Lifetime, Operator, OperatorBinding, Rate, Region, RegionBinding, RingCache, SlidingWindow, transform)
 from cadence_fx.binding import get_path, resolve, set_path
 
 STEP = 2  # tokens (or frames) a call
@@ -963,3 +963,25 @@ def test_a_returned_object_pytree_cannot_flatten_refuses_its_class_saying_how_to
 def test_a_keyword_only_method_returning_a_dataclass_replays_every_call_after_the_first_on_cuda():
     _, report = codec_streams("cuda", CUDA_STREAMS)
     assert_replay_counters(report, CODEC_CLASSES, CUDA_STREAMS, "cuda")
+
+
+def test_a_state_clock_no_rate_links_to_the_admission_clock_is_an_error_saying_to_declare_one():
+    """Error quality (fixed in contract.py `_check_operators`): an LSTM's hidden state declared as
+    Mamba's scan state (a clock of its own) but, having no other region, as the operator's region,
+    without a rate to the admission's clock, was refused with `no declared rate converts 'state'
+    into 'frame'`, which says neither why the two must convert nor what to declare."""
+    with pytest.raises(ContractError) as error:
+        Contract(
+            family="lstm",
+            clocks=(Clock("frame", ClockKind.FRAMES), Clock("state", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
+            rates=(Rate("frame", "call", STEP, name="frames_per_call"),),
+            quantities={"layers": LSTM_LAYERS},
+            regions=(Region("hidden", dims=(2, "layers", 1, "state"), axis=3, clock="state", stride=STEP, dtype="float32",
+                            lifetime=Lifetime.PER_STREAM, retention=RingCache(LSTM_HIDDEN)),),
+            operators=(Operator("lstm_step", "hidden", steady=STEP),),
+            admission=Admission("frame", max_per_call=STEP),
+            interactivity=Interactivity(stages=("encoder",)),
+        )
+    assert str(error.value) == ("operators[0].steady: no declared rate converts 'state' into 'frame': the call is counted "
+                                "in the clock of the operator's region 'hidden', the admission in 'frame'; declare a Rate "
+                                "that links them (rule C1)")
