@@ -173,6 +173,8 @@ def resolve(root: Any, path: str) -> Iterator[tuple[tuple[int, ...], str, Any]]:
                 for more, where, leaf in matches:
                     yield indices + (i,) + more, where, leaf
         elif _is_pattern(head):
+            if value is None:  # a sequence not there yet (a legacy `past_key_values` before the first call): no sites
+                return
             if not isinstance(value, (list, tuple, torch.nn.ModuleList)):
                 raise TypeError(f"{head!r} after {concrete!r} needs a sequence, found {type(value).__name__}")
             for i, position in enumerate(_selected(head, len(value))):
@@ -207,6 +209,12 @@ def set_path(roots: dict[str, Any], path: str, value: Any) -> None:
         parent[_key(parent, last)] = value
     elif isinstance(parent, list) and last.isdigit():
         parent[int(last)] = value
+    elif isinstance(parent, tuple) and last.isdigit():
+        # A tuple cannot be written: a new one, the element replaced, takes its place in its own parent
+        # (a legacy `past_key_values`, an LSTM's `(h, c)`); the caller's tuple stays as it was.
+        items = list(parent)
+        items[int(last)] = value
+        set_path(roots, ".".join([first, *rest[:-1]]), type(parent)(*items) if hasattr(parent, "_fields") else tuple(items))
     else:
         setattr(parent, last, value)
 

@@ -359,7 +359,13 @@ def _check_operators(contract: Contract) -> None:
             field_path = f"{path}.steady" if j == 0 else f"{path}.flush[{j - 1}]"
             if not _is_count(units):
                 raise ContractError(field_path, "declaration", f"must be an int, got {units!r}")
-            in_admission_clock = rate_between(contract, region.clock, admission.clock, path=field_path) * units
+            try:
+                in_admission_clock = rate_between(contract, region.clock, admission.clock, path=field_path) * units
+            except ContractError:
+                raise ContractError(field_path, "C1", f"no declared rate converts {region.clock!r} into {admission.clock!r}: "
+                                                      f"the call is counted in the clock of the operator's region "
+                                                      f"{region.name!r}, the admission in {admission.clock!r}; declare a "
+                                                      "Rate that links them") from None
             if not admission.admits(in_admission_clock):
                 raise ContractError(
                     field_path,

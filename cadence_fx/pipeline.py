@@ -32,6 +32,7 @@ region's: kept at one address, passed to the graph, aliased by the replay.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import itertools
 import math
@@ -150,6 +151,17 @@ def _new_state(sites: list[Site], roots: dict[str, Any], out: Any) -> list:
     return [get_path({RETURN: out}, s.out) if s.out else get_path(roots, s.path) for s in sites]
 
 
+class OpaqueOutput(TypeError):
+    """The method returns an object holding tensors that torch's pytree cannot flatten."""
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, type):
+        return False
+    names = [f.name for f in dataclasses.fields(value)] if dataclasses.is_dataclass(value) else list(getattr(value, "__dict__", ()))
+    return any(isinstance(getattr(value, name, None), torch.Tensor) for name in names)
+
+
 def _structure(out: Any, roots: dict[str, Any]) -> tuple[list, tuple]:
     """The output's leaves (the state objects kept whole) and (treespec, its non-tensor leaves by
     position, a state object by its argument name)."""
@@ -158,6 +170,12 @@ def _structure(out: Any, roots: dict[str, Any]) -> tuple[list, tuple]:
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):
             root = next((name for name, r in roots.items() if r is leaf), None)
+            if root is None and _holds_tensors(leaf):
+                # Kept whole, it would be the first call's object, its tensors returned by every later call.
+                kind = type(leaf)
+                raise OpaqueOutput(f"the call returns an object of type {kind.__name__} holding tensors, which torch's pytree does not "
+                                   f"flatten; register it (torch.utils._pytree.register_dataclass({kind.__name__}) for a "
+                                   "dataclass) or return a tuple, list or dict")
             others[i] = ("root", root) if root is not None else ("value", leaf)
     return leaves, (spec, others)
 
@@ -349,6 +367,9 @@ class BoundOperator:
             raise TypeError(f"{self.ob.operator}: the call passes no {sorted(missing)}, where the binding keeps its state")
         inputs = {k: v for k, v in arguments.items() if k not in self.roots}
         if not self.carries:
+            if any(not sites(rb, roots) for rb in self.regions):
+                # A wildcard met None (no state yet, the stock call makes it): the sites cannot be counted
+                return self._stock(roots, inputs, "no_state_yet")
             self._allocate(roots)
         extent = self._retained(roots)
         units = self._units(arguments)
@@ -572,6 +593,10 @@ class BoundOperator:
                 # The step writes the sites into its private copy of the state: expected, not a bug.
                 warnings.filterwarnings("ignore", "The tensor attributes? .* (was|were) assigned during export", UserWarning)
                 program = torch.export.export(step, (inputs, example), strict=False)
+        except OpaqueOutput as error:
+            cls.refused = str(error)
+            self.report.stamps.append(f"{name}: refused, {cls.refused}")
+            return cls
         except Exception as error:  # the model does not export at this class: it runs stock, and says why
             cls.refused = f"torch.export failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
             self.report.stamps.append(f"{name}: refused, {cls.refused}")
