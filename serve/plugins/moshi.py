@@ -50,11 +50,7 @@ slot (a ``feed_frames`` of k frames rides k ticks); a slot's first tick after a 
 it resets that slot alone. A request says it ``follows`` when the session said so for its call
 (``ModelStream.follows``: it asks for the reply's next frame as soon as this is answered), so the
 next tick waits a moment for that slot instead of leaving it for the one after (a batched call
-costs about the same at any fill). A reply that follows at once (not paced) and finds no frame a
-``feed`` computed is **ticked ahead** on silence in one request for the rest of its frames
-(``_Ahead``): its slot rides every tick with no round trip through the session between two of
-its frames, each output handed to the session as its tick ends; a user frame fed meanwhile (or a
-cancel) cuts it short (``SlotScheduler.truncate``), and the frames it ran stay the reply's, in order.
+costs about the same at any fill).
 
 * On a CPU (``processes`` >= 1, 1 by default): worker processes. A tick is bound by per-operator
   overhead in Python (thousands of small operator calls; the depformer's eight codebooks alone
@@ -96,7 +92,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import queue
 import signal
 import socket
 import statistics
@@ -383,60 +378,14 @@ class _Worker(_Place):
             self.process.wait()
 
 
-class _Ahead:
-    """A reply's frames ticked ahead on silence: one request of ``count`` silent frames to the
-    slot, whose outputs arrive one per tick (``on_output``) while the session hands out the
-    earlier ones; ``stop`` cuts it short and gives back what ran and was not taken."""
-
-    def __init__(self, scheduler: SlotScheduler, slot: int, count: int) -> None:
-        self._scheduler, self._slot, self.count = scheduler, slot, count
-        self._outputs: queue.SimpleQueue = queue.SimpleQueue()
-        self.taken = 0
-        self.future = scheduler.submit(slot, [SILENCE] * count, on_output=self._outputs.put)
-
-    @property
-    def done(self) -> bool:
-        return self.taken == self.count
-
-    def next(self) -> np.ndarray | None:
-        """The next output, as soon as its tick ends; what failed the tick, if one did."""
-        while True:
-            try:
-                out = self._outputs.get(timeout=0.05)
-            except queue.Empty:
-                if not self.future.done():
-                    continue
-                # Done: every output it ran was put before the future was answered.
-                ran = self.future.result()  # raises what failed the tick
-                if len(ran) == self.taken:
-                    raise RuntimeError(f"the reply's frames ahead ended after {len(ran)} of {self.count}: "
-                                       "nothing is left to hand out") from None
-                out = self._outputs.get_nowait()
-            self.taken += 1
-            return out
-
-    def stop(self) -> list[np.ndarray | None]:
-        """The frames no tick has taken dropped; the outputs that ran and were not taken yet."""
-        self._scheduler.truncate(self._slot)  # a no-op once the request has ended
-        ran = self.future.result()
-        self.count = len(ran)
-        left = ran[self.taken:]
-        self.taken = self.count
-        return left
-
-
 class MoshiStream(ModelStream):
     """One session's conversation with Moshi: the turn bookkeeping here, the ticks in its slot
     of its place's batch. A reply frame that a ``feed`` computed is handed out by ``step``
-    without a request. A reply that follows at once (``follows``: not paced) is ticked ahead on
-    silence in one request (``_Ahead``): its slot rides every tick until the reply's frames are
-    done, with no round trip through the session between two of them; a user frame fed
-    meanwhile stops it first, and the frames it computed stay the reply's, in order."""
+    without a request."""
 
     def __init__(self, plugin: MoshiPlugin, place: _Place, slot: int) -> None:
         self._plugin, self._place, self.slot = plugin, place, slot
-        self._pending: deque[np.ndarray] = deque()  # reply frames computed, not handed out yet
-        self._ahead: _Ahead | None = None
+        self._pending: deque[np.ndarray] = deque()  # reply frames computed by ``feed``
         self._closed = False
         self.budget = 0  # reply frames still to come out of ``step``
         self.turn_frames = 0  # user frames fed since the last ``begin_response``
@@ -454,13 +403,8 @@ class MoshiStream(ModelStream):
                 raise ValueError(
                     f"feed takes float32 frames of {FRAME_SAMPLES} samples, got {frame.dtype} {frame.shape}"
                 )
-        self._stop_ahead()
-        # The slot's next request follows at once only if the reply will want a tick right after
-        # this one: its frames computed (pending, and these) do not cover it. Otherwise the
-        # session's next call is served from them, and a tick waiting for the slot would wait in vain.
-        follows = self.follows and self.budget - len(self._pending) > len(frames)
         listened = 0
-        for out in self._tick(frames, follows=follows):
+        for out in self._tick(frames, follows=self.follows):
             self.turn_frames += 1
             if out is None:
                 continue
@@ -485,16 +429,8 @@ class MoshiStream(ModelStream):
             return None
         out = self._pending.popleft() if self._pending else None
         while out is None:  # only a stream's first tick gives nothing
-            if self._ahead is None and self.follows and self.budget > 1:
-                self._ahead = _Ahead(self._place.scheduler, self.slot, self.budget)
-            if self._ahead is not None:
-                out = self._ahead.next()
-                self.ticks += 1
-                if self._ahead.done:
-                    self._ahead.future.result()
-                    self._ahead = None
-            else:  # paced, or the last frame: one tick, and nothing ahead of it
-                (out,) = self._tick([SILENCE])
+            # The session asks for the reply's next frame at once (``follows``), unless this is the last.
+            (out,) = self._tick([SILENCE], follows=self.follows and self.budget > 1)
         self.budget -= 1
         self.replied += 1
         self._plugin._count(replied=1)
@@ -502,7 +438,6 @@ class MoshiStream(ModelStream):
 
     def cancel(self) -> None:
         self.budget = 0
-        self._stop_ahead()
         self._pending.clear()
 
     def close(self) -> None:
@@ -515,20 +450,6 @@ class MoshiStream(ModelStream):
     def place(self) -> int:
         """The index of the place whose batch holds this stream's slot."""
         return self._place.index
-
-    def _stop_ahead(self) -> None:
-        """The reply's frames ahead stopped; those that ran are the reply's, in order (its
-        pending frames, while it still has frames to come) or its user's turn's (dropped)."""
-        if self._ahead is None:
-            return
-        ahead, self._ahead = self._ahead, None
-        ran = ahead.stop()
-        self.ticks += len(ran)
-        left = [out for out in ran if out is not None]
-        kept = left[: max(self.budget - len(self._pending), 0)]
-        self._pending.extend(kept)
-        self.listened += len(left) - len(kept)
-        self._plugin._count(listened=len(left) - len(kept))
 
     def _tick(self, frames: list[np.ndarray], follows: bool = False) -> list[np.ndarray | None]:
         outs = self._place.scheduler.submit(self.slot, frames, follows=follows).result()

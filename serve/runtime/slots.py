@@ -25,12 +25,6 @@ call:
   taken, to have a frame waiting again. Slots whose request did not say so (a listener, whose
   next frame comes when its user sends it) hold nothing up; ``follow_misses`` counts the slots
   a tick ran without because ``gather_s`` ran out first.
-* **a request can be cut short, and can hand out its outputs as they come.** A session that
-  computes a reply ahead on silence submits the reply's frames as one request (the slot then
-  rides every tick until they are done, with no round trip between them) with ``on_output``,
-  called with each output as its tick ends; when its user speaks, or the reply is cancelled,
-  ``truncate`` drops the frames no tick has taken yet, and the request ends with the outputs of
-  those that ran.
 
 Ticks run in arrival order on one thread, so a slot's frames run in the order its session sent
 them. ``record=True`` keeps every tick's frames and joins (``history``), for checking a run
@@ -81,7 +75,6 @@ class _Request:
     frames: Sequence[Any]
     future: Future
     follows: bool
-    on_output: Callable[[Any], None] | None = None
     outputs: list[Any] = field(default_factory=list)
 
 
@@ -105,7 +98,6 @@ class SlotScheduler:
         self._joining: set[int] = set()  # taken, not yet run since
         self._waiting: dict[int, _Request] = {}
         self._following: set[int] = set()  # slots whose last answered request said it follows
-        self._running: frozenset[int] = frozenset()  # the slots of the tick in progress
         self._closed = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=f"{name}-slots", daemon=True)
@@ -140,12 +132,10 @@ class SlotScheduler:
             self._following.discard(slot)
             self._cond.notify()  # a tick gathering for this slot need not wait for it
 
-    def submit(self, slot: int, frames: Sequence[Any], *, follows: bool = False,
-               on_output: Callable[[Any], None] | None = None) -> Future:
+    def submit(self, slot: int, frames: Sequence[Any], *, follows: bool = False) -> Future:
         """A future of ``frames``' outputs, in order. An empty request is answered at once.
         ``follows``: the session submits again as soon as this is answered (the next tick waits
-        for it, up to ``gather_s``). ``on_output``: called with each output on the scheduler's
-        thread as its tick ends, before the future is answered."""
+        for it, up to ``gather_s``)."""
         future: Future = Future()
         with self._cond:
             if self._closed:
@@ -156,28 +146,9 @@ class SlotScheduler:
             if not frames:
                 future.set_result([])
                 return future
-            self._waiting[slot] = _Request(list(frames), future, follows, on_output)
+            self._waiting[slot] = _Request(list(frames), future, follows)
             self._cond.notify()
         return future
-
-    def truncate(self, slot: int) -> Future:
-        """Drop the frames of ``slot``'s request that no tick has taken yet: the future of its
-        request, answered with the outputs of the frames that ran (at once when none is running;
-        after the tick in progress when it holds one of them). A slot with no request in flight
-        gets a future already answered with no outputs."""
-        with self._cond:
-            self._check_taken(slot)
-            request = self._waiting.get(slot)
-            if request is None:
-                future: Future = Future()
-                future.set_result([])
-                return future
-            taken = len(request.outputs) + (slot in self._running)
-            del request.frames[taken:]
-            if taken == len(request.outputs):  # nothing running: it ends here
-                del self._waiting[slot]
-                request.future.set_result(request.outputs)
-            return request.future
 
     def close(self) -> None:
         """Stop ticking; requests still waiting fail."""
@@ -211,7 +182,6 @@ class SlotScheduler:
                 frames = {slot: request.frames[len(request.outputs)] for slot, request in requests.items()}
                 joins = tuple(slot for slot in frames if slot in self._joining)
                 self._joining.difference_update(joins)
-                self._running = frozenset(frames)
             running = time.perf_counter()
             self.seconds.gather += running - gathering
             try:
@@ -221,7 +191,6 @@ class SlotScheduler:
                     raise RuntimeError(f"{self.name}: the tick returned no output for slots {missing}")
             except BaseException as error:  # noqa: BLE001 - every request in the tick learns why
                 with self._cond:
-                    self._running = frozenset()
                     self._joining.update(joins)  # a reset is idempotent: the next session's first tick resets again
                     for slot in frames:
                         del self._waiting[slot]
@@ -230,24 +199,19 @@ class SlotScheduler:
                 continue
             handing_out = time.perf_counter()
             self.seconds.run += handing_out - running
-            done, handed = [], []
+            done = []
             with self._cond:
-                self._running = frozenset()
                 self.ticks += 1
                 self.frames += len(frames)
                 if self.history is not None:
                     self.history.append(TickRecord(frames, joins))
                 for slot, request in requests.items():
                     request.outputs.append(outputs[slot])
-                    if request.on_output is not None:
-                        handed.append((request.on_output, outputs[slot]))
                     if len(request.outputs) == len(request.frames):
                         del self._waiting[slot]
                         done.append(request)
                         if request.follows:
                             self._following.add(slot)
-            for on_output, output in handed:
-                on_output(output)
             for request in done:
                 request.future.set_result(request.outputs)
             self.seconds.handout += time.perf_counter() - handing_out

@@ -188,69 +188,6 @@ def test_a_frame_fed_during_a_reply_is_the_replys_next_frame(plugin, models):
     assert next_turn == 1
 
 
-def test_a_reply_that_follows_at_once_is_ticked_ahead_in_one_request(plugin, models):
-    turn = user_frames(5, seed=31)
-    stream, session = opened(plugin)
-    feed(stream, turn)
-    stream.follows = True  # what the session says of an unpaced reply's calls
-    out = reply(stream)
-    stream.close()
-
-    sent, got = slot_reference(models, plugin, stream.place, stream.slot, session)
-    assert same(sent, turn + [SILENCE] * 5)
-    assert same(out, got[5:10])
-    assert (stream.ticks, stream.replied, stream.listened) == (10, 5, 4)
-
-
-def silence_run(sent: list[np.ndarray], start: int) -> int:
-    """How many SILENCE frames ``sent`` has in a row from ``start``."""
-    count = 0
-    while start + count < len(sent) and np.array_equal(sent[start + count], SILENCE):
-        count += 1
-    return count
-
-
-def test_a_frame_fed_during_a_reply_ticked_ahead_stops_it_and_the_frames_it_ran_stay_the_replys(plugin, models):
-    turn, overlap = user_frames(3, seed=32), user_frames(1, seed=33)
-    stream, session = opened(plugin)
-    feed(stream, turn)
-    stream.begin_response()
-    stream.follows = True
-    out = [stream.step()]  # three silent frames go ahead in one request; the first is handed out
-    stream.follows = False
-    feed(stream, overlap)  # stops them: how many ran by now is the scheduler's timing
-    out += drain(stream)
-    stream.close()
-
-    sent, got = slot_reference(models, plugin, stream.place, stream.slot, session)
-    ahead = silence_run(sent, 3)
-    assert 1 <= ahead <= 3
-    # The reply is the slot's next three outputs, whichever frames (silence ahead, the user's) made them.
-    assert same(sent, turn + [SILENCE] * ahead + overlap + [SILENCE] * max(0, 2 - ahead))
-    assert same(out, got[3:6])
-
-
-def test_cancel_stops_a_reply_ticked_ahead_and_the_next_reply_follows_its_frames(plugin, models):
-    first, second = user_frames(4, seed=34), user_frames(2, seed=35)
-    stream, session = opened(plugin)
-    feed(stream, first)
-    stream.begin_response()
-    stream.follows = True
-    assert stream.step() is not None
-    stream.follows = False
-    stream.cancel()
-    assert stream.step() is None
-    feed(stream, second)
-    after = reply(stream)
-    stream.close()
-
-    sent, got = slot_reference(models, plugin, stream.place, stream.slot, session)
-    ahead = silence_run(sent, 4)
-    assert 1 <= ahead <= 4
-    assert same(sent, first + [SILENCE] * ahead + second + [SILENCE] * 2)
-    assert same(after, got[4 + ahead + 2:])
-
-
 def test_clear_input_shortens_the_turn_but_the_model_heard_it(plugin, models):
     cleared, kept = user_frames(5, seed=18), user_frames(2, seed=19)
     stream, session = opened(plugin)

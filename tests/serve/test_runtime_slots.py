@@ -157,37 +157,6 @@ def test_a_tick_that_leaves_out_a_slot_fails_naming_it():
         scheduler.close()
 
 
-def test_a_request_hands_out_each_output_as_its_tick_ends_and_is_cut_short_by_truncate(scheduler, model):
-    a, b = scheduler.acquire(), scheduler.acquire()
-    handed = []
-    model.gate.clear()
-    ahead = scheduler.submit(a, ["s0", "s1", "s2", "s3"], on_output=handed.append)
-    assert model.entered.wait(5)  # tick 0 runs s0 and is held
-    cut = scheduler.truncate(a)  # s0 is running: it ends with it; s1..s3 are dropped
-    assert cut is ahead and not ahead.done()
-    model.gate.set()
-    assert ahead.result(5) == [(0, 0, "s0")] and handed == [(0, 0, "s0")]
-    assert scheduler.submit(a, ["u0"]).result(5) == [(1, 0, "u0")]  # the slot takes a request again
-    # A request no tick is running ends at once with the outputs so far; a slot with none gets [].
-    model.gate.clear()
-    model.entered.clear()
-    busy = scheduler.submit(b, ["b0"])
-    assert model.entered.wait(5)
-    waiting = scheduler.submit(a, ["s4", "s5"], on_output=handed.append)
-    assert scheduler.truncate(a).result(0) == [] and waiting.result(0) == []
-    model.gate.set()
-    assert busy.result(5) == [(2, 1, "b0")]
-    assert scheduler.truncate(b).result(0) == []
-    assert [frames for frames, _ in model.calls] == [{0: "s0"}, {0: "u0"}, {1: "b0"}]
-    assert handed == [(0, 0, "s0")]
-
-
-def test_a_request_that_runs_to_its_end_hands_out_every_output_in_order(scheduler, model):
-    slot, handed = scheduler.acquire(), []
-    assert scheduler.submit(slot, ["s0", "s1", "s2"], on_output=handed.append).result(5) == handed
-    assert handed == [(0, 0, "s0"), (1, 0, "s1"), (2, 0, "s2")]
-
-
 def test_misuse_is_refused_by_name(scheduler, model):
     with pytest.raises(ValueError) as untaken:
         scheduler.submit(2, ["x"])
