@@ -17,6 +17,8 @@ keep one physical address for the life of the stream:
   becomes `window_keep`, a copy of the last W units into the compact carry of W units;
 * a retention output with no concat behind it (the first call of a stream keeps the new units
   whole) becomes `window_adopt`, a copy into the carry.
+* a not-held context taken from the new units alone (``new[..., -W:]`` where the call brings at
+  least W units: the same units as the concat's tail) becomes `window_adopt` too.
 
 The retention is either the operand's last W units (``operand[..., -W:]``: a sliding window) or
 its first P units plus its last H (``cat([operand[..., :P], operand[..., -H:]])``: a prompt, or
@@ -326,6 +328,14 @@ def rewrite_windows(gm: torch.fx.GraphModule, windows: tuple[Window, ...], carri
                 kept = gm.graph.call_function(window_adopt, (carry, leaf))
             output.replace_input_with(leaf, kept)
             kind, done = "keep", "the new units, kept whole, copied into the carry in place"
+        elif not w.held and not w.head and tail is not None and tail[1:] == (w.axis, 0, w.keep) and _extent(cat, w.axis) >= w.keep:
+            # The last W of [retained | new] taken from the new units alone, which fill the window
+            # (transformers' Mimi: `hidden_states[..., -padding:]`): the same units, copied into the
+            # carry after the step's last reader of it.
+            with gm.graph.inserting_before(output):
+                kept = gm.graph.call_function(window_adopt, (carry, leaf))
+            output.replace_input_with(leaf, kept)
+            kind, done = "keep", f"the last {w.keep} of the new units (they fill the window) copied into the carry in place"
         else:
             raise WindowError(f"{graph}: {w.site}: retention output {leaf.name} is neither a concat of "
                               f"{w.input} and new units nor new units kept whole")

@@ -152,6 +152,36 @@ def test_auditing_a_context_shorter_than_its_window_copies_it_whole_and_counts_n
     assert (auditor.retentions, auditor.applications, auditor.mismatches) == (1, 0, 0)
 
 
+class PaddingContext(torch.nn.Module):
+    """transformers' Mimi padding cache: the operand is ``cat([context, new])``, but the next call's
+    context is taken from the new units alone (``new[..., -KEEP:]``), which fill the window."""
+
+    def forward(self, new: torch.Tensor, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        full = torch.cat([context, new], dim=2)
+        return full.cumsum(2)[:, :, -NEW:], new[:, :, -KEEP:]
+
+
+def test_a_context_kept_from_the_new_units_alone_is_copied_into_its_carry():
+    """Bug (fixed in passes/window.py `rewrite_windows`): the retention output is a tail of the new
+    units, not of the concat, and the pass refused it (`retention output slice_1 is neither a concat
+    of context and new units nor new units kept whole`), so transformers' Mimi encoder ran the stock
+    code at every call after its first."""
+    carry = WindowCarry("ctx", "ctx", torch.zeros(*SHAPE[:2], KEEP, SHAPE[2]), axis=2)
+    wide = KEEP + NEW  # a call brings more units than the window keeps
+    gm = export(PaddingContext(), units(wide, 0), units(KEEP, 1))
+    window = Window("ctx", "ctx", output=1, input="context", axis=2, keep=KEEP, live=KEEP + wide, held=False)
+    after, (site,), _ = rewrite_windows(gm, (window,), {"ctx": carry}, graph="steady")
+    assert window_adopt in targets(after)
+    assert site.reason == "rewritten (ctx): the last 8 of the new units (they fill the window) copied into the carry in place"
+    stock, context = units(KEEP, 2), carry.reset(units(KEEP, 2))
+    for call in range(3):
+        new = units(wide, 20 + call)
+        expected, stock = PaddingContext()(new, stock)
+        got, context = after(new, context)
+        assert torch.equal(got, expected) and torch.equal(context, stock)
+        assert context.data_ptr() == carry.address
+
+
 def test_new_units_kept_whole_are_adopted_into_the_carry():
     carry = WindowCarry("kv", "kv", torch.zeros(*SHAPE[:2], KEEP + NEW, SHAPE[2]), axis=2, auditor=ShadowAuditor())
     gm = export(FirstCall(), units(NEW, 0))
