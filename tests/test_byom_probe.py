@@ -22,8 +22,9 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 from transformers import (DynamicCache, EncoderDecoderCache, Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,
-                          GPT2LMHeadModel, MambaConfig, MambaForCausalLM, Qwen3Config, Qwen3ForCausalLM, RwkvConfig,
-                          RwkvForCausalLM, WhisperConfig, WhisperForConditionalGeneration)
+                          GPT2LMHeadModel, MambaConfig, MambaForCausalLM, MimiConfig, MimiModel, Qwen3Config,
+                          Qwen3ForCausalLM, RwkvConfig, RwkvForCausalLM, WhisperConfig, WhisperForConditionalGeneration)
+from transformers.models.mimi.modeling_mimi import MimiConv1dPaddingCache
 from transformers.models.rwkv import modeling_rwkv
 from transformers.modeling_outputs import BaseModelOutput
 
@@ -119,7 +120,7 @@ def streamed(model, contract: Contract, binding: Binding, stream, streams: int):
 
 
 def assert_replay_counters(report, visits: dict[str, int], streams: int, device: str, may_refuse: frozenset = frozenset(),
-                           later: frozenset = frozenset()):
+                           later: frozenset = frozenset(), operator: str | None = None):
     """The replay engine's counters after `streams` streams that each visit the catalog classes
     `visits` (class name -> calls a stream, in the order first met). Every binding here verifies
     one visit (`Binding(verify=1)`): a class's first call ever runs beside the stock call, outside
@@ -127,8 +128,9 @@ def assert_replay_counters(report, visits: dict[str, int], streams: int, device:
     call and replays it from then on (the capturing call replays too). Without CUDA the engine runs
     each call eager (`no_cuda`). A class verification refused (only one of `may_refuse`) runs the
     stock code on every visit, never the engine. A class of `later` is one the first stream does
-    not meet (its first call finds no state to count the sites by, and runs the stock code)."""
-    (op,) = report.operators.values()
+    not meet (its first call finds no state to count the sites by, and runs the stock code). A
+    binding of several operators names the `operator` whose counters these are."""
+    (op,) = [report.operators[operator]] if operator else report.operators.values()
     assert [cls.name for cls in op.classes.values()] == list(visits)
     refused = {cls.name: cls.refused for cls in op.classes.values() if cls.refused}
     assert set(refused) <= may_refuse and all(why.startswith("verification: ") for why in refused.values()), refused
@@ -985,3 +987,175 @@ def test_a_state_clock_no_rate_links_to_the_admission_clock_is_an_error_saying_t
     assert str(error.value) == ("operators[0].steady: no declared rate converts 'state' into 'frame': the call is counted "
                                 "in the clock of the operator's region 'hidden', the admission in 'frame'; declare a Rate "
                                 "that links them (rule C1)")
+
+
+MIMI_CALLS, MIMI_WINDOW = 6, 5  # a sliding layer's cache keeps its last MIMI_WINDOW - 1 tokens
+# The encoder's padded convolutions with a left context (padding 2), grouped by channels and rate;
+# its two 1x1 convolutions (layers 2 and 5) keep an empty one, left unbound.
+# name: (the layers' path, their leading dims, channels, clock)
+MIMI_CONVS = {"conv_in": ("0", (), 1, "sample"), "conv_4": ("[1:4:2]", (2,), 4, "sample"),
+              "conv_8": ("[4:7:2]", (2,), 8, "half"), "conv_16": ("[7:9]", (2,), 16, "token")}
+MIMI_CLASSES = {f"{op}[n=2,L={e}]": n for op in ("encode", "decode") for e, n in ((0, 1), (2, 1), (4, 4))}
+
+
+def mimi() -> tuple[MimiModel, MimiConfig]:
+    """transformers' Mimi codec: 8 samples a frame, 2 encoder (and decoder) transformer tokens a frame."""
+    torch.manual_seed(0)
+    config = MimiConfig(hidden_size=16, num_filters=4, num_residual_layers=1, upsampling_ratios=[2, 2], kernel_size=3,
+                        last_kernel_size=3, residual_kernel_size=3, codebook_size=16, codebook_dim=16, num_quantizers=2,
+                        vector_quantization_hidden_dimension=16, upsample_groups=16, num_hidden_layers=2,
+                        intermediate_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                        sliding_window=MIMI_WINDOW, max_position_embeddings=64, attn_implementation="sdpa")
+    return MimiModel(config).eval(), config
+
+
+def mimi_padding_cache(model: MimiModel) -> MimiConv1dPaddingCache:
+    """The padding cache as `MimiEncoderModel.forward` makes it, but with each layer's padding an int:
+    the model's own holds its 0-d buffers, and `update` branches on `padding > 0`."""
+    encoder = model.encoder
+    convs = [encoder.encoder_seanet.get_submodule(name) for name in encoder.encoder_seanet._conv1d_layer_names]
+    convs.append(encoder.downsample)
+    return MimiConv1dPaddingCache(len(convs), [int(c.padding_total) for c in convs], [c.pad_mode for c in convs],
+                                  [c.in_channels for c in convs])
+
+
+def mimi_contract(config: MimiConfig) -> Contract:
+    kv = dict(dims=KV_DIMS, axis=4, clock="token", stride=STEP, dtype="float32", lifetime=Lifetime.PER_STREAM,
+              retention=SlidingWindow(window=config.sliding_window - 1))
+    strides = {"sample": 4 * STEP, "half": 2 * STEP, "token": STEP}  # units of each clock a frame brings
+    convs = tuple(Region(name, dims=(*lead, 1, channels, clock), axis=len(lead) + 2, clock=clock, stride=strides[clock],
+                         dtype="float32", lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=2, initial=2),
+                         holds_call=False)
+                  for name, (_, lead, channels, clock) in MIMI_CONVS.items())
+    return Contract(
+        family="mimi",
+        clocks=(Clock("sample", ClockKind.SAMPLES), Clock("half", ClockKind.SAMPLES), Clock("token", ClockKind.FRAMES),
+                Clock("call", ClockKind.CALLS)),
+        rates=(Rate("token", "call", STEP, name="tokens_per_call"), Rate("sample", "token", 4), Rate("half", "token", 2)),
+        quantities={"layers": 2, "kv_heads": 2, "head_dim": 8},
+        regions=(Region("encoder_kv", **kv), Region("decoder_kv", **kv), *convs),
+        operators=(Operator("encode", "encoder_kv", steady=STEP), Operator("decode", "decoder_kv", steady=STEP)),
+        admission=Admission("token", max_per_call=STEP),
+        interactivity=Interactivity(stages=("encoder", "decoder")),
+    )
+
+
+def mimi_binding(verify: int) -> Binding:
+    def kv(cache: str) -> RegionBinding:
+        return RegionBinding(f"{cache}_kv", at=(f"{cache}_cache.layers.*.keys", f"{cache}_cache.layers.*.values"))
+
+    def counters(cache: str) -> tuple[str, ...]:
+        return f"{cache}_cache.layers.*.is_initialized", f"{cache}_cache.layers.*.cumulative_length"
+
+    return Binding(
+        regions=(kv("encoder"), kv("decoder"),
+                 *(RegionBinding(name, at=(f"padding_cache.padding_cache.{at}",)) for name, (at, *_) in MIMI_CONVS.items())),
+        operators=(OperatorBinding("encode", method="encode", units=STEP, counters=counters("encoder")),
+                   OperatorBinding("decode", method="decode", units=STEP, counters=counters("decoder"))),
+        verify=verify,
+    )
+
+
+def mimi_stream(config: MimiConfig, audio: torch.Tensor, padding_cache, positions: bool):
+    """The stock way to stream Mimi: one frame a call through `encode` (its caches passed back in),
+    its codes through `decode`. Returns the codes, the audio and every retained tensor after each
+    call (the encoder's state compared too: its codes alone could hide a difference), and where
+    each bound site is."""
+
+    def stream(m):
+        encoder_cache, decoder_cache, padding = DynamicCache(config=config), DynamicCache(config=config), padding_cache()
+        outputs, addresses = [], []
+        with torch.no_grad():
+            for i in range(MIMI_CALLS):
+                at = dict(position_ids=torch.arange(i * STEP, (i + 1) * STEP)[None]) if positions else {}
+                encoded = m.encode(audio[..., i * config.frame_size:(i + 1) * config.frame_size], encoder_cache=encoder_cache,
+                                   padding_cache=padding, use_streaming=True, return_dict=True, **at)
+                padding = encoded.padding_cache
+                decoded = m.decode(encoded.audio_codes, decoder_cache=decoder_cache, return_dict=True, **at)
+                kept = [padding.padding_cache[i] for i in (0, 1, 3, 4, 6, 7, 8)]
+                kept += [getattr(layer, kind) for cache in (encoder_cache, decoder_cache) for layer in cache.layers
+                         for kind in ("keys", "values")]
+                # cloned now: the transformed model's retained tensors are its carries, which the next call overwrites
+                outputs += [x.clone() for x in (encoded.audio_codes, decoded.audio_values, *kept)]
+                addresses.append(layer_addresses(encoder_cache.layers, "encoder_cache.layers")
+                                 | layer_addresses(decoder_cache.layers, "decoder_cache.layers")
+                                 | {f"padding_cache.padding_cache.{i}": padding.padding_cache[i].data_ptr() for i in (0, 1, 3, 4, 6, 7, 8)})
+        return outputs, addresses
+
+    return stream
+
+
+def mimi_audio(config: MimiConfig) -> torch.Tensor:
+    return torch.randn(1, 1, MIMI_CALLS * config.frame_size, generator=torch.Generator().manual_seed(1))
+
+
+def test_mimi_encodes_and_decodes_frame_by_frame_on_the_exported_steps():
+    """transformers' Mimi, `encode` and `decode` bound as two operators: the encoder keeps its
+    convolutions' left contexts (a padding cache, fixed windows) and its transformer's sliding
+    window, the decoder its transformer's. The positions are passed (`position_ids`): without them
+    the transformer derives them from `cumulative_length`, a host counter the graph reads (see the
+    next test)."""
+    model, config = mimi()
+    stream = mimi_stream(config, mimi_audio(config), lambda: mimi_padding_cache(model), positions=True)
+    expected, _ = stream(model)
+    bound, report = transform(model, mimi_contract(config), mimi_binding(verify=1))
+    for _ in range(2):
+        actual, addresses = stream(bound)
+        assert exact(actual, expected)
+        assert addresses == [{path: carry.address for path, carry in bound.carries.items()}] * MIMI_CALLS
+    for name in ("encode", "decode"):
+        assert report.operators[name].counters.as_dict() == {"calls": 12, "graph_calls": 12, "verified": 3, "stock": 0,
+                                                             "adopted": 0, "stock_by_reason": {}}
+        assert_replay_counters(report, {k: v for k, v in MIMI_CLASSES.items() if k.startswith(name)}, streams=2,
+                               device="cpu", operator=name)
+    # at the steady class: the encoder's 4 key and value sites appended then evicted in place, its 7
+    # left contexts (each the last 2 units of its convolution's new input) copied into their carries
+    assert [(s.kind, s.region) for s in report.sites if s.graph == "encode[n=2,L=4]"] == (
+        [("append", "encoder_kv")] * 4 + [("keep", "conv_in")] + [("keep", "conv_4")] * 2 + [("keep", "conv_8")] * 2
+        + [("keep", "conv_16")] * 2)
+
+
+def test_mimi_positions_left_to_the_cache_refuse_the_steady_class_at_its_second_verification():
+    """Without `position_ids` the transformers derive the positions from the caches'
+    `cumulative_length`, a host int the graph freezes at capture: the encoder's steady class (L=4,
+    met at positions 4, 6, 8, 10) verified once would key every call at position 4 (its codes may
+    still match: the retained keys do not). With `verify=2` its second call differs from the stock
+    call and the class runs the stock code. The decoder's steady class verifies twice and streams
+    exact as it is."""
+    model, config = mimi()
+    audio = mimi_audio(config)
+    bound, report = transform(model, mimi_contract(config), mimi_binding(verify=2))
+    stream = mimi_stream(config, audio, lambda: mimi_padding_cache(model), positions=False)
+    expected, _ = stream(model)
+    for _ in range(2):
+        assert exact(stream(bound)[0], expected)
+    op = report.operators["encode"]
+    assert {cls.name: cls.refused for cls in op.classes.values()} == {
+        "encode[n=2,L=0]": None, "encode[n=2,L=2]": None,
+        "encode[n=2,L=4]": "verification: tensor 1: (1, 2, 4, 8) torch.float32 differs from the stock call's (1, 2, 4, 8) torch.float32"}
+    assert op.counters.stock_by_reason == {"verification": 1, "refused": 6}
+    assert report.operators["decode"].counters.as_dict() == {"calls": 12, "graph_calls": 12, "verified": 6, "stock": 0,
+                                                             "adopted": 0, "stock_by_reason": {}}
+
+
+def test_mimi_with_the_padding_cache_the_model_makes_runs_the_stock_code_saying_why():
+    """The padding cache `encode` makes itself (padding_cache=None at the first call) holds each
+    layer's padding as a 0-d buffer, and `update` branches on `padding > 0`: torch.export cannot
+    trace a branch on a tensor's value, so every encode class is refused and runs the stock code."""
+    model, config = mimi()
+    audio = mimi_audio(config)
+    bound, report = transform(model, mimi_contract(config), mimi_binding(verify=1))
+    stream = mimi_stream(config, audio, lambda: None, positions=True)
+    expected, _ = stream(model)
+    for _ in range(2):
+        assert exact(stream(bound)[0], expected)
+    op = report.operators["encode"]
+    assert [cls.name for cls in op.classes.values()] == ["encode[n=2,L=2]", "encode[n=2,L=4]", "encode[n=2,L=0]"]
+    assert all(cls.refused.startswith("torch.export failed: GuardOnDataDependentSymNode: Could not guard on "
+                                      "data-dependent expression") for cls in op.classes.values())
+    # the first stream's first call: no padding cache to count the sites in yet; every later call's
+    # state (11 sites) is taken into the carries after its stock call, and once more at the call
+    # that allocates them
+    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 0, "verified": 0, "stock": 12, "adopted": 132,
+                                     "stock_by_reason": {"no_state_yet": 1, "refused": 11}}
+    assert report.operators["decode"].counters.stock_by_reason == {}
