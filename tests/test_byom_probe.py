@@ -7,10 +7,11 @@ tokens and stops is declared `SlidingWindow(window=N)`. The stock cache never tr
 call up to N is a class of the catalog and runs the exported step; a call past N is none and runs
 the stock code.
 
-Every test uses `Binding(verify=1)`: the first stream verifies each class, the second runs the
-rewritten graphs only (on CPU, eager), so a host value the graphs would not move shows there. Each
-model's test has a `cuda` twin: the same streams (three of them) on the GPU, where every call after
-its class's first replays a CUDA graph."""
+Every test uses `Binding(verify=1)`: the first stream verifies each class (a class that moves a
+host counter is verified once more, at another value of it, by the second), the later calls run
+the rewritten graphs only (on CPU, eager), so a host value the graphs would not move shows there.
+Most models' tests have a `cuda` twin: the same streams (three of them) on the GPU, where every
+call after its class's verified ones replays a CUDA graph (transformers' Mimi has none yet)."""
 
 from __future__ import annotations
 
