@@ -15,7 +15,7 @@ call after its class's verified ones replays a CUDA graph (transformers' Mimi ha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 from transformers import (DynamicCache, EncoderDecoderCache, Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,
-                          GPT2LMHeadModel, KyutaiSpeechToTextConfig, KyutaiSpeechToTextForConditionalGeneration, MambaConfig, MambaForCausalLM, MimiConfig, MimiModel, Qwen3Config,
+                          GPT2LMHeadModel, KyutaiSpeechToTextConfig, KyutaiSpeechToTextForConditionalGeneration, MambaConfig, MambaForCausalLM, MimiConfig, MimiModel, MoshiConfig, MoshiForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM, RwkvConfig, RwkvForCausalLM, WhisperConfig, WhisperForConditionalGeneration)
 from transformers.models.mimi.modeling_mimi import MimiConv1dPaddingCache
 from transformers.models.rwkv import modeling_rwkv
@@ -1267,3 +1267,47 @@ def test_kyutai_positions_left_to_the_cache_refuse_the_steady_class_at_its_secon
     assert {cls.name: cls.refused for cls in op.classes.values()} == {f"decoder_step[n=1,L={e}]": None for e in range(5)} | {
         "decoder_step[n=1,L=5]": "verification: tensor 0: (1, 1, 64) torch.float32 differs from the stock call's (1, 1, 64) torch.float32"}
     assert op.counters.stock_by_reason == {"verification": 1, "refused": 4}
+
+
+MOSHI_WINDOW = 5  # a sliding layer's cache keeps its last MOSHI_WINDOW - 1 tokens
+MOSHI_CLASSES = {"decoder_step[n=2,L=0]": 1, "decoder_step[n=2,L=2]": 1, "decoder_step[n=2,L=4]": 4}
+
+
+def test_moshi_text_transformer_streams_its_sliding_cache_on_the_exported_steps():
+    """transformers' MoshiForCausalLM (Moshi's temporal transformer with its text head), STEP tokens a
+    call into a DynamicCache of sliding layers, positions passed; the retained keys and values are
+    compared too, the logits alone could hide an eviction gone wrong."""
+    torch.manual_seed(0)
+    config = MoshiConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=8, ffn_dim=64, sliding_window=MOSHI_WINDOW, max_position_embeddings=64,
+                         audio_vocab_size=16, num_codebooks=2, audio_encoder_config=dict(model_type="mimi"),
+                         attn_implementation="sdpa")
+    model = MoshiForCausalLM(config).eval()
+    tokens = random_tokens(12)
+
+    def stream(m):
+        cache, outputs, addresses = DynamicCache(config=config), [], []
+        with torch.no_grad():
+            for t in range(0, 12, STEP):
+                outputs.append(m(input_ids=tokens[:, t:t + STEP], position_ids=torch.arange(t, t + STEP)[None], cache=cache,
+                                 use_cache=True).logits)
+                outputs += [getattr(layer, kind).clone() for layer in cache.layers for kind in ("keys", "values")]
+                addresses.append(layer_addresses(cache.layers, "cache.layers"))
+        return outputs, addresses
+
+    contract = kv_contract("moshi_text", 2, 2, tokens=12)
+    contract = replace(contract, regions=(replace(contract.regions[0], retention=SlidingWindow(window=MOSHI_WINDOW - 1)),))
+    binding = Binding(regions=DYNAMIC_CACHE.regions,
+                      operators=(OperatorBinding("decoder_step", units=("input_ids", 1),
+                                                 counters=("cache.layers.*.is_initialized", "cache.layers.*.cumulative_length")),),
+                      verify=1)
+    expected, _ = stream(model)
+    bound, report = transform(model, contract, binding)
+    for _ in range(2):
+        actual, addresses = stream(bound)
+        assert exact(actual, expected)
+        assert addresses == [{path: carry.address for path, carry in bound.carries.items()}] * 6
+    # every class moves `cumulative_length`: each is verified twice (once a stream)
+    assert report.operators["decoder_step"].counters.as_dict() == {"calls": 12, "graph_calls": 12, "verified": 6, "stock": 0,
+                                                                  "adopted": 0, "stock_by_reason": {}}
+    assert_replay_counters(report, MOSHI_CLASSES, streams=2, device="cpu")
