@@ -11,7 +11,8 @@ Every test uses `Binding(verify=1)`: the first stream verifies each class (a cla
 host counter is verified once more, at another value of it, by the second), the later calls run
 the rewritten graphs only (on CPU, eager), so a host value the graphs would not move shows there.
 Most models' tests have a `cuda` twin: the same streams (three of them) on the GPU, where every
-call after its class's verified ones replays a CUDA graph (transformers' Mimi has none yet)."""
+call after its class's verified ones replays a CUDA graph (transformers' Mimi and the speech LMs'
+decoder steps, Kyutai's, Moshi's and CSM's, have none yet)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ import pytest
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
-from transformers import (DynamicCache, EncoderDecoderCache, Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,
-                          GPT2LMHeadModel, KyutaiSpeechToTextConfig, KyutaiSpeechToTextForConditionalGeneration, MambaConfig, MambaForCausalLM, MimiConfig, MimiModel, MoshiConfig, MoshiForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM, RwkvConfig, RwkvForCausalLM, WhisperConfig, WhisperForConditionalGeneration)
+from transformers import (CsmConfig, CsmForConditionalGeneration, DynamicCache, EncoderDecoderCache, Gemma3ForCausalLM,
+                          Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, KyutaiSpeechToTextConfig,
+                          KyutaiSpeechToTextForConditionalGeneration, MambaConfig, MambaForCausalLM, MimiConfig,
+                          MimiModel, MoshiConfig, MoshiForCausalLM, Qwen3Config, Qwen3ForCausalLM, RwkvConfig,
+                          RwkvForCausalLM, WhisperConfig, WhisperForConditionalGeneration)
 from transformers.models.mimi.modeling_mimi import MimiConv1dPaddingCache
 from transformers.models.rwkv import modeling_rwkv
 from transformers.modeling_outputs import BaseModelOutput
@@ -1169,6 +1172,11 @@ def test_mimi_with_the_padding_cache_the_model_makes_runs_the_stock_code_saying_
     assert report.operators["decode"].counters.stock_by_reason == {}
 
 
+# The audio codec a speech LM builds beside its transformer (a Mimi), unused by the decoder steps here.
+TINY_CODEC = dict(model_type="mimi", hidden_size=16, num_filters=4, num_residual_layers=1, upsampling_ratios=[2, 2],
+                  kernel_size=3, last_kernel_size=3, residual_kernel_size=3, codebook_size=16, codebook_dim=16,
+                  num_quantizers=2, vector_quantization_hidden_dimension=16, upsample_groups=16, num_hidden_layers=1,
+                  intermediate_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=8)
 KYUTAI_CALLS, KYUTAI_WINDOW = 8, 6  # a sliding layer's cache keeps its last KYUTAI_WINDOW - 1 frames
 KYUTAI_CLASSES = {f"decoder_step[n=1,L={e}]": 1 for e in range(5)} | {"decoder_step[n=1,L=5]": 3}
 
@@ -1177,15 +1185,11 @@ def kyutai() -> tuple[KyutaiSpeechToTextForConditionalGeneration, KyutaiSpeechTo
     """transformers' Kyutai speech-to-text: each frame is one text token and 2 codebooks' codes,
     summed into one embedding; its audio codec (a Mimi) is not run here, the codes are fed directly."""
     torch.manual_seed(0)
-    codec = MimiConfig(hidden_size=16, num_filters=4, num_residual_layers=1, upsampling_ratios=[2, 2], kernel_size=3,
-                       last_kernel_size=3, residual_kernel_size=3, codebook_size=16, codebook_dim=16, num_quantizers=2,
-                       vector_quantization_hidden_dimension=16, upsample_groups=16, num_hidden_layers=1,
-                       intermediate_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=8)
     config = KyutaiSpeechToTextConfig(codebook_vocab_size=17, vocab_size=64, hidden_size=32, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
                                       sliding_window=KYUTAI_WINDOW, ffn_dim=64, num_codebooks=2, audio_bos_token_id=16,
                                       audio_pad_token_id=64 + 2 * 17, pad_token_id=3, bos_token_id=1,
-                                      codec_config=codec.to_dict(), attn_implementation="sdpa")
+                                      codec_config=TINY_CODEC, attn_implementation="sdpa")
     return KyutaiSpeechToTextForConditionalGeneration(config).eval(), config
 
 
@@ -1280,7 +1284,7 @@ def test_moshi_text_transformer_streams_its_sliding_cache_on_the_exported_steps(
     torch.manual_seed(0)
     config = MoshiConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=8, ffn_dim=64, sliding_window=MOSHI_WINDOW, max_position_embeddings=64,
-                         audio_vocab_size=16, num_codebooks=2, audio_encoder_config=dict(model_type="mimi"),
+                         audio_vocab_size=16, num_codebooks=2, audio_encoder_config=TINY_CODEC,
                          attn_implementation="sdpa")
     model = MoshiForCausalLM(config).eval()
     tokens = random_tokens(12)
@@ -1311,3 +1315,55 @@ def test_moshi_text_transformer_streams_its_sliding_cache_on_the_exported_steps(
     assert report.operators["decoder_step"].counters.as_dict() == {"calls": 12, "graph_calls": 12, "verified": 6, "stock": 0,
                                                                   "adopted": 0, "stock_by_reason": {}}
     assert_replay_counters(report, MOSHI_CLASSES, streams=2, device="cpu")
+
+
+CSM_CALLS = 6
+CSM_CLASSES = {f"decoder_step[n=1,L={e}]": 1 for e in range(CSM_CALLS)}
+
+
+def test_csm_backbone_streams_one_frame_of_codes_a_call_on_the_exported_steps():
+    """transformers' CsmForConditionalGeneration, its backbone's generation step: one frame of codes
+    a call (input_ids of shape (1, 1, codebooks), as `generate` feeds it; the text and the codec are
+    not run) into a DynamicCache of full attention, positions passed. Full attention: the stream's
+    CSM_CALLS frames are its window."""
+    torch.manual_seed(0)
+    depth = dict(num_codebooks=2, backbone_hidden_size=32, vocab_size=16, hidden_size=32, intermediate_size=64,
+                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=3)
+    config = CsmConfig(num_codebooks=2, vocab_size=16, text_vocab_size=32, hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       max_position_embeddings=64, pad_token_id=28, codebook_pad_token_id=15, codebook_eos_token_id=0,
+                       bos_token_id=1, audio_token_id=29, audio_eos_token_id=30, depth_decoder_config=depth,
+                       codec_config=TINY_CODEC, attn_implementation="sdpa")
+    model = CsmForConditionalGeneration(config).eval()
+    codes = torch.randint(0, 16, (1, CSM_CALLS, 2), generator=torch.Generator().manual_seed(1))
+
+    def stream(m):
+        cache, outputs, addresses = DynamicCache(config=config), [], []
+        with torch.no_grad():
+            for t in range(CSM_CALLS):
+                outputs.append(m(input_ids=codes[:, t:t + 1], position_ids=torch.tensor([[t]]), cache=cache,
+                                 use_cache=True).logits)
+                outputs += [getattr(layer, kind).clone() for layer in cache.layers for kind in ("keys", "values")]
+                addresses.append(layer_addresses(cache.layers, "cache.layers"))
+        return outputs, addresses
+
+    contract = Contract(
+        family="csm_backbone",
+        clocks=(Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
+        rates=(Rate("frame", "call", 1, name="frames_per_call"),),
+        quantities={"layers": 2, "kv_heads": 2, "head_dim": 8},
+        regions=(Region("kv", dims=("layers", 2, 1, "kv_heads", "frame", "head_dim"), axis=4, clock="frame", stride=1,
+                        dtype="float32", lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=CSM_CALLS)),),
+        operators=(Operator("decoder_step", "kv", steady=1),),
+        admission=Admission("frame", max_per_call=1),
+        interactivity=Interactivity(stages=("backbone",)),
+    )
+    expected, _ = stream(model)
+    bound, report = transform(model, contract, DYNAMIC_CACHE)
+    for _ in range(2):
+        actual, addresses = stream(bound)
+        assert exact(actual, expected)
+        assert addresses == [{path: carry.address for path, carry in bound.carries.items()}] * CSM_CALLS
+    assert report.operators["decoder_step"].counters.as_dict() == {"calls": 12, "graph_calls": 12, "verified": 6, "stock": 0,
+                                                                  "adopted": 0, "stock_by_reason": {}}
+    assert_replay_counters(report, CSM_CLASSES, streams=2, device="cpu")
