@@ -11,20 +11,23 @@ Every test uses `Binding(verify=1)`: the first stream verifies each class (a cla
 host counter is verified once more, at another value of it, by the second), the later calls run
 the rewritten graphs only (on CPU, eager), so a host value the graphs would not move shows there.
 Most models' tests have a `cuda` twin: the same streams (three of them) on the GPU, where every
-call after its class's verified ones replays a CUDA graph (transformers' Mimi has none yet)."""
+call after its class's verified ones replays a CUDA graph (transformers' Mimi and the speech LMs'
+decoder steps, Kyutai's, Moshi's and CSM's, have none yet)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
-from transformers import (DynamicCache, EncoderDecoderCache, Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,
-                          GPT2LMHeadModel, MambaConfig, MambaForCausalLM, MimiConfig, MimiModel, Qwen3Config,
-                          Qwen3ForCausalLM, RwkvConfig, RwkvForCausalLM, WhisperConfig, WhisperForConditionalGeneration)
+from transformers import (CsmConfig, CsmForConditionalGeneration, DynamicCache, EncoderDecoderCache, Gemma3ForCausalLM,
+                          Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, KyutaiSpeechToTextConfig,
+                          KyutaiSpeechToTextForConditionalGeneration, MambaConfig, MambaForCausalLM, MimiConfig,
+                          MimiModel, MoshiConfig, MoshiForCausalLM, Qwen3Config, Qwen3ForCausalLM, RwkvConfig,
+                          RwkvForCausalLM, WhisperConfig, WhisperForConditionalGeneration)
 from transformers.models.mimi.modeling_mimi import MimiConv1dPaddingCache
 from transformers.models.rwkv import modeling_rwkv
 from transformers.modeling_outputs import BaseModelOutput
@@ -1167,3 +1170,200 @@ def test_mimi_with_the_padding_cache_the_model_makes_runs_the_stock_code_saying_
     assert op.counters.as_dict() == {"calls": 12, "graph_calls": 0, "verified": 0, "stock": 12, "adopted": 132,
                                      "stock_by_reason": {"no_state_yet": 1, "refused": 11}}
     assert report.operators["decode"].counters.stock_by_reason == {}
+
+
+# The audio codec a speech LM builds beside its transformer (a Mimi), unused by the decoder steps here.
+TINY_CODEC = dict(model_type="mimi", hidden_size=16, num_filters=4, num_residual_layers=1, upsampling_ratios=[2, 2],
+                  kernel_size=3, last_kernel_size=3, residual_kernel_size=3, codebook_size=16, codebook_dim=16,
+                  num_quantizers=2, vector_quantization_hidden_dimension=16, upsample_groups=16, num_hidden_layers=1,
+                  intermediate_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=8)
+KYUTAI_CALLS, KYUTAI_WINDOW = 8, 6  # a sliding layer's cache keeps its last KYUTAI_WINDOW - 1 frames
+KYUTAI_CLASSES = {f"decoder_step[n=1,L={e}]": 1 for e in range(5)} | {"decoder_step[n=1,L=5]": 3}
+
+
+def kyutai() -> tuple[KyutaiSpeechToTextForConditionalGeneration, KyutaiSpeechToTextConfig]:
+    """transformers' Kyutai speech-to-text: each frame is one text token and 2 codebooks' codes,
+    summed into one embedding; its audio codec (a Mimi) is not run here, the codes are fed directly."""
+    torch.manual_seed(0)
+    config = KyutaiSpeechToTextConfig(codebook_vocab_size=17, vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                                      sliding_window=KYUTAI_WINDOW, ffn_dim=64, num_codebooks=2, audio_bos_token_id=16,
+                                      audio_pad_token_id=64 + 2 * 17, pad_token_id=3, bos_token_id=1,
+                                      codec_config=TINY_CODEC, attn_implementation="sdpa")
+    return KyutaiSpeechToTextForConditionalGeneration(config).eval(), config
+
+
+def kyutai_stream(config: KyutaiSpeechToTextConfig, positions: bool):
+    """The stock way to stream the ASR decoder: one frame (text token + codes) a call into one
+    DynamicCache (sliding layers). Returns the logits and every retained tensor after each call,
+    and where each site is."""
+    generator = torch.Generator().manual_seed(1)
+    frames = torch.cat([torch.randint(0, 64, (1, KYUTAI_CALLS, 1), generator=generator),
+                        torch.randint(0, 16, (1, KYUTAI_CALLS, 2), generator=generator)], dim=-1)
+
+    def stream(m):
+        cache, outputs, addresses = DynamicCache(config=config), [], []
+        with torch.no_grad():
+            for t in range(KYUTAI_CALLS):
+                at = dict(position_ids=torch.tensor([[t]])) if positions else {}
+                outputs.append(m(input_ids=frames[:, t:t + 1], cache=cache, use_cache=True, **at).logits)
+                # cloned now: the transformed model's retained tensors are its carries, which the next call overwrites
+                outputs += [getattr(layer, kind).clone() for layer in cache.layers for kind in ("keys", "values")]
+                addresses.append(layer_addresses(cache.layers, "cache.layers"))
+        return outputs, addresses
+
+    return stream
+
+
+def kyutai_contract(config: KyutaiSpeechToTextConfig) -> Contract:
+    return Contract(
+        family="kyutai_stt",
+        clocks=(Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
+        rates=(Rate("frame", "call", 1, name="frames_per_call"),),
+        quantities={"layers": 2, "kv_heads": 2, "head_dim": 8},
+        regions=(Region("kv", dims=("layers", 2, 1, "kv_heads", "frame", "head_dim"), axis=4, clock="frame", stride=1,
+                        dtype="float32", lifetime=Lifetime.PER_STREAM,
+                        retention=SlidingWindow(window=config.sliding_window - 1)),),
+        operators=(Operator("decoder_step", "kv", steady=1),),
+        admission=Admission("frame", max_per_call=1),
+        interactivity=Interactivity(stages=("decoder",)),
+    )
+
+
+KYUTAI_BINDING = Binding(
+    regions=(RegionBinding("kv", at=("cache.layers.*.keys", "cache.layers.*.values")),),
+    operators=(OperatorBinding("decoder_step", units=("input_ids", 1),
+                               counters=("cache.layers.*.is_initialized", "cache.layers.*.cumulative_length")),),
+    verify=1,
+)
+
+
+def test_kyutai_speech_to_text_decodes_frame_by_frame_on_the_exported_steps():
+    """One frame of codes a call, positions passed: every class of the sliding cache (L = 0..5,
+    the steady one from the sixth call on) runs its exported step, bit-identical to the stock call."""
+    model, config = kyutai()
+    stream = kyutai_stream(config, positions=True)
+    expected, _ = stream(model)
+    bound, report = transform(model, kyutai_contract(config), KYUTAI_BINDING)
+    for _ in range(2):
+        actual, addresses = stream(bound)
+        assert exact(actual, expected)
+        assert addresses == [{path: carry.address for path, carry in bound.carries.items()}] * KYUTAI_CALLS
+    op = report.operators["decoder_step"]
+    # every class moves `cumulative_length`: each is verified twice (once a stream)
+    assert op.counters.as_dict() == {"calls": 16, "graph_calls": 16, "verified": 12, "stock": 0, "adopted": 0,
+                                     "stock_by_reason": {}}
+    assert_replay_counters(report, KYUTAI_CLASSES, streams=2, device="cpu")
+    assert [(s.kind, s.region) for s in report.sites if s.graph == "decoder_step[n=1,L=5]"] == [("append", "kv")] * 4
+
+
+def test_kyutai_positions_left_to_the_cache_refuse_the_steady_class_at_its_second_verification():
+    """Without `position_ids` the model derives them from the cache's seen length, a host counter
+    the graph freezes: the steady class (L=5, met at frames 5, 6, 7) differs from the stock call at
+    its second verified call and runs the stock code; the stream stays exact."""
+    model, config = kyutai()
+    stream = kyutai_stream(config, positions=False)
+    expected, _ = stream(model)
+    bound, report = transform(model, kyutai_contract(config), KYUTAI_BINDING)
+    for _ in range(2):
+        assert exact(stream(bound)[0], expected)
+    op = report.operators["decoder_step"]
+    assert {cls.name: cls.refused for cls in op.classes.values()} == {f"decoder_step[n=1,L={e}]": None for e in range(5)} | {
+        "decoder_step[n=1,L=5]": "verification: tensor 0: (1, 1, 64) torch.float32 differs from the stock call's (1, 1, 64) torch.float32"}
+    assert op.counters.stock_by_reason == {"verification": 1, "refused": 4}
+
+
+MOSHI_WINDOW = 5  # a sliding layer's cache keeps its last MOSHI_WINDOW - 1 tokens
+MOSHI_CLASSES = {"decoder_step[n=2,L=0]": 1, "decoder_step[n=2,L=2]": 1, "decoder_step[n=2,L=4]": 4}
+
+
+def test_moshi_text_transformer_streams_its_sliding_cache_on_the_exported_steps():
+    """transformers' MoshiForCausalLM (Moshi's temporal transformer with its text head), STEP tokens a
+    call into a DynamicCache of sliding layers, positions passed; the retained keys and values are
+    compared too, the logits alone could hide an eviction gone wrong."""
+    torch.manual_seed(0)
+    config = MoshiConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=8, ffn_dim=64, sliding_window=MOSHI_WINDOW, max_position_embeddings=64,
+                         audio_vocab_size=16, num_codebooks=2, audio_encoder_config=TINY_CODEC,
+                         attn_implementation="sdpa")
+    model = MoshiForCausalLM(config).eval()
+    tokens = random_tokens(12)
+
+    def stream(m):
+        cache, outputs, addresses = DynamicCache(config=config), [], []
+        with torch.no_grad():
+            for t in range(0, 12, STEP):
+                outputs.append(m(input_ids=tokens[:, t:t + STEP], position_ids=torch.arange(t, t + STEP)[None], cache=cache,
+                                 use_cache=True).logits)
+                outputs += [getattr(layer, kind).clone() for layer in cache.layers for kind in ("keys", "values")]
+                addresses.append(layer_addresses(cache.layers, "cache.layers"))
+        return outputs, addresses
+
+    contract = kv_contract("moshi_text", 2, 2, tokens=12)
+    contract = replace(contract, regions=(replace(contract.regions[0], retention=SlidingWindow(window=MOSHI_WINDOW - 1)),))
+    binding = Binding(regions=DYNAMIC_CACHE.regions,
+                      operators=(OperatorBinding("decoder_step", units=("input_ids", 1),
+                                                 counters=("cache.layers.*.is_initialized", "cache.layers.*.cumulative_length")),),
+                      verify=1)
+    expected, _ = stream(model)
+    bound, report = transform(model, contract, binding)
+    for _ in range(2):
+        actual, addresses = stream(bound)
+        assert exact(actual, expected)
+        assert addresses == [{path: carry.address for path, carry in bound.carries.items()}] * 6
+    # every class moves `cumulative_length`: each is verified twice (once a stream)
+    assert report.operators["decoder_step"].counters.as_dict() == {"calls": 12, "graph_calls": 12, "verified": 6, "stock": 0,
+                                                                  "adopted": 0, "stock_by_reason": {}}
+    assert_replay_counters(report, MOSHI_CLASSES, streams=2, device="cpu")
+
+
+CSM_CALLS = 6
+CSM_CLASSES = {f"decoder_step[n=1,L={e}]": 1 for e in range(CSM_CALLS)}
+
+
+def test_csm_backbone_streams_one_frame_of_codes_a_call_on_the_exported_steps():
+    """transformers' CsmForConditionalGeneration, its backbone's generation step: one frame of codes
+    a call (input_ids of shape (1, 1, codebooks), as `generate` feeds it; the text and the codec are
+    not run) into a DynamicCache of full attention, positions passed. Full attention: the stream's
+    CSM_CALLS frames are its window."""
+    torch.manual_seed(0)
+    depth = dict(num_codebooks=2, backbone_hidden_size=32, vocab_size=16, hidden_size=32, intermediate_size=64,
+                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=3)
+    config = CsmConfig(num_codebooks=2, vocab_size=16, text_vocab_size=32, hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       max_position_embeddings=64, pad_token_id=28, codebook_pad_token_id=15, codebook_eos_token_id=0,
+                       bos_token_id=1, audio_token_id=29, audio_eos_token_id=30, depth_decoder_config=depth,
+                       codec_config=TINY_CODEC, attn_implementation="sdpa")
+    model = CsmForConditionalGeneration(config).eval()
+    codes = torch.randint(0, 16, (1, CSM_CALLS, 2), generator=torch.Generator().manual_seed(1))
+
+    def stream(m):
+        cache, outputs, addresses = DynamicCache(config=config), [], []
+        with torch.no_grad():
+            for t in range(CSM_CALLS):
+                outputs.append(m(input_ids=codes[:, t:t + 1], position_ids=torch.tensor([[t]]), cache=cache,
+                                 use_cache=True).logits)
+                outputs += [getattr(layer, kind).clone() for layer in cache.layers for kind in ("keys", "values")]
+                addresses.append(layer_addresses(cache.layers, "cache.layers"))
+        return outputs, addresses
+
+    contract = Contract(
+        family="csm_backbone",
+        clocks=(Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
+        rates=(Rate("frame", "call", 1, name="frames_per_call"),),
+        quantities={"layers": 2, "kv_heads": 2, "head_dim": 8},
+        regions=(Region("kv", dims=("layers", 2, 1, "kv_heads", "frame", "head_dim"), axis=4, clock="frame", stride=1,
+                        dtype="float32", lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=CSM_CALLS)),),
+        operators=(Operator("decoder_step", "kv", steady=1),),
+        admission=Admission("frame", max_per_call=1),
+        interactivity=Interactivity(stages=("backbone",)),
+    )
+    expected, _ = stream(model)
+    bound, report = transform(model, contract, DYNAMIC_CACHE)
+    for _ in range(2):
+        actual, addresses = stream(bound)
+        assert exact(actual, expected)
+        assert addresses == [{path: carry.address for path, carry in bound.carries.items()}] * CSM_CALLS
+    assert report.operators["decoder_step"].counters.as_dict() == {"calls": 12, "graph_calls": 12, "verified": 6, "stock": 0,
+                                                                  "adopted": 0, "stock_by_reason": {}}
+    assert_replay_counters(report, CSM_CLASSES, streams=2, device="cpu")
