@@ -273,6 +273,14 @@ def _erase_trim(gm: torch.fx.GraphModule, leaf: torch.fx.Node) -> None:
             gm.graph.erase_node(part)
 
 
+def _adopt(gm: torch.fx.GraphModule, output: torch.fx.Node, carry: torch.fx.Node, leaf: torch.fx.Node) -> torch.fx.Node:
+    """The step's retained `leaf` copied into the carry after its last reader: the graph returns the carry."""
+    with gm.graph.inserting_before(output):
+        kept = gm.graph.call_function(window_adopt, (carry, leaf))
+    output.replace_input_with(leaf, kept)
+    return kept
+
+
 def _shared(gm: torch.fx.GraphModule) -> dict[int, object]:
     """A `copy.deepcopy` memo under which the copy shares the weights and the (immutable) pytree
     specs of `gm`: a rewritten step costs its graph, not a second copy of the model."""
@@ -324,17 +332,13 @@ def rewrite_windows(gm: torch.fx.GraphModule, windows: tuple[Window, ...], carri
             if _extent(leaf, w.axis) != expected:
                 raise WindowError(f"{graph}: {w.site}: {leaf.name} has extent {_extent(leaf, w.axis)}, "
                                   f"the catalog class declares {expected}")
-            with gm.graph.inserting_before(output):
-                kept = gm.graph.call_function(window_adopt, (carry, leaf))
-            output.replace_input_with(leaf, kept)
+            kept = _adopt(gm, output, carry, leaf)
             kind, done = "keep", "the new units, kept whole, copied into the carry in place"
         elif not w.held and not w.head and tail is not None and tail[1:] == (w.axis, 0, w.keep) and _extent(cat, w.axis) >= w.keep:
             # The last W of [retained | new] taken from the new units alone, which fill the window
             # (transformers' Mimi: `hidden_states[..., -padding:]`): the same units, copied into the
             # carry after the step's last reader of it.
-            with gm.graph.inserting_before(output):
-                kept = gm.graph.call_function(window_adopt, (carry, leaf))
-            output.replace_input_with(leaf, kept)
+            kept = _adopt(gm, output, carry, leaf)
             kind, done = "keep", f"the last {w.keep} of the new units (they fill the window) copied into the carry in place"
         else:
             raise WindowError(f"{graph}: {w.site}: retention output {leaf.name} is neither a concat of "
