@@ -39,6 +39,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -165,12 +166,8 @@ def _lanes(plugin: dict | None) -> dict | None:
 def _error_kinds(results) -> dict[str, int]:
     """How many error events of each kind the sessions got: "type/code: message" (the message's
     first 160 characters), so a failed run says why."""
-    kinds: dict[str, int] = {}
-    for result in results:
-        for error in result.errors:
-            kind = f"{error.get('type')}/{error.get('code')}: {str(error.get('message'))[:160]}"
-            kinds[kind] = kinds.get(kind, 0) + 1
-    return kinds
+    return dict(Counter(f"{error.get('type')}/{error.get('code')}: {str(error.get('message'))[:160]}"
+                        for result in results for error in result.errors))
 
 
 def main() -> None:
