@@ -47,7 +47,11 @@ slot of the place with the fewest open streams, and ``SlotsFull`` says so when n
 place's ``SlotScheduler`` (in the server process) runs one batched call at a time, as soon as
 any slot has a frame waiting and for as long as any has, each with one frame of every waiting
 slot (a ``feed_frames`` of k frames rides k ticks); a slot's first tick after a new stream took
-it resets that slot alone. A request says it ``follows`` when the session said so for its call
+it resets that slot alone. ``feed`` does not wait for its ticks: its frames queue on the slot
+behind the ones already there, and their outputs are taken by the stream's next call that needs
+them, so a session's next append is waiting on its slot when the last one's frames are done (with
+``feed`` waiting for its ticks, each append's request missed the tick that started while its
+session got the answer and sent the next). A request says it ``follows`` when the session said so for its call
 (``ModelStream.follows``: it asks for the reply's next frame as soon as this is answered), so the
 next tick waits a moment for that slot instead of leaving it for the one after (a batched call
 costs about the same at any fill).
@@ -91,6 +95,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import signal
 import socket
@@ -127,6 +132,8 @@ from cadence_fx.models.moshi_stream import (
 
 from ..runtime.slots import SlotScheduler, SlotsFull, TickRecord
 from .base import ModelPlugin, ModelStream, PluginInfo, add_counters
+
+log = logging.getLogger(__name__)
 
 SIZES: dict[str, MoshiConfig] = {"tiny": TINY, "small": SMALL, "full": FULL}
 DEVICES: dict[str, str] = {"tiny": "cpu", "small": "cpu", "full": "cuda"}  # each size's default device
@@ -380,12 +387,19 @@ class _Worker(_Place):
 
 class MoshiStream(ModelStream):
     """One session's conversation with Moshi: the turn bookkeeping here, the ticks in its slot
-    of its place's batch. A reply frame that a ``feed`` computed is handed out by ``step``
-    without a request."""
+    of its place's batch. ``feed`` submits its frames and returns at once: their outputs are
+    taken in order by the stream's next call that needs them (a ``step`` waits for the frames
+    fed since its reply began, which are the reply's next frames), so a session's next append
+    is queued on its slot before the last one's ticks are done and its slot misses no tick in
+    between. A tick that failed raises from the stream's next call. A reply frame that a
+    ``feed`` computed is handed out by ``step`` without a request of its own."""
 
     def __init__(self, plugin: MoshiPlugin, place: _Place, slot: int) -> None:
         self._plugin, self._place, self.slot = plugin, place, slot
         self._pending: deque[np.ndarray] = deque()  # reply frames computed by ``feed``
+        # Fed frames whose outputs are not taken yet: (their future, the reply they were fed in, or None).
+        self._inflight: deque[tuple[Future, int | None]] = deque()
+        self._reply = 0  # which reply is current: begin_response and cancel move it on
         self._closed = False
         self.budget = 0  # reply frames still to come out of ``step``
         self.turn_frames = 0  # user frames fed since the last ``begin_response``
@@ -403,34 +417,40 @@ class MoshiStream(ModelStream):
                 raise ValueError(
                     f"feed takes float32 frames of {FRAME_SAMPLES} samples, got {frame.dtype} {frame.shape}"
                 )
-        listened = 0
-        for out in self._tick(frames, follows=self.follows):
-            self.turn_frames += 1
-            if out is None:
-                continue
-            if len(self._pending) < self.budget:
-                self._pending.append(out)
-            else:
-                listened += 1
-        self.listened += listened
-        self._plugin._count(listened=listened)
+        self._take(wait=False)
+        if not frames:
+            return
+        future = self._place.scheduler.submit(self.slot, frames, follows=self.follows)
+        self._inflight.append((future, self._reply if self.budget else None))
+        self.turn_frames += len(frames)
+        self.ticks += len(frames)
 
     def clear_input(self) -> None:
         self.turn_frames = 0
 
     def begin_response(self) -> None:
+        self._take(wait=False)
         if self.budget or self._pending:
             raise RuntimeError(f"begin_response while a reply is in progress ({self.budget} frames still to come)")
         self.budget = min(max(self.turn_frames, 1), self._plugin.max_reply_frames)
         self.turn_frames = 0
+        self._reply += 1
 
     def step(self) -> np.ndarray | None:
         if self.budget == 0:
             return None
+        self._take(wait=False)
+        # Frames fed since this reply began are its next frames: wait for them before ticking silence.
+        while not self._pending and any(reply == self._reply for _, reply in self._inflight):
+            self._take(wait=True, first=True)
         out = self._pending.popleft() if self._pending else None
         while out is None:  # only a stream's first tick gives nothing
             # The session asks for the reply's next frame at once (``follows``), unless this is the last.
-            (out,) = self._tick([SILENCE], follows=self.follows and self.budget > 1)
+            future = self._place.scheduler.submit(self.slot, [SILENCE], follows=self.follows and self.budget > 1)
+            self.ticks += 1
+            self._plugin._count(silence=1)
+            self._take(wait=True)  # fed frames queued before it, done by the time it is
+            (out,) = future.result()
         self.budget -= 1
         self.replied += 1
         self._plugin._count(replied=1)
@@ -439,11 +459,16 @@ class MoshiStream(ModelStream):
     def cancel(self) -> None:
         self.budget = 0
         self._pending.clear()
+        self._reply += 1
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             self.cancel()
+            try:
+                self._take(wait=True)  # the slot is released with nothing of it left in flight
+            except Exception as error:  # noqa: BLE001 - the session is ending; its slot must still come back
+                log.warning("moshi slot %d: a tick of the closing stream failed: %s", self.slot, error)
             self._plugin._placed_off(self._place, self.slot)
 
     @property
@@ -451,10 +476,27 @@ class MoshiStream(ModelStream):
         """The index of the place whose batch holds this stream's slot."""
         return self._place.index
 
-    def _tick(self, frames: list[np.ndarray], follows: bool = False) -> list[np.ndarray | None]:
-        outs = self._place.scheduler.submit(self.slot, frames, follows=follows).result()
-        self.ticks += len(frames)
-        return outs
+    def _take(self, *, wait: bool, first: bool = False) -> None:
+        """The outputs of fed frames, oldest first: those already computed (``wait`` False), all of
+        them (``wait``), or only the oldest request's (``first``). Those of a frame fed during the
+        current reply are its next frames, up to its budget; the others were heard and dropped."""
+        listened = 0
+        try:
+            while self._inflight and (wait or self._inflight[0][0].done()):
+                future, reply = self._inflight.popleft()
+                outs = future.result()
+                for out in outs:
+                    if out is None:
+                        continue
+                    if reply == self._reply and len(self._pending) < self.budget:
+                        self._pending.append(out)
+                    else:
+                        listened += 1
+                if first:
+                    break
+        finally:
+            self.listened += listened
+            self._plugin._count(listened=listened)
 
 
 def _require_cuda(name: str) -> None:
@@ -562,7 +604,7 @@ class MoshiPlugin(ModelPlugin):
         self.checkpoint = None if weights is None else _checkpoint_of_size(self.name, size, weights)
         self.slots, self.record = slots, record
         self.streams = 0
-        self.listened = self.replied = 0
+        self.listened = self.replied = self.silence = 0
         self._lock = threading.Lock()  # placement and counters: streams call from several threads
         self._started: list[Future] = []  # each place's batch, being built or built
         self.cores: list[list[int]] = []  # of each worker process, when pinned
@@ -629,10 +671,11 @@ class MoshiPlugin(ModelPlugin):
             place.scheduler.release(slot)
             place.streams -= 1
 
-    def _count(self, listened: int = 0, replied: int = 0) -> None:
+    def _count(self, listened: int = 0, replied: int = 0, silence: int = 0) -> None:
         with self._lock:
             self.listened += listened
             self.replied += replied
+            self.silence += silence
 
     def _start(self, slots: int) -> None:
         """Each place's batch of ``slots`` (once, under the lock): its scheduler now, its runtime
@@ -700,6 +743,8 @@ class MoshiPlugin(ModelPlugin):
                 "ticks": sum(s.frames for s in schedulers),
                 "listened": self.listened,
                 "replied": self.replied,
+                # of all the ticks, those on 80 ms of silence for a reply's frame that no fed frame brought
+                "silence": self.silence,
             },
             # Per process that ticks (the server process itself when processes is 0): its batched
             # calls (each runs the frames of every slot that had one waiting), the warm-up calls of

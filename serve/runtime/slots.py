@@ -9,9 +9,11 @@ call:
   that runs it: the call is told so (``joins``), so the model resets that slot (and that slot
   alone) right before its first frame.
 * **a tick runs every slot that has a frame waiting, one frame each, in one call.** A session
-  submits its frames (``submit``, one request in flight per slot); the scheduler's thread takes
-  the next frame of every waiting slot, calls ``run(frames, joins)`` once, and hands each slot
-  its output; a request of k frames is answered after the k ticks that ran them. Slots with
+  submits its frames (``submit``); a slot's requests queue in the order they came, so a session
+  need not wait for one request's answer before it sends the next (a listener's next frames are
+  then waiting when its last ones ran, and it misses no tick in between). The scheduler's thread
+  takes the next frame of every waiting slot, calls ``run(frames, joins)`` once, and hands each
+  slot its output; a request of k frames is answered after the k ticks that ran them. Slots with
   nothing waiting are left out of the call (the model masks them). The thread ticks as soon as
   anything waits and for as long as anything does: requests that arrive while a tick runs ride
   the next one together, so the more sessions wait, the more each call carries.
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -96,7 +99,7 @@ class SlotScheduler:
         self.history: list[TickRecord] | None = [] if record else None
         self._taken: set[int] = set()
         self._joining: set[int] = set()  # taken, not yet run since
-        self._waiting: dict[int, _Request] = {}
+        self._waiting: dict[int, deque[_Request]] = {}  # each slot's requests, oldest first
         self._following: set[int] = set()  # slots whose last answered request said it follows
         self._closed = False
         self._cond = threading.Condition()
@@ -127,26 +130,24 @@ class SlotScheduler:
         with self._cond:
             self._check_taken(slot)
             if slot in self._waiting:
-                raise RuntimeError(f"{self.name}: slot {slot} is released with a request in flight")
+                raise RuntimeError(f"{self.name}: slot {slot} is released with {len(self._waiting[slot])} request(s) in flight")
             self._taken.discard(slot)
             self._following.discard(slot)
             self._cond.notify()  # a tick gathering for this slot need not wait for it
 
     def submit(self, slot: int, frames: Sequence[Any], *, follows: bool = False) -> Future:
-        """A future of ``frames``' outputs, in order. An empty request is answered at once.
-        ``follows``: the session submits again as soon as this is answered (the next tick waits
-        for it, up to ``gather_s``)."""
+        """A future of ``frames``' outputs, in order; they run after the slot's requests already
+        in flight. An empty request is answered at once. ``follows``: the session submits again as
+        soon as this is answered (the next tick waits for it, up to ``gather_s``)."""
         future: Future = Future()
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"{self.name} is closed")
             self._check_taken(slot)
-            if slot in self._waiting:
-                raise RuntimeError(f"{self.name}: slot {slot} already has a request in flight; one at a time per slot")
             if not frames:
                 future.set_result([])
                 return future
-            self._waiting[slot] = _Request(list(frames), future, follows)
+            self._waiting.setdefault(slot, deque()).append(_Request(list(frames), future, follows))
             self._cond.notify()
         return future
 
@@ -174,11 +175,12 @@ class SlotScheduler:
                         break
                     self._cond.wait(left)
                 if self._closed:
-                    waiting, self._waiting = list(self._waiting.values()), {}
+                    waiting = [request for queue in self._waiting.values() for request in queue]
+                    self._waiting = {}
                     break
                 self.follow_misses += len(self._following - self._waiting.keys())
                 self._following.clear()
-                requests = dict(sorted(self._waiting.items()))
+                requests = {slot: self._waiting[slot][0] for slot in sorted(self._waiting)}
                 frames = {slot: request.frames[len(request.outputs)] for slot, request in requests.items()}
                 joins = tuple(slot for slot in frames if slot in self._joining)
                 self._joining.difference_update(joins)
@@ -189,12 +191,12 @@ class SlotScheduler:
                 missing = [slot for slot in frames if slot not in outputs]
                 if missing:
                     raise RuntimeError(f"{self.name}: the tick returned no output for slots {missing}")
-            except BaseException as error:  # noqa: BLE001 - every request in the tick learns why
+            except BaseException as error:  # noqa: BLE001 - every request of the tick's slots learns why
                 with self._cond:
                     self._joining.update(joins)  # a reset is idempotent: the next session's first tick resets again
-                    for slot in frames:
-                        del self._waiting[slot]
-                for request in requests.values():
+                    # A slot's later requests would run on a state that missed this tick: they fail too.
+                    failed = [request for slot in frames for request in self._waiting.pop(slot)]
+                for request in failed:
                     request.future.set_exception(error)
                 continue
             handing_out = time.perf_counter()
@@ -208,8 +210,12 @@ class SlotScheduler:
                 for slot, request in requests.items():
                     request.outputs.append(outputs[slot])
                     if len(request.outputs) == len(request.frames):
-                        del self._waiting[slot]
+                        queue = self._waiting[slot]
+                        queue.popleft()
                         done.append(request)
+                        if queue:
+                            continue
+                        del self._waiting[slot]
                         if request.follows:
                             self._following.add(slot)
             for request in done:
