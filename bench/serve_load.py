@@ -101,6 +101,16 @@ def _gpu() -> str | None:
     return names[0].strip() or None
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    """A process's CPU time so far (user + system, all its threads; Linux's ``/proc``), else None."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _stats_ms(seconds: list[float]) -> dict | None:
     stats = latency_stats([1e3 * s for s in seconds])
     if stats is None:
@@ -206,11 +216,14 @@ def main() -> None:
     load_before = os.getloadavg()
     try:
         pcm = speech_pattern(args.seconds)
+        server_cpu, load_cpu = _cpu_seconds(server.pid), time.process_time()
         started = time.monotonic()
         results = asyncio.run(
             run_load(f"ws://127.0.0.1:{port}/v1/duplex", pcm, args.sessions, patience_s=args.patience)
         )
         wall_s = time.monotonic() - started
+        server_cpu_after, load_cpu = _cpu_seconds(server.pid), time.process_time() - load_cpu
+        server_cpu = None if server_cpu is None or server_cpu_after is None else server_cpu_after - server_cpu
         load_after = os.getloadavg()
         model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"][0]
         plugin, server_memory = model["plugin"], model.get("memory")  # through Ray: per replica, below
@@ -258,6 +271,14 @@ def main() -> None:
         # a model in a worker process (moshi-full) has its own in plugin_after_run.memory_per_process
         "server_memory": server_memory,
         "server_loop_lag_ms": health.get("loop_lag_ms"),  # the whole server life, startup's wakes included
+        # CPU seconds during the load, all threads: the server process (its event loop, sessions and
+        # schedulers; not a worker process's ticks) and this process (the load generator's sessions).
+        # One Python process's interpreter runs one thread at a time: near 1 s per second it is the limit.
+        "cpu_seconds_during_load": {
+            "server_process": None if server_cpu is None else round(server_cpu, 2),
+            "load_generator": round(load_cpu, 2),
+            "wall": round(wall_s, 2),
+        },
         "plugin_after_run": plugin,
     }
     if args.ray:
