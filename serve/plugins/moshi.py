@@ -36,6 +36,9 @@ How a duplex model maps onto the session's turns:
   a turn by itself; it talks for as long as its clock runs, so the plugin sets the length.
 * ``step``: the reply's next frame, one computed by a ``feed`` if there is one, else a tick on
   80 ms of silence (the user listens while Moshi speaks); None once the reply's frames are out.
+  While nothing fed brings the reply's next frame, ``step`` ticks it ahead on silence before it
+  returns, so it rides the slot's next tick while the session hands this one out: the model's
+  clock runs at most one frame ahead of the session's, and a frame fed meanwhile comes after it.
 * ``cancel``: the rest of the reply is dropped. The model keeps its state: it has said what it
   said, and the clock goes on from there.
 * ``clear_input``: the cleared frames stop counting toward the turn. The model heard them as they
@@ -454,6 +457,12 @@ class MoshiStream(ModelStream):
         self.budget -= 1
         self.replied += 1
         self._plugin._count(replied=1)
+        if self.budget and not self._pending and not any(reply == self._reply for _, reply in self._inflight):
+            # The reply's next frame, ticked ahead on silence: it rides the slot's next tick while
+            # the session hands this one out, instead of waiting for the session to ask for it.
+            self._inflight.append((self._place.scheduler.submit(self.slot, [SILENCE]), self._reply))
+            self.ticks += 1
+            self._plugin._count(silence=1)
         return out
 
     def cancel(self) -> None:
