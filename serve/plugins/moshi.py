@@ -36,9 +36,10 @@ How a duplex model maps onto the session's turns:
   a turn by itself; it talks for as long as its clock runs, so the plugin sets the length.
 * ``step``: the reply's next frame, one computed by a ``feed`` if there is one, else a tick on
   80 ms of silence (the user listens while Moshi speaks); None once the reply's frames are out.
-  While nothing fed brings the reply's next frame, ``step`` ticks it ahead on silence before it
-  returns, so it rides the slot's next tick while the session hands this one out: the model's
-  clock runs at most one frame ahead of the session's, and a frame fed meanwhile comes after it.
+  While nothing fed brings the reply's next frames, ``step`` ticks them ahead on silence before it
+  returns (``REPLY_AHEAD_FRAMES``, never past the reply's length), so they ride the slot's next
+  ticks while the session hands this one out: the model's clock runs at most that many frames
+  ahead of the session's, and a frame fed meanwhile comes after them.
 * ``cancel``: the rest of the reply is dropped. The model keeps its state: it has said what it
   said, and the clock goes on from there.
 * ``clear_input``: the cleared frames stop counting toward the turn. The model heard them as they
@@ -141,6 +142,8 @@ log = logging.getLogger(__name__)
 SIZES: dict[str, MoshiConfig] = {"tiny": TINY, "small": SMALL, "full": FULL}
 DEVICES: dict[str, str] = {"tiny": "cpu", "small": "cpu", "full": "cuda"}  # each size's default device
 FRAME_SAMPLES = 1920  # 80 ms at 24 kHz: one tick
+# How many of a reply's next frames ``step`` keeps ticking ahead on silence when nothing fed brings them.
+REPLY_AHEAD_FRAMES = 2
 SILENCE = np.zeros(FRAME_SAMPLES, dtype=np.float32)
 WORKER_OPS = ("tick", "start", "parameters", "describe")
 MAX_SLOTS = 64  # the largest batch per place: the vendor's own batch of 64 measured 110 GiB on one H200 (issue 13)
@@ -400,8 +403,9 @@ class MoshiStream(ModelStream):
     def __init__(self, plugin: MoshiPlugin, place: _Place, slot: int) -> None:
         self._plugin, self._place, self.slot = plugin, place, slot
         self._pending: deque[np.ndarray] = deque()  # reply frames computed by ``feed``
-        # Fed frames whose outputs are not taken yet: (their future, the reply they were fed in, or None).
-        self._inflight: deque[tuple[Future, int | None]] = deque()
+        # Frames ticking whose outputs are not taken yet: (their future, how many, the reply they
+        # were fed in or ticked ahead for, else None).
+        self._inflight: deque[tuple[Future, int, int | None]] = deque()
         self._reply = 0  # which reply is current: begin_response and cancel move it on
         self._closed = False
         self.budget = 0  # reply frames still to come out of ``step``
@@ -424,7 +428,7 @@ class MoshiStream(ModelStream):
         if not frames:
             return
         future = self._place.scheduler.submit(self.slot, frames, follows=self.follows)
-        self._inflight.append((future, self._reply if self.budget else None))
+        self._inflight.append((future, len(frames), self._reply if self.budget else None))
         self.turn_frames += len(frames)
         self.ticks += len(frames)
 
@@ -444,7 +448,7 @@ class MoshiStream(ModelStream):
             return None
         self._take(wait=False)
         # Frames fed since this reply began are its next frames: wait for them before ticking silence.
-        while not self._pending and any(reply == self._reply for _, reply in self._inflight):
+        while not self._pending and self._coming():
             self._take(wait=True, first=True)
         out = self._pending.popleft() if self._pending else None
         while out is None:  # only a stream's first tick gives nothing
@@ -457,12 +461,14 @@ class MoshiStream(ModelStream):
         self.budget -= 1
         self.replied += 1
         self._plugin._count(replied=1)
-        if self.budget and not self._pending and not any(reply == self._reply for _, reply in self._inflight):
-            # The reply's next frame, ticked ahead on silence: it rides the slot's next tick while
-            # the session hands this one out, instead of waiting for the session to ask for it.
-            self._inflight.append((self._place.scheduler.submit(self.slot, [SILENCE]), self._reply))
+        coming = len(self._pending) + self._coming()
+        while coming < min(self.budget, REPLY_AHEAD_FRAMES):
+            # The reply's next frames, ticked ahead on silence: they ride the slot's next ticks
+            # while the session hands this one out, instead of waiting for it to ask for them.
+            self._inflight.append((self._place.scheduler.submit(self.slot, [SILENCE]), 1, self._reply))
             self.ticks += 1
             self._plugin._count(silence=1)
+            coming += 1
         return out
 
     def cancel(self) -> None:
@@ -485,6 +491,10 @@ class MoshiStream(ModelStream):
         """The index of the place whose batch holds this stream's slot."""
         return self._place.index
 
+    def _coming(self) -> int:
+        """How many frames ticking now belong to the current reply."""
+        return sum(frames for _, frames, reply in self._inflight if reply == self._reply)
+
     def _take(self, *, wait: bool, first: bool = False) -> None:
         """The outputs of fed frames, oldest first: those already computed (``wait`` False), all of
         them (``wait``), or only the oldest request's (``first``). Those of a frame fed during the
@@ -492,7 +502,7 @@ class MoshiStream(ModelStream):
         listened = 0
         try:
             while self._inflight and (wait or self._inflight[0][0].done()):
-                future, reply = self._inflight.popleft()
+                future, _, reply = self._inflight.popleft()
                 outs = future.result()
                 for out in outs:
                     if out is None:

@@ -166,13 +166,13 @@ def test_cancel_drops_the_rest_of_the_reply_and_the_clock_goes_on(plugin, models
     after = reply(stream)
     stream.close()
 
-    # The reply's second frame was ticked ahead of the cancel: the model heard that silence too.
+    # The reply's next two frames were ticked ahead of the cancel: the model heard that silence too.
     sent, got = slot_reference(models, plugin, stream.place, stream.slot, session)
-    assert same(sent, first + [SILENCE] * 2 + second + [SILENCE] * 2)
-    assert same(after, got[8:10])
+    assert same(sent, first + [SILENCE] * 3 + second + [SILENCE] * 2)
+    assert same(after, got[9:11])
 
 
-def test_a_frame_fed_during_a_reply_is_the_replys_frame_after_the_one_ticked_ahead(plugin, models):
+def test_a_frame_fed_during_a_reply_comes_after_the_frames_ticked_ahead(plugin, models):
     turn, overlap = user_frames(3, seed=16), user_frames(1, seed=17)
     stream, session = opened(plugin)
     feed(stream, turn)
@@ -183,11 +183,12 @@ def test_a_frame_fed_during_a_reply_is_the_replys_frame_after_the_one_ticked_ahe
     next_turn = stream.turn_frames
     stream.close()
 
-    # The first step ticked the reply's second frame ahead on silence, before the overlap came.
+    # The first step ticked the reply's other two frames ahead on silence, before the overlap came:
+    # Moshi heard the overlap after its reply, and what it said then is dropped.
     sent, got = slot_reference(models, plugin, stream.place, stream.slot, session)
-    assert same(sent, turn + [SILENCE] * 2 + overlap)
+    assert same(sent, turn + [SILENCE] * 3 + overlap)
     assert same(out, got[3:6])
-    assert (next_turn, stream.listened) == (1, 2)
+    assert (next_turn, stream.listened) == (1, 3)
 
 
 def test_clear_input_shortens_the_turn_but_the_model_heard_it(plugin, models):
