@@ -27,6 +27,14 @@ A path may be a whole argument (``"state"``, with ``out=("return.1",)``: a step 
 state as a tensor and returns the new one); an argument left at its default (None) is no state yet.
 A ring the operator allocates inside every call and drops on return is bound ``per_call=True``,
 with no paths: there is nothing to keep between calls.
+
+A region the model writes in place, where every call writes only positions it writes before it
+reads them (a ring written at its offset, then attended; a static cache written at its positions),
+may say so: ``write_before_read=True``. Verification then runs the stock call and the graph on the
+region itself, one after the other with the counters rewound, instead of on a copy (the second call
+rewrites what the first wrote before reading it), and compares the region through the outputs it
+feeds, not byte for byte; no other step copies it either. It is what a region too large to copy
+needs (a batch's rings: tens of GB); the report says which regions were verified so.
 """
 
 from __future__ import annotations
@@ -61,12 +69,16 @@ class RegionBinding:
     `per_call`: the operator allocates the region inside each call and drops it on return (a
     vendor that enters a fresh streaming state per call), so nothing is kept between calls: no
     paths (`at` empty), no carry; each call sees the region at its derived extent, and the graph
-    allocates it as the stock call does."""
+    allocates it as the stock call does.
+
+    `write_before_read`: every call writes the region in place, only at positions it writes before
+    it reads them; verified without a copy (see the module docstring)."""
 
     region: str
     at: tuple[str, ...] = ()
     out: tuple[str, ...] = ()
     per_call: bool = False
+    write_before_read: bool = False
 
 
 @dataclass(frozen=True)
@@ -274,6 +286,10 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
                                                              f"{type(regions[rb.region].retention).__name__}: only a "
                                                              "RingCache (a fixed extent) can be allocated afresh each call")
             continue
+        if rb.write_before_read and (rb.out or not isinstance(regions[rb.region].retention, RingCache)):
+            raise BindingError(f"regions[{i}].write_before_read", f"region {rb.region!r}: only a region written in place "
+                               f"at a fixed extent (a RingCache, no `out`) is written before it is read; it retains by "
+                               f"{type(regions[rb.region].retention).__name__}" + (f" and is returned ({rb.out!r})" if rb.out else ""))
         if not rb.at or not all(isinstance(p, str) and p and all(_segments(p)) for p in rb.at):
             raise BindingError(f"regions[{i}].at", f"needs one or more paths 'argument' or 'argument.attribute...', got {rb.at!r}")
         if rb.out and any(DEEP in _segments(p) for p in rb.at):

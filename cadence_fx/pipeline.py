@@ -137,10 +137,12 @@ def _arguments(roots: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in roots.items() if name != SELF}
 
 
-def _private(roots: dict[str, Any]) -> dict[str, Any]:
+def _private(roots: dict[str, Any], shared: list[torch.Tensor]) -> dict[str, Any]:
     """A copy of the state roots for a trace: state objects copied whole, the model's modules copied
-    around the very same weight and buffer tensors (a traced write lands on the copy's attribute)."""
-    memo: dict[int, Any] = {}
+    around the very same weight and buffer tensors (a traced write lands on the copy's attribute).
+    `shared` (the sites' tensors) are not copied either: the step puts its traced inputs in their
+    place before the method runs, and a copy of a cache would cost its size (a batch's rings: GBs)."""
+    memo: dict[int, Any] = {id(t): t for t in shared}
     model = roots.get(SELF)
     if isinstance(model, torch.nn.Module):
         memo.update({id(t): t for t in (*model.parameters(), *model.buffers())})
@@ -468,8 +470,11 @@ class BoundOperator:
                 self._holder.add_module(f"carry{len(self.sites)}", carry)
                 self.sites.append(site)
             if not allocated:
-                self.report.stamps.append(f"state rule: {rb.region} at {'x'.join(map(str, derived.shape))} "
-                                          f"({format_bytes(derived.bytes)}), {len(found)} sites at one address each")
+                self.report.stamps.append(
+                    f"state rule: {rb.region} at {'x'.join(map(str, derived.shape))} ({format_bytes(derived.bytes)}), "
+                    f"{len(found)} sites at one address each"
+                    + ("; written before read (the binding says so): never copied, verified through the outputs it feeds"
+                       if rb.write_before_read else ""))
         for path in self._counter_paths(roots):
             value = get_path(roots, path)
             if isinstance(value, torch.Tensor):  # a device-side counter: state of its own, at one address
@@ -479,7 +484,9 @@ class BoundOperator:
             self.replay = ExactShapeReplay(self._run, self._admit, name=self.ob.operator, aliased=[1],
                                            modules=[self.model, self._holder] if isinstance(self.model, torch.nn.Module) else [self._holder],
                                            host_counters=CarryCounters(list(self.carries.values())),
-                                           hooks=(HostConstantHoist(),))
+                                           hooks=(HostConstantHoist(),),
+                                           write_before_read=[self.report.carries[rb.region].buffer
+                                                              for rb in self.regions if rb.write_before_read])
             self.report.replays[self.ob.operator] = self.replay
 
     def _site_shape_error(self, site: Site, value: torch.Tensor) -> str | None:
@@ -585,10 +592,11 @@ class BoundOperator:
         name = class_name(self.ob.operator, call.call, call.extent, call.flush)
         cls = _Class(name, call, verify_left=self.binding.verify)
         started = time.perf_counter()
-        private = _private(roots)
+        held = [get_path(roots, s.path) for s in self.sites]
+        private = _private(roots, [v for v in (*state, *held) if isinstance(v, torch.Tensor)])
         method = method_of(private[SELF], self.ob.method) if SELF in private else self.method
         step = _Step(self.model, method, private, self.sites)
-        example = [None if v is None else v.clone() for v in state]
+        example = list(state)  # the export traces fake copies of them: the carries are not written
         try:
             with torch.no_grad(), warnings.catch_warnings():
                 # The step writes the sites into its private copy of the state: expected, not a bug.
@@ -686,7 +694,7 @@ class BoundOperator:
         originals = [get_path(roots, s.path) for s in self.sites]
         rng = RngState.capture()
         for site, value in zip(self.sites, state):
-            set_path(roots, site.path, None if value is None else value.clone())
+            set_path(roots, site.path, value if value is None or self._uncopied(site) else value.clone())
         expected = self._stock_call(roots, inputs)
         if cls.outputs is None:
             cls.outputs = _structure(expected, roots)[1]
@@ -743,11 +751,15 @@ class BoundOperator:
         self.counters.verified += 1
         return actual
 
+    def _uncopied(self, site: Site) -> bool:
+        """A site of a region the binding says is written before it is read: never copied."""
+        return site.region is not None and self.binding.region(site.region).write_before_read
+
     def _stock(self, roots, inputs, reason: str) -> Any:
         """Fail closed: the stock call, its retained state then taken into the carries."""
         for site in self.sites:
             value = get_path(roots, site.path)
-            if value is not None:
+            if value is not None and not self._uncopied(site):
                 set_path(roots, site.path, value.clone())
         out = self._stock_call(roots, inputs)
         for site in self.sites:

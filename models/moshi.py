@@ -42,7 +42,8 @@ _ATTENTION = f"{_TRANSFORMER}.layers.*.self_attn._streaming_state"
 #: call advances in place, and the host-side `offset_cpu`s it counts. One call is one frame.
 MOSHI_LM_BINDING = Binding(
     regions=(
-        RegionBinding("lm_kv", at=(f"{_ATTENTION}.kv_cache.cache",)),
+        # `RingKVCache.complete` scatters a call's keys and values at `end_offset`, then attends.
+        RegionBinding("lm_kv", at=(f"{_ATTENTION}.kv_cache.cache",), write_before_read=True),
         RegionBinding("depformer_kv", per_call=True),  # `depformer_step` enters `depformer.streaming()` itself
     ),
     operators=(
@@ -71,8 +72,10 @@ def _mimi_counters(*parts: str) -> tuple[str, ...]:
 #: steps of the transformers' 25 Hz clock.
 MIMI_BINDING = Binding(
     regions=(
-        RegionBinding("mimi_encoder_kv", at=("self.encoder_transformer.transformer.layers.*.self_attn._streaming_state.kv_cache.cache",)),
-        RegionBinding("mimi_decoder_kv", at=("self.decoder_transformer.transformer.layers.*.self_attn._streaming_state.kv_cache.cache",)),
+        RegionBinding("mimi_encoder_kv", at=("self.encoder_transformer.transformer.layers.*.self_attn._streaming_state.kv_cache.cache",),
+                      write_before_read=True),
+        RegionBinding("mimi_decoder_kv", at=("self.decoder_transformer.transformer.layers.*.self_attn._streaming_state.kv_cache.cache",),
+                      write_before_read=True),
     ),
     operators=(
         OperatorBinding("mimi_encode", method="encode", units=2,

@@ -81,11 +81,16 @@ def stream(model, frames: torch.Tensor, state: RingState):
     return outputs, addresses
 
 
-def run(device: str):
+# The same, saying the rings are written before they are read: verified and certified without a copy.
+WRITE_BEFORE_READ = Binding(regions=(RegionBinding("rings", at=("state.rings.*",), write_before_read=True),),
+                            operators=BINDING.operators)
+
+
+def run(device: str, binding: Binding = BINDING):
     model = RingMixer().eval().to(device)
     frames = torch.randn(1, 9 * STEP, DIM, generator=torch.Generator().manual_seed(1)).to(device)
     expected, _ = stream(model, frames, RingState(device))
-    bound, report = transform(model, contract(), BINDING)
+    bound, report = transform(model, contract(), binding)
     state = RingState(device)
     streams = []
     for _ in range(3):  # three streams, each from a fresh position over the same rings
@@ -115,8 +120,9 @@ def test_a_ring_written_in_place_is_the_carry_and_streams_bit_identically():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-def test_a_ring_written_in_place_replays_on_one_address():
-    expected, streams, report, bound, _ = run("cuda")
+@pytest.mark.parametrize("binding", [BINDING, WRITE_BEFORE_READ], ids=["copied", "write_before_read"])
+def test_a_ring_written_in_place_replays_on_one_address(binding):
+    expected, streams, report, bound, _ = run("cuda", binding)
     for actual, addresses in streams:
         assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
         assert len(addresses) == 1
@@ -139,3 +145,53 @@ def test_state_the_binding_does_not_declare_is_refused_by_name_and_the_stream_st
                            "freeze as a constant; bind it (a region's `at`, or the operator's `counters` for a position "
                            "or length the step moves)")
     assert report.operators["mix"].counters.stock_by_reason == {"refused": 9}
+
+
+def _ring_copies(monkeypatch) -> list[str]:
+    """Every copy of a ring-sized real tensor made from here on (a clone or a deep copy), by kind."""
+    copies: list[str] = []
+    clone, deepcopy = torch.Tensor.clone, torch.Tensor.__deepcopy__
+
+    def counted(kind, method):
+        def wrapper(self, *args, **kwargs):
+            if type(self) is torch.Tensor and tuple(self.shape[-2:]) == (CAPACITY, DIM):
+                copies.append(kind)
+            return method(self, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(torch.Tensor, "clone", counted("clone", clone))
+    monkeypatch.setattr(torch.Tensor, "__deepcopy__", counted("deepcopy", deepcopy))
+    return copies
+
+
+@pytest.mark.parametrize("write_before_read", [False, True])
+def test_a_ring_written_before_read_is_verified_without_a_copy(monkeypatch, write_before_read):
+    model = RingMixer().eval()
+    frames = torch.randn(1, 9 * STEP, DIM, generator=torch.Generator().manual_seed(1))
+    expected, _ = stream(model, frames, RingState())
+    binding = WRITE_BEFORE_READ if write_before_read else BINDING
+    copies = _ring_copies(monkeypatch)
+    bound, report = transform(model, contract(), binding)
+    actual, _ = stream(bound, frames, RingState())
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
+    op = report.operators["mix"]
+    assert op.counters.as_dict() == {"calls": 9, "graph_calls": 9, "verified": 2, "stock": 0, "adopted": LAYERS + 1,
+                                     "stock_by_reason": {}}
+    # Without the declaration each of the 2 verified calls runs the stock code on a copy of every
+    # ring, and the replay engine's certification probe snapshots every ring twice (as the state
+    # argument and as the carry module's buffer).
+    assert copies == ([] if write_before_read else ["clone"] * (2 * LAYERS + 2 * LAYERS))
+    stamp = next(s for s in report.stamps if s.startswith("state rule: rings"))
+    assert stamp.endswith("never copied, verified through the outputs it feeds") == write_before_read
+
+
+def test_write_before_read_is_refused_where_the_region_is_not_a_ring_written_in_place():
+    from cadence_fx import BindingError
+
+    returned = Binding(regions=(RegionBinding("rings", at=("state",), out=("return.1",), write_before_read=True),),
+                       operators=BINDING.operators)
+    with pytest.raises(BindingError) as refused:
+        transform(RingMixer().eval(), contract(), returned)
+    assert str(refused.value) == ("binding.regions[0].write_before_read: region 'rings': only a region written in place at a "
+                                  "fixed extent (a RingCache, no `out`) is written before it is read; it retains by "
+                                  "RingCache and is returned (('return.1',))")

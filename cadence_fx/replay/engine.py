@@ -140,6 +140,10 @@ class ExactShapeReplay:
             whose graphs run on the same stream, one after another, never at the same time as these
             (the engines of one stream: a later capture then reuses the intermediates an earlier
             one freed); default: a pool of this engine's own, shared by its classes.
+        write_before_read: tensors (regions) every call writes in place, only at positions it
+            writes before it reads them: the probe's snapshot leaves out whatever shares their
+            memory (a batch's rings would cost their size again), since the capture and the
+            warm-ups write the same positions again before they read them.
         inference: run every call under `torch.no_grad()`, whatever the calling thread's grad
             mode (grad mode is per thread: a new thread starts with grad enabled, and a graph
             replays no autograd history anyway). Without it, a call in grad mode over tensors that
@@ -157,7 +161,7 @@ class ExactShapeReplay:
                  modules: Sequence[torch.nn.Module] | None = None, output_rule: str = "clone",
                  host_counters: HostCounters | None = None, warmup: int = 2, max_invalidations: int = 3,
                  check_module_state: bool = True, pool: Any = None, inference: bool = False,
-                 debug: bool = False):
+                 write_before_read: Sequence[torch.Tensor] = (), debug: bool = False):
         if output_rule not in ("clone", "static"):
             raise ValueError(f"output_rule must be 'clone' or 'static', not {output_rule!r}")
         if warmup < 1:
@@ -174,6 +178,7 @@ class ExactShapeReplay:
         self.check_module_state = check_module_state
         self.debug = debug
         self.inference = inference
+        self._unsnapshotted = {t.untyped_storage().data_ptr() for t in write_before_read}
         self._shared_pool = pool is not None
         self._inside = threading.RLock()
         self.counters = ReplayCounters()
@@ -400,8 +405,9 @@ class ExactShapeReplay:
         names = st.names
         device = self._capture_device(leaves)
         buffers = [(f"buffer {n}", b) for m in self.modules for n, b in m.named_buffers()]
-        snapshot = StateSnapshot.of([(names[i], x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-                                    + buffers)
+        snapshot = StateSnapshot.of([(n, x) for n, x in [*((names[i], x) for i, x in enumerate(leaves)
+                                                            if isinstance(x, torch.Tensor)), *buffers]
+                                     if x.untyped_storage().data_ptr() not in self._unsnapshotted])
         rng = RngState.capture()
         bindings = [(mod, dict(mod._buffers)) for m in self.modules for mod in m.modules()]
         host_roots = [x for x in leaves if isinstance(x, torch.Tensor) and x.device.type == "cpu"]
