@@ -447,17 +447,16 @@ class MoshiStream(ModelStream):
         if self.budget == 0:
             return None
         self._take(wait=False)
-        # Frames fed since this reply began are its next frames: wait for them before ticking silence.
-        while not self._pending and self._coming():
+        # Frames fed (or ticked ahead) since this reply began are its next frames: they come first.
+        while not self._pending:  # a stream's first tick gives nothing: then one more
+            if not self._coming():
+                # The session asks for the reply's next frame at once (``follows``), unless this is the last.
+                future = self._place.scheduler.submit(self.slot, [SILENCE], follows=self.follows and self.budget > 1)
+                self._inflight.append((future, 1, self._reply))
+                self.ticks += 1
+                self._plugin._count(silence=1)
             self._take(wait=True, first=True)
-        out = self._pending.popleft() if self._pending else None
-        while out is None:  # only a stream's first tick gives nothing
-            # The session asks for the reply's next frame at once (``follows``), unless this is the last.
-            future = self._place.scheduler.submit(self.slot, [SILENCE], follows=self.follows and self.budget > 1)
-            self.ticks += 1
-            self._plugin._count(silence=1)
-            self._take(wait=True)  # fed frames queued before it, done by the time it is
-            (out,) = future.result()
+        out = self._pending.popleft()
         self.budget -= 1
         self.replied += 1
         self._plugin._count(replied=1)
@@ -480,10 +479,11 @@ class MoshiStream(ModelStream):
         if not self._closed:
             self._closed = True
             self.cancel()
-            try:
-                self._take(wait=True)  # the slot is released with nothing of it left in flight
-            except Exception as error:  # noqa: BLE001 - the session is ending; its slot must still come back
-                log.warning("moshi slot %d: a tick of the closing stream failed: %s", self.slot, error)
+            while self._inflight:  # the slot is released with nothing of it left in flight
+                try:
+                    self._take(wait=True)
+                except Exception as error:  # noqa: BLE001 - the session is ending; its slot must still come back
+                    log.warning("moshi slot %d: a tick of the closing stream failed: %s", self.slot, error)
             self._plugin._placed_off(self._place, self.slot)
 
     @property

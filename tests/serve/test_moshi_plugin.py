@@ -379,3 +379,34 @@ def test_without_the_option_reserve_sizes_each_batch_for_the_servers_sessions(ca
             local.reserve(4)  # the batch is built: its size stays
     finally:
         local.close()
+
+
+def test_feed_returns_before_its_ticks_and_a_failed_tick_raises_from_the_streams_next_call():
+    local = MoshiPlugin(processes=0, slots=1)
+    try:
+        stream = local.open_stream()
+        place = local._places[0]
+        held, entered = threading.Event(), threading.Event()
+        run = place.scheduler._run
+
+        def failing(frames, joins):
+            entered.set()
+            held.wait(10)
+            raise RuntimeError("device lost")
+
+        place.scheduler._run = failing
+        stream.feed_frames(user_frames(2, seed=42))  # returns while its first tick is held
+        assert entered.wait(10) and stream.turn_frames == 2
+        held.set()
+        with pytest.raises(RuntimeError, match="device lost"):  # from the first call that takes its outputs
+            stream.begin_response()
+            stream.step()
+        place.scheduler._run = run
+        stream.close()  # nothing of it is left in flight: its slot comes back
+        assert local.free_slots() == 1
+        again = local.open_stream()  # and serves the next session
+        feed(again, user_frames(2, seed=43))
+        assert len(reply(again)) == 2
+        again.close()
+    finally:
+        local.close()
