@@ -592,8 +592,8 @@ class BoundOperator:
         name = class_name(self.ob.operator, call.call, call.extent, call.flush)
         cls = _Class(name, call, verify_left=self.binding.verify)
         started = time.perf_counter()
-        held = [get_path(roots, s.path) for s in self.sites]
-        private = _private(roots, [v for v in (*state, *held) if isinstance(v, torch.Tensor)])
+        at_sites = [get_path(roots, s.path) for s in self.sites]  # the carries, or a returned state's own tensors
+        private = _private(roots, [v for v in (*state, *at_sites) if isinstance(v, torch.Tensor)])
         method = method_of(private[SELF], self.ob.method) if SELF in private else self.method
         step = _Step(self.model, method, private, self.sites)
         example = list(state)  # the export traces fake copies of them: the carries are not written

@@ -397,8 +397,8 @@ class MoshiStream(ModelStream):
     taken in order by the stream's next call that needs them (a ``step`` waits for the frames
     fed since its reply began, which are the reply's next frames), so a session's next append
     is queued on its slot before the last one's ticks are done and its slot misses no tick in
-    between. A tick that failed raises from the stream's next call. A reply frame that a
-    ``feed`` computed is handed out by ``step`` without a request of its own."""
+    between. A tick that failed raises from the first call that takes its outputs. A reply frame
+    that a ``feed`` computed is handed out by ``step`` without a request of its own."""
 
     def __init__(self, plugin: MoshiPlugin, place: _Place, slot: int) -> None:
         self._plugin, self._place, self.slot = plugin, place, slot
@@ -496,9 +496,10 @@ class MoshiStream(ModelStream):
         return sum(frames for _, frames, reply in self._inflight if reply == self._reply)
 
     def _take(self, *, wait: bool, first: bool = False) -> None:
-        """The outputs of fed frames, oldest first: those already computed (``wait`` False), all of
-        them (``wait``), or only the oldest request's (``first``). Those of a frame fed during the
-        current reply are its next frames, up to its budget; the others were heard and dropped."""
+        """The outputs of the frames ticking (fed, or silence for a reply), oldest first: those
+        already computed (``wait`` False), all of them (``wait``), or only the oldest request's
+        (``first``). Those of a frame fed or ticked for the current reply are its next frames, up to
+        its budget; the others Moshi said while it was not replying, and they are dropped."""
         listened = 0
         try:
             while self._inflight and (wait or self._inflight[0][0].done()):
