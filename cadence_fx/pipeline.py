@@ -149,6 +149,13 @@ def _private(roots: dict[str, Any], shared: list[torch.Tensor]) -> dict[str, Any
     return copy.deepcopy(roots, memo)
 
 
+def _holds_region(values: list[Any], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> bool:
+    """The model's tensors at a region's sites already are its carries: each distinct, dense, of the
+    site's derived shape and the region's dtype, on the model's device."""
+    return all(isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(shape) and v.dtype == dtype
+               and v.device == device and v.is_contiguous() for v in values) and len({v.data_ptr() for v in values}) == len(values)
+
+
 def _new_state(sites: list[Site], roots: dict[str, Any], out: Any) -> list:
     """Each site's state after a call: in the state object it mutated, or in what it returned."""
     return [get_path({RETURN: out}, s.out) if s.out else get_path(roots, s.path) for s in sites]
@@ -332,13 +339,17 @@ class BoundOperator:
         self.per_call = binding.region(self.op.region).per_call
         # Every operator's carries by (region, site index): operators that bind the same region (a
         # cache two methods read and write) keep one carry per site, so each sees what the other
-        # retained; the region's buffer is `report.carries[region].buffer`.
+        # retained; the region's buffer is `report.carries[region].buffer` (none for a region kept
+        # in the model's own tensors: `region_tensors`).
         self.shared = shared
         self.roots = {p.split(".")[0] for rb in self.regions for p in rb.at} | {p.split(".")[0] for p in ob.counters}
         self.counters = OperatorCounters()
         self.classes: dict[tuple, _Class] = {}
         self.carries: dict[str, WindowCarry] = {}
         self.held: dict[str, torch.Tensor] = {}  # device-side counters (tensors), each at one address
+        # Per bound region, the tensors that hold it: its one buffer, or (a region written before it
+        # is read, already in the model at its derived shape) the model's own tensors, one per site.
+        self.region_tensors: dict[str, list[torch.Tensor]] = {}
         self.sites: list[Site] = []  # the regions' sites, then the device-side counters (region None)
         self._holder = torch.nn.Module()  # owns the carries, so the replay engine rewinds their buffers
         self._replay_wanted = replay
@@ -456,23 +467,31 @@ class BoundOperator:
             if region.axis < lead:
                 raise ValueError(f"region {rb.region!r}: its retention axis {region.axis} is one of the {lead} "
                                  "leading dims the binding's paths index; bind the tensors that hold the axis")
-            allocated = rb.region in self.report.carries
-            if not allocated:
+            allocated = rb.region in self.report.carries or any(key[0] == rb.region for key in self.shared)
+            values = [get_path(roots, site.path) for site in found]
+            # A region written before it is read that the model already holds at its derived shape
+            # stays where it is: a new buffer and a copy would cost its size again (a batch's rings).
+            by_reference = not allocated and rb.write_before_read and _holds_region(
+                values, derived.shape[lead:], DTYPES[region.dtype], device)
+            if not allocated and not by_reference:
                 buffer = torch.zeros(derived.shape, dtype=DTYPES[region.dtype], device=device)
                 self.report.carries[rb.region] = WindowCarry(rb.region, rb.region, buffer, region.axis)
-            buffer = self.report.carries[rb.region].buffer
-            for site in found:
+            for site, value in zip(found, values):
                 key = (rb.region, site.index)
                 if key not in self.shared:
-                    self.shared[key] = WindowCarry(site.path, rb.region, buffer[site.index], region.axis - lead,
-                                                   auditor=self.report.auditor)
+                    home = value if by_reference else self.report.carries[rb.region].buffer[site.index]
+                    self.shared[key] = WindowCarry(site.path, rb.region, home, region.axis - lead, auditor=self.report.auditor)
                 carry = self.carries[site.path] = self.shared[key]
                 self._holder.add_module(f"carry{len(self.sites)}", carry)
                 self.sites.append(site)
+            self.region_tensors[rb.region] = ([self.report.carries[rb.region].buffer] if rb.region in self.report.carries
+                                              else [self.shared[(rb.region, site.index)].buffer for site in found])
             if not allocated:
+                where = (f"kept where the model holds it ({len(found)} tensor{'s' if len(found) > 1 else ''}), none allocated"
+                         if by_reference
+                         else f"{len(found)} sites at one address each")
                 self.report.stamps.append(
-                    f"state rule: {rb.region} at {'x'.join(map(str, derived.shape))} ({format_bytes(derived.bytes)}), "
-                    f"{len(found)} sites at one address each"
+                    f"state rule: {rb.region} at {'x'.join(map(str, derived.shape))} ({format_bytes(derived.bytes)}), {where}"
                     + ("; written before read (the binding says so): never copied, verified through the outputs it feeds"
                        if rb.write_before_read else ""))
         for path in self._counter_paths(roots):
@@ -485,8 +504,8 @@ class BoundOperator:
                                            modules=[self.model, self._holder] if isinstance(self.model, torch.nn.Module) else [self._holder],
                                            host_counters=CarryCounters(list(self.carries.values())),
                                            hooks=(HostConstantHoist(),),
-                                           write_before_read=[self.report.carries[rb.region].buffer
-                                                              for rb in self.regions if rb.write_before_read])
+                                           write_before_read=[t for rb in self.regions if rb.write_before_read
+                                                              for t in self.region_tensors[rb.region]])
             self.report.replays[self.ob.operator] = self.replay
 
     def _site_shape_error(self, site: Site, value: torch.Tensor) -> str | None:
@@ -845,7 +864,7 @@ class BoundModel(Transformed):
 
     def resident(self) -> tuple[list[torch.Tensor], list[int]]:
         carries = self._carries()
-        buffers = [self.report.carries[rb.region].buffer for op in self.operators.values() for rb in op.regions]
+        buffers = [t for op in self.operators.values() for rb in op.regions for t in op.region_tensors[rb.region]]
         buffers += [t for op in self.operators.values() for t in op.held.values()]
         return list({id(b): b for b in buffers}.values()), CarryCounters(carries).read()
 

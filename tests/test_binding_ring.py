@@ -172,8 +172,15 @@ def test_a_ring_written_before_read_is_verified_without_a_copy(monkeypatch, writ
     binding = WRITE_BEFORE_READ if write_before_read else BINDING
     copies = _ring_copies(monkeypatch)
     bound, report = transform(model, contract(), binding)
-    actual, _ = stream(bound, frames, RingState())
+    state = RingState()
+    addresses = [ring.data_ptr() for ring in state.rings]
+    actual, seen = stream(bound, frames, state)
     assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
+    # Declared, the rings stay the model's own tensors (no buffer allocated, nothing copied in);
+    # not declared, they move into the region's buffer at the first call.
+    assert ("rings" in report.carries) != write_before_read
+    assert (seen == {tuple(addresses)}) == write_before_read
+    assert seen == {tuple(carry.address for carry in bound.carries.values())}
     op = report.operators["mix"]
     assert op.counters.as_dict() == {"calls": 9, "graph_calls": 9, "verified": 2, "stock": 0, "adopted": LAYERS + 1,
                                      "stock_by_reason": {}}
@@ -183,6 +190,7 @@ def test_a_ring_written_before_read_is_verified_without_a_copy(monkeypatch, writ
     assert copies == ([] if write_before_read else ["clone"] * (2 * LAYERS + 2 * LAYERS))
     stamp = next(s for s in report.stamps if s.startswith("state rule: rings"))
     assert stamp.endswith("never copied, verified through the outputs it feeds") == write_before_read
+    assert ("kept where the model holds it (2 tensors), none allocated" in stamp) == write_before_read
 
 
 def test_write_before_read_is_refused_where_the_region_is_not_a_ring_written_in_place():
