@@ -14,6 +14,13 @@ run. Run it from outside the repository's folders (``bench/moshi.py`` would shad
     python bench/serve_load.py --plugin moshi-full --sessions 2 --seconds 30  # a GPU: serve_load_moshi_full.json
     python bench/serve_load.py --plugin moshi-full --sessions 128 --ray 2     # 2 GPUs: serve_load_moshi_full_ray2.json
 
+``--tick-double S`` (a moshi plugin) replaces each batched tick by a sleep of S seconds that returns
+silence, in the server process: the sessions, the scheduler and the server are the real ones, so it
+measures the service's own part of a tick's cycle at N sessions on any machine (with 0.05, about a
+full-size tick on the H200):
+
+    python bench/serve_load.py --plugin moshi-tiny --tick-double 0.05 --sessions 64 --seconds 20
+
 ``--lanes L`` serves a Token2Wav plugin on L replay lanes (``cadence-fx serve --lanes``; default the
 plugin's own). For a plugin on lanes the report adds how many lanes there were, how many ran a
 session's chunk, and each lane's sessions and chunks (``lanes``), and the plugin's own start-up
@@ -53,13 +60,36 @@ RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parents[1]
 
 
+# ``--tick-double S``: each batched tick of a moshi plugin's place replaced by a sleep of S seconds
+# (the interpreter free meanwhile, as while a GPU works) that returns silence for every slot. The
+# sessions, the scheduler and the server are the real ones: what it measures is the service's own
+# part of a tick's cycle at N sessions, on any machine.
+TICK_DOUBLE = """
+import time, numpy as np
+import cadence_fx.serve.plugins.moshi as moshi
+
+class _DoubleBatch:
+    def __init__(self, slots): self.slots, self.report = slots, type("Report", (), {{"stamps": ["tick double: {seconds} s sleep"]}})()
+    def counters(self): return {{}}
+    def close(self): pass
+
+def _start(self, slots): self.runtime = _DoubleBatch(slots)
+def _tick(self, frames, joins):
+    time.sleep({seconds}); self.ticks += 1
+    return {{slot: np.zeros(moshi.FRAME_SAMPLES, np.float32) for slot in frames}}
+moshi._Engine.start, moshi._Engine.tick = _start, _tick
+"""
+
+
 def _start_server(port: int, plugin: str, sessions: int, reply_lead_s: float, timeout_s: float,
-                  replicas: int, options: dict[str, object]) -> subprocess.Popen:
+                  replicas: int, options: dict[str, object], tick_double_s: float | None = None) -> subprocess.Popen:
     """The server in its own process, once ``/health`` answers (the plugin's startup, its batch
     included, prints its progress on stderr meanwhile). ``replicas``: 0 for one server process,
-    else ``cadence-fx serve --ray`` with that many replicas, each with room for its share."""
+    else ``cadence-fx serve --ray`` with that many replicas, each with room for its share.
+    ``tick_double_s``: a moshi plugin's ticks replaced by a sleep (``TICK_DOUBLE``), in the server process."""
     if replicas == 0:
         code = (
+            (TICK_DOUBLE.format(seconds=tick_double_s) if tick_double_s is not None else "") +
             "from cadence_fx.serve.app import run_server; from cadence_fx.serve.session import Limits; "
             f"run_server('127.0.0.1', {port}, {plugin!r}, "
             f"Limits(max_sessions={sessions}, max_sessions_per_client={sessions}, reply_lead_s={reply_lead_s!r}), "
@@ -144,7 +174,8 @@ def _model_load(plugin: dict, wall_s: float, sessions: int) -> dict | None:
         "worker_busy_fraction": [round(busy / wall_s, 3) for busy in plugin["tick_seconds_per_process"]],
         "cpu_ms_per_tick": round(cpu_ms_per_tick, 2),
         "wall_ms_per_tick": round(wall_ms_per_tick, 2),
-        "frames_per_s_at_that_cost_and_fill": round(len(plugin["tick_seconds_per_process"]) * frames / ticks * 1e3 / cost_ms, 1),
+        "frames_per_s_at_that_cost_and_fill": (round(len(plugin["tick_seconds_per_process"]) * frames / ticks * 1e3 / cost_ms, 1)
+                                               if cost_ms > 0 else None),
         "frames_per_s_real_time_needs": sessions * 12.5,
         # Where a tick's time went: on the place's ticking thread (the frames made tensors, the
         # batched call, its outputs to the host and split into rows) and on the scheduler's
@@ -195,6 +226,9 @@ def main() -> None:
                         help="serve through cadence-fx serve --ray with N replicas (default 0: one server process)")
     parser.add_argument("--reply-lead", type=float, default=0.0,
                         help="the server's Limits.reply_lead_s: how far ahead of playback a reply is computed (0: as fast as it goes)")
+    parser.add_argument("--tick-double", type=float, metavar="SECONDS",
+                        help="moshi-*: each batched tick replaced by a sleep of SECONDS returning silence, ticking in "
+                             "the server process (a test double of the device: the service's own overhead at N sessions)")
     parser.add_argument("--lanes", type=int, metavar="L",
                         help="token2wav*: the plugin's replay lanes (cadence-fx serve --lanes; default: the plugin's own)")
     args = parser.parse_args()
@@ -203,15 +237,23 @@ def main() -> None:
                      f"{', '.join(name for name in plugin_names() if has_lanes(name))}")
     if args.lanes is not None and args.lanes < 1:
         parser.error(f"--lanes must be at least 1, got {args.lanes}")
+    if args.tick_double is not None and (not args.plugin.startswith("moshi") or args.ray or not args.tick_double >= 0):
+        parser.error(f"--tick-double takes a moshi plugin, one server process and a non-negative number of seconds; "
+                     f"got --plugin {args.plugin}, --ray {args.ray}, --tick-double {args.tick_double}")
     options = {} if args.lanes is None else {"lanes": args.lanes}
+    if args.tick_double is not None:
+        options["processes"] = 0  # the double replaces the ticks of the server process's own place
     named = {"tone": "serve_load.json", "moshi-tiny": "serve_load_moshi.json"}
     out = args.out or RESULTS / named.get(args.plugin, f"serve_load_{args.plugin.replace('-', '_')}.json")
     if args.out is None and args.ray:
         out = out.with_name(f"{out.stem}_ray{args.ray}.json")
+    if args.out is None and args.tick_double is not None:
+        out = RESULTS / f"serve_load_{args.plugin.replace('-', '_')}_tick_double_{args.sessions}.json"
 
     port = free_port()
     started = time.monotonic()
-    server = _start_server(port, args.plugin, args.sessions, args.reply_lead, args.startup_timeout, args.ray, options)
+    server = _start_server(port, args.plugin, args.sessions, args.reply_lead, args.startup_timeout, args.ray, options,
+                           args.tick_double)
     startup_s = time.monotonic() - started
     load_before = os.getloadavg()
     try:
@@ -246,7 +288,8 @@ def main() -> None:
         "device": f"CPU: {_cpu_model()}, {os.cpu_count()} cores" + (f"; GPU: {_gpu()}" if _gpu() else ""),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "plugin": args.plugin + (" (test double, not a model)" if args.plugin == "tone" else ""),
+        "plugin": args.plugin + (" (test double, not a model)" if args.plugin == "tone" else "")
+        + (f" (ticks replaced by a {args.tick_double:g} s sleep: a test double of the device)" if args.tick_double is not None else ""),
         "sessions": args.sessions,
         "audio_seconds_per_session": args.seconds,
         "reply_lead_s": args.reply_lead,
