@@ -358,6 +358,11 @@ class BoundOperator:
         self._current: _Class | None = None
         self._unbounded: set[tuple[int, int]] = set()  # catalog classes past VARIANTS signatures
 
+    def __deepcopy__(self, memo: dict) -> BoundOperator:
+        """Itself: a handle on graphs and carries that a state object may hold (a vendor's step
+        calling it), shared by a trace's private copy of that state, never copied."""
+        return self
+
     # -- the call ----------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -45,38 +45,41 @@ the vendor's own batched loop at the same B, with the same ticks, joins and seed
 guaranteed: batched kernels may round differently (measured on a CPU at the TINY size, greedy:
 tokens equal, PCM within 2.6e-8, not equal; `tests/test_moshi_slots.py` records it).
 
-The transform (`transform_slots`) does what `moshi_replay`'s does for one session, at batch B:
-the vendor's `CUDAGraphed` wrappers are replaced by plain modules and three `Stage`s on one
-owned streaming state (rings, offsets, conv buffers and exec masks at fixed addresses): Mimi
-encode (the tick's exec masks of Mimi and the LM, then encode), the LM's main step
-(`forward_text`, inside `LMGen.step`), the depformer step (all codebooks and their sampling) and
-Mimi decode (its exec mask, then decode). `LMGen.step`'s own glue (the delayed-token cache,
-the text sampling) and a join's `reset_streaming` run eagerly between them, as the vendor runs
-its glue between its graphs. The runtime warms every stage up at construction (certified on a
-CPU, captured on a GPU), then writes the fresh streaming state back in place and seeds its
-generators, so its first tick starts where the vendor's `streaming(B)` entry does.
+The transform (`transform_slots`) runs the one pipeline of every model (`cadence_fx.transform`
+with a binding) on Mimi and on `LMGen` at batch B, from their bindings as data
+(`models/moshi.py`: `MIMI_BINDING` and `MOSHI_LM_BINDING`, each operator also binding the exec
+masks of the modules it runs, which `set_exec_mask` writes in place between the calls). The four
+stages are bound operators: Mimi encode and decode, called here, and the LM's main step
+(`forward_text`) and depformer step, which the vendor's own glue (`LMGen.step`: the
+delayed-token cache, the text sampling) calls as its `graphed_main` and `graphed_depth`, where
+the vendor puts its `CUDAGraphed` wrappers. Every ring is a region written before it is read:
+it stays where the vendor allocated it at the batch (no buffer allocated, nothing copied: at B =
+64 the LM's rings are 95 GiB). The exec masks and a join's `reset_streaming` run eagerly between
+the stages, as the vendor runs its glue between its graphs. The runtime ticks twice at
+construction (the stages' verified calls; on a GPU their captures follow), then resets every
+slot in place (`reset_streaming` of all rows) and seeds its generator, so its first tick starts
+where the vendor's `streaming(B)` entry does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from cadence_fx.binding import Binding
 from cadence_fx.contract import Contract
-from cadence_fx.catalog import derive
-from cadence_fx.determinism import envelope, settings
-from cadence_fx.passes.hoist import HostConstantHoist
-from cadence_fx.replay import TensorSpec
-from cadence_fx.report import format_bytes
-from cadence_fx.transform import TransformReport
+from cadence_fx.pipeline import BoundModel
+from cadence_fx.transform import TransformReport, transform
 from cadence_fx.transformed import rng_get, rng_seeded, rng_set
 
-from .moshi_replay import OwnedState, Stage, _check_model, _classes, _ring_resizes, _used_codebooks
+from .moshi import _ATTENTION, _TRANSFORMER, MIMI_BINDING, MOSHI_LM_BINDING
+from .moshi_replay import OwnedState, _check_model, _used_codebooks
 from .moshi_stream import MoshiModels
 
 __all__ = ["MoshiSlots", "Tick", "TickOutput", "transform_slots", "vendor_slots", "vendor_ticks"]
@@ -195,7 +198,8 @@ def vendor_slots(models: MoshiModels, slots: int, ticks: Sequence[Tick], *, samp
 
 @dataclass
 class MoshiSlots:
-    """B slots of one batched Mimi + `LMGen` on one owned streaming state; see the module docstring.
+    """B slots of one batched Mimi + `LMGen`, their four stages bound operators of the one
+    pipeline; see the module docstring.
 
     `tick(Tick(frames={slot: frame}, joins=(...)))` runs one batched call for every live slot and
     returns its `TickOutput`. Which slot a session owns, and when it joins, is the caller's
@@ -204,11 +208,10 @@ class MoshiSlots:
     models: MoshiModels
     lm_gen: Any  # moshi.models.LMGen at batch `slots`
     slots: int
-    state: OwnedState  # the whole batch's streaming state, at fixed addresses
-    glue: OwnedState  # LMGen's own state (its eager glue rebinds `offsets`)
-    stages: dict[str, Stage]
-    report: TransformReport
+    bound: dict[str, BoundModel]  # "mimi" and "lm": each stage is one of their operators
+    reports: dict[str, TransformReport]  # their transforms' reports (`report` merges them)
     streaming: contextlib.ExitStack  # the modules' streaming entries, closed by `close`
+    state: OwnedState | None = None  # the whole batch's streaming state, as the vendor holds it (to observe it)
     rng: torch.Tensor | None = None  # the batch's generator state between ticks (the device's)
     ran: list[int] = field(default_factory=list)  # per slot: the frames it ran since it joined
     ticks: int = 0
@@ -221,6 +224,15 @@ class MoshiSlots:
     @property
     def frame_size(self) -> int:
         return self.models.mimi.frame_size
+
+    @property
+    def report(self) -> TransformReport:
+        """The two transforms' reports as one, as they stand now, and what the runtime is."""
+        report = _merged(self.reports)
+        stages = ", ".join(f"{name} K={len(op.classes)}" for name, op in report.operators.items())
+        report.stamps.append(f"slots: batch of {self.slots}, {stages}; the vendor's glue calls the bound lm_step "
+                             "and depformer_step as its graphed_main and graphed_depth")
+        return report
 
     @property
     def replays(self) -> dict:
@@ -238,17 +250,18 @@ class MoshiSlots:
             rng_set(self.device, caller)
 
     def tick(self, tick: Tick) -> TickOutput:
-        from moshi.utils.compile import no_compile
+        from moshi.utils.compile import no_compile, no_cuda_graph
 
         if self.closed:
             raise RuntimeError("this MoshiSlots is closed")
         _check_tick(tick, self.slots, self.frame_size)
         device, mimi, lm_gen = self.device, self.models.mimi, self.lm_gen
+        stages = {**self.bound["mimi"].operators, **self.bound["lm"].operators}
         live = tuple(sorted(tick.frames))
         ran = [0 if slot in tick.joins else count for slot, count in enumerate(self.ran)]
         # LMGen's offsets reach max_delay + 1 at a slot's (max_delay + 1)-th frame: its first real tokens.
         speaking = tuple(slot for slot in live if ran[slot] + 1 > lm_gen.max_delay)
-        with self._generators(), no_compile(), torch.inference_mode():
+        with self._generators(), no_compile(), no_cuda_graph(), torch.inference_mode():
             # Every input goes to the device before the first stage runs (the speaking mask too:
             # it is known on the host), so no copy waits for a stage in flight.
             live_mask, speaking_mask = _mask(self.slots, live, device), _mask(self.slots, speaking, device)
@@ -257,16 +270,26 @@ class MoshiSlots:
                 joins = _mask(self.slots, tick.joins, device)
                 mimi.reset_streaming(joins)
                 lm_gen.reset_streaming(joins)
-            codes = self.stages["mimi_encode"](live_mask, frames)
-            tokens = lm_gen.step(codes)
-            self.glue.keep_addresses()  # LMGen rebinds its offsets each step
-            pcm = self.stages["mimi_decode"](speaking_mask, tokens)
+            mimi.set_exec_mask(live_mask)
+            lm_gen.set_exec_mask(live_mask)
+            codes = stages["mimi_encode"](frames)
+            tokens = lm_gen.step(codes)  # its glue calls the bound lm_step and depformer_step
+            mimi.set_exec_mask(speaking_mask)
+            pcm = stages["mimi_decode"](tokens[:, 1:].clamp(min=0))
         self.ran = [count + (slot in live) for slot, count in enumerate(ran)]
         self.ticks += 1
         return TickOutput(live, speaking, tokens[:, :, 0], pcm[:, 0])
 
     def counters(self) -> dict[str, dict]:
-        return {name: engine.counters.as_dict() for name, engine in self.replays.items()}
+        """Per stage: its replay engine's counters (on a GPU), else its bound operator's (calls,
+        graph calls, verified, stock)."""
+        return {name: (self.replays[name] if name in self.replays else op).counters.as_dict()
+                for name, op in self.report.operators.items()}
+
+    def addresses(self) -> list[int]:
+        """Where every tensor the stages' graphs read as state lives (regions and device-side
+        counters): the same for the runtime's life."""
+        return [t.data_ptr() for model in self.bound.values() for t in model.resident()[0]]
 
     def close(self) -> None:
         """Leave streaming and drop every graph: the batch's state and graph pools can be freed."""
@@ -285,6 +308,37 @@ def _shared_copy(models: MoshiModels) -> MoshiModels:
     return copy.deepcopy(models, shared)
 
 
+def _slot_bindings() -> tuple[Binding, Binding]:
+    """`MIMI_BINDING` and `MOSHI_LM_BINDING` at a batch of slots: every streaming module also
+    reads its exec mask, which `set_exec_mask` writes in place between the calls, so each stage
+    binds the masks of the modules it runs as device-side counters."""
+    parts = {"mimi_encode": ("encoder", "downsample", "encoder_transformer"),
+             "mimi_decode": ("decoder", "upsample", "decoder_transformer")}
+    mimi = dataclasses.replace(MIMI_BINDING, operators=tuple(
+        dataclasses.replace(ob, counters=ob.counters + tuple(f"self.{part}.**._streaming_state.exec_mask"
+                                                             for part in parts[ob.operator]))
+        for ob in MIMI_BINDING.operators))
+    masks = (f"{_ATTENTION}.exec_mask", f"{_TRANSFORMER}._streaming_state.exec_mask",
+             f"{_TRANSFORMER}.layers.*._streaming_state.exec_mask")
+    lm = dataclasses.replace(MOSHI_LM_BINDING, operators=tuple(
+        dataclasses.replace(ob, counters=ob.counters + masks) if ob.operator == "lm_step" else ob
+        for ob in MOSHI_LM_BINDING.operators))
+    return mimi, lm
+
+
+def _merged(reports: Mapping[str, TransformReport]) -> TransformReport:
+    first = next(iter(reports.values()))
+    merged = TransformReport(family=first.family, catalog=first.catalog)
+    for report in reports.values():
+        merged.stamps.extend(report.stamps)
+        for name in ("sites", "resizes"):
+            getattr(merged, name).extend(getattr(report, name))
+        for name in ("carries", "graphs", "replays", "operators"):
+            getattr(merged, name).update(getattr(report, name))
+        merged.determinism = report.determinism
+    return merged
+
+
 def transform_slots(models: MoshiModels, contract: Contract, *, sampling: bool, seed: int,
                     replay: bool = True) -> tuple[MoshiSlots, TransformReport]:
     """A `MoshiSlots` at the contract's batch (quantity `slots`) on `models`' weights (shared,
@@ -293,16 +347,12 @@ def transform_slots(models: MoshiModels, contract: Contract, *, sampling: bool, 
     Like every transform it pins no kernel switch: on a GPU the caller pins deterministic kernels
     first (`cadence_fx.determinism.pin_deterministic`), and the report says what it found."""
     from moshi.models import LMGen
-    from moshi.utils.compile import no_compile
+    from moshi.utils.compile import no_compile, no_cuda_graph
 
     slots = contract.symbols().get("slots")
     if not isinstance(slots, int) or slots < 1:
         raise ValueError(f"contract quantity slots must be a positive batch size, got {slots!r}")
     _check_model(models, contract)
-    catalog = derive(contract)
-    report = TransformReport(family=contract.family, catalog=catalog)
-    report.determinism = settings()
-    report.stamps.append(envelope())
     with torch.no_grad():
         for codebook in _used_codebooks(models.mimi):
             if codebook._embedding is None:
@@ -313,64 +363,27 @@ def transform_slots(models: MoshiModels, contract: Contract, *, sampling: bool, 
     streaming = contextlib.ExitStack()
     streaming.enter_context(mimi.streaming(slots))
     streaming.enter_context(lm_gen.streaming(slots))
-    with lm.depformer.streaming(slots):
-        report.resizes.extend(_ring_resizes(models, contract, catalog))
-    states = {"mimi": mimi.get_streaming_state(), "lm": lm.get_streaming_state(), "lm_gen": lm_gen.get_streaming_state()}
-    mimi_state, gen_state = states["mimi"][""], states["lm_gen"][""]
-    mimi_state.graphed_encoder, mimi_state.graphed_decoder = mimi.encoder, mimi.decoder
-    mimi_state.graphed_tr_enc, mimi_state.graphed_tr_dec = mimi.encoder_transformer, mimi.decoder_transformer
-    owned = OwnedState.of(states)
-    mimi_owned, lm_owned = OwnedState.of({"mimi": states["mimi"]}), OwnedState.of({"lm": states["lm"]})
-    glue = OwnedState.of({"lm_gen": states["lm_gen"]})
-    report.stamps.append(
-        f"state: batch of {slots} slots, one owned streaming state, {len(owned.tensors)} tensors "
-        f"({format_bytes(owned.nbytes)}) at fixed addresses; vendor CUDAGraphed wrappers removed: mimi.graphed_encoder, "
-        "mimi.graphed_tr_enc, mimi.graphed_tr_dec, mimi.graphed_decoder, lm_gen.graphed_main, lm_gen.graphed_depth"
-    )
-
-    device = next(lm.parameters()).device
-    hooks = (HostConstantHoist(),) if device.type == "cuda" else ()
-    mask = TensorSpec((slots,), torch.bool, device)
-    frame = TensorSpec((slots, mimi.channels, mimi.frame_size), torch.float32, device)
-    tokens = TensorSpec((slots, 1 + lm.dep_q, 1), torch.long, device)
-    sequence = TensorSpec((slots, lm.num_codebooks, 1), torch.long, device)
-    text, hidden = TensorSpec((slots,), torch.long, device), TensorSpec((slots, 1, lm.dim), lm.dtype, device)
-
-    def encode(live: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
-        mimi.set_exec_mask(live)
-        lm_gen.set_exec_mask(live)
-        return mimi.encode(frames)
-
-    def decode(speaking: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
-        mimi.set_exec_mask(speaking)
-        return mimi.decode(generated[:, 1:].clamp(min=0))
-
-    def stage(name: str, fn: Callable[..., Any], state: OwnedState | None, modules: list, *specs: Any) -> Stage:
-        return Stage(name, fn, _classes(catalog, name, *specs), state, modules, replay=replay, hooks=hooks)
-
-    stages = {
-        "mimi_encode": stage("mimi_encode", encode, mimi_owned, [mimi, lm_owned.holder, glue.holder], mask, frame),
-        "lm_step": stage("lm_step", lm.forward_text, lm_owned, [lm], sequence, None, None),
-        "depformer_step": stage("depformer_step", lm_gen.depformer_step, None, [lm], text, hidden),
-        "mimi_decode": stage("mimi_decode", decode, mimi_owned, [mimi], mask, tokens),
-    }
-    gen_state.graphed_main, gen_state.graphed_depth = stages["lm_step"], stages["depformer_step"]
-    for one in stages.values():
-        if one.engine is not None:
-            report.replays[one.name] = one.engine
-    report.stamps.append(
-        f"replay at batch {slots}: " + ", ".join(f"{name} K={catalog.operator(name).width}" for name in stages)
-        if replay else f"replay: off (stages eager on the owned state, batch {slots})"
-    )
-
-    runtime = MoshiSlots(models, lm_gen, slots, owned, glue, stages, report, streaming, ran=[0] * slots)
+    mimi_binding, lm_binding = _slot_bindings()
+    bound = {}
+    bound["mimi"], mimi_report = transform(mimi, contract, mimi_binding, replay=replay)
+    bound["lm"], lm_report = transform(lm_gen, contract, lm_binding, replay=replay)
+    # The vendor's glue calls its own CUDAGraphed wrappers of the LM's two steps: the bound ones instead.
+    gen_state = lm_gen._streaming_state
+    gen_state.graphed_main, gen_state.graphed_depth = bound["lm"].operators["lm_step"], bound["lm"].operators["depformer_step"]
+    runtime = MoshiSlots(models, lm_gen, slots, bound, {"mimi": mimi_report, "lm": lm_report}, streaming, ran=[0] * slots)
+    device = runtime.device
     devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), no_compile():
+    everyone = tuple(range(slots))
+    with torch.random.fork_rng(devices=devices), no_compile(), no_cuda_graph():
         runtime.rng = rng_get(device)
         silence = torch.zeros(mimi.frame_size)
         for index in range(WARM_UP_TICKS):
-            runtime.tick(Tick({slot: silence for slot in range(slots)}, joins=tuple(range(slots)) if index == 0 else ()))
+            runtime.tick(Tick({slot: silence for slot in everyone}, joins=everyone if index == 0 else ()))
+        with torch.inference_mode():  # the fresh streaming entry's values, written in place: every address kept
+            mimi.reset_streaming(_mask(slots, everyone, device))
+            lm_gen.reset_streaming(_mask(slots, everyone, device))
     runtime.rng = rng_seeded(device, seed)
-    owned.reset()  # the fresh streaming entry's values, written in place: every address kept
     runtime.ran, runtime.ticks = [0] * slots, 0
-    return runtime, report
+    runtime.state = OwnedState.of({"mimi": mimi.get_streaming_state(), "lm": lm.get_streaming_state(),
+                                   "lm_gen": lm_gen.get_streaming_state()})
+    return runtime, runtime.report
