@@ -45,20 +45,22 @@ the vendor's own batched loop at the same B, with the same ticks, joins and seed
 guaranteed: batched kernels may round differently (measured on a CPU at the TINY size, greedy:
 tokens equal, PCM within 2.6e-8, not equal; `tests/test_moshi_slots.py` records it).
 
-The transform (`transform_slots`) runs the one pipeline of every model (`cadence_fx.transform`
-with a binding) on Mimi and on `LMGen` at batch B, from their bindings as data
-(`models/moshi.py`: `MIMI_BINDING` and `MOSHI_LM_BINDING`, each operator also binding the exec
-masks of the modules it runs, which `set_exec_mask` writes in place between the calls). The four
-stages are bound operators: Mimi encode and decode, called here, and the LM's main step
-(`forward_text`) and depformer step, which the vendor's own glue (`LMGen.step`: the
-delayed-token cache, the text sampling) calls as its `graphed_main` and `graphed_depth`, where
-the vendor puts its `CUDAGraphed` wrappers. Every ring is a region written before it is read:
-it stays where the vendor allocated it at the batch (no buffer allocated, nothing copied: at B =
-64 the LM's rings are 95 GiB). The exec masks and a join's `reset_streaming` run eagerly between
-the stages, as the vendor runs its glue between its graphs. The runtime ticks twice at
-construction (the stages' verified calls; on a GPU their captures follow), then resets every
-slot in place (`reset_streaming` of all rows) and seeds its generator, so its first tick starts
-where the vendor's `streaming(B)` entry does.
+The same runtime is also built on the one pipeline of every model (`transform_bound_slots`,
+`BoundSlots`: Mimi and `LMGen` transformed from their bindings as data, the vendor's glue calling
+the bound LM steps), bit-identical to the vendor's batched loop too, but slower and larger at
+full size for now (61.8 ms a tick and 133.4 GB peak allocated at B = 64 on the H200, against
+51.9 ms and 117.8 GB), so the service keeps `transform_slots` until it is not.
+
+The transform (`transform_slots`) does what `moshi_replay`'s does for one session, at batch B:
+the vendor's `CUDAGraphed` wrappers are replaced by plain modules and three `Stage`s on one
+owned streaming state (rings, offsets, conv buffers and exec masks at fixed addresses): Mimi
+encode (the tick's exec masks of Mimi and the LM, then encode), the LM's main step
+(`forward_text`, inside `LMGen.step`), the depformer step (all codebooks and their sampling) and
+Mimi decode (its exec mask, then decode). `LMGen.step`'s own glue (the delayed-token cache,
+the text sampling) and a join's `reset_streaming` run eagerly between them, as the vendor runs
+its glue between its graphs. The runtime warms every stage up at construction (certified on a
+CPU, captured on a GPU), then writes the fresh streaming state back in place and seeds its
+generators, so its first tick starts where the vendor's `streaming(B)` entry does.
 """
 
 from __future__ import annotations
@@ -74,15 +76,21 @@ import torch
 
 from cadence_fx.binding import Binding
 from cadence_fx.contract import Contract
+from cadence_fx.catalog import derive
+from cadence_fx.determinism import envelope, settings
+from cadence_fx.passes.hoist import HostConstantHoist
+from cadence_fx.replay import TensorSpec
+from cadence_fx.report import format_bytes
 from cadence_fx.pipeline import BoundModel
 from cadence_fx.transform import TransformReport, transform
 from cadence_fx.transformed import rng_get, rng_seeded, rng_set
 
 from .moshi import _ATTENTION, _TRANSFORMER, MIMI_BINDING, MOSHI_LM_BINDING
-from .moshi_replay import OwnedState, _check_model, _used_codebooks
+from .moshi_replay import OwnedState, Stage, _check_model, _classes, _ring_resizes, _used_codebooks
 from .moshi_stream import MoshiModels
 
-__all__ = ["MoshiSlots", "Tick", "TickOutput", "transform_slots", "vendor_slots", "vendor_ticks"]
+__all__ = ["BoundSlots", "MoshiSlots", "Tick", "TickOutput", "transform_bound_slots", "transform_slots", "vendor_slots",
+           "vendor_ticks"]
 
 WARM_UP_TICKS = 2  # the first certifies (and on a GPU captures) every stage, the second replays it
 
@@ -198,8 +206,195 @@ def vendor_slots(models: MoshiModels, slots: int, ticks: Sequence[Tick], *, samp
 
 @dataclass
 class MoshiSlots:
-    """B slots of one batched Mimi + `LMGen`, their four stages bound operators of the one
-    pipeline; see the module docstring.
+    """B slots of one batched Mimi + `LMGen` on one owned streaming state; see the module docstring.
+
+    `tick(Tick(frames={slot: frame}, joins=(...)))` runs one batched call for every live slot and
+    returns its `TickOutput`. Which slot a session owns, and when it joins, is the caller's
+    schedule: the runtime keeps no sessions, only each slot's frames since its last join."""
+
+    models: MoshiModels
+    lm_gen: Any  # moshi.models.LMGen at batch `slots`
+    slots: int
+    state: OwnedState  # the whole batch's streaming state, at fixed addresses
+    glue: OwnedState  # LMGen's own state (its eager glue rebinds `offsets`)
+    stages: dict[str, Stage]
+    report: TransformReport
+    streaming: contextlib.ExitStack  # the modules' streaming entries, closed by `close`
+    rng: torch.Tensor | None = None  # the batch's generator state between ticks (the device's)
+    ran: list[int] = field(default_factory=list)  # per slot: the frames it ran since it joined
+    ticks: int = 0
+    closed: bool = False
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.models.lm.parameters()).device
+
+    @property
+    def frame_size(self) -> int:
+        return self.models.mimi.frame_size
+
+    @property
+    def replays(self) -> dict:
+        return self.report.replays
+
+    @contextlib.contextmanager
+    def _generators(self) -> Iterator[None]:
+        """The batch's generator state swapped in for a tick; the caller's put back after it."""
+        caller = rng_get(self.device)
+        rng_set(self.device, self.rng)
+        try:
+            yield
+        finally:
+            self.rng = rng_get(self.device)
+            rng_set(self.device, caller)
+
+    def tick(self, tick: Tick) -> TickOutput:
+        from moshi.utils.compile import no_compile
+
+        if self.closed:
+            raise RuntimeError("this MoshiSlots is closed")
+        _check_tick(tick, self.slots, self.frame_size)
+        device, mimi, lm_gen = self.device, self.models.mimi, self.lm_gen
+        live = tuple(sorted(tick.frames))
+        ran = [0 if slot in tick.joins else count for slot, count in enumerate(self.ran)]
+        # LMGen's offsets reach max_delay + 1 at a slot's (max_delay + 1)-th frame: its first real tokens.
+        speaking = tuple(slot for slot in live if ran[slot] + 1 > lm_gen.max_delay)
+        with self._generators(), no_compile(), torch.inference_mode():
+            # Every input goes to the device before the first stage runs (the speaking mask too:
+            # it is known on the host), so no copy waits for a stage in flight.
+            live_mask, speaking_mask = _mask(self.slots, live, device), _mask(self.slots, speaking, device)
+            frames = _frames(self.slots, self.frame_size, tick.frames, device)
+            if tick.joins:
+                joins = _mask(self.slots, tick.joins, device)
+                mimi.reset_streaming(joins)
+                lm_gen.reset_streaming(joins)
+            codes = self.stages["mimi_encode"](live_mask, frames)
+            tokens = lm_gen.step(codes)
+            self.glue.keep_addresses()  # LMGen rebinds its offsets each step
+            pcm = self.stages["mimi_decode"](speaking_mask, tokens)
+        self.ran = [count + (slot in live) for slot, count in enumerate(ran)]
+        self.ticks += 1
+        return TickOutput(live, speaking, tokens[:, :, 0], pcm[:, 0])
+
+    def counters(self) -> dict[str, dict]:
+        return {name: engine.counters.as_dict() for name, engine in self.replays.items()}
+
+    def close(self) -> None:
+        """Leave streaming and drop every graph: the batch's state and graph pools can be freed."""
+        if not self.closed:
+            self.closed = True
+            for engine in self.replays.values():
+                engine.reset()
+            self.streaming.close()
+
+
+def _shared_copy(models: MoshiModels) -> MoshiModels:
+    """The modules deep-copied with every parameter and buffer shared: the runtime's streaming
+    state is its own, the caller's modules never stream for it."""
+    shared = {id(t): t for module in (models.mimi, models.lm)
+              for t in itertools.chain(module.parameters(), module.buffers())}
+    return copy.deepcopy(models, shared)
+
+
+def transform_slots(models: MoshiModels, contract: Contract, *, sampling: bool, seed: int,
+                    replay: bool = True) -> tuple[MoshiSlots, TransformReport]:
+    """A `MoshiSlots` at the contract's batch (quantity `slots`) on `models`' weights (shared,
+    not copied; the lazily derived codebook caches the calls read are filled in `models` first, as
+    the vendor's first call would). `sampling` and `seed` are the batch's (module docstring).
+    Like every transform it pins no kernel switch: on a GPU the caller pins deterministic kernels
+    first (`cadence_fx.determinism.pin_deterministic`), and the report says what it found."""
+    from moshi.models import LMGen
+    from moshi.utils.compile import no_compile
+
+    slots = contract.symbols().get("slots")
+    if not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"contract quantity slots must be a positive batch size, got {slots!r}")
+    _check_model(models, contract)
+    catalog = derive(contract)
+    report = TransformReport(family=contract.family, catalog=catalog)
+    report.determinism = settings()
+    report.stamps.append(envelope())
+    with torch.no_grad():
+        for codebook in _used_codebooks(models.mimi):
+            if codebook._embedding is None:
+                codebook.embedding  # noqa: B018 - fills the vendor's lazily derived codebook cache
+    models = _shared_copy(models)
+    mimi, lm = models.mimi, models.lm
+    lm_gen = LMGen(lm, use_sampling=sampling, support_out_of_sync=True)
+    streaming = contextlib.ExitStack()
+    streaming.enter_context(mimi.streaming(slots))
+    streaming.enter_context(lm_gen.streaming(slots))
+    with lm.depformer.streaming(slots):
+        report.resizes.extend(_ring_resizes(models, contract, catalog))
+    states = {"mimi": mimi.get_streaming_state(), "lm": lm.get_streaming_state(), "lm_gen": lm_gen.get_streaming_state()}
+    mimi_state, gen_state = states["mimi"][""], states["lm_gen"][""]
+    mimi_state.graphed_encoder, mimi_state.graphed_decoder = mimi.encoder, mimi.decoder
+    mimi_state.graphed_tr_enc, mimi_state.graphed_tr_dec = mimi.encoder_transformer, mimi.decoder_transformer
+    owned = OwnedState.of(states)
+    mimi_owned, lm_owned = OwnedState.of({"mimi": states["mimi"]}), OwnedState.of({"lm": states["lm"]})
+    glue = OwnedState.of({"lm_gen": states["lm_gen"]})
+    report.stamps.append(
+        f"state: batch of {slots} slots, one owned streaming state, {len(owned.tensors)} tensors "
+        f"({format_bytes(owned.nbytes)}) at fixed addresses; vendor CUDAGraphed wrappers removed: mimi.graphed_encoder, "
+        "mimi.graphed_tr_enc, mimi.graphed_tr_dec, mimi.graphed_decoder, lm_gen.graphed_main, lm_gen.graphed_depth"
+    )
+
+    device = next(lm.parameters()).device
+    hooks = (HostConstantHoist(),) if device.type == "cuda" else ()
+    mask = TensorSpec((slots,), torch.bool, device)
+    frame = TensorSpec((slots, mimi.channels, mimi.frame_size), torch.float32, device)
+    tokens = TensorSpec((slots, 1 + lm.dep_q, 1), torch.long, device)
+    sequence = TensorSpec((slots, lm.num_codebooks, 1), torch.long, device)
+    text, hidden = TensorSpec((slots,), torch.long, device), TensorSpec((slots, 1, lm.dim), lm.dtype, device)
+
+    def encode(live: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+        mimi.set_exec_mask(live)
+        lm_gen.set_exec_mask(live)
+        return mimi.encode(frames)
+
+    def decode(speaking: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
+        mimi.set_exec_mask(speaking)
+        return mimi.decode(generated[:, 1:].clamp(min=0))
+
+    def stage(name: str, fn: Callable[..., Any], state: OwnedState | None, modules: list, *specs: Any) -> Stage:
+        return Stage(name, fn, _classes(catalog, name, *specs), state, modules, replay=replay, hooks=hooks)
+
+    stages = {
+        "mimi_encode": stage("mimi_encode", encode, mimi_owned, [mimi, lm_owned.holder, glue.holder], mask, frame),
+        "lm_step": stage("lm_step", lm.forward_text, lm_owned, [lm], sequence, None, None),
+        "depformer_step": stage("depformer_step", lm_gen.depformer_step, None, [lm], text, hidden),
+        "mimi_decode": stage("mimi_decode", decode, mimi_owned, [mimi], mask, tokens),
+    }
+    gen_state.graphed_main, gen_state.graphed_depth = stages["lm_step"], stages["depformer_step"]
+    for one in stages.values():
+        if one.engine is not None:
+            report.replays[one.name] = one.engine
+    report.stamps.append(
+        f"replay at batch {slots}: " + ", ".join(f"{name} K={catalog.operator(name).width}" for name in stages)
+        if replay else f"replay: off (stages eager on the owned state, batch {slots})"
+    )
+
+    runtime = MoshiSlots(models, lm_gen, slots, owned, glue, stages, report, streaming, ran=[0] * slots)
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), no_compile():
+        runtime.rng = rng_get(device)
+        silence = torch.zeros(mimi.frame_size)
+        for index in range(WARM_UP_TICKS):
+            runtime.tick(Tick({slot: silence for slot in range(slots)}, joins=tuple(range(slots)) if index == 0 else ()))
+    runtime.rng = rng_seeded(device, seed)
+    owned.reset()  # the fresh streaming entry's values, written in place: every address kept
+    runtime.ran, runtime.ticks = [0] * slots, 0
+    return runtime, report
+
+
+# ---------------------------------------------------------------------------------------------
+# The same runtime on the one pipeline
+
+
+@dataclass
+class BoundSlots:
+    """`MoshiSlots` on the one pipeline: the same B slots, their four stages bound operators of
+    `cadence_fx.transform` from Moshi's bindings (`transform_bound_slots`).
 
     `tick(Tick(frames={slot: frame}, joins=(...)))` runs one batched call for every live slot and
     returns its `TickOutput`. Which slot a session owns, and when it joins, is the caller's
@@ -253,7 +448,7 @@ class MoshiSlots:
         from moshi.utils.compile import no_compile, no_cuda_graph
 
         if self.closed:
-            raise RuntimeError("this MoshiSlots is closed")
+            raise RuntimeError("this BoundSlots is closed")
         _check_tick(tick, self.slots, self.frame_size)
         device, mimi, lm_gen = self.device, self.models.mimi, self.lm_gen
         stages = {**self.bound["mimi"].operators, **self.bound["lm"].operators}
@@ -300,14 +495,6 @@ class MoshiSlots:
             self.streaming.close()
 
 
-def _shared_copy(models: MoshiModels) -> MoshiModels:
-    """The modules deep-copied with every parameter and buffer shared: the runtime's streaming
-    state is its own, the caller's modules never stream for it."""
-    shared = {id(t): t for module in (models.mimi, models.lm)
-              for t in itertools.chain(module.parameters(), module.buffers())}
-    return copy.deepcopy(models, shared)
-
-
 def _slot_bindings() -> tuple[Binding, Binding]:
     """`MIMI_BINDING` and `MOSHI_LM_BINDING` at a batch of slots: every streaming module also
     reads its exec mask, which `set_exec_mask` writes in place between the calls, so each stage
@@ -339,13 +526,21 @@ def _merged(reports: Mapping[str, TransformReport]) -> TransformReport:
     return merged
 
 
-def transform_slots(models: MoshiModels, contract: Contract, *, sampling: bool, seed: int,
-                    replay: bool = True) -> tuple[MoshiSlots, TransformReport]:
-    """A `MoshiSlots` at the contract's batch (quantity `slots`) on `models`' weights (shared,
-    not copied; the lazily derived codebook caches the calls read are filled in `models` first, as
-    the vendor's first call would). `sampling` and `seed` are the batch's (module docstring).
-    Like every transform it pins no kernel switch: on a GPU the caller pins deterministic kernels
-    first (`cadence_fx.determinism.pin_deterministic`), and the report says what it found."""
+def transform_bound_slots(models: MoshiModels, contract: Contract, *, sampling: bool, seed: int,
+                          replay: bool = True) -> tuple[BoundSlots, TransformReport]:
+    """`transform_slots`' runtime built on the one pipeline of every model (`cadence_fx.transform`
+    with a binding), not on this module's own stages: Mimi and `LMGen` at the contract's batch
+    transformed from `MIMI_BINDING` and `MOSHI_LM_BINDING` (each operator also binding the exec
+    masks of the modules it runs, which `set_exec_mask` writes in place between the calls); Mimi's
+    encode and decode called here, the LM's main step and depformer step called by the vendor's
+    own glue (`LMGen.step`) as its `graphed_main` and `graphed_depth`. Every ring is a region
+    written before it is read: it stays where the vendor allocated it (no buffer, no copy). The
+    runtime ticks twice at construction (the stages' verified calls; on a GPU their captures
+    follow), then resets every slot in place (`reset_streaming` of all rows) and seeds its
+    generator. Every slot is bit-identical to the vendor's batched loop, as `MoshiSlots` is. Not
+    the service's runtime yet: on the H200 at B = 64 (full size) it ticked in 61.8 ms with 133.4 GB
+    peak allocated, against 51.9 ms and 117.8 GB for `MoshiSlots`
+    (`bench/results/moshi_slots_64_pipeline.json`)."""
     from moshi.models import LMGen
     from moshi.utils.compile import no_compile, no_cuda_graph
 
@@ -370,7 +565,7 @@ def transform_slots(models: MoshiModels, contract: Contract, *, sampling: bool, 
     # The vendor's glue calls its own CUDAGraphed wrappers of the LM's two steps: the bound ones instead.
     gen_state = lm_gen._streaming_state
     gen_state.graphed_main, gen_state.graphed_depth = bound["lm"].operators["lm_step"], bound["lm"].operators["depformer_step"]
-    runtime = MoshiSlots(models, lm_gen, slots, bound, {"mimi": mimi_report, "lm": lm_report}, streaming, ran=[0] * slots)
+    runtime = BoundSlots(models, lm_gen, slots, bound, {"mimi": mimi_report, "lm": lm_report}, streaming, ran=[0] * slots)
     device = runtime.device
     devices = [device.index or 0] if device.type == "cuda" else []
     everyone = tuple(range(slots))

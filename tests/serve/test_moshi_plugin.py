@@ -255,9 +255,7 @@ def test_describe_counts_every_tick_in_the_transforms_replay_counters(plugin):
     assert calls == {"mimi_encode": 4, "lm_step": 4, "depformer_step": 4, "mimi_decode": 4}
     assert (after["slots_per_process"], after["slots_taken_per_process"], after["warm_up_ticks_per_process"]) == (
         [SLOTS], [0], [2])
-    assert after["transform"]["stamps"][-1] == (
-        "slots: batch of 4, mimi_encode K=1, mimi_decode K=1, lm_step K=1, depformer_step K=1; the vendor's glue "
-        "calls the bound lm_step and depformer_step as its graphed_main and graphed_depth")
+    assert after["transform"]["stamps"][-1] == "replay at batch 4: mimi_encode K=1, lm_step K=1, depformer_step K=1, mimi_decode K=1"
 
 
 def test_a_session_over_uvicorn_delivers_the_vendors_samples(models, capfd):
