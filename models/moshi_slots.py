@@ -204,26 +204,9 @@ def vendor_slots(models: MoshiModels, slots: int, ticks: Sequence[Tick], *, samp
     return list(vendor_ticks(models, slots, ticks, sampling=sampling, seed=seed, cuda_graphs=cuda_graphs))
 
 
-@dataclass
-class MoshiSlots:
-    """B slots of one batched Mimi + `LMGen` on one owned streaming state; see the module docstring.
-
-    `tick(Tick(frames={slot: frame}, joins=(...)))` runs one batched call for every live slot and
-    returns its `TickOutput`. Which slot a session owns, and when it joins, is the caller's
-    schedule: the runtime keeps no sessions, only each slot's frames since its last join."""
-
-    models: MoshiModels
-    lm_gen: Any  # moshi.models.LMGen at batch `slots`
-    slots: int
-    state: OwnedState  # the whole batch's streaming state, at fixed addresses
-    glue: OwnedState  # LMGen's own state (its eager glue rebinds `offsets`)
-    stages: dict[str, Stage]
-    report: TransformReport
-    streaming: contextlib.ExitStack  # the modules' streaming entries, closed by `close`
-    rng: torch.Tensor | None = None  # the batch's generator state between ticks (the device's)
-    ran: list[int] = field(default_factory=list)  # per slot: the frames it ran since it joined
-    ticks: int = 0
-    closed: bool = False
+class _Batch:
+    """What `MoshiSlots` and `BoundSlots` share: the tick's schedule (masks, joins, each slot's
+    frames since its join, the batch's generator), around their own `_stages`."""
 
     @property
     def device(self) -> torch.device:
@@ -248,18 +231,27 @@ class MoshiSlots:
             self.rng = rng_get(self.device)
             rng_set(self.device, caller)
 
+    def _vendor_graphs(self) -> contextlib.AbstractContextManager:
+        """What the vendor's own `CUDAGraphed` wrappers do during a tick (the runtime's own stages
+        replaced the ones they call: left as they are)."""
+        return contextlib.nullcontext()
+
+    def _stages(self, live: torch.Tensor, speaking: torch.Tensor, frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode the live rows' frames, step the LM, decode the speaking rows: (tokens, pcm)."""
+        raise NotImplementedError
+
     def tick(self, tick: Tick) -> TickOutput:
         from moshi.utils.compile import no_compile
 
         if self.closed:
-            raise RuntimeError("this MoshiSlots is closed")
+            raise RuntimeError(f"this {type(self).__name__} is closed")
         _check_tick(tick, self.slots, self.frame_size)
         device, mimi, lm_gen = self.device, self.models.mimi, self.lm_gen
         live = tuple(sorted(tick.frames))
         ran = [0 if slot in tick.joins else count for slot, count in enumerate(self.ran)]
         # LMGen's offsets reach max_delay + 1 at a slot's (max_delay + 1)-th frame: its first real tokens.
         speaking = tuple(slot for slot in live if ran[slot] + 1 > lm_gen.max_delay)
-        with self._generators(), no_compile(), torch.inference_mode():
+        with self._generators(), no_compile(), self._vendor_graphs(), torch.inference_mode():
             # Every input goes to the device before the first stage runs (the speaking mask too:
             # it is known on the host), so no copy waits for a stage in flight.
             live_mask, speaking_mask = _mask(self.slots, live, device), _mask(self.slots, speaking, device)
@@ -268,16 +260,10 @@ class MoshiSlots:
                 joins = _mask(self.slots, tick.joins, device)
                 mimi.reset_streaming(joins)
                 lm_gen.reset_streaming(joins)
-            codes = self.stages["mimi_encode"](live_mask, frames)
-            tokens = lm_gen.step(codes)
-            self.glue.keep_addresses()  # LMGen rebinds its offsets each step
-            pcm = self.stages["mimi_decode"](speaking_mask, tokens)
+            tokens, pcm = self._stages(live_mask, speaking_mask, frames)
         self.ran = [count + (slot in live) for slot, count in enumerate(ran)]
         self.ticks += 1
         return TickOutput(live, speaking, tokens[:, :, 0], pcm[:, 0])
-
-    def counters(self) -> dict[str, dict]:
-        return {name: engine.counters.as_dict() for name, engine in self.replays.items()}
 
     def close(self) -> None:
         """Leave streaming and drop every graph: the batch's state and graph pools can be freed."""
@@ -286,6 +272,37 @@ class MoshiSlots:
             for engine in self.replays.values():
                 engine.reset()
             self.streaming.close()
+
+
+@dataclass
+class MoshiSlots(_Batch):
+    """B slots of one batched Mimi + `LMGen` on one owned streaming state; see the module docstring.
+
+    `tick(Tick(frames={slot: frame}, joins=(...)))` runs one batched call for every live slot and
+    returns its `TickOutput`. Which slot a session owns, and when it joins, is the caller's
+    schedule: the runtime keeps no sessions, only each slot's frames since its last join."""
+
+    models: MoshiModels
+    lm_gen: Any  # moshi.models.LMGen at batch `slots`
+    slots: int
+    state: OwnedState  # the whole batch's streaming state, at fixed addresses
+    glue: OwnedState  # LMGen's own state (its eager glue rebinds `offsets`)
+    stages: dict[str, Stage]
+    report: TransformReport
+    streaming: contextlib.ExitStack  # the modules' streaming entries, closed by `close`
+    rng: torch.Tensor | None = None  # the batch's generator state between ticks (the device's)
+    ran: list[int] = field(default_factory=list)  # per slot: the frames it ran since it joined
+    ticks: int = 0
+    closed: bool = False
+
+    def _stages(self, live: torch.Tensor, speaking: torch.Tensor, frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        codes = self.stages["mimi_encode"](live, frames)
+        tokens = self.lm_gen.step(codes)
+        self.glue.keep_addresses()  # LMGen rebinds its offsets each step
+        return tokens, self.stages["mimi_decode"](speaking, tokens)
+
+    def counters(self) -> dict[str, dict]:
+        return {name: engine.counters.as_dict() for name, engine in self.replays.items()}
 
 
 def _shared_copy(models: MoshiModels) -> MoshiModels:
@@ -392,7 +409,7 @@ def transform_slots(models: MoshiModels, contract: Contract, *, sampling: bool, 
 
 
 @dataclass
-class BoundSlots:
+class BoundSlots(_Batch):
     """`MoshiSlots` on the one pipeline: the same B slots, their four stages bound operators of
     `cadence_fx.transform` from Moshi's bindings (`transform_bound_slots`).
 
@@ -413,14 +430,6 @@ class BoundSlots:
     closed: bool = False
 
     @property
-    def device(self) -> torch.device:
-        return next(self.models.lm.parameters()).device
-
-    @property
-    def frame_size(self) -> int:
-        return self.models.mimi.frame_size
-
-    @property
     def report(self) -> TransformReport:
         """The two transforms' reports as one, as they stand now, and what the runtime is."""
         report = _merged(self.reports)
@@ -429,70 +438,34 @@ class BoundSlots:
                              "and depformer_step as its graphed_main and graphed_depth")
         return report
 
-    @property
-    def replays(self) -> dict:
-        return self.report.replays
+    def _vendor_graphs(self) -> contextlib.AbstractContextManager:
+        """Off (the vendor's own flag): its exec-mask and reset wrappers run eagerly, and its LM
+        steps are the bound ones."""
+        from moshi.utils.compile import no_cuda_graph
 
-    @contextlib.contextmanager
-    def _generators(self) -> Iterator[None]:
-        """The batch's generator state swapped in for a tick; the caller's put back after it."""
-        caller = rng_get(self.device)
-        rng_set(self.device, self.rng)
-        try:
-            yield
-        finally:
-            self.rng = rng_get(self.device)
-            rng_set(self.device, caller)
+        return no_cuda_graph()
 
-    def tick(self, tick: Tick) -> TickOutput:
-        from moshi.utils.compile import no_compile, no_cuda_graph
-
-        if self.closed:
-            raise RuntimeError("this BoundSlots is closed")
-        _check_tick(tick, self.slots, self.frame_size)
-        device, mimi, lm_gen = self.device, self.models.mimi, self.lm_gen
-        stages = {**self.bound["mimi"].operators, **self.bound["lm"].operators}
-        live = tuple(sorted(tick.frames))
-        ran = [0 if slot in tick.joins else count for slot, count in enumerate(self.ran)]
-        # LMGen's offsets reach max_delay + 1 at a slot's (max_delay + 1)-th frame: its first real tokens.
-        speaking = tuple(slot for slot in live if ran[slot] + 1 > lm_gen.max_delay)
-        with self._generators(), no_compile(), no_cuda_graph(), torch.inference_mode():
-            # Every input goes to the device before the first stage runs (the speaking mask too:
-            # it is known on the host), so no copy waits for a stage in flight.
-            live_mask, speaking_mask = _mask(self.slots, live, device), _mask(self.slots, speaking, device)
-            frames = _frames(self.slots, self.frame_size, tick.frames, device)
-            if tick.joins:
-                joins = _mask(self.slots, tick.joins, device)
-                mimi.reset_streaming(joins)
-                lm_gen.reset_streaming(joins)
-            mimi.set_exec_mask(live_mask)
-            lm_gen.set_exec_mask(live_mask)
-            codes = stages["mimi_encode"](frames)
-            tokens = lm_gen.step(codes)  # its glue calls the bound lm_step and depformer_step
-            mimi.set_exec_mask(speaking_mask)
-            pcm = stages["mimi_decode"](tokens[:, 1:].clamp(min=0))
-        self.ran = [count + (slot in live) for slot, count in enumerate(ran)]
-        self.ticks += 1
-        return TickOutput(live, speaking, tokens[:, :, 0], pcm[:, 0])
+    def _stages(self, live: torch.Tensor, speaking: torch.Tensor, frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mimi, lm_gen = self.models.mimi, self.lm_gen
+        stages = self.bound["mimi"].operators
+        mimi.set_exec_mask(live)
+        lm_gen.set_exec_mask(live)
+        codes = stages["mimi_encode"](frames)
+        tokens = lm_gen.step(codes)  # its glue calls the bound lm_step and depformer_step
+        mimi.set_exec_mask(speaking)
+        return tokens, stages["mimi_decode"](tokens[:, 1:].clamp(min=0))
 
     def counters(self) -> dict[str, dict]:
         """Per stage: its replay engine's counters (on a GPU), else its bound operator's (calls,
         graph calls, verified, stock)."""
-        return {name: (self.replays[name] if name in self.replays else op).counters.as_dict()
-                for name, op in self.report.operators.items()}
+        report = self.report
+        return {name: (report.replays[name] if name in report.replays else op).counters.as_dict()
+                for name, op in report.operators.items()}
 
     def addresses(self) -> list[int]:
         """Where every tensor the stages' graphs read as state lives (regions and device-side
         counters): the same for the runtime's life."""
         return [t.data_ptr() for model in self.bound.values() for t in model.resident()[0]]
-
-    def close(self) -> None:
-        """Leave streaming and drop every graph: the batch's state and graph pools can be freed."""
-        if not self.closed:
-            self.closed = True
-            for engine in self.replays.values():
-                engine.reset()
-            self.streaming.close()
 
 
 def _slot_bindings() -> tuple[Binding, Binding]:
