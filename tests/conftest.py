@@ -36,3 +36,16 @@ def _deterministic_kernels_for_cuda_tests(request):
 
     with deterministic():
         yield
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """A module's tests on one torch thread, the reference and the runtime alike (a plugin's worker
+    ticks on one): kernels may split a reduction by thread count, and the machine's cores are shared.
+    A module asks for it with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

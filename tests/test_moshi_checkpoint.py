@@ -21,14 +21,7 @@ FRAMES = 10
 PUBLISHED = [loaders.MOSHI_NAME, loaders.MIMI_NAME, loaders.TEXT_TOKENIZER_NAME]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Both sides run on one torch thread: the machine's two cores are shared, and a reduction split
-    across threads could differ between runs of different thread counts."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the reference and the runtime on one thread
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,7 @@ from cadence_fx.models.moshi_stream import SMALL, TINY, build_models, random_pcm
 SLOTS, SEED = 3, 5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Both sides of every comparison run with one thread: kernels may split reductions by thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the reference and the runtime on one thread
 
 
 def schedule() -> list[Tick]:

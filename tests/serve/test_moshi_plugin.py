@@ -45,13 +45,7 @@ def models(plugin):
     return build_models(plugin.config)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_like_the_plugin():
-    """The reference runs here with the workers' thread count: kernels may split reductions by thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the reference and the runtime on one thread
 
 
 def user_frames(n: int, seed: int) -> list[np.ndarray]:

@@ -29,13 +29,7 @@ from cadence_fx.serve.protocol import audio as wire_audio
 from cadence_fx.serve.session import Limits
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_like_the_plugin():
-    """The reference runs with the workers' thread count: kernels may split reductions by thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the reference and the runtime on one thread
 
 
 @pytest.fixture(scope="module")
