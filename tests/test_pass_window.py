@@ -122,6 +122,18 @@ def test_auditing_a_window_counts_an_eviction_exactly_when_the_operand_outgrows_
                                   "distinct_carry_addresses": {"kv": 1}}
 
 
+def assert_streams_like(stock_step: torch.nn.Module, after, carry: WindowCarry, width: int) -> None:
+    """Three calls of `width` new units from the same full context: the rewritten graph's outputs
+    and retained context equal the stock step's, the context at the carry's one address."""
+    stock, context = units(KEEP, 2), carry.reset(units(KEEP, 2))
+    for call in range(3):
+        new = units(width, 20 + call)
+        expected, stock = stock_step(new, stock)
+        got, context = after(new, context)
+        assert torch.equal(got, expected) and torch.equal(context, stock)
+        assert context.data_ptr() == carry.address
+
+
 def test_a_context_the_window_does_not_hold_keeps_its_concat_and_copies_into_a_compact_carry():
     auditor = ShadowAuditor()
     carry = WindowCarry("ctx", "ctx", torch.zeros(*SHAPE[:2], KEEP, SHAPE[2]), axis=2, auditor=auditor)
@@ -130,13 +142,7 @@ def test_a_context_the_window_does_not_hold_keeps_its_concat_and_copies_into_a_c
     after, (site,), _ = rewrite_windows(gm, (window,), {"ctx": carry}, graph="steady")
     assert window_keep in targets(after) and torch.ops.aten.cat.default in targets(after)
     assert site.reason == "rewritten (ctx): operand concat kept; its last 8 units copied into the compact carry in place"
-    stock, context = units(KEEP, 2), carry.reset(units(KEEP, 2))
-    for call in range(3):
-        new = units(NEW, 20 + call)
-        expected, stock = ConvContext()(new, stock)
-        got, context = after(new, context)
-        assert torch.equal(got, expected) and torch.equal(context, stock)
-        assert context.data_ptr() == carry.address
+    assert_streams_like(ConvContext(), after, carry, NEW)
     assert (auditor.retentions, auditor.applications, auditor.mismatches) == (3, 3, 0)
 
 
@@ -173,13 +179,7 @@ def test_a_context_kept_from_the_new_units_alone_is_copied_into_its_carry():
     after, (site,), _ = rewrite_windows(gm, (window,), {"ctx": carry}, graph="steady")
     assert window_adopt in targets(after)
     assert site.reason == "rewritten (ctx): the last 8 of the new units (they fill the window) copied into the carry in place"
-    stock, context = units(KEEP, 2), carry.reset(units(KEEP, 2))
-    for call in range(3):
-        new = units(wide, 20 + call)
-        expected, stock = PaddingContext()(new, stock)
-        got, context = after(new, context)
-        assert torch.equal(got, expected) and torch.equal(context, stock)
-        assert context.data_ptr() == carry.address
+    assert_streams_like(PaddingContext(), after, carry, wide)
 
 
 def test_new_units_kept_whole_are_adopted_into_the_carry():
