@@ -9,8 +9,9 @@ Mimi's encode and decode with their rings and every streaming convolution's stat
 step (`LMModel.forward_text`), whose ring caches are its region and whose device-side offsets and
 host-side `offset_cpu`s are its counters; and the depformer step (`LMGen.depformer_step`: all
 codebooks and their sampling), whose ring the vendor allocates afresh inside every call
-(`per_call`). The service's batched slots runtime still runs the family's adapter
-(`moshi_replay.py`, `moshi_slots.py`).
+(`per_call`). `MIMI_SLOTS_BINDING` and `MOSHI_LM_SLOTS_BINDING` are the same at a batch of slots,
+with every module's exec mask (`transform_bound_slots`). The service's batched slots runtime still
+runs the family's own stages (`moshi_replay.py`, `moshi_slots.py`).
 """
 
 from __future__ import annotations
@@ -30,60 +31,82 @@ from cadence_fx.contract import (
     RingCache,
 )
 
-__all__ = ["MIMI_BINDING", "MOSHI_LM_BINDING", "moshi_contract"]
+__all__ = ["MIMI_BINDING", "MIMI_SLOTS_BINDING", "MOSHI_LM_BINDING", "MOSHI_LM_SLOTS_BINDING", "moshi_contract"]
 
 # The vendor keeps a streaming module's state in its `_streaming_state` (entered by `streaming()`).
 _TRANSFORMER = "self.lm_model.transformer"
 _ATTENTION = f"{_TRANSFORMER}.layers.*.self_attn._streaming_state"
 
+# At a batch of slots every streaming module also reads its exec mask (the rows that run), which
+# `set_exec_mask` writes in place between the calls: each stage binds the masks of the modules it
+# runs as device-side counters (`models/moshi_slots.py`).
+_MASK = "exec_mask"
+
+
+def _lm_binding(masked: bool) -> Binding:
+    masks = (f"{_ATTENTION}.{_MASK}", f"{_TRANSFORMER}._streaming_state.{_MASK}",
+             f"{_TRANSFORMER}.layers.*._streaming_state.{_MASK}") if masked else ()
+    return Binding(
+        regions=(
+            # `RingKVCache.complete` scatters a call's keys and values at `end_offset`, then attends.
+            RegionBinding("lm_kv", at=(f"{_ATTENTION}.kv_cache.cache",), write_before_read=True),
+            RegionBinding("depformer_kv", per_call=True),  # `depformer_step` enters `depformer.streaming()` itself
+        ),
+        operators=(
+            OperatorBinding("lm_step", method="lm_model.forward_text", units=1, counters=(
+                f"{_ATTENTION}.kv_cache.end_offset",
+                f"{_ATTENTION}.offset",
+                f"{_ATTENTION}.offset_cpu",
+                f"{_TRANSFORMER}._streaming_state.offsets",
+                f"{_TRANSFORMER}.layers.*._streaming_state.offset_cpu",
+                *masks,
+            )),
+            OperatorBinding("depformer_step", method="depformer_step", units=1),
+        ),
+    )
+
+
+def _mimi_counters(*parts: str, masked: bool) -> tuple[str, ...]:
+    """The per-stream state of Mimi's `parts` besides their rings, at any depth (`**`): the streaming
+    convolutions' buffers and first-call flags, the transformers' offsets and ring ends (and, at a
+    batch of slots, every module's exec mask)."""
+    state = ("previous", "first", "partial", "offset", "offsets", "offset_cpu", "kv_cache.end_offset")
+    state += (_MASK,) if masked else ()
+    return tuple(f"self.{part}.**._streaming_state.{name}" for part in parts for name in state)
+
+
+def _mimi_binding(masked: bool) -> Binding:
+    return Binding(
+        regions=(
+            RegionBinding("mimi_encoder_kv", at=("self.encoder_transformer.transformer.layers.*.self_attn._streaming_state.kv_cache.cache",),
+                          write_before_read=True),
+            RegionBinding("mimi_decoder_kv", at=("self.decoder_transformer.transformer.layers.*.self_attn._streaming_state.kv_cache.cache",),
+                          write_before_read=True),
+        ),
+        operators=(
+            OperatorBinding("mimi_encode", method="encode", units=2,
+                            counters=_mimi_counters("encoder", "downsample", "encoder_transformer", masked=masked)),
+            OperatorBinding("mimi_decode", method="decode", units=2,
+                            counters=_mimi_counters("decoder", "upsample", "decoder_transformer", masked=masked)),
+        ),
+    )
+
+
 #: Where a streaming `LMGen`'s per-frame operators keep their state. The main step's is each
 #: attention layer's `RingKVCache` (keys and values stacked, as the contract's `lm_kv` lays them
 #: out), written in place at `end_offset`, the device-side offsets (rope positions, ring ends) each
 #: call advances in place, and the host-side `offset_cpu`s it counts. One call is one frame.
-MOSHI_LM_BINDING = Binding(
-    regions=(
-        # `RingKVCache.complete` scatters a call's keys and values at `end_offset`, then attends.
-        RegionBinding("lm_kv", at=(f"{_ATTENTION}.kv_cache.cache",), write_before_read=True),
-        RegionBinding("depformer_kv", per_call=True),  # `depformer_step` enters `depformer.streaming()` itself
-    ),
-    operators=(
-        OperatorBinding("lm_step", method="lm_model.forward_text", units=1, counters=(
-            f"{_ATTENTION}.kv_cache.end_offset",
-            f"{_ATTENTION}.offset",
-            f"{_ATTENTION}.offset_cpu",
-            f"{_TRANSFORMER}._streaming_state.offsets",
-            f"{_TRANSFORMER}.layers.*._streaming_state.offset_cpu",
-        )),
-        OperatorBinding("depformer_step", method="depformer_step", units=1),
-    ),
-)
-
-
-def _mimi_counters(*parts: str) -> tuple[str, ...]:
-    """The per-stream state of Mimi's `parts` besides their rings, at any depth (`**`): the streaming
-    convolutions' buffers and first-call flags, the transformers' offsets and ring ends."""
-    state = ("previous", "first", "partial", "offset", "offsets", "offset_cpu", "kv_cache.end_offset")
-    return tuple(f"self.{part}.**._streaming_state.{name}" for part in parts for name in state)
-
+MOSHI_LM_BINDING = _lm_binding(masked=False)
 
 #: Where a streaming `MimiModel`'s encode and decode keep their state: each transformer's rings
 #: (the contract's `mimi_encoder_kv` / `mimi_decoder_kv`), and everything else each stage moves,
 #: found at any depth so one binding fits every SEANet layout. A call is one 80 ms frame: two
 #: steps of the transformers' 25 Hz clock.
-MIMI_BINDING = Binding(
-    regions=(
-        RegionBinding("mimi_encoder_kv", at=("self.encoder_transformer.transformer.layers.*.self_attn._streaming_state.kv_cache.cache",),
-                      write_before_read=True),
-        RegionBinding("mimi_decoder_kv", at=("self.decoder_transformer.transformer.layers.*.self_attn._streaming_state.kv_cache.cache",),
-                      write_before_read=True),
-    ),
-    operators=(
-        OperatorBinding("mimi_encode", method="encode", units=2,
-                        counters=_mimi_counters("encoder", "downsample", "encoder_transformer")),
-        OperatorBinding("mimi_decode", method="decode", units=2,
-                        counters=_mimi_counters("decoder", "upsample", "decoder_transformer")),
-    ),
-)
+MIMI_BINDING = _mimi_binding(masked=False)
+
+#: The two at a batch of slots (`transform_bound_slots`): the same, and every module's exec mask.
+MOSHI_LM_SLOTS_BINDING = _lm_binding(masked=True)
+MIMI_SLOTS_BINDING = _mimi_binding(masked=True)
 
 
 def moshi_contract(

@@ -67,14 +67,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from cadence_fx.binding import Binding
 from cadence_fx.contract import Contract
 from cadence_fx.catalog import derive
 from cadence_fx.determinism import envelope, settings
@@ -85,7 +83,7 @@ from cadence_fx.pipeline import BoundModel
 from cadence_fx.transform import TransformReport, transform
 from cadence_fx.transformed import rng_get, rng_seeded, rng_set
 
-from .moshi import _ATTENTION, _TRANSFORMER, MIMI_BINDING, MOSHI_LM_BINDING
+from .moshi import MIMI_SLOTS_BINDING, MOSHI_LM_SLOTS_BINDING
 from .moshi_replay import OwnedState, Stage, _check_model, _classes, _ring_resizes, _used_codebooks
 from .moshi_stream import MoshiModels
 
@@ -468,24 +466,6 @@ class BoundSlots(_Batch):
         return [t.data_ptr() for model in self.bound.values() for t in model.resident()[0]]
 
 
-def _slot_bindings() -> tuple[Binding, Binding]:
-    """`MIMI_BINDING` and `MOSHI_LM_BINDING` at a batch of slots: every streaming module also
-    reads its exec mask, which `set_exec_mask` writes in place between the calls, so each stage
-    binds the masks of the modules it runs as device-side counters."""
-    parts = {"mimi_encode": ("encoder", "downsample", "encoder_transformer"),
-             "mimi_decode": ("decoder", "upsample", "decoder_transformer")}
-    mimi = dataclasses.replace(MIMI_BINDING, operators=tuple(
-        dataclasses.replace(ob, counters=ob.counters + tuple(f"self.{part}.**._streaming_state.exec_mask"
-                                                             for part in parts[ob.operator]))
-        for ob in MIMI_BINDING.operators))
-    masks = (f"{_ATTENTION}.exec_mask", f"{_TRANSFORMER}._streaming_state.exec_mask",
-             f"{_TRANSFORMER}.layers.*._streaming_state.exec_mask")
-    lm = dataclasses.replace(MOSHI_LM_BINDING, operators=tuple(
-        dataclasses.replace(ob, counters=ob.counters + masks) if ob.operator == "lm_step" else ob
-        for ob in MOSHI_LM_BINDING.operators))
-    return mimi, lm
-
-
 def _merged(reports: Mapping[str, TransformReport]) -> TransformReport:
     first = next(iter(reports.values()))
     merged = TransformReport(family=first.family, catalog=first.catalog)
@@ -503,8 +483,9 @@ def transform_bound_slots(models: MoshiModels, contract: Contract, *, sampling: 
                           replay: bool = True) -> tuple[BoundSlots, TransformReport]:
     """`transform_slots`' runtime built on the one pipeline of every model (`cadence_fx.transform`
     with a binding), not on this module's own stages: Mimi and `LMGen` at the contract's batch
-    transformed from `MIMI_BINDING` and `MOSHI_LM_BINDING` (each operator also binding the exec
-    masks of the modules it runs, which `set_exec_mask` writes in place between the calls); Mimi's
+    transformed from `MIMI_SLOTS_BINDING` and `MOSHI_LM_SLOTS_BINDING` (Moshi's bindings with the
+    exec masks of the modules each operator runs, which `set_exec_mask` writes in place between the
+    calls); Mimi's
     encode and decode called here, the LM's main step and depformer step called by the vendor's
     own glue (`LMGen.step`) as its `graphed_main` and `graphed_depth`. Every ring is a region
     written before it is read: it stays where the vendor allocated it (no buffer, no copy). The
@@ -531,10 +512,9 @@ def transform_bound_slots(models: MoshiModels, contract: Contract, *, sampling: 
     streaming = contextlib.ExitStack()
     streaming.enter_context(mimi.streaming(slots))
     streaming.enter_context(lm_gen.streaming(slots))
-    mimi_binding, lm_binding = _slot_bindings()
     bound = {}
-    bound["mimi"], mimi_report = transform(mimi, contract, mimi_binding, replay=replay)
-    bound["lm"], lm_report = transform(lm_gen, contract, lm_binding, replay=replay)
+    bound["mimi"], mimi_report = transform(mimi, contract, MIMI_SLOTS_BINDING, replay=replay)
+    bound["lm"], lm_report = transform(lm_gen, contract, MOSHI_LM_SLOTS_BINDING, replay=replay)
     # The vendor's glue calls its own CUDAGraphed wrappers of the LM's two steps: the bound ones instead.
     gen_state = lm_gen._streaming_state
     gen_state.graphed_main, gen_state.graphed_depth = bound["lm"].operators["lm_step"], bound["lm"].operators["depformer_step"]
