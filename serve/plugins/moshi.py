@@ -31,6 +31,9 @@ How a duplex model maps onto the session's turns:
 * ``feed``: one tick on the user's frame. Moshi speaks while it listens; what it says during the
   user's turn belongs to no response and is dropped (``listened`` frames). While a reply is in
   progress (the user talks over it and no barge-in cancelled it), it is the reply's next frame.
+  A turn the server VAD ends inside an append ends at its stop: the append's frames after the stop
+  are fed after ``begin_response``, so the reply starts with what Moshi says on them, without
+  waiting behind them.
 * ``begin_response``: the reply lasts as many frames as the user's turn (the frames fed since the
   last ``begin_response``), at least 1 and at most ``max_reply_frames``. A duplex model never ends
   a turn by itself; it talks for as long as its clock runs, so the plugin sets the length.
@@ -339,8 +342,9 @@ class _InProcess(_Place):
 
 
 class _Worker(_Place):
-    """One worker process and the one thread that talks to it: requests go out in arrival order,
-    one at a time.
+    """One worker process: requests go out one at a time (a lock), a tick's straight from the
+    scheduler's thread (each thread hop in a busy server process waits for the interpreter), the
+    others (start, describe) through a thread of its own.
 
     The process is a fresh interpreter on this one's ``sys.path`` (not a multiprocessing child, which
     would import the caller's main module again), talking over a socket pair; it exits when its
@@ -361,27 +365,34 @@ class _Worker(_Place):
         theirs.close()
         self.conn = Connection(ours.detach())
         self.streams = 0  # open streams placed here
+        self._lock = threading.Lock()  # one request on the connection at a time
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-{index}")
+
+    def run_tick(self, frames: dict[int, np.ndarray], joins: tuple[int, ...]) -> dict[int, np.ndarray | None]:
+        return self._roundtrip("tick", (frames, joins))
 
     def submit(self, op: str, *args: Any) -> Future:
         return self._thread.submit(self._roundtrip, op, args)
 
     def _roundtrip(self, op: str, args: tuple) -> Any:
-        self.conn.send((op, args))
-        try:
-            kind, value = self.conn.recv()
-        except (EOFError, OSError):
+        with self._lock:
+            self.conn.send((op, args))
+            try:
+                kind, value = self.conn.recv()
+            except (EOFError, OSError):
+                kind, value = "gone", None
+        if kind == "gone":
             raise RuntimeError(
                 f"{self.name} worker {self.index} (pid {self.process.pid}) is gone (exit code "
                 f"{self.process.poll()}) during {op}"
-            ) from None
+            )
         if kind == "error":
             raise RuntimeError(f"{self.name} worker {self.index} failed in {op}:\n{value}")
         return value
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._thread.submit(self.conn.send, None).result()
+        with contextlib.suppress(OSError), self._lock:
+            self.conn.send(None)
         self._thread.shutdown(wait=True)
         self.conn.close()
         try:

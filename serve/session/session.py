@@ -524,8 +524,22 @@ class Session:
         led = self.ledgers.input
         led.received_bytes += len(data)
         led.resampled_samples += resampled
-        self._buffer += data
+        # Each VAD edge is handled where it falls in the append: a turn ends at its stop, with the
+        # bytes and frames before it; those after go on into the next turn (and while a reply is in
+        # progress, a duplex model's frames after the stop are the reply's first ones).
+        kept = fed = 0
+        for edge, at_byte, at_frame in edges:
+            self._buffer += data[kept:at_byte]
+            kept = at_byte
+            await self._feed(frames[fed:at_frame])
+            fed = at_frame
+            await self._on_vad_edge(edge)
+        self._buffer += data[kept:]
         self._kept()
+        await self._feed(frames[fed:])
+        led.pending_samples = len(self._frame)
+
+    async def _feed(self, frames: list[np.ndarray]) -> None:
         if frames and self.active is not None:  # one call each: the reply's frames go in between
             for index, frame in enumerate(frames):
                 # The next call follows at once: this append's next frame, or the reply's next
@@ -534,27 +548,32 @@ class Session:
                 await self.port.call(self.stream.feed, frame, follows=follows)
         elif frames:
             await self.port.call(self.stream.feed_frames, frames)
-        led.fed_samples += len(frames) * self.plugin.info.frame_samples
-        led.pending_samples = len(self._frame)
-        for edge in edges:
-            await self._on_vad_edge(edge)
+        self.ledgers.input.fed_samples += len(frames) * self.plugin.info.frame_samples
 
-    def _ingest(self, text: str) -> tuple[bytes, list[np.ndarray], list, int]:
-        """Worker thread: decode, run VAD, resample and cut into native frames."""
+    def _ingest(self, text: str) -> tuple[bytes, list[np.ndarray], list[tuple[Any, int, int]], int]:
+        """Worker thread: decode, run VAD, resample and cut into native frames. Each VAD edge comes
+        with where it falls: how many of the bytes, and how many of the frames, lie before it."""
         data = wire_audio.b64decode(text)
+        fmt = self.config.input_format
         try:
-            x = wire_audio.decode_samples(data, self.config.input_format)
+            x = wire_audio.decode_samples(data, fmt)
         except ProtocolError as err:
             err.audio_bytes = len(data)  # type: ignore[attr-defined]
             raise
+        start = self._vad.received if self._vad is not None else 0
         edges = self._vad.process(x) if self._vad is not None else []
         y = self._resampler.process(x)
         pending = np.concatenate([self._frame, y])
         size = self.plugin.info.frame_samples
         n = len(pending) // size
         frames = [pending[i * size : (i + 1) * size] for i in range(n)]
+        placed = []
+        for edge in edges:
+            into_x = min(len(x), max(0, edge.ms * fmt.rate // 1000 - start))
+            into_y = into_x * len(y) // max(len(x), 1)
+            placed.append((edge, into_x * fmt.bytes_per_sample, min(n, (len(self._frame) + into_y) // size)))
         self._frame = pending[n * size :]
-        return data, frames, edges, len(y)
+        return data, frames, placed, len(y)
 
     async def _flush_frame(self) -> None:
         """Close the turn on a whole native frame: zero-pad the partial one and feed it."""
@@ -570,10 +589,14 @@ class Session:
         led.fed_samples += size
         led.pending_samples = 0
 
-    async def _commit(self, cmd: ev.InputAudioBufferCommit | None = None) -> str:
+    async def _commit(self, cmd: ev.InputAudioBufferCommit | None = None, *, flush: bool = True) -> str:
+        """``flush``: close the turn on a whole native frame (a commit of the client's, which says no
+        more audio of the turn is coming). A turn the server VAD ended does not: the audio after its
+        end keeps coming, and the partial frame goes on into the next one."""
         if not self._buffer:
             raise ProtocolError("input_audio_buffer_commit_empty", "the input audio buffer is empty")
-        await self._flush_frame()
+        if flush:
+            await self._flush_frame()
         item_id = self._vad_item_id or _new_id("item")
         self._vad_item_id = None
         self.turn_id += 1
@@ -660,7 +683,7 @@ class Session:
         self.ledgers.history_items = len(self.history)
         self.emit(ev.ConversationItemDeleted(item_id=cmd.item_id))
 
-    async def _response_create(self, cmd: ev.ResponseCreate | None = None) -> None:
+    async def _response_create(self, cmd: ev.ResponseCreate | None = None, *, flush: bool = True) -> None:
         params = ResponseParams.parse(None if cmd is None else cmd.response, self.config)
         if self.active is not None:
             raise ProtocolError(
@@ -668,7 +691,8 @@ class Session:
                 f"Conversation already has an active response in progress: {self.active.id}. "
                 "Wait until the response is finished before creating a new one.",
             )
-        await self._flush_frame()
+        if flush:
+            await self._flush_frame()
         await self.port.call(self.stream.begin_response)
         item_id = _new_id("item")
         previous = self.history[-1]["id"] if self.history else None
@@ -783,9 +807,9 @@ class Session:
             item_id = self._vad_item_id or _new_id("item")
             self._vad_item_id = item_id
             self.emit(ev.InputAudioBufferSpeechStopped(audio_end_ms=edge.ms, item_id=item_id))
-            await self._commit()
+            await self._commit(flush=False)
             if td.create_response and self.active is None:
-                await self._response_create()
+                await self._response_create(flush=False)
 
     # ------------------------------------------------------------ responses
 

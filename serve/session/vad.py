@@ -33,6 +33,11 @@ class EnergyVad:
         self.speaking = False
         self._silent_run = 0
 
+    @property
+    def received(self) -> int:
+        """Samples taken so far, the partial 10 ms frame included."""
+        return self.samples + len(self._carry)
+
     def process(self, x: np.ndarray) -> list[VadEdge]:
         x = np.concatenate([self._carry, x]) if len(self._carry) else x
         n = len(x) // self.frame

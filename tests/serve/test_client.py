@@ -19,6 +19,12 @@ from cadence_fx.serve.plugins import ToneModel
 from cadence_fx.serve.session import Limits
 
 
+# The question's last word ends near 4.05 s; 500 ms of silence later VAD ends the turn at 4,550 ms,
+# which is 227.5 frames of 20 ms at 16 kHz: the 227 frames wholly before it (72,640 samples) give
+# 54,480 reply samples, 57 tone chunks of 960 (2.28 s).
+QUESTION_REPLY_CHUNKS = 57
+
+
 def _wav(path) -> tuple[tuple[int, int, int], bytes]:
     with wave.open(str(path)) as wav:
         return (wav.getnchannels(), wav.getsampwidth(), wav.getframerate()), wav.readframes(wav.getnframes())
@@ -29,13 +35,11 @@ def test_run_client_streams_a_question_and_writes_the_reply(tmp_path, capsys):
     with running() as server:
         report = run_client(server.handle.ws_url, AUDIO / "question_24k.wav", out)
     params, pcm = _wav(out)
-    # The last word ends near 4.07 s; 500 ms of silence later VAD commits the turn at the end of the
-    # 100 ms append that reaches 4.6 s: 73,600 samples at 16 kHz -> 230 frames -> 58 reply chunks.
-    assert params == (1, 2, 24_000) and pcm == tone_reply_pcm(58)
+    assert params == (1, 2, 24_000) and pcm == tone_reply_pcm(QUESTION_REPLY_CHUNKS)
     assert (report.turns, report.responses_done, report.errors, report.failure) == (1, 1, [], None)
     assert report.session_id.startswith("sess_") and len(report.first_audio_latency_s) == 1
     progress = capsys.readouterr().err
-    assert "sent   5.4/5.4 s | turns 1 | replies 1 | reply audio  2.32 s" in progress
+    assert "sent   5.4/5.4 s | turns 1 | replies 1 | reply audio  2.28 s" in progress
 
 
 @pytest.mark.parametrize(
@@ -72,7 +76,7 @@ def test_the_realtime_route_runs_a_tier1_session_to_the_end(tmp_path):
     out = tmp_path / "reply.wav"
     with running() as server:
         report = run_client(server.handle.http_url + "/v1/realtime", AUDIO / "question_24k.wav", out)
-    assert _wav(out)[1] == tone_reply_pcm(58) and (report.responses_done, report.errors) == (1, [])
+    assert _wav(out)[1] == tone_reply_pcm(QUESTION_REPLY_CHUNKS) and (report.responses_done, report.errors) == (1, [])
 
 
 def test_a_refused_connection_is_one_sentence_and_exit_code_1(tmp_path, capsys):
@@ -139,19 +143,19 @@ def test_wss_with_a_trusted_self_signed_certificate_and_the_cli_summary(tmp_path
     with background_server(lambda: ToneModel(), Limits(max_sessions=4), tls=tls) as handle:
         code = main(["client", "--url", handle.ws_url, "--wav", str(AUDIO / "question_24k.wav"), "--out", str(out)])
     last = capsys.readouterr().err.splitlines()[-1]
-    assert code == 0 and _wav(out)[1] == tone_reply_pcm(58)
-    assert last.startswith(f"wrote {out}: 1 replies, 2.32 s of reply audio; first audio ")
+    assert code == 0 and _wav(out)[1] == tone_reply_pcm(QUESTION_REPLY_CHUNKS)
+    assert last.startswith(f"wrote {out}: 1 replies, 2.28 s of reply audio; first audio ")
     assert last.endswith(" ms after the turn ended (median of 1)")
 
 
 def test_a_session_that_ends_mid_reply_still_writes_what_arrived(tmp_path):
     out = tmp_path / "reply.wav"
-    # The reply takes 58 x 50 ms; the session may live 1.5 s: it expires mid-reply.
+    # The reply takes 57 x 50 ms; the session may live 1.5 s: it expires mid-reply.
     with running(Limits(max_sessions=4, max_session_s=1.5), step_delay_s=0.05) as server:
         report = asyncio.run(
             stream_wav(server.handle.ws_url, AUDIO / "question_24k.wav", out, realtime=False, progress=None)
         )
     pcm = _wav(out)[1]
-    assert 0 < len(pcm) < len(tone_reply_pcm(58)) and tone_reply_pcm(58).startswith(pcm)
+    assert 0 < len(pcm) < len(tone_reply_pcm(QUESTION_REPLY_CHUNKS)) and tone_reply_pcm(QUESTION_REPLY_CHUNKS).startswith(pcm)
     assert report.failure == "the server closed the connection (4001)" and report.responses_done == 0
     assert report.summary(out).endswith("; ended early: the server closed the connection (4001)")

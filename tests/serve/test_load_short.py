@@ -27,13 +27,14 @@ def test_eight_sessions_for_three_seconds_lose_nothing():
         )
         # 3 s at 16 kHz is exactly 150 frames; nothing padded, nothing dropped.
         assert (ledger.input.fed_samples, ledger.input.padded_samples, ledger.input.discarded_samples) == (48_000, 0, 0)
-        assert (ledger.playback.generated_samples, ledger.playback.delivered_samples) == (2 * 18 * 960, 2 * 18 * 960)
+        assert (ledger.playback.generated_samples, ledger.playback.delivered_samples) == (36 * 960, 36 * 960)
         assert (ledger.playback.dropped_samples, ledger.responses.completed, ledger.responses.cancelled) == (0, 2, 0)
         assert result.errors == []
         assert result.accounted
         assert result.appended_bytes == result.committed_bytes == len(pcm) == 144_000
-        # 200 ms appends: turns are committed at 1.4 s and 2.8 s, the last 0.2 s at the end.
-        assert [r.turn_bytes for r in result.replies] == [67_200, 67_200]
-        for reply in result.replies:
-            chunks = tone.reply_chunks(reply.turn_bytes // 2 * 2 // 3)
-            assert bytes(reply.audio) == tone_reply_pcm(chunks) and chunks == 18
+        # Each turn is committed at its VAD stop, inside the 200 ms append that saw it: 1.3 s and
+        # 1.5 s of audio (both whole 20 ms frames, all fed to the turn); the last 0.2 s at the end.
+        assert [r.turn_bytes for r in result.replies] == [62_400, 72_000]
+        chunks = [tone.reply_chunks(reply.turn_bytes // 2 * 2 // 3) for reply in result.replies]
+        assert chunks == [17, 19]
+        assert [bytes(reply.audio) for reply in result.replies] == [tone_reply_pcm(n) for n in chunks]

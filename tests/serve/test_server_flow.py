@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import httpx
+import numpy as np
 from servekit import (
     COMMIT,
     RESPONSE_HEAD,
@@ -22,7 +23,7 @@ from servekit import (
 )
 
 from cadence_fx.serve.app import background_server
-from cadence_fx.serve.plugins import ToneModel
+from cadence_fx.serve.plugins import ToneModel, tone
 from cadence_fx.serve.plugins.tone import ToneStream
 from cadence_fx.serve.protocol import PCM24K, PCMA, PCMU, StreamResampler
 from cadence_fx.serve.protocol import audio as wire_audio
@@ -134,10 +135,55 @@ def test_server_vad_cuts_the_recording_into_two_turns(server):
         (7130, second[2]["item_id"]),
     ]
     assert [e["audio_end_ms"] for e in (first[1], second[1])] == [6050, 11330]
-    # Appends are 200 ms, so each turn is committed at the end of the append where speech stopped.
-    assert [e["audio_bytes"] for e in (first[2], second[2])] == [6_200 * 48, 5_200 * 48]
-    # 6.2 s -> 99,200 samples at 16 kHz -> 74,400 reply samples -> 78 chunks; 5.2 s -> 65 chunks.
-    assert deltas_of(first) == tone_reply_pcm(78) and deltas_of(second) == tone_reply_pcm(65)
+    # Each turn is committed at its stop, inside the 200 ms append where VAD saw it: 6,050 ms, then
+    # the 5,280 ms from there to 11,330 ms (48 bytes a millisecond).
+    assert [e["audio_bytes"] for e in (first[2], second[2])] == [6_050 * 48, 5_280 * 48]
+    # The frames wholly before each stop are the turn's (the one across it goes on into the next):
+    # 6,050 ms is 302.5 frames of 20 ms at 16 kHz -> 302 frames (96,640 samples) -> 72,480 reply
+    # samples -> 76 chunks of 960; the second turn holds frames 302 to 565 (11,330 ms is 566.5
+    # frames): 264 frames (84,480 samples) -> 63,360 reply samples -> 66 chunks.
+    assert deltas_of(first) == tone_reply_pcm(76) and deltas_of(second) == tone_reply_pcm(66)
+
+
+class _LoggedTone(ToneModel):
+    """Tone streams that log the session's calls: each frame fed, and each reply begun."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[str] = []
+
+    def open_stream(self) -> ToneStream:
+        log, stream = self.log, super().open_stream()
+        feed, begin = stream.feed, stream.begin_response
+        stream.feed = lambda frame: (log.append("feed"), feed(frame))[1]
+        stream.begin_response = lambda: (log.append("begin_response"), begin())[1]
+        return stream
+
+
+def test_a_vad_turn_ends_at_its_stop_inside_an_append():
+    """One append of 0.4 s of speech and 0.7 s of silence: VAD ends the turn at 0.9 s (0.5 s of
+    silence). The turn is the 0.9 s before its stop: its bytes are committed, its 45 frames (20 ms
+    at 16 kHz) are fed, then its reply begins; the append's 10 frames after the stop are fed after
+    that (a duplex model's reply starts with them) and stay uncommitted, for the next turn."""
+    rate = PCM24K.rate
+    t = np.arange(int(1.1 * rate)) / rate
+    pcm = wire_audio.encode_samples((0.1 * np.sin(2 * np.pi * 220 * t) * (t < 0.4)).astype(np.float32), PCM24K)
+    plugin = _LoggedTone()
+
+    async def scenario(server):
+        sock = await server.connect("/v1/duplex")
+        await sock.append(pcm, chunk_bytes=len(pcm))
+        events = await sock.recv_until("response.done")
+        await sock.close()
+        return events
+
+    with background_server(lambda: plugin, Limits(max_sessions=4)) as handle:
+        events = run(scenario(Server(handle)))
+    stopped = next(e for e in events if e["type"] == "input_audio_buffer.speech_stopped")
+    committed = next(e for e in events if e["type"] == "input_audio_buffer.committed")
+    assert (stopped["audio_end_ms"], committed["audio_bytes"]) == (900, 900 * 48)
+    assert plugin.log == ["feed"] * 45 + ["begin_response"] + ["feed"] * 10
+    assert deltas_of(events) == tone_reply_pcm(tone.reply_chunks(45 * 320))
 
 
 def test_barge_in_cancels_the_response_and_fences_its_epoch(question_pcm):
