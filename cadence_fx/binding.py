@@ -156,6 +156,11 @@ def _key(mapping: dict, segment: str) -> Any:
 def _child(value: Any, segment: str) -> Any:
     if value is None:
         return None
+    if isinstance(value, torch.nn.Module):
+        # A submodule straight from the module's own table: what `getattr` finds there too, without
+        # going through `Module.__getattr__` (Python code, on every segment of every path, every call).
+        module = value._modules.get(segment)
+        return module if module is not None else getattr(value, segment)
     if isinstance(value, dict):
         return value[_key(value, segment)]
     if isinstance(value, (list, tuple)) and segment.lstrip("-").isdigit():
@@ -198,6 +203,41 @@ def resolve(root: Any, path: str) -> Iterator[tuple[tuple[int, ...], str, Any]]:
     yield from walk(root, rest, (), first)
 
 
+class Place:
+    """Where `path` leads on one call's `roots`: the object that holds its value (its parent) and
+    the last segment. Reading or writing through a place walks the path once, not on every access."""
+
+    def __init__(self, roots: dict[str, Any], path: str) -> None:
+        self.roots, self.path = roots, path
+        first, *rest = _segments(path)
+        self.last = rest[-1] if rest else first
+        self.parent_path = ".".join([first, *rest[:-1]]) if rest else None
+        self.parent = roots if self.parent_path is None else get_path(roots, self.parent_path)
+
+    def get(self) -> Any:
+        return _child(self.parent, self.last)
+
+    def set(self, value: Any) -> None:
+        parent, last = self.parent, self.last
+        if parent is None:
+            if value is None:  # no state there yet, and none to put
+                return
+            raise ValueError(f"{self.path!r}: cannot place state under a None")
+        if isinstance(parent, dict):
+            parent[_key(parent, last)] = value
+        elif isinstance(parent, list) and last.isdigit():
+            parent[int(last)] = value
+        elif isinstance(parent, tuple) and last.isdigit():
+            # A tuple cannot be written: a new one, the element replaced, takes its place in its own
+            # parent (a legacy `past_key_values`, an LSTM's `(h, c)`); the caller's tuple stays as it was.
+            items = list(parent)
+            items[int(last)] = value
+            self.parent = type(parent)(*items) if hasattr(parent, "_fields") else tuple(items)
+            set_path(self.roots, self.parent_path, self.parent)
+        else:
+            setattr(parent, last, value)
+
+
 def get_path(roots: dict[str, Any], path: str) -> Any:
     first, *rest = _segments(path)
     value = roots[first]
@@ -207,28 +247,7 @@ def get_path(roots: dict[str, Any], path: str) -> Any:
 
 
 def set_path(roots: dict[str, Any], path: str, value: Any) -> None:
-    first, *rest = _segments(path)
-    if not rest:  # the whole argument: the call's own binding of it
-        roots[first] = value
-        return
-    parent = get_path(roots, ".".join([first, *rest[:-1]]))
-    if parent is None:
-        if value is None:  # no state there yet, and none to put
-            return
-        raise ValueError(f"{path!r}: cannot place state under a None")
-    last = rest[-1]
-    if isinstance(parent, dict):
-        parent[_key(parent, last)] = value
-    elif isinstance(parent, list) and last.isdigit():
-        parent[int(last)] = value
-    elif isinstance(parent, tuple) and last.isdigit():
-        # A tuple cannot be written: a new one, the element replaced, takes its place in its own parent
-        # (a legacy `past_key_values`, an LSTM's `(h, c)`); the caller's tuple stays as it was.
-        items = list(parent)
-        items[int(last)] = value
-        set_path(roots, ".".join([first, *rest[:-1]]), type(parent)(*items) if hasattr(parent, "_fields") else tuple(items))
-    else:
-        setattr(parent, last, value)
+    Place(roots, path).set(value)
 
 
 def method_of(model: Any, dotted: str):

@@ -50,6 +50,7 @@ from .binding import (
     Binding,
     BindingError,
     OperatorBinding,
+    Place,
     Site,
     get_path,
     method_of,
@@ -390,12 +391,13 @@ class BoundOperator:
                 # A wildcard met None (no state yet, the stock call makes it): the sites cannot be counted
                 return self._stock(roots, inputs, "no_state_yet")
             self._allocate(roots)
-        extent = self._retained(roots)
+        places = [Place(roots, site.path) for site in self.sites]  # each path walked once a call
+        extent = self._retained(places)
         units = self._units(arguments)
         call = self._catalog_class(units, extent)
         if call is None:
             return self._stock(roots, inputs, "not_in_catalog")
-        state = [self._carry_view(roots, site) for site in self.sites]
+        state = [self._carry_view(place, site) for place, site in zip(places, self.sites)]
         staged = _staged(inputs)
         try:
             signature = Signature.of(staged, state)
@@ -428,7 +430,7 @@ class BoundOperator:
         outputs, new_state = runner(staged, state)
         self.counters.graph_calls += 1
         cls.calls += 1
-        self._commit(roots, new_state)
+        self._commit(places, new_state)
         for path, (kind, value) in cls.effects.items():
             # each call its own copy of a value set, never one object shared by every stream
             set_path(roots, path, get_path(roots, path) + value if kind == "add" else copy.deepcopy(value))
@@ -523,15 +525,15 @@ class BoundOperator:
                     f"{tuple(expected[:carry.axis])} x extent x {tuple(expected[carry.axis + 1:])}")
         return None
 
-    def _retained(self, roots: dict[str, Any]) -> int | None:
+    def _retained(self, places: list[Place]) -> int | None:
         """The operator region's retained extent (0 before any state); None when its sites disagree."""
         if self.per_call:
             return self.catalog.region(self.op.region).bound
         extents = set()
-        for site in self.sites:
+        for place, site in zip(places, self.sites):
             if site.region != self.op.region:
                 continue
-            value = get_path(roots, site.path)
+            value = place.get()
             if value is None:
                 extents.add(0)
                 continue
@@ -541,9 +543,9 @@ class BoundOperator:
             extents.add(value.shape[self.carries[site.path].axis])
         return extents.pop() if len(extents) == 1 else None
 
-    def _carry_view(self, roots: dict[str, Any], site: Site) -> torch.Tensor | None:
-        """The site's state as its carry's view: adopted into the carry when it is another tensor."""
-        value = get_path(roots, site.path)
+    def _carry_view(self, place: Place, site: Site) -> torch.Tensor | None:
+        """The site's state (at `place`) as its carry's view: adopted into the carry when it is another tensor."""
+        value = place.get()
         if value is None:
             return None
         if site.region is None:
@@ -555,7 +557,7 @@ class BoundOperator:
                 if value.device != view.device:  # moved by the model (a cache placed lazily at its first call)
                     view = self.held[site.path] = value.detach().clone()
                 view.copy_(value)
-                set_path(roots, site.path, view)
+                place.set(view)
                 self.counters.adopted += 1
             return view
         carry = self.carries[site.path]
@@ -567,19 +569,19 @@ class BoundOperator:
         if value.data_ptr() != view.data_ptr() or value.shape != view.shape or value.stride() != view.stride():
             view = carry.adopt(value)
             if site.out is None:  # a returned state is the caller's to thread: their object stays as it is
-                set_path(roots, site.path, view)
+                place.set(view)
             self.counters.adopted += 1
         return view
 
-    def _commit(self, roots: dict[str, Any], new_state: list) -> None:
+    def _commit(self, places: list[Place], new_state: list) -> None:
         """Mutated state objects get the carry views back; returned state is in the output already.
         A ring the step returns anew (Whisper's cross-attention keys, computed by a stream's first
         call) is taken into its carry now, so the state object holds the carry from this call on."""
-        for site, value in zip(self.sites, new_state):
+        for place, site, value in zip(places, self.sites, new_state):
             if site.out is None:
-                set_path(roots, site.path, value)
+                place.set(value)
                 if site.region is not None and value is not None:
-                    self._carry_view(roots, site)
+                    self._carry_view(place, site)
 
     def _counter_paths(self, roots: dict[str, Any]) -> list[str]:
         found = []
@@ -741,7 +743,7 @@ class BoundOperator:
         outputs, new_state = cls.graph(staged, state)
         self.counters.graph_calls += 1
         cls.calls += 1
-        self._commit(roots, new_state)
+        self._commit([Place(roots, site.path) for site in self.sites], new_state)
         for path, value in counters_after.items():
             set_path(roots, path, value)
         actual = self._rebuild(cls, outputs, roots)
@@ -760,8 +762,9 @@ class BoundOperator:
             self.report.stamps.append(f"{cls.name}: refused, {cls.refused}")
             for site, value in zip(self.sites, expected_state):
                 if site.out is None:
-                    set_path(roots, site.path, value)
-                    self._carry_view(roots, site)
+                    place = Place(roots, site.path)
+                    place.set(value)
+                    self._carry_view(place, site)
             self.counters.fallback("verification")
             return expected
         cls.effects = effects
@@ -787,9 +790,10 @@ class BoundOperator:
                 set_path(roots, site.path, value.clone())
         out = self._stock_call(roots, inputs)
         for site in self.sites:
-            value = get_path(roots, site.path)
+            place = Place(roots, site.path)
+            value = place.get()
             if site.out is None and value is not None and (site.region is None or self._site_shape_error(site, value) is None):
-                self._carry_view(roots, site)
+                self._carry_view(place, site)
         self.counters.fallback(reason)
         return out
 

@@ -5,6 +5,7 @@ why a call misses (`MissReason`, `Miss`: expected against actual)."""
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, Union
 
@@ -109,6 +110,7 @@ def is_dense(t: torch.Tensor) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=4096)
 def _layout_strides(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...]:
     """Strides with those of size-1 dimensions canonicalised: a size-1 dimension is never stepped
     over, so its stride addresses nothing (``x[..., -n:].clone()`` keeps arbitrary ones)."""
@@ -217,12 +219,10 @@ class Signature:
     def of(cls, *args: Any, **kwargs: Any) -> Signature:
         """Signature of a call with these arguments (tensors or `TensorSpec`s and scalars)."""
         leaves, spec = _flatten(args, kwargs)
-        keys = []
-        for name, x in zip(_leaf_names(spec), leaves):
-            k = _leaf_key(x)
-            if k is None:
-                raise TypeError(f"{name}: cannot key on {type(x).__name__}")
-            keys.append(k)
+        keys = [_leaf_key(x) for x in leaves]
+        if None in keys:  # the leaves' names only for the message: building them costs more than the keys
+            name, x = next((n, x) for n, x, k in zip(_leaf_names(spec), leaves, keys) if k is None)
+            raise TypeError(f"{name}: cannot key on {type(x).__name__}")
         return cls(tuple(keys), spec, _context())
 
     @property
