@@ -249,6 +249,17 @@ def find_retention_sites(gm: torch.fx.GraphModule, inputs: dict[str, str], *, gr
     return sites
 
 
+def shared_memo(gm: torch.fx.GraphModule) -> dict[int, object]:
+    """A `copy.deepcopy` memo under which the copy shares every tensor `gm`'s modules hold (the
+    weights and buffers, and the constants `torch.export` lifted: `lifted_tensor_*`, views of the
+    model's own weights that a graph only reads) and its (immutable) pytree specs: a rewritten
+    graph costs its nodes, not a second copy of the model."""
+    shared: list[object] = [*gm.parameters(), *gm.buffers()]
+    shared += [value for module in gm.modules() for value in vars(module).values() if isinstance(value, torch.Tensor)]
+    shared += [getattr(gm, name) for name in ("_in_spec", "_out_spec") if hasattr(gm, name)]
+    return {id(x): x for x in shared}
+
+
 def rewrite_trims(gm: torch.fx.GraphModule, inputs: dict[str, str], carries: dict[str, Carry], *, graph: str):
     """Rewrite every trim of a carried region in `gm` into one in-place `carry_keep`.
 
@@ -256,7 +267,7 @@ def rewrite_trims(gm: torch.fx.GraphModule, inputs: dict[str, str], carries: dic
     happened to each, and the pass's provenance stamp.
     """
     started = time.perf_counter()
-    gm = copy.deepcopy(gm)
+    gm = copy.deepcopy(gm, shared_memo(gm))
     sites = []
     for site in find_retention_sites(gm, inputs, graph=graph):
         node = next(n for n in gm.graph.nodes if n.name == site.node)

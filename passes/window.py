@@ -45,7 +45,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from cadence_fx.audit import ShadowAuditor
-from cadence_fx.passes.carry import Carry, CarryError, RetentionSite, find_retention_sites
+from cadence_fx.passes.carry import Carry, CarryError, RetentionSite, find_retention_sites, shared_memo
 
 __all__ = [
     "CarryCounters",
@@ -281,14 +281,6 @@ def _adopt(gm: torch.fx.GraphModule, output: torch.fx.Node, carry: torch.fx.Node
     return kept
 
 
-def _shared(gm: torch.fx.GraphModule) -> dict[int, object]:
-    """A `copy.deepcopy` memo under which the copy shares the weights and the (immutable) pytree
-    specs of `gm`: a rewritten step costs its graph, not a second copy of the model."""
-    shared = [*gm.parameters(), *gm.buffers()]
-    shared += [getattr(gm, name) for name in ("_in_spec", "_out_spec") if hasattr(gm, name)]
-    return {id(x): x for x in shared}
-
-
 def rewrite_windows(gm: torch.fx.GraphModule, windows: tuple[Window, ...], carries: dict[str, WindowCarry], *, graph: str):
     """Rewrite every declared window of `gm` onto its carry (`carries` by site name).
 
@@ -301,7 +293,7 @@ def rewrite_windows(gm: torch.fx.GraphModule, windows: tuple[Window, ...], carri
         # torch.fx's Graph.__deepcopy__ copies the pytree codegen, whose LeafSpec copy warns about
         # an isinstance check inside torch itself.
         warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
-        gm = copy.deepcopy(gm, _shared(gm))
+        gm = copy.deepcopy(gm, shared_memo(gm))
     nodes = {n.name: n for n in gm.graph.nodes}
     output = next(n for n in gm.graph.nodes if n.op == "output")
     first = next(n for n in gm.graph.nodes if n.op != "placeholder")
