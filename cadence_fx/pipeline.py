@@ -400,7 +400,9 @@ class BoundOperator:
         state = [self._carry_view(place, site) for place, site in zip(places, self.sites)]
         staged = _staged(inputs)
         try:
-            signature = Signature.of(staged, state)
+            # The inputs' key only: the state's layouts follow from its shapes (carry views, held
+            # counters), and the replay engine keys the whole call again, refusing what differs.
+            signature = Signature.of(staged)
         except TypeError:
             return self._stock(roots, inputs, "unkeyable")
         # The state's shapes are bounded by the catalogs (another region's extent varies by its

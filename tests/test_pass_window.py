@@ -282,3 +282,28 @@ def test_a_window_with_sinks_declared_without_them_is_refused():
         rewrite_windows(gm, (Window("kv", "kv", 1, "kept", 2, KEEP, KEEP + NEW, True),), {"kv": carry}, graph="g")
     assert str(error.value) == ("g: kv: the retention keeps the first 2 and last 6 units along axis 2, "
                                 "the region retains the last 8 along axis 2")
+
+
+def test_a_rewritten_graph_shares_every_tensor_the_model_holds():
+    """The window pass rewrites a copy of the graph: the copy shares the weights and the constants
+    `torch.export` lifted (a tensor the model holds as a plain attribute), never copies them."""
+
+    class Lookup(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.table = torch.randn(8, 4)  # neither a parameter nor a buffer: exported as a lifted constant
+
+        def forward(self, x):
+            return self.proj(x) + self.table[:1]
+
+    def held(gm):
+        return {t.data_ptr() for module in gm.modules() for t in
+                [*vars(module).values(), *module.parameters(recurse=False), *module.buffers(recurse=False)]
+                if isinstance(t, torch.Tensor)}
+
+    model = Lookup()
+    gm = torch.export.export(model, (torch.randn(2, 4),), strict=False).module()
+    after, found, _ = rewrite_windows(gm, (), {}, graph="lookup")
+    assert after is not gm and found == []
+    assert held(after) == held(gm) == {model.proj.weight.data_ptr(), model.proj.bias.data_ptr(), model.table.data_ptr()}
