@@ -20,7 +20,7 @@ class InputLedger:
     rejected_appends: int = 0  # refused appends, including those whose bytes are unknown (bad base64)
     resampled_samples: int = 0  # at the model's input rate
     fed_samples: int = 0
-    padded_samples: int = 0  # zeros that completed the last frame of a turn
+    padded_samples: int = 0  # zeros that completed the last frame of a turn the client committed (a VAD turn pads none)
     discarded_samples: int = 0  # partial frame dropped by a clear
     pending_samples: int = 0  # partial frame waiting for more input
 
