@@ -7,7 +7,8 @@ every tick (the capacity case), each slot its own random speech-level PCM, sampl
 seed for the batch, as the vendor samples all rows from one generator). One tick = Mimi encode
 + `LMGen.step` + Mimi decode for all B slots, CUDA-synchronised, from host frames to device
 outputs. Per arm: tick p50/p95 over the steady ticks (from tick `STEADY_FROM`: the vendor
-captures on its second call), peak allocated (`torch.cuda.max_memory_allocated`, weights
+captures on its second call), the host's part of each (`host_ms_steady`: until the tick's call
+returns, before the device is waited for; where it is near the tick, the host bounds it), peak allocated (`torch.cuda.max_memory_allocated`, weights
 included), `torch.cuda.memory_reserved` and the device footprint (`torch.cuda.mem_get_info`:
 used bytes, less what was used when this process started), each at the arm's end and at its
 largest over the arm's ticks (`cadence_fx.memory.DeviceMemory`); per slot, whether its tokens and PCM equal the eager arm's bit for bit; for cadence-fx,
@@ -80,18 +81,21 @@ def run_arm(name: str, models, slots: int, ticks: list[Tick], args, device: torc
     else:
         step = vendor_ticks(models, slots, ticks, sampling=not args.greedy, seed=args.seed,
                             cuda_graphs=name == "vendor")
-    tick_ms, outputs = [], []
+    tick_ms, host_ms, outputs = [], [], []
     while True:
         _sync(device)
         started = time.perf_counter()
         out = next(step, None)
+        returned = time.perf_counter()
         _sync(device)
         if out is None:
             break
         tick_ms.append((time.perf_counter() - started) * 1e3)
+        host_ms.append((returned - started) * 1e3)
         memory.sample()
         outputs.append((out.speaking, out.tokens.cpu(), out.pcm.cpu()))
     result = {"tick_ms_steady": latency_stats(tick_ms[STEADY_FROM:]), "tick_ms_first": tick_ms[:STEADY_FROM],
+              "host_ms_steady": latency_stats(host_ms[STEADY_FROM:]),
               "setup_s": setup_s, **memory.record()}
     if runtime is not None:
         counters = runtime.counters()
