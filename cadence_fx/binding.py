@@ -230,6 +230,8 @@ class Place:
         elif isinstance(parent, tuple) and last.isdigit():
             # A tuple cannot be written: a new one, the element replaced, takes its place in its own
             # parent (a legacy `past_key_values`, an LSTM's `(h, c)`); the caller's tuple stays as it was.
+            # Read afresh: a write through a sibling's place may have replaced the tuple since.
+            parent = get_path(self.roots, self.parent_path)
             items = list(parent)
             items[int(last)] = value
             self.parent = type(parent)(*items) if hasattr(parent, "_fields") else tuple(items)

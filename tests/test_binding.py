@@ -167,3 +167,19 @@ def test_the_report_page_shows_a_bound_model_s_classes_and_sites(model_and_token
     for name in ("decoder_step[n=2,L=0]", "decoder_step[n=2,L=2]", "decoder_step[n=2,L=4]", "cache.layers.1.values"):
         assert name in page
     assert "http://" not in page and "https://" not in page
+
+
+def test_places_write_every_element_of_nested_tuples():
+    """A legacy cache of tuples: each write replaces the tuples above it. Places found before any
+    write (as a call finds its sites' places) still write every element, none undone by another."""
+    from cadence_fx.binding import Place
+
+    old = [torch.zeros(1) + i for i in range(4)]
+    new = [torch.ones(1) * (10 + i) for i in range(4)]
+    roots = {"past_key_values": ((old[0], old[1]), (old[2], old[3]))}
+    paths = ["past_key_values.0.0", "past_key_values.0.1", "past_key_values.1.0", "past_key_values.1.1"]
+    places = [Place(roots, path) for path in paths]
+    for place, value in zip(places, new):
+        place.set(value)
+    assert roots["past_key_values"] == ((new[0], new[1]), (new[2], new[3]))
+    assert [place.get() for place in places] == new
