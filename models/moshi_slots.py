@@ -311,24 +311,17 @@ def _shared_copy(models: MoshiModels) -> MoshiModels:
     return copy.deepcopy(models, shared)
 
 
-def transform_slots(models: MoshiModels, contract: Contract, *, sampling: bool, seed: int,
-                    replay: bool = True) -> tuple[MoshiSlots, TransformReport]:
-    """A `MoshiSlots` at the contract's batch (quantity `slots`) on `models`' weights (shared,
-    not copied; the lazily derived codebook caches the calls read are filled in `models` first, as
-    the vendor's first call would). `sampling` and `seed` are the batch's (module docstring).
-    Like every transform it pins no kernel switch: on a GPU the caller pins deterministic kernels
-    first (`cadence_fx.determinism.pin_deterministic`), and the report says what it found."""
+def _streaming_batch(models: MoshiModels, contract: Contract, sampling: bool) -> tuple[int, MoshiModels, Any, contextlib.ExitStack]:
+    """What both slots runtimes start from: the contract's batch size (quantity `slots`), checked;
+    the lazily derived codebook caches the calls read filled in `models` (as the vendor's first call
+    would); a copy of the modules around the same weights (`_shared_copy`) with an `LMGen`; both
+    streaming at that batch, entered on the returned stack."""
     from moshi.models import LMGen
-    from moshi.utils.compile import no_compile
 
     slots = contract.symbols().get("slots")
     if not isinstance(slots, int) or slots < 1:
         raise ValueError(f"contract quantity slots must be a positive batch size, got {slots!r}")
     _check_model(models, contract)
-    catalog = derive(contract)
-    report = TransformReport(family=contract.family, catalog=catalog)
-    report.determinism = settings()
-    report.stamps.append(envelope())
     with torch.no_grad():
         for codebook in _used_codebooks(models.mimi):
             if codebook._embedding is None:
@@ -339,6 +332,24 @@ def transform_slots(models: MoshiModels, contract: Contract, *, sampling: bool, 
     streaming = contextlib.ExitStack()
     streaming.enter_context(mimi.streaming(slots))
     streaming.enter_context(lm_gen.streaming(slots))
+    return slots, models, lm_gen, streaming
+
+
+def transform_slots(models: MoshiModels, contract: Contract, *, sampling: bool, seed: int,
+                    replay: bool = True) -> tuple[MoshiSlots, TransformReport]:
+    """A `MoshiSlots` at the contract's batch (quantity `slots`) on `models`' weights (shared,
+    not copied; the lazily derived codebook caches the calls read are filled in `models` first, as
+    the vendor's first call would). `sampling` and `seed` are the batch's (module docstring).
+    Like every transform it pins no kernel switch: on a GPU the caller pins deterministic kernels
+    first (`cadence_fx.determinism.pin_deterministic`), and the report says what it found."""
+    from moshi.utils.compile import no_compile
+
+    slots, models, lm_gen, streaming = _streaming_batch(models, contract, sampling)
+    mimi, lm = models.mimi, models.lm
+    catalog = derive(contract)
+    report = TransformReport(family=contract.family, catalog=catalog)
+    report.determinism = settings()
+    report.stamps.append(envelope())
     with lm.depformer.streaming(slots):
         report.resizes.extend(_ring_resizes(models, contract, catalog))
     states = {"mimi": mimi.get_streaming_state(), "lm": lm.get_streaming_state(), "lm_gen": lm_gen.get_streaming_state()}
@@ -492,26 +503,13 @@ def transform_bound_slots(models: MoshiModels, contract: Contract, *, sampling: 
     runtime ticks twice at construction (the stages' verified calls; on a GPU their captures
     follow), then resets every slot in place (`reset_streaming` of all rows) and seeds its
     generator. Every slot is bit-identical to the vendor's batched loop, as `MoshiSlots` is. Not
-    the service's runtime yet: on the H200 at B = 64 (full size) it ticked in 61.8 ms with 133.4 GB
-    peak allocated, against 51.9 ms and 117.8 GB for `MoshiSlots`
-    (`bench/results/moshi_slots_64_pipeline.json`)."""
-    from moshi.models import LMGen
+    the service's runtime yet: on the H200 at B = 64 (full size) it ticked in 55.3 ms with 117.7 GB
+    peak allocated and 115.8 s of setup, against 51.9 ms, 117.8 GB and 2.3 s for `MoshiSlots`
+    (`bench/results/moshi_slots_64_pipeline.json`, `moshi_slots.json`)."""
     from moshi.utils.compile import no_compile, no_cuda_graph
 
-    slots = contract.symbols().get("slots")
-    if not isinstance(slots, int) or slots < 1:
-        raise ValueError(f"contract quantity slots must be a positive batch size, got {slots!r}")
-    _check_model(models, contract)
-    with torch.no_grad():
-        for codebook in _used_codebooks(models.mimi):
-            if codebook._embedding is None:
-                codebook.embedding  # noqa: B018 - fills the vendor's lazily derived codebook cache
-    models = _shared_copy(models)
+    slots, models, lm_gen, streaming = _streaming_batch(models, contract, sampling)
     mimi, lm = models.mimi, models.lm
-    lm_gen = LMGen(lm, use_sampling=sampling, support_out_of_sync=True)
-    streaming = contextlib.ExitStack()
-    streaming.enter_context(mimi.streaming(slots))
-    streaming.enter_context(lm_gen.streaming(slots))
     bound = {}
     bound["mimi"], mimi_report = transform(mimi, contract, MIMI_SLOTS_BINDING, replay=replay)
     bound["lm"], lm_report = transform(lm_gen, contract, MOSHI_LM_SLOTS_BINDING, replay=replay)
