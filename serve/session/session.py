@@ -524,18 +524,16 @@ class Session:
         led = self.ledgers.input
         led.received_bytes += len(data)
         led.resampled_samples += resampled
+        self._buffer += data
+        self._kept()
         # Each VAD edge is handled where it falls in the append: a turn ends at its stop, with the
         # bytes and frames before it; those after go on into the next turn (and while a reply is in
         # progress, a duplex model's frames after the stop are the reply's first ones).
-        kept = fed = 0
+        fed = 0
         for edge, at_byte, at_frame in edges:
-            self._buffer += data[kept:at_byte]
-            kept = at_byte
             await self._feed(frames[fed:at_frame])
             fed = at_frame
-            await self._on_vad_edge(edge)
-        self._buffer += data[kept:]
-        self._kept()
+            await self._on_vad_edge(edge, after=len(data) - at_byte)
         await self._feed(frames[fed:])
         led.pending_samples = len(self._frame)
 
@@ -589,19 +587,22 @@ class Session:
         led.fed_samples += size
         led.pending_samples = 0
 
-    async def _commit(self, cmd: ev.InputAudioBufferCommit | None = None, *, flush: bool = True) -> str:
+    async def _commit(self, cmd: ev.InputAudioBufferCommit | None = None, *, flush: bool = True, after: int = 0) -> str:
         """``flush``: close the turn on a whole native frame (a commit of the client's, which says no
         more audio of the turn is coming). A turn the server VAD ended does not: the audio after its
-        end keeps coming, and the partial frame goes on into the next one."""
-        if not self._buffer:
+        end keeps coming, and the partial frame goes on into the next one. ``after``: the bytes at
+        the buffer's end that came after the turn's end (the rest of the append its VAD stop fell
+        in): they stay in the buffer, for the next turn."""
+        turn = len(self._buffer) - after
+        if turn <= 0:
             raise ProtocolError("input_audio_buffer_commit_empty", "the input audio buffer is empty")
         if flush:
             await self._flush_frame()
         item_id = self._vad_item_id or _new_id("item")
         self._vad_item_id = None
         self.turn_id += 1
-        data = bytes(self._buffer)
-        self._buffer.clear()
+        data = bytes(self._buffer[:turn])
+        del self._buffer[:turn]
         self.ledgers.input.committed_bytes += len(data)
         previous = self.history[-1]["id"] if self.history else None
         item = {
@@ -792,7 +793,8 @@ class Session:
         td = self.config.turn_detection
         return None if td is None else EnergyVad(self.config.input_format.rate, td, start_sample)
 
-    async def _on_vad_edge(self, edge: Any) -> None:
+    async def _on_vad_edge(self, edge: Any, after: int = 0) -> None:
+        """``after``: the bytes of the append that came after the edge (for a stop, `_commit`'s)."""
         td = self.config.turn_detection
         if td is None:
             return
@@ -807,7 +809,7 @@ class Session:
             item_id = self._vad_item_id or _new_id("item")
             self._vad_item_id = item_id
             self.emit(ev.InputAudioBufferSpeechStopped(audio_end_ms=edge.ms, item_id=item_id))
-            await self._commit(flush=False)
+            await self._commit(flush=False, after=after)
             if td.create_response and self.active is None:
                 await self._response_create(flush=False)
 
