@@ -224,6 +224,8 @@ def main() -> None:
     parser.add_argument("--patience", type=float, default=120.0, help="seconds a session waits for any one answer")
     parser.add_argument("--ray", type=int, default=0, metavar="N",
                         help="serve through cadence-fx serve --ray with N replicas (default 0: one server process)")
+    parser.add_argument("--append-ms", type=int, default=200,
+                        help="milliseconds of audio in each input_audio_buffer.append a session sends (default 200)")
     parser.add_argument("--reply-lead", type=float, default=0.0,
                         help="the server's Limits.reply_lead_s: how far ahead of playback a reply is computed (0: as fast as it goes)")
     parser.add_argument("--tick-double", type=float, metavar="SECONDS",
@@ -235,6 +237,8 @@ def main() -> None:
     if args.lanes is not None and not has_lanes(args.plugin):
         parser.error(f"--lanes: {args.plugin} has no replay lanes; the models that do: "
                      f"{', '.join(name for name in plugin_names() if has_lanes(name))}")
+    if not 10 <= args.append_ms <= 1000:
+        parser.error(f"--append-ms must be 10 to 1000 milliseconds of audio per append, got {args.append_ms}")
     if args.lanes is not None and args.lanes < 1:
         parser.error(f"--lanes must be at least 1, got {args.lanes}")
     if args.tick_double is not None and (not args.plugin.startswith("moshi") or args.ray or not args.tick_double >= 0):
@@ -261,7 +265,7 @@ def main() -> None:
         server_cpu, load_cpu = _cpu_seconds(server.pid), time.process_time()
         started = time.monotonic()
         results = asyncio.run(
-            run_load(f"ws://127.0.0.1:{port}/v1/duplex", pcm, args.sessions, patience_s=args.patience)
+            run_load(f"ws://127.0.0.1:{port}/v1/duplex", pcm, args.sessions, patience_s=args.patience, chunk_ms=args.append_ms)
         )
         wall_s = time.monotonic() - started
         server_cpu_after, load_cpu = _cpu_seconds(server.pid), time.process_time() - load_cpu
@@ -292,6 +296,7 @@ def main() -> None:
         + (f" (ticks replaced by a {args.tick_double:g} s sleep: a test double of the device)" if args.tick_double is not None else ""),
         "sessions": args.sessions,
         "audio_seconds_per_session": args.seconds,
+        "append_ms": args.append_ms,
         "reply_lead_s": args.reply_lead,
         "server_startup_seconds": round(startup_s, 2),
         "plugin_startup_seconds": plugin.get("startup_seconds") if plugin else None,

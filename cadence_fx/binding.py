@@ -205,14 +205,13 @@ def resolve(root: Any, path: str) -> Iterator[tuple[tuple[int, ...], str, Any]]:
 
 class Place:
     """Where `path` leads on one call's `roots`: the object that holds its value (its parent) and
-    the last segment. Reading or writing through a place walks the path once, not on every access."""
+    the last segment. Reading or writing through a place walks the path once, not on every access.
+    `place(roots, path)` finds one; `Places` finds many, sharing the walk of their common prefixes."""
 
-    def __init__(self, roots: dict[str, Any], path: str) -> None:
-        self.roots, self.path = roots, path
-        first, *rest = _segments(path)
-        self.last = rest[-1] if rest else first
-        self.parent_path = ".".join([first, *rest[:-1]]) if rest else None
-        self.parent = roots if self.parent_path is None else get_path(roots, self.parent_path)
+    __slots__ = ("roots", "path", "parent_path", "last", "parent")
+
+    def __init__(self, roots: dict[str, Any], path: str, parent_path: str | None, last: str, parent: Any) -> None:
+        self.roots, self.path, self.parent_path, self.last, self.parent = roots, path, parent_path, last, parent
 
     def get(self) -> Any:
         return _child(self.parent, self.last)
@@ -240,6 +239,47 @@ class Place:
             setattr(parent, last, value)
 
 
+def place(roots: dict[str, Any], path: str) -> Place:
+    """The `Place` of one `path` on `roots`."""
+    first, *rest = _segments(path)
+    if not rest:
+        return Place(roots, path, None, first, roots)
+    parent_path = ".".join([first, *rest[:-1]])
+    return Place(roots, path, parent_path, rest[-1], get_path(roots, parent_path))
+
+
+class Places:
+    """The `Place`s of a fixed list of paths, found afresh on each call's roots (the objects on a
+    path may change between calls) with each prefix the paths share walked once: the layers of a
+    model share everything up to the layer, so a call walks each module once, not once per path."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = list(paths)
+        self._walk: list[tuple[str, str | None, str]] = []  # (prefix, its parent prefix, segment), parents first
+        self._ends: list[tuple[str, str | None, str]] = []  # per path: (path, parent prefix, last segment)
+        seen: set[str] = set()
+        for path in self.paths:
+            first, *rest = _segments(path)
+            if not rest:
+                self._ends.append((path, None, first))
+                continue
+            prefix, parent = first, None
+            for segment in [first, *rest[:-1]]:
+                prefix = segment if parent is None else f"{parent}.{segment}"
+                if prefix not in seen:
+                    seen.add(prefix)
+                    self._walk.append((prefix, parent, segment))
+                parent = prefix
+            self._ends.append((path, prefix, rest[-1]))
+
+    def at(self, roots: dict[str, Any]) -> list[Place]:
+        found: dict[str, Any] = {}
+        for prefix, parent, segment in self._walk:
+            found[prefix] = roots[segment] if parent is None else _child(found[parent], segment)
+        return [Place(roots, path, parent, last, roots if parent is None else found[parent])
+                for path, parent, last in self._ends]
+
+
 def get_path(roots: dict[str, Any], path: str) -> Any:
     first, *rest = _segments(path)
     value = roots[first]
@@ -249,7 +289,7 @@ def get_path(roots: dict[str, Any], path: str) -> Any:
 
 
 def set_path(roots: dict[str, Any], path: str, value: Any) -> None:
-    Place(roots, path).set(value)
+    place(roots, path).set(value)
 
 
 def method_of(model: Any, dotted: str):

@@ -51,10 +51,12 @@ from .binding import (
     BindingError,
     OperatorBinding,
     Place,
+    Places,
     Site,
     get_path,
     method_of,
     operator_regions,
+    place,
     resolve,
     set_path,
     sites,
@@ -105,6 +107,7 @@ class _Class:
     graph: torch.fx.GraphModule | None = None
     outputs: tuple | None = None  # (treespec, non-tensor leaves by position) of the method's output
     effects: dict[str, tuple[str, Any]] | None = None  # counter path -> ("add", delta) or ("set", value)
+    effect_places: Places | None = None  # where the effects' counters are, found on each call's roots
     verify_left: int = 0
     verified: int = 0  # calls verified beside the stock call
     refused: str | None = None
@@ -352,6 +355,7 @@ class BoundOperator:
         # is read, already in the model at its derived shape) the model's own tensors, one per site.
         self.region_tensors: dict[str, list[torch.Tensor]] = {}
         self.sites: list[Site] = []  # the regions' sites, then the device-side counters (region None)
+        self._places = Places([])  # where the sites are, found on each call's roots
         self._holder = torch.nn.Module()  # owns the carries, so the replay engine rewinds their buffers
         self._replay_wanted = replay
         self.replay: ExactShapeReplay | None = None
@@ -391,7 +395,7 @@ class BoundOperator:
                 # A wildcard met None (no state yet, the stock call makes it): the sites cannot be counted
                 return self._stock(roots, inputs, "no_state_yet")
             self._allocate(roots)
-        places = [Place(roots, site.path) for site in self.sites]  # each path walked once a call
+        places = self._places.at(roots)  # each module on the sites' paths walked once a call
         extent = self._retained(places)
         units = self._units(arguments)
         call = self._catalog_class(units, extent)
@@ -433,9 +437,9 @@ class BoundOperator:
         self.counters.graph_calls += 1
         cls.calls += 1
         self._commit(places, new_state)
-        for path, (kind, value) in cls.effects.items():
+        for where, (kind, value) in zip(cls.effect_places.at(roots), cls.effects.values()):
             # each call its own copy of a value set, never one object shared by every stream
-            set_path(roots, path, get_path(roots, path) + value if kind == "add" else copy.deepcopy(value))
+            where.set(where.get() + value if kind == "add" else copy.deepcopy(value))
         return self._rebuild(cls, outputs, roots)
 
     def _arguments(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -508,6 +512,7 @@ class BoundOperator:
             if isinstance(value, torch.Tensor):  # a device-side counter: state of its own, at one address
                 self.held[path] = value.detach().clone()
                 self.sites.append(Site(None, path, ()))
+        self._places = Places([site.path for site in self.sites])
         if self._replay_wanted and self.report.auditor is None:  # without CUDA the engine runs eager and says so
             self.replay = ExactShapeReplay(self._run, self._admit, name=self.ob.operator, aliased=[1],
                                            modules=[self.model, self._holder] if isinstance(self.model, torch.nn.Module) else [self._holder],
@@ -563,16 +568,16 @@ class BoundOperator:
                 self.counters.adopted += 1
             return view
         carry = self.carries[site.path]
+        if carry.holds(value):  # the carry's view already (every steady call)
+            return value
         if value.shape[carry.axis] > carry.capacity:
             # The stock code retained more than the contract's bound (a model that does not trim as
             # declared): no class of the catalog has this extent, so the state stays the stock's own.
             return value
-        view = carry.view()
-        if value.data_ptr() != view.data_ptr() or value.shape != view.shape or value.stride() != view.stride():
-            view = carry.adopt(value)
-            if site.out is None:  # a returned state is the caller's to thread: their object stays as it is
-                place.set(view)
-            self.counters.adopted += 1
+        view = carry.adopt(value)
+        if site.out is None:  # a returned state is the caller's to thread: their object stays as it is
+            place.set(view)
+        self.counters.adopted += 1
         return view
 
     def _commit(self, places: list[Place], new_state: list) -> None:
@@ -582,7 +587,7 @@ class BoundOperator:
         for place, site, value in zip(places, self.sites, new_state):
             if site.out is None:
                 place.set(value)
-                if site.region is not None and value is not None:
+                if site.region is not None and value is not None and not self.carries[site.path].holds(value):
                     self._carry_view(place, site)
 
     def _counter_paths(self, roots: dict[str, Any]) -> list[str]:
@@ -745,7 +750,7 @@ class BoundOperator:
         outputs, new_state = cls.graph(staged, state)
         self.counters.graph_calls += 1
         cls.calls += 1
-        self._commit([Place(roots, site.path) for site in self.sites], new_state)
+        self._commit(self._places.at(roots), new_state)
         for path, value in counters_after.items():
             set_path(roots, path, value)
         actual = self._rebuild(cls, outputs, roots)
@@ -764,12 +769,13 @@ class BoundOperator:
             self.report.stamps.append(f"{cls.name}: refused, {cls.refused}")
             for site, value in zip(self.sites, expected_state):
                 if site.out is None:
-                    place = Place(roots, site.path)
-                    place.set(value)
-                    self._carry_view(place, site)
+                    where = place(roots, site.path)
+                    where.set(value)
+                    self._carry_view(where, site)
             self.counters.fallback("verification")
             return expected
         cls.effects = effects
+        cls.effect_places = Places(list(effects))
         cls.verify_left -= 1
         cls.verified += 1
         if cls.verify_left == 0 and cls.verified == 1 and any(kind == "add" and delta for kind, delta in effects.values()):
@@ -791,11 +797,10 @@ class BoundOperator:
             if value is not None and not self._uncopied(site):
                 set_path(roots, site.path, value.clone())
         out = self._stock_call(roots, inputs)
-        for site in self.sites:
-            place = Place(roots, site.path)
-            value = place.get()
+        for site, where in zip(self.sites, self._places.at(roots)):
+            value = where.get()
             if site.out is None and value is not None and (site.region is None or self._site_shape_error(site, value) is None):
-                self._carry_view(place, site)
+                self._carry_view(where, site)
         self.counters.fallback(reason)
         return out
 

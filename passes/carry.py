@@ -67,6 +67,15 @@ class Carry(torch.nn.Module):
     def view(self, extent: int | None = None) -> torch.Tensor:
         return self.buffer.narrow(self.axis, 0, self.extent if extent is None else extent)
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """`t` is the retained state as `view()` gives it: at the buffer's address, with its dtype
+        and strides, `extent` units along the axis and the buffer's size on every other dim."""
+        buffer = self._buffers["buffer"]  # straight from the table: `Module.__getattr__` is Python, every call
+        if t.data_ptr() != buffer.data_ptr() or t.dtype != buffer.dtype or t.stride() != buffer.stride():
+            return False
+        shape, axis = t.shape, self.axis
+        return shape[axis] == self.extent and shape[:axis] == buffer.shape[:axis] and shape[axis + 1:] == buffer.shape[axis + 1:]
+
     def _aliases(self, full: torch.Tensor) -> bool:
         return full.data_ptr() == self.buffer.data_ptr() and full.stride() == self.buffer.stride()
 

@@ -123,7 +123,11 @@ class CarryCounters:
             raise ValueError(f"{len(values)} values for {len(self.carries)} carries of {len(self.FIELDS)} counters each")
         for i, carry in enumerate(self.carries):
             for j, name in enumerate(self.FIELDS):
-                setattr(carry, name, values[i * len(self.FIELDS) + j])
+                value = values[i * len(self.FIELDS) + j]
+                if getattr(carry, name) != value:
+                    # A plain int attribute: `Module.__setattr__`'s checks (parameters, buffers,
+                    # submodules) cost more than the write, on every carry of every replayed call.
+                    object.__setattr__(carry, name, value)
 
 
 def window_append(carry: WindowCarry, retained: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

@@ -164,10 +164,12 @@ async def drive_session(
 
 
 async def run_load(
-    url: str, pcm: bytes, sessions: int, realtime: bool = True, patience_s: float = 30.0
+    url: str, pcm: bytes, sessions: int, realtime: bool = True, patience_s: float = 30.0, chunk_ms: int = 200
 ) -> list[SessionLoad]:
+    """``chunk_ms``: the audio each ``input_audio_buffer.append`` carries (a browser or a telephony
+    bridge sends 20 to 100 ms; 200 ms is the coarse default)."""
     return list(
         await asyncio.gather(
-            *(drive_session(url, pcm, realtime=realtime, patience_s=patience_s) for _ in range(sessions))
+            *(drive_session(url, pcm, chunk_ms=chunk_ms, realtime=realtime, patience_s=patience_s) for _ in range(sessions))
         )
     )

@@ -172,14 +172,37 @@ def test_the_report_page_shows_a_bound_model_s_classes_and_sites(model_and_token
 def test_places_write_every_element_of_nested_tuples():
     """A legacy cache of tuples: each write replaces the tuples above it. Places found before any
     write (as a call finds its sites' places) still write every element, none undone by another."""
-    from cadence_fx.binding import Place
+    from cadence_fx.binding import Places
 
     old = [torch.zeros(1) + i for i in range(4)]
     new = [torch.ones(1) * (10 + i) for i in range(4)]
     roots = {"past_key_values": ((old[0], old[1]), (old[2], old[3]))}
     paths = ["past_key_values.0.0", "past_key_values.0.1", "past_key_values.1.0", "past_key_values.1.1"]
-    places = [Place(roots, path) for path in paths]
+    places = Places(paths).at(roots)
     for place, value in zip(places, new):
         place.set(value)
     assert roots["past_key_values"] == ((new[0], new[1]), (new[2], new[3]))
     assert [place.get() for place in places] == new
+
+
+def test_places_are_found_afresh_on_each_calls_roots():
+    """Places share their paths' common prefixes, walked once a call; an object replaced on a path
+    between two calls (a new cache object, a new layer list) is the one the next call's places hold."""
+    from types import SimpleNamespace
+
+    from cadence_fx.binding import Places, get_path
+
+    def state(base):
+        layers = [SimpleNamespace(k=torch.zeros(1) + base + i, v=torch.zeros(1) - base - i) for i in range(3)]
+        return SimpleNamespace(cache=SimpleNamespace(layers=layers, length=base))
+
+    paths = ["self.cache.layers.0.k", "self.cache.layers.0.v", "self.cache.layers.2.k", "self.cache.length", "self"]
+    places = Places(paths)
+    roots = {"self": state(0)}
+    assert [p.get() for p in places.at(roots)] == [get_path(roots, path) for path in paths]
+    roots["self"].cache = state(5).cache  # replaced between calls
+    found = places.at(roots)
+    assert [p.get() for p in found] == [get_path(roots, path) for path in paths]
+    assert found[2].get() is roots["self"].cache.layers[2].k and found[3].get() == 5
+    found[1].set(torch.ones(1))
+    assert torch.equal(roots["self"].cache.layers[0].v, torch.ones(1))
