@@ -53,6 +53,7 @@ import httpx
 
 from cadence_fx.report import latency_stats, measured_commit
 from cadence_fx.serve.app import free_port, server_process
+from cadence_fx.serve.cli import plugin_option
 from cadence_fx.serve.loadgen import run_load, speech_pattern
 from cadence_fx.serve.plugins import has_lanes, plugin_names
 
@@ -100,7 +101,8 @@ def _start_server(port: int, plugin: str, sessions: int, reply_lead_s: float, ti
         argv = ["serve", "--ray", "--replicas", str(replicas), "--model", plugin, "--port", str(port),
                 "--max-sessions", str(share), "--max-sessions-per-client", str(sessions),
                 "--reply-lead", str(reply_lead_s)]
-        argv += [f"--{name}={value}" for name, value in options.items()]
+        argv += [f"--lanes={value}" if name == "lanes" else f"--plugin-option={name}={json.dumps(value)}"
+                 for name, value in options.items()]
         code = f"import sys; from cadence_fx.cli import main; sys.exit(main({argv!r}))"
     return server_process(code, port, timeout_s=timeout_s)
 
@@ -231,6 +233,9 @@ def main() -> None:
     parser.add_argument("--tick-double", type=float, metavar="SECONDS",
                         help="moshi-*: each batched tick replaced by a sleep of SECONDS returning silence, ticking in "
                              "the server process (a test double of the device: the service's own overhead at N sessions)")
+    parser.add_argument("--plugin-option", metavar="NAME=VALUE", type=plugin_option, action="append", default=[],
+                        help="a keyword argument of the model plugin (repeatable), as cadence-fx serve takes it, "
+                             "e.g. runtime=pipeline for moshi-*")
     parser.add_argument("--lanes", type=int, metavar="L",
                         help="token2wav*: the plugin's replay lanes (cadence-fx serve --lanes; default: the plugin's own)")
     args = parser.parse_args()
@@ -244,7 +249,9 @@ def main() -> None:
     if args.tick_double is not None and (not args.plugin.startswith("moshi") or args.ray or not args.tick_double >= 0):
         parser.error(f"--tick-double takes a moshi plugin, one server process and a non-negative number of seconds; "
                      f"got --plugin {args.plugin}, --ray {args.ray}, --tick-double {args.tick_double}")
-    options = {} if args.lanes is None else {"lanes": args.lanes}
+    options = dict(args.plugin_option)
+    if args.lanes is not None:
+        options["lanes"] = args.lanes
     if args.tick_double is not None:
         options["processes"] = 0  # the double replaces the ticks of the server process's own place
     named = {"tone": "serve_load.json", "moshi-tiny": "serve_load_moshi.json"}
@@ -297,6 +304,7 @@ def main() -> None:
         "sessions": args.sessions,
         "audio_seconds_per_session": args.seconds,
         "append_ms": args.append_ms,
+        "plugin_options": dict(args.plugin_option),
         "reply_lead_s": args.reply_lead,
         "server_startup_seconds": round(startup_s, 2),
         "plugin_startup_seconds": plugin.get("startup_seconds") if plugin else None,

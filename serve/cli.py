@@ -107,7 +107,7 @@ def _client(args: argparse.Namespace) -> int:
     return 1 if report.failure else 0
 
 
-def _plugin_option(text: str) -> tuple[str, object]:
+def plugin_option(text: str) -> tuple[str, object]:
     """NAME=VALUE, the value read as JSON where it parses (numbers, true/false) and as text otherwise."""
     name, sep, value = text.partition("=")
     if not sep or not name.isidentifier():
@@ -150,7 +150,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                        help="token2wav's speaker prompt: a file written by `cadence-fx prompt`, or a WAV "
                             "(default with --weights: the model's reference voice)")
     serve.add_argument(
-        "--plugin-option", metavar="NAME=VALUE", type=_plugin_option, action="append", default=[],
+        "--plugin-option", metavar="NAME=VALUE", type=plugin_option, action="append", default=[],
         help="a keyword argument of the model plugin (repeatable), e.g. step_delay_s=0.04 for tone",
     )
     serve.add_argument("--ssl-keyfile", metavar="PEM", help="serve https:// and wss:// with this private key")

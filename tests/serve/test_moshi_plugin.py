@@ -318,6 +318,7 @@ def test_moshi_full_without_a_gpu_fails_at_once_naming_what_is_missing(monkeypat
         ({"slots": 65}, "slots must be a batch of 1 to 64 sessions per place, got 65"),
         ({"slots": True}, "slots must be a batch of 1 to 64 sessions per place, got True"),
         ({"slots": 2.0}, "slots must be a batch of 1 to 64 sessions per place, got 2.0"),
+        ({"runtime": "graphs"}, "unknown runtime 'graphs' for Moshi's batch; expected one of stages, pipeline"),
     ],
 )
 def test_a_bad_size_device_or_place_is_refused_before_anything_is_built(options, error):
@@ -341,6 +342,32 @@ def test_ticks_in_the_server_process_are_the_vendors_batched_loop_bit_for_bit(mo
         assert same(sent, turn + [SILENCE] * 3) and same(out, got[3:6])
     assert (local.name, described["device"], described["processes"], described["threads"]) == ("moshi-tiny", "cpu", 0, None)
     assert (described["slots_per_process"], described["frames"]["ticks"]) == ([2], 12)
+
+
+def test_the_pipeline_runtime_serves_the_vendors_batched_loop_bit_for_bit(models):
+    """``runtime="pipeline"``: the batch transformed by the one pipeline from Moshi's bindings, in a
+    worker process; two interleaved streams, each its slot's row of the vendor's loop."""
+    turns = [user_frames(3, seed=42), user_frames(3, seed=43)]
+    bound = MoshiPlugin(runtime="pipeline", slots=2, record=True)
+    try:
+        out_a, out_b = interleaved_replies(bound.open_stream(), bound.open_stream(), turns, 3)
+        described = bound.describe()
+    finally:
+        bound.close()
+
+    for slot, (turn, out) in enumerate(zip(turns, (out_a, out_b))):
+        sent, got = slot_reference(models, bound, place=0, slot=slot, session=0)
+        assert same(sent, turn + [SILENCE] * 3) and same(out, got[3:6])
+    assert (described["runtime"], described["slots_per_process"]) == ("pipeline", [2])
+    assert described["transform"]["stamps"][-1] == ("slots: batch of 2, mimi_encode K=1, mimi_decode K=1, lm_step K=1, "
+                                                    "depformer_step K=1; the vendor's glue calls the bound lm_step and "
+                                                    "depformer_step as its graphed_main and graphed_depth")
+    # Every tick ran each stage's rewritten graph through its replay engine: eagerly, with no CUDA
+    # here, and the depformer's sampling draws from the host's generator, which no graph may freeze.
+    ticks = described["batched_ticks_per_process"][0]
+    assert {name: (op["calls"], op["fallbacks"]) for name, op in described["transform"]["replays"].items()} == {
+        "mimi_encode": (ticks, {"no_cuda": ticks}), "mimi_decode": (ticks, {"no_cuda": ticks}),
+        "lm_step": (ticks, {"no_cuda": ticks}), "depformer_step": (ticks, {"host_rng": ticks})}
 
 
 def test_admission_is_a_free_slot_and_a_session_beyond_them_is_refused_by_name():
