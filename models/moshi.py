@@ -10,8 +10,9 @@ step (`LMModel.forward_text`), whose ring caches are its region and whose device
 host-side `offset_cpu`s are its counters; and the depformer step (`LMGen.depformer_step`: all
 codebooks and their sampling), whose ring the vendor allocates afresh inside every call
 (`per_call`). `MIMI_SLOTS_BINDING` and `MOSHI_LM_SLOTS_BINDING` are the same at a batch of slots,
-with every module's exec mask (`transform_bound_slots`). The service's batched slots runtime still
-runs the family's own stages (`moshi_replay.py`, `moshi_slots.py`).
+with every module's exec mask (`transform_bound_slots`). The service's batched slots runtime runs
+the family's own stages (`moshi_replay.py`, `moshi_slots.py`) by default, and these bindings with
+`runtime="pipeline"` (`serve/plugins/moshi.py`).
 """
 
 from __future__ import annotations
