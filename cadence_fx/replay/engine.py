@@ -351,7 +351,9 @@ class ExactShapeReplay:
             now = leaves[i].data_ptr()
             if now != ptr:
                 return f"{st.names[i]}: data_ptr expected {ptr:#x}, got {now:#x}"
-        if self.check_module_state and st.phase is Phase.REPLAY:
+        # Every module tensor, every replayed call: one comprehension, and the loop below only to
+        # name the first that moved.
+        if self.check_module_state and st.phase is Phase.REPLAY and [t.data_ptr() for t in self._state_tensors] != self._state_ptrs:
             for t, ptr in zip(self._state_tensors, self._state_ptrs):
                 if t.data_ptr() != ptr:
                     return f"module state {tuple(t.shape)}: data_ptr expected {ptr:#x}, got {t.data_ptr():#x}"
