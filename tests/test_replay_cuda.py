@@ -10,6 +10,7 @@ which also collects the timings the tests put in `MEASURED`.
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 import time
@@ -140,6 +141,32 @@ def test_pointer_drift_invalidates_runs_eager_and_recovers():
         assert torch.equal(engine(x, moved), carry_step(x, moved_mirror))
     assert torch.equal(moved, moved_mirror)
     assert engine.counters.captures == 2 and engine.counters.replays == 6
+
+
+def test_a_module_tensor_whose_storage_moved_between_replays_invalidates_the_class_and_names_it():
+    """A replayed graph reads the module's tensors at their capture addresses: one whose storage was
+    swapped since (``.data =``) is pointer drift, found before the replay (which would read the old
+    storage)."""
+    m = torch.nn.Linear(1024, 1024).to(DEVICE)
+    m.register_buffer("shift", torch.randn(1024, device=DEVICE))
+    mirror = copy.deepcopy(m)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return m(x) + m.shift
+
+    def stock(x: torch.Tensor) -> torch.Tensor:
+        return mirror(x) + mirror.shift
+
+    x = torch.randn(4, 1024, device=DEVICE)
+    engine = ExactShapeReplay(step, [Signature.of(x)], modules=[m], inference=True)
+    for _ in range(3):
+        assert torch.equal(engine(x), stock(x))
+    assert engine.counters.replays == 2
+    m.shift.data = torch.randn(1024, device=DEVICE)
+    mirror.shift.data = m.shift.clone()
+    assert torch.equal(engine(x), stock(x))
+    assert engine.counters.invalidations == 1 and engine.counters.fallbacks == {"pointer_drift": 1}, engine.explain()
+    assert engine.last_miss.detail[0].startswith("module state (1024,): data_ptr expected ")
 
 
 def scratch_step(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
