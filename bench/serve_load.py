@@ -250,6 +250,9 @@ def main() -> None:
         parser.error(f"--tick-double takes a moshi plugin, one server process and a non-negative number of seconds; "
                      f"got --plugin {args.plugin}, --ray {args.ray}, --tick-double {args.tick_double}")
     options = dict(args.plugin_option)
+    for flag, key, value in (("--lanes", "lanes", args.lanes), ("--tick-double", "processes", args.tick_double)):
+        if value is not None and key in options:
+            parser.error(f"{flag} and --plugin-option {key}=... both set {key}: give one")
     if args.lanes is not None:
         options["lanes"] = args.lanes
     if args.tick_double is not None:
@@ -260,6 +263,10 @@ def main() -> None:
         out = out.with_name(f"{out.stem}_ray{args.ray}.json")
     if args.out is None and args.tick_double is not None:
         out = RESULTS / f"serve_load_{args.plugin.replace('-', '_')}_tick_double_{args.sessions}.json"
+    if args.out is None:  # a run with other appends or plugin options never replaces the default run's record
+        extra = ([f"append{args.append_ms}"] if args.append_ms != 200 else []) + [
+            f"{name}_{value}" for name, value in args.plugin_option]
+        out = out.with_name("_".join([out.stem, *extra]) + ".json") if extra else out
 
     port = free_port()
     started = time.monotonic()

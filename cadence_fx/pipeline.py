@@ -107,7 +107,7 @@ class _Class:
     graph: torch.fx.GraphModule | None = None
     outputs: tuple | None = None  # (treespec, non-tensor leaves by position) of the method's output
     effects: dict[str, tuple[str, Any]] | None = None  # counter path -> ("add", delta) or ("set", value)
-    effect_places: Places | None = None  # where the effects' counters are, found on each call's roots
+    effect_places: Places | None = None  # where the effects' counters are (None: one lies under another)
     verify_left: int = 0
     verified: int = 0  # calls verified beside the stock call
     refused: str | None = None
@@ -395,7 +395,7 @@ class BoundOperator:
                 # A wildcard met None (no state yet, the stock call makes it): the sites cannot be counted
                 return self._stock(roots, inputs, "no_state_yet")
             self._allocate(roots)
-        places = self._places.at(roots)  # each module on the sites' paths walked once a call
+        places = self._site_places().at(roots)  # each module on the sites' paths walked once a call
         extent = self._retained(places)
         units = self._units(arguments)
         call = self._catalog_class(units, extent)
@@ -437,7 +437,11 @@ class BoundOperator:
         self.counters.graph_calls += 1
         cls.calls += 1
         self._commit(places, new_state)
-        for where, (kind, value) in zip(cls.effect_places.at(roots), cls.effects.values()):
+        # Found all at once where no counter lies under another; else each after the writes before
+        # it (a value set may replace the object another counter is in).
+        wheres = cls.effect_places.at(roots) if cls.effect_places is not None else None
+        for i, (path, (kind, value)) in enumerate(cls.effects.items()):
+            where = place(roots, path) if wheres is None else wheres[i]
             # each call its own copy of a value set, never one object shared by every stream
             where.set(where.get() + value if kind == "add" else copy.deepcopy(value))
         return self._rebuild(cls, outputs, roots)
@@ -512,7 +516,6 @@ class BoundOperator:
             if isinstance(value, torch.Tensor):  # a device-side counter: state of its own, at one address
                 self.held[path] = value.detach().clone()
                 self.sites.append(Site(None, path, ()))
-        self._places = Places([site.path for site in self.sites])
         if self._replay_wanted and self.report.auditor is None:  # without CUDA the engine runs eager and says so
             self.replay = ExactShapeReplay(self._run, self._admit, name=self.ob.operator, aliased=[1],
                                            modules=[self.model, self._holder] if isinstance(self.model, torch.nn.Module) else [self._holder],
@@ -521,6 +524,12 @@ class BoundOperator:
                                            write_before_read=[t for rb in self.regions if rb.write_before_read
                                                               for t in self.region_tensors[rb.region]])
             self.report.replays[self.ob.operator] = self.replay
+
+    def _site_places(self) -> Places:
+        """Where the sites are, as `Places` (built again whenever sites were found since)."""
+        if len(self._places.paths) != len(self.sites):
+            self._places = Places([site.path for site in self.sites])
+        return self._places
 
     def _site_shape_error(self, site: Site, value: torch.Tensor) -> str | None:
         carry = self.carries[site.path]
@@ -750,7 +759,7 @@ class BoundOperator:
         outputs, new_state = cls.graph(staged, state)
         self.counters.graph_calls += 1
         cls.calls += 1
-        self._commit(self._places.at(roots), new_state)
+        self._commit(self._site_places().at(roots), new_state)
         for path, value in counters_after.items():
             set_path(roots, path, value)
         actual = self._rebuild(cls, outputs, roots)
@@ -775,7 +784,8 @@ class BoundOperator:
             self.counters.fallback("verification")
             return expected
         cls.effects = effects
-        cls.effect_places = Places(list(effects))
+        nested = any(inner.startswith(outer + ".") for outer in effects for inner in effects)
+        cls.effect_places = None if nested else Places(list(effects))
         cls.verify_left -= 1
         cls.verified += 1
         if cls.verify_left == 0 and cls.verified == 1 and any(kind == "add" and delta for kind, delta in effects.values()):
@@ -797,7 +807,7 @@ class BoundOperator:
             if value is not None and not self._uncopied(site):
                 set_path(roots, site.path, value.clone())
         out = self._stock_call(roots, inputs)
-        for site, where in zip(self.sites, self._places.at(roots)):
+        for site, where in zip(self.sites, self._site_places().at(roots)):
             value = where.get()
             if site.out is None and value is not None and (site.region is None or self._site_shape_error(site, value) is None):
                 self._carry_view(where, site)

@@ -10,7 +10,7 @@ import sys
 
 from cadence_fx.cli import positive_int
 
-__all__ = ["add_commands"]
+__all__ = ["add_commands", "plugin_option"]
 
 
 def _serve(args: argparse.Namespace) -> int:

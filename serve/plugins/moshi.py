@@ -624,7 +624,7 @@ class MoshiPlugin(ModelPlugin):
             raise ValueError(f"unknown device {device!r} for Moshi; expected 'cpu' or 'cuda'")
         if max_reply_frames < 1:
             raise ValueError(f"max_reply_frames must be at least 1, got {max_reply_frames}")
-        if runtime not in RUNTIMES:
+        if not isinstance(runtime, str) or runtime not in RUNTIMES:
             raise ValueError(f"unknown runtime {runtime!r} for Moshi's batch; expected one of {', '.join(RUNTIMES)}")
         if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS):
             raise ValueError(f"slots must be a batch of 1 to {MAX_SLOTS} sessions per place, got {slots!r}")

@@ -319,6 +319,7 @@ def test_moshi_full_without_a_gpu_fails_at_once_naming_what_is_missing(monkeypat
         ({"slots": True}, "slots must be a batch of 1 to 64 sessions per place, got True"),
         ({"slots": 2.0}, "slots must be a batch of 1 to 64 sessions per place, got 2.0"),
         ({"runtime": "graphs"}, "unknown runtime 'graphs' for Moshi's batch; expected one of stages, pipeline"),
+        ({"runtime": ["pipeline"]}, "unknown runtime ['pipeline'] for Moshi's batch; expected one of stages, pipeline"),
     ],
 )
 def test_a_bad_size_device_or_place_is_refused_before_anything_is_built(options, error):
