@@ -177,6 +177,7 @@ class _Engine:
             build_models(config, self.device) if checkpoint is None else checkpoint.load(self.device, config.lm_dtype)
         )
         self.runtime: MoshiSlots | BoundSlots | None = None
+        self.start_error: str | None = None  # why the batch could not be built, for every tick after
         self.ticks = 0  # batched calls
         self.tick_seconds = 0.0  # spent ticking: this place's load
         self.tick_cpu_seconds = 0.0  # of which its thread ran on a core (less: others had it, or the GPU worked)
@@ -211,13 +212,18 @@ class _Engine:
     def start(self, slots: int) -> None:
         """The batch of ``slots`` slots, built (its stages warmed up: certified on a CPU, captured
         on a GPU) and reset to a fresh streaming state, so no session's frame pays for it."""
-        self.runtime, _ = RUNTIMES[self.runtime_name](self.models, contract_for(self.config, slots=slots),
-                                                      sampling=self.sampling, seed=self.config.seed)
+        try:
+            self.runtime, _ = RUNTIMES[self.runtime_name](self.models, contract_for(self.config, slots=slots),
+                                                          sampling=self.sampling, seed=self.config.seed)
+        except Exception as error:
+            self.start_error = f"{type(error).__name__}: {error}"
+            raise
 
     def tick(self, frames: dict[int, np.ndarray], joins: tuple[int, ...]) -> dict[int, np.ndarray | None]:
         """One batched call: each live slot's 1920 output samples (None before its acoustic delay)."""
         if self.runtime is None:
-            raise RuntimeError("this place has no batch: its start failed or never ran")
+            why = f"its start failed: {self.start_error}" if self.start_error else "its start never ran"
+            raise RuntimeError(f"this place has no batch: {why}")
         started = time.perf_counter()
         tick = Tick({slot: torch.from_numpy(frame) for slot, frame in frames.items()}, joins)
         on_gpu = self.device.type == "cuda"
