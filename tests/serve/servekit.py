@@ -226,5 +226,25 @@ def interleaved_replies(a, b, turns: list[list[np.ndarray]], steps: int) -> tupl
     return out_a, out_b
 
 
+def two_streams_are_their_slots_rows(plugin, models, turns: list[list[np.ndarray]], steps: int) -> dict:
+    """Two streams of a Moshi ``plugin`` (opened with ``record=True``, nothing served yet) fed
+    ``turns`` in alternation (``interleaved_replies``), then the plugin described and closed. Asserts
+    that each stream sent its turn then ``steps`` frames of silence, and that its replies are its
+    slot's row of the vendor's batched loop over the recorded ticks, bit for bit. Returns the
+    description."""
+    from cadence_fx.serve.plugins.moshi import SILENCE
+
+    try:
+        outs = interleaved_replies(plugin.open_stream(), plugin.open_stream(), turns, steps)
+        described = plugin.describe()
+    finally:
+        plugin.close()
+    for slot, (turn, out) in enumerate(zip(turns, outs, strict=True)):
+        sent, got = slot_reference(models, plugin, place=0, slot=slot, session=0)
+        assert same(sent, turn + [SILENCE] * steps), slot
+        assert same(out, got[len(turn):len(turn) + steps]), slot
+    return described
+
+
 def silence(ms: int, rate: int = 24_000) -> bytes:
     return np.zeros(rate * ms // 1000, dtype="<i2").tobytes()

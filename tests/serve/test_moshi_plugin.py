@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import torch
-from servekit import AUDIO, Server, deltas_of, drain, interleaved_replies, read_wav, run, same, slot_reference
+from servekit import AUDIO, Server, deltas_of, drain, read_wav, run, same, slot_reference, two_streams_are_their_slots_rows
 
 from cadence_fx.models.moshi_stream import SMALL, TINY, build_models, random_pcm
 from cadence_fx.serve.app import background_server
@@ -332,15 +332,7 @@ def test_ticks_in_the_server_process_are_the_vendors_batched_loop_bit_for_bit(mo
     """``processes=0``, the GPU's place, on a CPU: two interleaved streams, each its slot's row."""
     turns = [user_frames(3, seed=40), user_frames(3, seed=41)]
     local = MoshiPlugin(processes=0, slots=2, record=True)
-    try:
-        out_a, out_b = interleaved_replies(local.open_stream(), local.open_stream(), turns, 3)
-        described = local.describe()
-    finally:
-        local.close()
-
-    for slot, (turn, out) in enumerate(zip(turns, (out_a, out_b))):
-        sent, got = slot_reference(models, local, place=0, slot=slot, session=0)
-        assert same(sent, turn + [SILENCE] * 3) and same(out, got[3:6])
+    described = two_streams_are_their_slots_rows(local, models, turns, 3)
     assert (local.name, described["device"], described["processes"], described["threads"]) == ("moshi-tiny", "cpu", 0, None)
     assert (described["slots_per_process"], described["frames"]["ticks"]) == ([2], 12)
 
@@ -349,16 +341,7 @@ def test_the_pipeline_runtime_serves_the_vendors_batched_loop_bit_for_bit(models
     """``runtime="pipeline"``: the batch transformed by the one pipeline from Moshi's bindings, in a
     worker process; two interleaved streams, each its slot's row of the vendor's loop."""
     turns = [user_frames(3, seed=42), user_frames(3, seed=43)]
-    bound = MoshiPlugin(runtime="pipeline", slots=2, record=True)
-    try:
-        out_a, out_b = interleaved_replies(bound.open_stream(), bound.open_stream(), turns, 3)
-        described = bound.describe()
-    finally:
-        bound.close()
-
-    for slot, (turn, out) in enumerate(zip(turns, (out_a, out_b))):
-        sent, got = slot_reference(models, bound, place=0, slot=slot, session=0)
-        assert same(sent, turn + [SILENCE] * 3) and same(out, got[3:6])
+    described = two_streams_are_their_slots_rows(MoshiPlugin(runtime="pipeline", slots=2, record=True), models, turns, 3)
     assert (described["runtime"], described["slots_per_process"]) == ("pipeline", [2])
     assert described["transform"]["stamps"][-1] == ("slots: batch of 2, mimi_encode K=1, mimi_decode K=1, lm_step K=1, "
                                                     "depformer_step K=1; the vendor's glue calls the bound lm_step and "
