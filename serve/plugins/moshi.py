@@ -306,9 +306,8 @@ class _Place(ABC):
     streams: int  # open streams placed here
     scheduler: SlotScheduler | None = None  # its slots, once the batch size is known
 
-    def launch_tick(self, frames: dict[int, np.ndarray], joins: tuple[int, ...]) -> Future:
-        """The batched tick, queued behind the place's requests already sent."""
-        return self.submit("tick", frames, joins)
+    def run_tick(self, frames: dict[int, np.ndarray], joins: tuple[int, ...]) -> dict[int, np.ndarray | None]:
+        return self.call("tick", frames, joins)
 
     @abstractmethod
     def submit(self, op: str, *args: Any) -> Future: ...
@@ -362,9 +361,9 @@ class _InProcess(_Place):
 
 
 class _Worker(_Place):
-    """One worker process, which answers its requests in the order they came: each is sent at
-    once, from the caller's thread, so a tick is on its way while the one before still runs
-    (``SlotScheduler(ahead=...)``), and a thread of its own reads the answers in that order.
+    """One worker process: requests go out one at a time (a lock), a tick's straight from the
+    scheduler's thread (each thread hop in a busy server process waits for the interpreter), the
+    others (start, describe) through a thread of its own.
 
     The process is a fresh interpreter on this one's ``sys.path`` (not a multiprocessing child, which
     would import the caller's main module again), talking over a socket pair; it exits when its
@@ -385,54 +384,41 @@ class _Worker(_Place):
         theirs.close()
         self.conn = Connection(ours.detach())
         self.streams = 0  # open streams placed here
-        self._sending = threading.Lock()  # one request on the connection at a time, queued for its answer in that order
-        self._asked: deque[tuple[str, Future]] = deque()  # requests sent, not yet answered, oldest first
-        self._gone: str | None = None  # why the worker answers no more
-        self._reader = threading.Thread(target=self._read, name=f"{name}-{index}-answers", daemon=True)
-        self._reader.start()
+        self._lock = threading.Lock()  # one request on the connection at a time
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-{index}")
+
+    def run_tick(self, frames: dict[int, np.ndarray], joins: tuple[int, ...]) -> dict[int, np.ndarray | None]:
+        return self._roundtrip("tick", (frames, joins))
 
     def submit(self, op: str, *args: Any) -> Future:
-        future: Future = Future()
-        with self._sending:
-            if self._gone is None:
-                self._asked.append((op, future))
-                try:
-                    self.conn.send((op, args))
-                except OSError:
-                    pass  # the reader sees the connection end and fails every request still asked
-            else:
-                future.set_exception(RuntimeError(f"{self._gone} before {op}"))
-        return future
+        return self._thread.submit(self._roundtrip, op, args)
 
-    def _read(self) -> None:
-        while True:
+    def _roundtrip(self, op: str, args: tuple) -> Any:
+        with self._lock:
+            self.conn.send((op, args))
             try:
                 kind, value = self.conn.recv()
             except (EOFError, OSError):
-                with self._sending:
-                    self._gone = (f"{self.name} worker {self.index} (pid {self.process.pid}) is gone "
-                                  f"(exit code {self.process.poll()})")
-                    asked, self._asked = list(self._asked), deque()
-                for op, future in asked:
-                    future.set_exception(RuntimeError(f"{self._gone} during {op}"))
-                return
-            with self._sending:
-                op, future = self._asked.popleft()
-            if kind == "error":
-                future.set_exception(RuntimeError(f"{self.name} worker {self.index} failed in {op}:\n{value}"))
-            else:
-                future.set_result(value)
+                kind, value = "gone", None
+        if kind == "gone":
+            raise RuntimeError(
+                f"{self.name} worker {self.index} (pid {self.process.pid}) is gone (exit code "
+                f"{self.process.poll()}) during {op}"
+            )
+        if kind == "error":
+            raise RuntimeError(f"{self.name} worker {self.index} failed in {op}:\n{value}")
+        return value
 
     def close(self) -> None:
-        with contextlib.suppress(OSError), self._sending:
+        with contextlib.suppress(OSError), self._lock:
             self.conn.send(None)
+        self._thread.shutdown(wait=True)
+        self.conn.close()
         try:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-        self._reader.join(10)
-        self.conn.close()
 
 
 class MoshiStream(ModelStream):
@@ -613,7 +599,6 @@ class MoshiPlugin(ModelPlugin):
         slots: int | None = None,
         record: bool = False,
         runtime: str = "stages",
-        ahead: int = 0,
     ) -> None:
         """``seed`` draws the weights and seeds each batch's sampling; ``sampling`` False decodes
         greedily. ``weights`` is a published checkpoint instead (a directory or a hub repo id, see
@@ -647,8 +632,6 @@ class MoshiPlugin(ModelPlugin):
             raise ValueError(f"max_reply_frames must be at least 1, got {max_reply_frames}")
         if not isinstance(runtime, str) or runtime not in RUNTIMES:
             raise ValueError(f"unknown runtime {runtime!r} for Moshi's batch; expected one of {', '.join(RUNTIMES)}")
-        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
-            raise ValueError(f"ahead must be a whole number of ticks launched ahead, 0 or more, got {ahead!r}")
         if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS):
             raise ValueError(f"slots must be a batch of 1 to {MAX_SLOTS} sessions per place, got {slots!r}")
         processes = 1 if processes is None else processes
@@ -675,7 +658,7 @@ class MoshiPlugin(ModelPlugin):
         self.max_reply_frames, self.processes, self.threads = max_reply_frames, processes, threads
         self.config = dataclasses.replace(SIZES[size], seed=seed)
         self.checkpoint = None if weights is None else _checkpoint_of_size(self.name, size, weights)
-        self.slots, self.record, self.runtime, self.ahead = slots, record, runtime, ahead
+        self.slots, self.record, self.runtime = slots, record, runtime
         self.streams = 0
         self.listened = self.replied = self.silence = 0
         self._lock = threading.Lock()  # placement and counters: streams call from several threads
@@ -758,8 +741,7 @@ class MoshiPlugin(ModelPlugin):
             return
         self.slots = slots
         for place in self._places:
-            place.scheduler = SlotScheduler(slots, place.launch_tick, name=f"{self.name}[{place.index}]",
-                                            record=self.record, ahead=self.ahead)
+            place.scheduler = SlotScheduler(slots, place.run_tick, name=f"{self.name}[{place.index}]", record=self.record)
             self._started.append(place.submit("start", slots))
 
     def _capacity(self, slots: int | None = None) -> str:
@@ -808,7 +790,6 @@ class MoshiPlugin(ModelPlugin):
             "seed": self.seed,
             "sampling": self.sampling,
             "runtime": self.runtime,
-            "ahead": self.ahead,
             "processes": self.processes,
             "threads": self.threads,
             "cores_per_process": self.cores or None,

@@ -78,54 +78,29 @@ class _Request:
     frames: Sequence[Any]
     future: Future
     follows: bool
-    sent: int = 0  # frames a tick has taken so far
     outputs: list[Any] = field(default_factory=list)
-
-
-@dataclass
-class _Tick:
-    """A batched call launched, not yet handed out."""
-
-    future: Future
-    requests: dict[int, _Request]  # the request each slot's frame came from
-    frames: dict[int, Any]
-    joins: tuple[int, ...]
-    launched: float  # time.monotonic() at its launch
-    due: float  # when the place is expected to be done with it
 
 
 class SlotScheduler:
     """``slots`` slots over one ``run(frames: {slot: frame}, joins: (slot, ...)) -> {slot: output}``;
-    see the module docstring. ``run`` must return an output for every slot in ``frames``, or a
-    ``Future`` of them (the call launched on a place that runs its calls in order, not yet done).
-    With such a ``run``, ``ahead`` > 0 launches up to that many further ticks before the oldest is
-    handed out, each ``lead_s`` before the place is expected to be done with the one before it."""
+    see the module docstring. ``run`` must return an output for every slot in ``frames``."""
 
-    def __init__(self, slots: int, run: Callable[[dict[int, Any], tuple[int, ...]], Mapping[int, Any] | Future], *,
-                 name: str, gather_s: float = 0.02, record: bool = False, ahead: int = 0,
-                 lead_s: float = 0.015) -> None:
+    def __init__(self, slots: int, run: Callable[[dict[int, Any], tuple[int, ...]], Mapping[int, Any]], *,
+                 name: str, gather_s: float = 0.02, record: bool = False) -> None:
         if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
             raise ValueError(f"{name}: slots must be a positive number of sessions, got {slots!r}")
         if not gather_s >= 0:
             raise ValueError(f"{name}: gather_s must be a non-negative number of seconds, got {gather_s!r}")
-        if not isinstance(ahead, int) or isinstance(ahead, bool) or ahead < 0:
-            raise ValueError(f"{name}: ahead must be a whole number of ticks, 0 or more, got {ahead!r}")
-        if not lead_s >= 0:
-            raise ValueError(f"{name}: lead_s must be a non-negative number of seconds, got {lead_s!r}")
         self.slots, self.name, self.gather_s, self._run = slots, name, gather_s, run
-        self.ahead, self.lead_s = ahead, lead_s
-        self.ticks = 0  # calls of ``run`` handed out
+        self.ticks = 0  # calls of ``run``
         self.frames = 0  # frames they ran, all slots together
         self.follow_misses = 0  # slots that said they come right back, left out of a tick after gather_s
         self.seconds = TickSeconds()
         self.history: list[TickRecord] | None = [] if record else None
-        self.tick_s = 0.0  # how long the place takes a tick back to back (a running mean; 0 before any)
-        self._last_done = 0.0  # when the last tick was done
         self._taken: set[int] = set()
         self._joining: set[int] = set()  # taken, not yet run since
-        self._waiting: dict[int, deque[_Request]] = {}  # each slot's requests, oldest first, until answered
+        self._waiting: dict[int, deque[_Request]] = {}  # each slot's requests, oldest first
         self._following: set[int] = set()  # slots whose last answered request said it follows
-        self._inflight: deque[_Tick] = deque()  # launched, oldest first (the scheduler thread's own)
         self._closed = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=f"{name}-slots", daemon=True)
@@ -187,125 +162,64 @@ class SlotScheduler:
         if slot not in self._taken:
             raise ValueError(f"{self.name}: slot {slot!r} is not taken (slots 0..{self.slots - 1}, taken {sorted(self._taken)})")
 
-    def _notify(self, _: Future) -> None:
-        with self._cond:
-            self._cond.notify()
-
-    def _next_frames(self) -> dict[int, _Request]:
-        """Each slot's request whose next frame no tick has taken yet (under the lock)."""
-        found = {}
-        for slot in sorted(self._waiting):
-            for request in self._waiting[slot]:
-                if request.sent < len(request.frames):
-                    found[slot] = request
-                    break
-        return found
-
     def _loop(self) -> None:
-        inflight = self._inflight
         while True:
-            launch: dict[int, _Request] = {}
             with self._cond:
-                gathering: float | None = None  # since when a tick could launch
-                while not (inflight and inflight[0].future.done()) and not self._closed:
-                    now = time.monotonic()
-                    launch = self._next_frames() if len(inflight) <= self.ahead else {}
-                    if launch:
-                        gathering = now if gathering is None else gathering
-                        # Not before the place is nearly done with what it has, nor before the slots
-                        # that said they follow have come back (up to gather_s).
-                        ready_at = inflight[-1].due - self.lead_s if inflight else now
-                        if self._following - launch.keys():
-                            ready_at = max(ready_at, gathering + self.gather_s)
-                        if now >= ready_at:
-                            break
-                        self._cond.wait(ready_at - now)
-                        self.seconds.gather += time.monotonic() - now
-                    else:
-                        self._cond.wait()  # woken by a request, a release, a tick done or the close
-                        if inflight:
-                            self.seconds.run += time.monotonic() - now
-                    launch = {}
-                if inflight and inflight[0].future.done():
-                    launch = {}  # its slots' sessions wait for it: hand it out first
-                elif self._closed:
+                while not self._waiting and not self._closed:
+                    self._cond.wait()
+                gathering = time.perf_counter()
+                deadline = time.monotonic() + self.gather_s
+                while not self._closed and self._following - self._waiting.keys():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                if self._closed:
                     waiting = [request for queue in self._waiting.values() for request in queue]
                     self._waiting = {}
                     break
-                else:
-                    self.follow_misses += len(self._following - launch.keys())
-                    self._following.clear()
-                    frames = {}
-                    for slot, request in launch.items():
-                        frames[slot] = request.frames[request.sent]
-                        request.sent += 1
-                    joins = tuple(slot for slot in frames if slot in self._joining)
-                    self._joining.difference_update(joins)
-            if launch:
-                self._launch(launch, frames, joins)
-            else:
-                self._hand_out(inflight.popleft())
-        for request in waiting:
-            if not request.future.done():
-                request.future.set_exception(RuntimeError(f"{self.name} closed with the request waiting"))
-
-    def _launch(self, requests: dict[int, _Request], frames: dict[int, Any], joins: tuple[int, ...]) -> None:
-        running, now = time.perf_counter(), time.monotonic()
-        try:
-            result = self._run(frames, joins)
-        except BaseException as error:  # noqa: BLE001 - handed out as the tick's failure
-            result = Future()
-            result.set_exception(error)
-        if not isinstance(result, Future):
-            done: Future = Future()
-            done.set_result(result)
-            result = done
-        due = max(now, self._inflight[-1].due if self._inflight else now) + self.tick_s
-        self._inflight.append(_Tick(result, requests, frames, joins, now, due))
-        result.add_done_callback(self._notify)
-        self.seconds.run += time.perf_counter() - running
-
-    def _hand_out(self, tick: _Tick) -> None:
-        handing_out, done_at = time.perf_counter(), time.monotonic()
-        # Back to back, the place began this tick when it was done with the one before.
-        took = done_at - max(tick.launched, self._last_done)
-        self._last_done = done_at
-        self.tick_s = took if self.tick_s == 0.0 else 0.8 * self.tick_s + 0.2 * took
-        frames, joins = tick.frames, tick.joins
-        try:
-            outputs = tick.future.result()
-            missing = [slot for slot in frames if slot not in outputs]
-            if missing:
-                raise RuntimeError(f"{self.name}: the tick returned no output for slots {missing}")
-        except BaseException as error:  # noqa: BLE001 - every request of the tick's slots learns why
-            with self._cond:
-                self._joining.update(joins)  # a reset is idempotent: the next session's first tick resets again
-                # A slot's later requests would run on a state that missed this tick: they fail too.
-                failed = [request for slot in frames for request in self._waiting.pop(slot, ())]
-            for request in failed:
-                if not request.future.done():
+                self.follow_misses += len(self._following - self._waiting.keys())
+                self._following.clear()
+                requests = {slot: self._waiting[slot][0] for slot in sorted(self._waiting)}
+                frames = {slot: request.frames[len(request.outputs)] for slot, request in requests.items()}
+                joins = tuple(slot for slot in frames if slot in self._joining)
+                self._joining.difference_update(joins)
+            running = time.perf_counter()
+            self.seconds.gather += running - gathering
+            try:
+                outputs = self._run(frames, joins)
+                missing = [slot for slot in frames if slot not in outputs]
+                if missing:
+                    raise RuntimeError(f"{self.name}: the tick returned no output for slots {missing}")
+            except BaseException as error:  # noqa: BLE001 - every request of the tick's slots learns why
+                with self._cond:
+                    self._joining.update(joins)  # a reset is idempotent: the next session's first tick resets again
+                    # A slot's later requests would run on a state that missed this tick: they fail too.
+                    failed = [request for slot in frames for request in self._waiting.pop(slot)]
+                for request in failed:
                     request.future.set_exception(error)
+                continue
+            handing_out = time.perf_counter()
+            self.seconds.run += handing_out - running
+            done = []
+            with self._cond:
+                self.ticks += 1
+                self.frames += len(frames)
+                if self.history is not None:
+                    self.history.append(TickRecord(frames, joins))
+                for slot, request in requests.items():
+                    request.outputs.append(outputs[slot])
+                    if len(request.outputs) == len(request.frames):
+                        queue = self._waiting[slot]
+                        queue.popleft()
+                        done.append(request)
+                        if queue:
+                            continue
+                        del self._waiting[slot]
+                        if request.follows:
+                            self._following.add(slot)
+            for request in done:
+                request.future.set_result(request.outputs)
             self.seconds.handout += time.perf_counter() - handing_out
-            return
-        done = []
-        with self._cond:
-            self.ticks += 1
-            self.frames += len(frames)
-            if self.history is not None:
-                self.history.append(TickRecord(frames, joins))
-            for slot, request in tick.requests.items():
-                queue = self._waiting.get(slot)
-                if not queue or queue[0] is not request:
-                    continue  # failed with an earlier tick: these outputs are nobody's
-                request.outputs.append(outputs[slot])
-                if len(request.outputs) == len(request.frames):
-                    queue.popleft()
-                    done.append(request)
-                    if queue:
-                        continue
-                    del self._waiting[slot]
-                    if request.follows:
-                        self._following.add(slot)
-        for request in done:
-            request.future.set_result(request.outputs)
-        self.seconds.handout += time.perf_counter() - handing_out
+        for request in waiting:
+            request.future.set_exception(RuntimeError(f"{self.name} closed with the request waiting"))

@@ -320,8 +320,6 @@ def test_moshi_full_without_a_gpu_fails_at_once_naming_what_is_missing(monkeypat
         ({"slots": 2.0}, "slots must be a batch of 1 to 64 sessions per place, got 2.0"),
         ({"runtime": "graphs"}, "unknown runtime 'graphs' for Moshi's batch; expected one of stages, pipeline"),
         ({"runtime": ["pipeline"]}, "unknown runtime ['pipeline'] for Moshi's batch; expected one of stages, pipeline"),
-        ({"ahead": -1}, "ahead must be a whole number of ticks launched ahead, 0 or more, got -1"),
-        ({"ahead": "1"}, "ahead must be a whole number of ticks launched ahead, 0 or more, got '1'"),
     ],
 )
 def test_a_bad_size_device_or_place_is_refused_before_anything_is_built(options, error):
@@ -354,14 +352,6 @@ def test_the_pipeline_runtime_serves_the_vendors_batched_loop_bit_for_bit(models
     assert {name: (op["calls"], op["fallbacks"]) for name, op in described["transform"]["replays"].items()} == {
         "mimi_encode": (ticks, {"no_cuda": ticks}), "mimi_decode": (ticks, {"no_cuda": ticks}),
         "lm_step": (ticks, {"no_cuda": ticks}), "depformer_step": (ticks, {"host_rng": ticks})}
-
-
-def test_ticks_launched_one_ahead_in_the_worker_are_the_vendors_batched_loop_bit_for_bit(models):
-    """``ahead=1``: each tick is sent to the worker process while the one before still runs; two
-    interleaved streams, each its slot's row of the vendor's loop over the recorded ticks."""
-    turns = [user_frames(3, seed=44), user_frames(3, seed=45)]
-    described = two_streams_are_their_slots_rows(MoshiPlugin(ahead=1, slots=2, record=True), models, turns, 3)
-    assert (described["ahead"], described["processes"], described["slots_per_process"]) == (1, 1, [2])
 
 
 def test_admission_is_a_free_slot_and_a_session_beyond_them_is_refused_by_name():

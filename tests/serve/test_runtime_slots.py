@@ -4,8 +4,6 @@ call, a slot's requests queue in order, a slot's next session joins at its first
 from __future__ import annotations
 
 import threading
-import time
-from concurrent.futures import Future
 
 import pytest
 
@@ -232,96 +230,3 @@ def test_closing_fails_what_still_waits_and_refuses_what_comes(model):
         waiting.result(5)
     with pytest.raises(RuntimeError, match="double is closed"):
         scheduler.acquire()
-
-
-class Device:
-    """A place double that runs its calls in order on a thread of its own: ``launch`` returns a
-    future at once; each call can be held (``gate``) and can fail (``fail``, by tick index)."""
-
-    def __init__(self) -> None:
-        self.launched: list[tuple[dict, tuple]] = []
-        self.gate = threading.Semaphore(0)  # one release per call allowed to finish
-        self.fail: dict[int, BaseException] = {}
-        self._queue: list = []
-        self._ready = threading.Condition()
-        threading.Thread(target=self._work, daemon=True).start()
-
-    def __call__(self, frames: dict, joins: tuple):
-        future = Future()
-        with self._ready:
-            self.launched.append((dict(frames), joins))
-            self._queue.append((len(self.launched) - 1, dict(frames), future))
-            self._ready.notify()
-        return future
-
-    def _work(self) -> None:
-        while True:
-            with self._ready:
-                while not self._queue:
-                    self._ready.wait()
-                index, frames, future = self._queue.pop(0)
-            self.gate.acquire()
-            if index in self.fail:
-                future.set_exception(self.fail[index])
-            else:
-                future.set_result({slot: (index, slot, frame) for slot, frame in frames.items()})
-
-
-def wait_until(condition, seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
-
-
-def test_with_ahead_the_next_tick_is_launched_while_the_last_still_runs_and_answers_come_in_order():
-    device = Device()
-    scheduler = SlotScheduler(2, device, name="double", gather_s=0, ahead=1, lead_s=0)
-    try:
-        a, b = scheduler.acquire(), scheduler.acquire()
-        first, second = scheduler.submit(a, ["a0", "a1", "a2"]), scheduler.submit(b, ["b0"])
-        wait_until(lambda: len(device.launched) == 2)  # tick 1 is on its way, tick 0 not done
-        time.sleep(0.05)
-        assert len(device.launched) == 2 and not first.done() and not second.done()  # never more than one ahead
-        device.gate.release()  # tick 0 done
-        assert second.result(5) == [(0, 1, "b0")]
-        wait_until(lambda: len(device.launched) == 3)
-        device.gate.release(2)
-        assert first.result(5) == [(0, 0, "a0"), (1, 0, "a1"), (2, 0, "a2")]
-        assert device.launched == [({0: "a0", 1: "b0"}, (0, 1)), ({0: "a1"}, ()), ({0: "a2"}, ())]
-        assert (scheduler.ticks, scheduler.frames) == (3, 4)
-    finally:
-        device.gate.release(10)
-        scheduler.close()
-
-
-def test_with_ahead_a_failed_tick_fails_its_slots_requests_even_those_already_launched_behind_it():
-    device = Device()
-    device.fail[0] = RuntimeError("device lost")
-    scheduler = SlotScheduler(2, device, name="double", gather_s=0, ahead=1, lead_s=0)
-    try:
-        a, b = scheduler.acquire(), scheduler.acquire()
-        failed, behind = scheduler.submit(a, ["a0"]), scheduler.submit(a, ["a1"])
-        wait_until(lambda: len(device.launched) == 2)  # a1 rides tick 1 before tick 0 is done
-        other = scheduler.submit(b, ["b0"])
-        device.gate.release(3)
-        for request in (failed, behind):
-            with pytest.raises(RuntimeError, match="device lost"):
-                request.result(5)
-        assert other.result(5) == [(2, 1, "b0")]
-        device.gate.release()
-        assert scheduler.submit(a, ["a2"]).result(5) == [(3, 0, "a2")]
-        # a joins again at its next tick: the tick that failed may not have reset its slot
-        assert device.launched[1:] == [({0: "a1"}, ()), ({1: "b0"}, (1,)), ({0: "a2"}, (0,))]
-        assert (scheduler.ticks, scheduler.frames) == (3, 3)
-    finally:
-        device.gate.release(10)
-        scheduler.close()
-
-
-def test_ahead_and_lead_s_are_checked_by_name():
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match=r"double: ahead must be a whole number of ticks, 0 or more, got "):
-            SlotScheduler(1, Model(), name="double", ahead=bad)
-    with pytest.raises(ValueError, match=r"double: lead_s must be a non-negative number of seconds, got -0.1"):
-        SlotScheduler(1, Model(), name="double", lead_s=-0.1)
