@@ -229,11 +229,6 @@ class _Batch:
             self.rng = rng_get(self.device)
             rng_set(self.device, caller)
 
-    def _vendor_graphs(self) -> contextlib.AbstractContextManager:
-        """What the vendor's own `CUDAGraphed` wrappers do during a tick (the runtime's own stages
-        replaced the ones they call: left as they are)."""
-        return contextlib.nullcontext()
-
     def _stages(self, live: torch.Tensor, speaking: torch.Tensor, frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Encode the live rows' frames, step the LM, decode the speaking rows: (tokens, pcm)."""
         raise NotImplementedError
@@ -249,7 +244,10 @@ class _Batch:
         ran = [0 if slot in tick.joins else count for slot, count in enumerate(self.ran)]
         # LMGen's offsets reach max_delay + 1 at a slot's (max_delay + 1)-th frame: its first real tokens.
         speaking = tuple(slot for slot in live if ran[slot] + 1 > lm_gen.max_delay)
-        with self._generators(), no_compile(), self._vendor_graphs(), torch.inference_mode():
+        # The vendor's own `CUDAGraphed` wrappers stay on: those of its exec masks and resets run
+        # as in its own loop; the ones of the stages are replaced (`MoshiSlots`) or never reached
+        # while the bound operators replay (`BoundSlots`: only a stock fallback calls them).
+        with self._generators(), no_compile(), torch.inference_mode():
             # Every input goes to the device before the first stage runs (the speaking mask too:
             # it is known on the host), so no copy waits for a stage in flight.
             live_mask, speaking_mask = _mask(self.slots, live, device), _mask(self.slots, speaking, device)
@@ -446,13 +444,6 @@ class BoundSlots(_Batch):
         report.stamps.append(f"slots: batch of {self.slots}, {stages}; the vendor's glue calls the bound lm_step "
                              "and depformer_step as its graphed_main and graphed_depth")
         return report
-
-    def _vendor_graphs(self) -> contextlib.AbstractContextManager:
-        """Off (the vendor's own flag): its exec-mask and reset wrappers run eagerly, and its LM
-        steps are the bound ones."""
-        from moshi.utils.compile import no_cuda_graph
-
-        return no_cuda_graph()
 
     def _stages(self, live: torch.Tensor, speaking: torch.Tensor, frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mimi, lm_gen = self.models.mimi, self.lm_gen
