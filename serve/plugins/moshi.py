@@ -613,7 +613,8 @@ class MoshiPlugin(ModelPlugin):
         server process). ``runtime`` is how each batch is transformed (``RUNTIMES``): ``stages``,
         the family's own (the default: on the H200 at 64 slots it ticked in 51.9 ms after 2.3 s of
         setup), or ``pipeline``, the one pipeline of every model from Moshi's bindings (bit-identical
-        too; 55.3 ms a tick after 115.8 s of exports, ``bench/results/moshi_slots_64_pipeline.json``).
+        too; 51.8 ms a tick after 98.3 s of exports, ``bench/results/moshi_slots_64_pipeline_masks.json``;
+        served, 64 sessions gave first audio p95 432 ms, ``serve_load_moshi_full_64_pipeline_masks.json``).
         ``threads`` is torch's intra-op thread count in each worker process (1 by default): the
         model is small enough that a tick is bound by per-operator overhead, and a second thread
         only contends for the cores the other workers and the event loop need. ``pin`` puts each
