@@ -3,11 +3,13 @@ concat-then-slice retention, bit for bit, with one carry address for the whole s
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from cadence_fx.audit import ShadowAuditor
-from cadence_fx.passes.carry import CarryError
+from cadence_fx.passes.carry import CarryError, shared_memo
 from cadence_fx.passes.window import (
     Window,
     WindowCarry,
@@ -285,8 +287,9 @@ def test_a_window_with_sinks_declared_without_them_is_refused():
 
 
 def test_a_rewritten_graph_shares_every_tensor_the_model_holds():
-    """The window pass rewrites a copy of the graph: the copy shares the weights and the constants
-    `torch.export` lifted (a tensor the model holds as a plain attribute), never copies them."""
+    """The window pass rewrites a copy of the graph (`shared_memo`): the copy shares the weights and
+    the constants `torch.export` lifted (a tensor the model holds as a plain attribute), never
+    copies them. With no window declared there is nothing to rewrite: the graph itself comes back."""
 
     class Lookup(torch.nn.Module):
         def __init__(self):
@@ -304,6 +307,8 @@ def test_a_rewritten_graph_shares_every_tensor_the_model_holds():
 
     model = Lookup()
     gm = torch.export.export(model, (torch.randn(2, 4),), strict=False).module()
-    after, found, _ = rewrite_windows(gm, (), {}, graph="lookup")
-    assert after is not gm and found == []
-    assert held(after) == held(gm) == {model.proj.weight.data_ptr(), model.proj.bias.data_ptr(), model.table.data_ptr()}
+    copied = copy.deepcopy(gm, shared_memo(gm))
+    assert copied is not gm
+    assert held(copied) == held(gm) == {model.proj.weight.data_ptr(), model.proj.bias.data_ptr(), model.table.data_ptr()}
+    assert rewrite_windows(gm, (), {}, graph="lookup") == (
+        gm, [], "window pass on lookup: no window site declared, the graph runs as exported")
