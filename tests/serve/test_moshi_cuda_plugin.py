@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from servekit import AUDIO, Server, deltas_of, interleaved_replies, read_wav, run, same, slot_reference
+from servekit import AUDIO, Server, deltas_of, read_wav, run, same, slot_reference, two_streams_are_their_slots_rows
 
 from cadence_fx.determinism import pin_deterministic
 from cadence_fx.models.moshi_stream import SMALL, build_models, random_pcm
@@ -38,21 +38,21 @@ def user_frames(n: int, seed: int) -> list[np.ndarray]:
     return list(random_pcm(n, seed=seed).reshape(n, FRAME_SAMPLES).numpy())
 
 
-@pytest.mark.parametrize("processes", [1, 0])
-def test_interleaved_streams_on_cuda_are_each_their_slots_row_and_every_call_replays(models, processes):
+@pytest.mark.parametrize(("processes", "runtime"), [(1, "stages"), (0, "stages"), (1, "pipeline")])
+def test_interleaved_streams_on_cuda_are_each_their_slots_row_and_every_call_replays(models, processes, runtime):
+    """Two interleaved streams, each its slot's row of the vendor's batched loop; the batch built
+    by the family's stages or by the one pipeline (``runtime``), in a worker or the server process."""
     turns = [user_frames(4, seed=50), user_frames(4, seed=51)]
-    plugin = MoshiPlugin(size="small", device="cuda", record=True, processes=processes)
+    plugin = MoshiPlugin(size="small", device="cuda", record=True, processes=processes, runtime=runtime)
     try:
         plugin.reserve(2)
-        out_a, out_b = interleaved_replies(plugin.open_stream(), plugin.open_stream(), turns, 4)
-        described = plugin.describe()
-    finally:
+    except BaseException:
         plugin.close()
+        raise
+    described = two_streams_are_their_slots_rows(plugin, models, turns, 4)
 
-    for slot, (turn, out) in enumerate(zip(turns, (out_a, out_b))):
-        sent, got = slot_reference(models, plugin, place=0, slot=slot, session=0)
-        assert same(sent, turn + [SILENCE] * 4) and same(out, got[4:8]), slot
     assert (plugin.name, described["device"], described["processes"]) == ("moshi-small-cuda", "cuda", processes)
+    assert described["runtime"] == runtime
     # The ticking process's own device memory, a worker's included.
     (memory,) = described["memory_per_process"]
     assert memory["peak_allocated_bytes"] > 0 and memory["reserved_bytes_end"] >= memory["peak_allocated_bytes"]
