@@ -3,13 +3,12 @@ concat-then-slice retention, bit for bit, with one carry address for the whole s
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 
 from cadence_fx.audit import ShadowAuditor
-from cadence_fx.passes.carry import CarryError, shared_memo
+from cadence_fx.passes.carry import CarryError
 from cadence_fx.passes.window import (
     Window,
     WindowCarry,
@@ -287,28 +286,33 @@ def test_a_window_with_sinks_declared_without_them_is_refused():
 
 
 def test_a_rewritten_graph_shares_every_tensor_the_model_holds():
-    """The window pass rewrites a copy of the graph (`shared_memo`): the copy shares the weights and
-    the constants `torch.export` lifted (a tensor the model holds as a plain attribute), never
-    copies them. With no window declared there is nothing to rewrite: the graph itself comes back."""
+    """The window pass rewrites a copy of the graph: the copy shares the weights and the constants
+    `torch.export` lifted (a tensor the model holds as a plain attribute), never copies them; it
+    holds the carry besides. With no window declared there is nothing to rewrite: the graph itself
+    comes back."""
 
     class Lookup(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.proj = torch.nn.Linear(4, 4)
-            self.table = torch.randn(8, 4)  # neither a parameter nor a buffer: exported as a lifted constant
+            self.proj = torch.nn.Linear(SHAPE[2], SHAPE[2])
+            self.table = torch.randn(8, SHAPE[2])  # neither a parameter nor a buffer: exported as a lifted constant
 
-        def forward(self, x):
-            return self.proj(x) + self.table[:1]
+        def forward(self, new, kept):
+            operand = torch.cat([kept, new], dim=2)
+            return self.proj(operand).sum(2) + self.table[:1], operand[:, :, -KEEP:]
 
-    def held(gm):
-        return {t.data_ptr() for module in gm.modules() for t in
+    def held(module_tree):
+        return {t.data_ptr() for module in module_tree.modules() for t in
                 [*vars(module).values(), *module.parameters(recurse=False), *module.buffers(recurse=False)]
                 if isinstance(t, torch.Tensor)}
 
     model = Lookup()
-    gm = torch.export.export(model, (torch.randn(2, 4),), strict=False).module()
-    copied = copy.deepcopy(gm, shared_memo(gm))
-    assert copied is not gm
-    assert held(copied) == held(gm) == {model.proj.weight.data_ptr(), model.proj.bias.data_ptr(), model.table.data_ptr()}
+    gm = export(model, units(NEW, 0), units(KEEP, 1))
+    carry = WindowCarry("kv", "kv", torch.zeros(*SHAPE[:2], KEEP + NEW, SHAPE[2]), axis=2)
+    window = Window("kv", "kv", output=1, input="kept", axis=2, keep=KEEP, live=KEEP + NEW, held=True)
+    after, (site,), _ = rewrite_windows(gm, (window,), {"kv": carry}, graph="lookup")
+    assert after is not gm and site.rewritten
+    model_tensors = {model.proj.weight.data_ptr(), model.proj.bias.data_ptr(), model.table.data_ptr()}
+    assert held(gm) == model_tensors and held(after) - held(carry) == model_tensors
     assert rewrite_windows(gm, (), {}, graph="lookup") == (
         gm, [], "window pass on lookup: no window site declared, the graph runs as exported")
