@@ -31,6 +31,13 @@ was in use when the service started; ``cadence_fx.memory``), read after the run.
 
     python bench/serve_load.py --sessions 24 --seconds 60 --plugin token2wav-full --lanes 8   # an H200
 
+``--runs N`` runs the load N times in a row on the one server: one 60 s run's tail varies (first
+audio p95 from 301 to 398 ms over three runs of the same code at 64 ``moshi-full`` sessions), so
+a verdict on a target wants several. The record's figures are over all runs; ``runs`` has each
+run's own.
+
+    python bench/serve_load.py --sessions 64 --seconds 60 --plugin moshi-full --runs 3   # an H200
+
 With ``--ray N`` the server is ``cadence-fx serve --ray --replicas N`` (docs/deployment.md): N
 replicas, one GPU each where there are GPUs, ``--sessions`` spread over them by the ingress, each
 replica with room for its share; the report adds each replica's sessions and plugin counters.
@@ -213,6 +220,30 @@ def _error_kinds(results) -> dict[str, int]:
                         for result in results for error in result.errors))
 
 
+def _wait_for_no_sessions(port: int, patience_s: float) -> None:
+    """Until the server holds no session (``/health``): a closed session's slot is free only then."""
+    deadline = time.monotonic() + patience_s
+    while (sessions := httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).json()["sessions"]) > 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server still holds {sessions} session(s) {patience_s:g} s after the last run ended")
+        time.sleep(0.1)
+
+
+def _summary(results, wall_s: float) -> dict:
+    """One run's own figures (``--runs``): what varies from one run to the next."""
+    replies = [reply for r in results for reply in r.replies]
+    stalls = [reply.stall_s for reply in replies]
+    return {
+        "wall_seconds": round(wall_s, 2),
+        "accounted": all(r.appended_bytes == r.committed_bytes and r.accounted for r in results),
+        "errors": sum(len(r.errors) for r in results),
+        "responses": len(replies),
+        "turn_end_to_first_audio_ms": _stats_ms([x for r in results for x in r.latencies_s]),
+        "reply_playback_stall_ms": _stats_ms(stalls),
+        "replies_that_stalled": sum(stall > 0 for stall in stalls),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=8)
@@ -238,7 +269,12 @@ def main() -> None:
                              "e.g. runtime=pipeline for moshi-*")
     parser.add_argument("--lanes", type=int, metavar="L",
                         help="token2wav*: the plugin's replay lanes (cadence-fx serve --lanes; default: the plugin's own)")
+    parser.add_argument("--runs", type=int, default=1, metavar="N",
+                        help="the load N times in a row on the one server (default 1); the record's figures are "
+                             "over all of them, and each run's own are under runs")
     args = parser.parse_args()
+    if args.runs < 1:
+        parser.error(f"--runs must be at least 1, got {args.runs}")
     if args.lanes is not None and not has_lanes(args.plugin):
         parser.error(f"--lanes: {args.plugin} has no replay lanes; the models that do: "
                      f"{', '.join(name for name in plugin_names() if has_lanes(name))}")
@@ -265,7 +301,7 @@ def main() -> None:
         out = RESULTS / f"serve_load_{args.plugin.replace('-', '_')}_tick_double_{args.sessions}.json"
     if args.out is None:  # a run with other appends or plugin options never replaces the default run's record
         extra = ([f"append{args.append_ms}"] if args.append_ms != 200 else []) + [
-            f"{name}_{value}" for name, value in args.plugin_option]
+            f"{name}_{value}" for name, value in args.plugin_option] + ([f"runs{args.runs}"] if args.runs > 1 else [])
         out = out.with_name("_".join([out.stem, *extra]) + ".json") if extra else out
 
     port = free_port()
@@ -277,11 +313,18 @@ def main() -> None:
     try:
         pcm = speech_pattern(args.seconds)
         server_cpu, load_cpu = _cpu_seconds(server.pid), time.process_time()
-        started = time.monotonic()
-        results = asyncio.run(
-            run_load(f"ws://127.0.0.1:{port}/v1/duplex", pcm, args.sessions, patience_s=args.patience, chunk_ms=args.append_ms)
-        )
-        wall_s = time.monotonic() - started
+        runs = []  # each run's sessions and its wall time
+        for run in range(args.runs):
+            if run:
+                _wait_for_no_sessions(port, args.patience)  # the last run's sessions end after their close
+            started = time.monotonic()
+            runs.append((asyncio.run(run_load(f"ws://127.0.0.1:{port}/v1/duplex", pcm, args.sessions,
+                                              patience_s=args.patience, chunk_ms=args.append_ms)),
+                         time.monotonic() - started))
+            if args.runs > 1:
+                print(f"run {run + 1} of {args.runs}: {_summary(*runs[-1])}", file=sys.stderr, flush=True)
+        results = [result for run_results, _ in runs for result in run_results]
+        wall_s = sum(seconds for _, seconds in runs)
         server_cpu_after, load_cpu = _cpu_seconds(server.pid), time.process_time() - load_cpu
         server_cpu = None if server_cpu is None or server_cpu_after is None else server_cpu_after - server_cpu
         load_after = os.getloadavg()
@@ -316,6 +359,9 @@ def main() -> None:
         "server_startup_seconds": round(startup_s, 2),
         "plugin_startup_seconds": plugin.get("startup_seconds") if plugin else None,
         "wall_seconds": round(wall_s, 2),
+        # With --runs N: the figures below are over all N runs (N x sessions sessions, one after
+        # another on the one server), and each run's own are here.
+        "runs": [_summary(*run) for run in runs],
         "load_average_1min_before_and_after": [round(load_before[0], 2), round(load_after[0], 2)],
         "all_input_accounted": all(r.appended_bytes == r.committed_bytes for r in results),
         "all_output_complete_and_in_order": all(r.accounted for r in results),

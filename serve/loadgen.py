@@ -87,6 +87,9 @@ async def drive_session(
 
     sock = await RealtimeSocket.connect(url)
     created = await sock.recv()
+    if created.get("type") != "session.created":
+        await sock.close()
+        raise RuntimeError(f"the server did not open a session: its first event was {created}")
     result.session_id = created["session"]["id"]
     await sock.send(
         {

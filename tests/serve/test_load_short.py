@@ -3,6 +3,8 @@ The 8 x 60 s run with latency percentiles is bench/serve_load.py."""
 
 from __future__ import annotations
 
+import pytest
+
 from servekit import run, running, tone_reply_pcm
 
 from cadence_fx.serve.loadgen import run_load, speech_pattern
@@ -38,3 +40,20 @@ def test_eight_sessions_for_three_seconds_lose_nothing():
         chunks = [tone.reply_chunks(reply.turn_bytes // 2 * 2 // 3) for reply in result.replies]
         assert chunks == [17, 19]
         assert [bytes(reply.audio) for reply in result.replies] == [tone_reply_pcm(n) for n in chunks]
+
+
+def test_a_session_the_server_refuses_fails_the_load_saying_what_the_server_said():
+    async def scenario(server):
+        held = await server.connect("/v1/duplex")
+        try:
+            await run_load(server.handle.ws_url + "/v1/duplex", speech_pattern(1.0), sessions=1)
+        finally:
+            await held.send({"type": "session.close"})
+            await held.recv_until("session.closed")
+
+    with running(Limits(max_sessions=1)) as server:
+        with pytest.raises(RuntimeError) as refused:
+            run(scenario(server))
+    message = str(refused.value)
+    assert message.startswith("the server did not open a session: its first event was {'type': 'error', ")
+    assert "'code': 'resource_exhausted'" in message and "all 1 session slots are in use" in message
