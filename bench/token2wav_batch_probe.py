@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from cadence_fx.determinism import pin_deterministic, settings  # noqa: E402
 from cadence_fx.models.token2wav_stream import (  # noqa: E402
     FULL_DEPTH,
+    N_TIMESTEPS,
     StockStream,
     build_flow,
     build_hift,
@@ -43,8 +44,9 @@ from cadence_fx.report import measured_commit  # noqa: E402
 BATCH_AXIS = {"x": 0, "mu": 0, "t": 0, "spks": 0, "cond": 0, "cnn_cache": 1, "att_cache": 1}
 
 
-def steady_inputs(device: torch.device, chunks: int) -> dict[str, torch.Tensor]:
-    """The estimator's keyword inputs at the first Euler step of the last of `chunks` chunks."""
+def steady_inputs(device: torch.device, chunks: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The flow, and its estimator's keyword inputs at the first Euler step of the last of
+    `chunks` chunks."""
     flow, hift = build_flow(FULL_DEPTH, device=device), build_hift(device=device)
     estimator = flow.decoder.estimator
     seen: list[dict[str, torch.Tensor]] = []
@@ -59,7 +61,7 @@ def steady_inputs(device: torch.device, chunks: int) -> dict[str, torch.Tensor]:
         StockStream(flow, hift, random_prompt(0, device=device)).run(random_chunks(0, chunks, device=device), last_chunk=False)
     finally:
         del estimator.forward_chunk
-    return flow, seen[-10]  # 10 Euler steps a chunk: the last chunk's first step
+    return flow, seen[-N_TIMESTEPS]  # N_TIMESTEPS Euler steps a chunk: the last chunk's first step
 
 
 def perturbed(base: dict[str, torch.Tensor], index: int) -> dict[str, torch.Tensor]:
