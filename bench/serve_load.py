@@ -336,7 +336,7 @@ def main() -> None:
         server.wait(timeout=30)
 
     replies = [reply for r in results for reply in r.replies]
-    stalls = [reply.stall_s for reply in replies]
+    overall = _summary(results, wall_s)
     report = {
         "benchmark": "serve_load",
         "commit": _commit(),
@@ -365,15 +365,15 @@ def main() -> None:
         "load_average_1min_before_and_after": [round(load_before[0], 2), round(load_after[0], 2)],
         "all_input_accounted": all(r.appended_bytes == r.committed_bytes for r in results),
         "all_output_complete_and_in_order": all(r.accounted for r in results),
-        "errors": sum(len(r.errors) for r in results),
+        "errors": overall["errors"],
         "error_kinds": _error_kinds(results),
         "appended_bytes": sum(r.appended_bytes for r in results),
         "committed_bytes": sum(r.committed_bytes for r in results),
-        "responses": len(replies),
+        "responses": overall["responses"],
         "reply_audio_bytes": sum(len(reply.audio) for reply in replies),
-        "turn_end_to_first_audio_ms": _stats_ms([x for r in results for x in r.latencies_s]),
-        "reply_playback_stall_ms": _stats_ms(stalls),
-        "replies_that_stalled": sum(stall > 0 for stall in stalls),
+        "turn_end_to_first_audio_ms": overall["turn_end_to_first_audio_ms"],
+        "reply_playback_stall_ms": overall["reply_playback_stall_ms"],
+        "replies_that_stalled": overall["replies_that_stalled"],
         "model_load": _model_load(plugin, wall_s, args.sessions),
         "lanes": _lanes(plugin),
         # the server process's peak allocated, reserved and device footprint (cadence_fx.memory), after the run;
