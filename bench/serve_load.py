@@ -380,6 +380,9 @@ def main() -> None:
         # a model in a worker process (moshi-full) has its own in plugin_after_run.memory_per_process
         "server_memory": server_memory,
         "server_loop_lag_ms": health.get("loop_lag_ms"),  # the whole server life, startup's wakes included
+        # the server process's garbage collections since it was ready, per generation (serve/runtime/heap.py);
+        # a model's worker process has its own in plugin_after_run.gc_per_process
+        "server_gc": health.get("gc"),
         # CPU seconds during the load, all threads: the server process (its event loop, sessions and
         # schedulers; not a worker process's ticks) and this process (the load generator's sessions).
         # One Python process's interpreter runs one thread at a time: near 1 s per second it is the limit.

@@ -32,6 +32,7 @@ from starlette.websockets import WebSocketDisconnect
 from cadence_fx.memory import DeviceMemory
 
 from .access import Access, AccessMiddleware
+from .runtime.heap import PAUSES, settle
 from .plugins import ModelPlugin, load_plugin
 from .session import Connection, Limits, SessionManager, Transport
 
@@ -48,9 +49,12 @@ def create_app(
     limits: Limits | None = None,
     access: Access | None = None,
     session_prefix: str = "sess_",
+    settle_heap: bool = False,
 ) -> FastAPI:
     """The service app. ``plugin_factory`` builds the model plugin once, at startup.
-    ``session_prefix``: what its session ids start with (a Ray replica's names the replica)."""
+    ``session_prefix``: what its session ids start with (a Ray replica's names the replica).
+    ``settle_heap``: the app owns its process (``run_server``, a Ray replica), so once the plugin
+    is loaded, everything then alive is left out of later garbage collections (``runtime.heap.settle``)."""
     limits = limits or Limits()
     access = access or Access()
     state: dict[str, object] = {}
@@ -61,6 +65,9 @@ def create_app(
         state["memory"] = DeviceMemory.of_process()
         plugin = plugin_factory()
         plugin.reserve(limits.max_sessions)  # before the first session, which then never waits for it
+        if settle_heap:
+            settle()
+        PAUSES.watch()  # the collections while it serves
         manager = SessionManager(plugin, limits, session_prefix)
         await manager.start()
         state["plugin"], state["manager"] = plugin, manager
@@ -164,6 +171,7 @@ def health_of(manager: SessionManager) -> dict:
             "mean": round(1e3 * manager.lag_total_s / max(1, manager.lag_wakes), 2),
             "max": round(1e3 * manager.lag_max_s, 2),
         },
+        "gc": PAUSES.record(),  # this process's garbage collections: a full one holds the event loop
     }
 
 
@@ -234,7 +242,7 @@ def run_server(
     notice = access.open_notice(host, port)
     if notice is not None:
         print(f"cadence-fx serve: {notice}", file=sys.stderr, flush=True)
-    app = create_app(lambda: load_plugin(plugin_name, **(plugin_options or {})), limits, access)
+    app = create_app(lambda: load_plugin(plugin_name, **(plugin_options or {})), limits, access, settle_heap=True)
     server = Server(uvicorn_config(app, host, port, limits, tls))
     if on_ready is not None:
         base = f"{'https' if tls else 'http'}://{f'[{host}]' if ':' in host else host}:{port}"
@@ -338,13 +346,14 @@ def background_server(
     port: int | None = None,
     session_prefix: str = "sess_",
     forwarded_allow_ips: str | None = None,
+    settle_heap: bool = False,
 ) -> Iterator[BackgroundServer]:
     """``start_timeout_s`` covers the plugin's startup (its ``reserve``), which a model may take a
-    while over. ``port``: a free one unless given. ``session_prefix`` and ``forwarded_allow_ips``:
-    as in ``create_app`` and ``uvicorn_config``."""
+    while over. ``port``: a free one unless given. ``session_prefix``, ``settle_heap`` and
+    ``forwarded_allow_ips``: as in ``create_app`` and ``uvicorn_config``."""
     limits = limits or Limits()
     port = port or free_port(host)
-    app = create_app(plugin_factory, limits, access, session_prefix)
+    app = create_app(plugin_factory, limits, access, session_prefix, settle_heap)
     server = Server(uvicorn_config(app, host, port, limits, tls, forwarded_allow_ips))
     thread = threading.Thread(target=server.run, name=f"uvicorn:{port}", daemon=True)
     thread.start()

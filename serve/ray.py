@@ -129,6 +129,7 @@ class SessionReplica:
                 session_prefix=session_prefix(replica),
                 # The ingress names the client in X-Forwarded-For: the per-client limit counts it.
                 forwarded_allow_ips="*",
+                settle_heap=True,  # the replica's actor process is its own
             )
         )
         self.actor = ray.get_runtime_context().get_actor_name()

@@ -144,6 +144,7 @@ from cadence_fx.models.moshi_stream import (
     random_pcm,
 )
 
+from ..runtime.heap import PAUSES, settle
 from ..runtime.slots import SlotScheduler, SlotsFull, TickRecord
 from .base import ModelPlugin, ModelStream, PluginInfo, add_counters
 
@@ -261,6 +262,7 @@ class _Engine:
             "stamps": [] if runtime is None else list(runtime.report.stamps),
             "replays": {} if runtime is None else runtime.counters(),
             "memory": None if self.memory is None else self.memory.record(),
+            "gc": PAUSES.record(),
         }
 
 
@@ -289,9 +291,14 @@ def _worker_main() -> None:
                 return
             op, args = request
             try:
-                conn.send(("ok", engine.handle(op, args)))
+                answer = engine.handle(op, args)
             except Exception:
                 conn.send(("error", traceback.format_exc()))
+                continue
+            if op == "start":
+                settle()  # the weights and the batch live as long as the process: no collection walks them again
+                PAUSES.watch()  # the collections while it ticks
+            conn.send(("ok", answer))
 
 
 # ---------------------------------------------------------------- in the server process
@@ -822,6 +829,8 @@ class MoshiPlugin(ModelPlugin):
             "follow_misses_per_process": [s.follow_misses for s in schedulers],
             # On a GPU, each ticking process's own device memory (a worker's is not the server's).
             "memory_per_process": [part["memory"] for part in places],
+            # Each ticking process's garbage collections (``serve/runtime/heap.py``): a full one holds its tick.
+            "gc_per_process": [part["gc"] for part in places],
             "transform": {
                 "stamps": next((part["stamps"] for part in places if part["stamps"]), []),
                 "replays": replays,

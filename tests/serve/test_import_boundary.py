@@ -98,7 +98,7 @@ ALLOWED = {
     "session": ({"numpy", "scipy"}, {"session", "protocol", "plugins"}),
     # Model plugins run models: the tensor library and cadence-fx's models, never a web framework.
     "plugins": ({"numpy", "torch", "cadence_fx"}, {"plugins", "runtime"}),
-    # Where a plugin's sessions run (slots of a batch): the standard library only.
+    # Where a plugin's sessions run (slots of a batch, the process's collector): the standard library only.
     "runtime": (set(), {"runtime"}),
 }
 

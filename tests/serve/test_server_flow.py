@@ -368,9 +368,11 @@ def test_models_and_health_routes(server):
     assert models["data"][0]["description"].startswith("test double")
     assert (health["status"], health["model"], health["max_sessions"]) == ("ok", "tone", 64)
     assert (health["free_slots"], health["admits"]) == (None, 64 - health["sessions"])  # the tone has no slots
-    assert sorted(health) == ["admits", "connections", "free_slots", "loop_lag_ms", "max_sessions", "model",
+    assert sorted(health) == ["admits", "connections", "free_slots", "gc", "loop_lag_ms", "max_sessions", "model",
                               "sessions", "sessions_ended", "status"]
     assert sorted(health["loop_lag_ms"]) == ["max", "mean", "wakes"]
+    assert sorted(health["gc"]) == ["frozen_objects", "generations"]
+    assert [sorted(g) for g in health["gc"]["generations"]] == [["collections", "max_ms", "total_ms"]] * 3
 
 
 def test_admission_limit_refuses_with_resource_exhausted():
