@@ -1,12 +1,12 @@
 """The garbage collector in a serving process: its pauses, measured, and kept short.
 
 CPython's full collection (generation 2) walks every object the process tracks while it holds
-the interpreter. A loaded model and its libraries are some 300,000 objects, which live as long
-as the process; a collection of all of them took about 200 ms on this project's 2-core machine,
-and one came every few seconds at 64 sessions (the sessions' short-lived objects keep promoting
-into generation 2). Every tick thread and every session of the process waited that long: with a
-device double ticking every 57.5 ms, each tick that took 200 ms or more had a full collection
-inside it, and 5% of the replies stalled for 125 ms or more.
+the interpreter. A loaded server is some 310,000 objects (torch, the model, uvicorn) that live as
+long as the process, and its sessions' short-lived objects, promoted into generation 2, make a
+full collection come every few seconds. Traced by hand at 64 ``moshi-tiny`` sessions with each
+tick a 57.5 ms sleep (2 CPU cores): full collections took 155 to 246 ms, every tick that took
+over 100 ms had one inside it, and the replies that stalled most each had one such gap between two deltas
+(``bench/results/serve_load_moshi_tiny_tick_double_64_e902e0c.json``: stall p95 130 ms).
 
 ``settle()``, once the process has loaded what it keeps for its life (the server after the
 plugin's ``reserve``, a model worker after its batch), collects once and moves every object left
