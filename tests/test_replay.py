@@ -373,3 +373,17 @@ def test_deterministic_scope_pins_cudnn_reports_and_restores():
         assert torch.backends.cudnn.deterministic
     assert torch.backends.cudnn.benchmark is True
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before
+
+
+def test_the_module_state_a_replay_checks_is_each_parameter_and_buffer_place_once():
+    """Where the modules hold their tensors, read again at every replay (a rebound buffer is
+    drift): each place once, a module reachable twice included, a buffer set to None left out."""
+    shared = torch.nn.Linear(2, 2)
+    root = torch.nn.Module()
+    root.a, root.b = shared, shared
+    root.register_buffer("scale", torch.ones(2))
+    root.register_buffer("absent", None)
+    engine = ExactShapeReplay(lambda x: root.a(x) * root.scale, [Signature.of(torch.zeros(2))], modules=[root])
+    places = engine._module_state_places()
+    assert [qualified for _, _, qualified in places] == ["scale", "a.weight", "a.bias"]
+    assert [table[name] is tensor for (table, name, _), tensor in zip(places, (root.scale, shared.weight, shared.bias))] == [True] * 3

@@ -166,7 +166,35 @@ def test_a_module_tensor_whose_storage_moved_between_replays_invalidates_the_cla
     mirror.shift.data = m.shift.clone()
     assert torch.equal(engine(x), stock(x))
     assert engine.counters.invalidations == 1 and engine.counters.fallbacks == {"pointer_drift": 1}, engine.explain()
-    assert engine.last_miss.detail[0].startswith("module state (1024,): data_ptr expected ")
+    assert engine.last_miss.detail[0].startswith("module state shift (1024,): data_ptr expected ")
+
+
+def test_a_module_tensor_rebound_between_replays_invalidates_the_class_and_names_it():
+    """A module that rebinds a buffer (``module.shift = new``) leaves the graph reading the old
+    tensor, which is still alive at its old address: the replay reads each buffer's place in its
+    module again, so that is pointer drift too (the engine once kept the old tensor objects and
+    replayed the stale buffer)."""
+    m = torch.nn.Linear(1024, 1024).to(DEVICE)
+    m.register_buffer("shift", torch.randn(1024, device=DEVICE))
+    mirror = copy.deepcopy(m)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return m(x) + m.shift
+
+    def stock(x: torch.Tensor) -> torch.Tensor:
+        return mirror(x) + mirror.shift
+
+    x = torch.randn(4, 1024, device=DEVICE)
+    engine = ExactShapeReplay(step, [Signature.of(x)], modules=[m], inference=True)
+    for _ in range(3):
+        assert torch.equal(engine(x), stock(x))
+    old = m.shift  # kept alive: its storage stays where the graph reads it
+    m.shift = torch.randn(1024, device=DEVICE)
+    mirror.shift = m.shift.clone()
+    assert not torch.equal(old, m.shift)
+    assert torch.equal(engine(x), stock(x))
+    assert engine.counters.invalidations == 1 and engine.counters.fallbacks == {"pointer_drift": 1}, engine.explain()
+    assert engine.last_miss.detail[0].startswith("module state shift (1024,): data_ptr expected ")
 
 
 def scratch_step(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:

@@ -186,7 +186,7 @@ class ExactShapeReplay:
         self._classes: dict[Signature, _ClassState] = {}
         self._misses: dict[Signature, Miss] = {}
         self._pool: Any = pool
-        self._state_tensors: list[torch.Tensor] = []
+        self._state_places: list[tuple[dict, str, str]] = []  # ``_module_state_places``, at the first capture
         self._state_ptrs: list[int] = []
         self._predicate: Callable[[Signature], Any] | None = None
         self._catalog: dict[tuple, ShapeClass] = {}
@@ -223,6 +223,20 @@ class ExactShapeReplay:
         replay checks. The graphs of a binding's classes share the model's tensors, so the check
         does not grow with the number of classes."""
         return tuple({id(t): t for m in self.modules for t in (*m.parameters(), *m.buffers())}.values())
+
+    def _module_state_places(self) -> list[tuple[dict, str, str]]:
+        """Where `modules` hold their parameters and buffers: (the owning module's ``_parameters``
+        or ``_buffers``, the name in it, the qualified name), each place once. A replay reads each
+        place again, so a tensor that a module rebinds (``module.buf = torch.zeros(...)``) is
+        drift as much as one whose storage was swapped (``.data =``)."""
+        places: dict[tuple[int, str], tuple[dict, str, str]] = {}
+        for root in self.modules:
+            for prefix, module in root.named_modules(remove_duplicate=False):
+                for table in (module._parameters, module._buffers):
+                    for name, tensor in table.items():
+                        if tensor is not None:
+                            places.setdefault((id(table), name), (table, name, f"{prefix}.{name}" if prefix else name))
+        return list(places.values())
 
     def phase(self, shape_class: str) -> Phase:
         for st in self._classes.values():
@@ -353,11 +367,17 @@ class ExactShapeReplay:
                 return f"{st.names[i]}: data_ptr expected {ptr:#x}, got {now:#x}"
         # Every module tensor, every replayed call: one comprehension, and the loop below only to
         # name the first that moved.
-        if self.check_module_state and st.phase is Phase.REPLAY and [t.data_ptr() for t in self._state_tensors] != self._state_ptrs:
-            for t, ptr in zip(self._state_tensors, self._state_ptrs):
-                if t.data_ptr() != ptr:
-                    return f"module state {tuple(t.shape)}: data_ptr expected {ptr:#x}, got {t.data_ptr():#x}"
+        if self.check_module_state and st.phase is Phase.REPLAY and self._state_now() != self._state_ptrs:
+            for (table, name, qualified), ptr, now in zip(self._state_places, self._state_ptrs, self._state_now()):
+                if now != ptr:
+                    held = table.get(name)
+                    what = "no tensor" if held is None else f"{tuple(held.shape)}"
+                    return f"module state {qualified} {what}: data_ptr expected {ptr:#x}, got {now:#x}"
         return None
+
+    def _state_now(self) -> list[int]:
+        """The address each place of the module state holds now (0 where it holds no tensor)."""
+        return [0 if (t := table.get(name)) is None else t.data_ptr() for table, name, _ in self._state_places]
 
     def _invalidate(self, st: _ClassState, detail: str) -> None:
         self.counters.invalidations += 1
@@ -596,10 +616,10 @@ class ExactShapeReplay:
         st.copy_in = copy_in
         st.write_back = [(i, buf) for i, buf in copy_in if names[i] in written]
         persistent = {leaves[i].untyped_storage().data_ptr() for i in st.aliased}
-        if not self._state_tensors:
-            self._state_tensors = list(self.module_state)
-            self._state_ptrs = [t.data_ptr() for t in self._state_tensors]
-        persistent |= {t.untyped_storage().data_ptr() for t in self._state_tensors}
+        if not self._state_places:
+            self._state_places = self._module_state_places()
+            self._state_ptrs = self._state_now()
+        persistent |= {t.untyped_storage().data_ptr() for t in self.module_state}
         out_leaves, st.out_spec = pytree.tree_flatten(out)
         st.out_leaves = out_leaves
         st.out_clone = [isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in persistent
