@@ -32,8 +32,8 @@ from starlette.websockets import WebSocketDisconnect
 from cadence_fx.memory import DeviceMemory
 
 from .access import Access, AccessMiddleware
-from .runtime.heap import PAUSES, settle
 from .plugins import ModelPlugin, load_plugin
+from .runtime.heap import PAUSES, settle
 from .session import Connection, Limits, SessionManager, Transport
 
 log = logging.getLogger("cadence_fx.serve")

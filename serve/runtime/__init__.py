@@ -3,7 +3,6 @@
 ``heap.py``, the serving process's garbage collector (its pauses counted, the startup heap
 left out of later collections)."""
 
-
 from .slots import SlotScheduler, SlotsFull
 
 __all__ = ["SlotScheduler", "SlotsFull"]
