@@ -479,6 +479,8 @@ class MoshiStream(ModelStream):
         self.budget = min(max(self.turn_frames, 1), self._plugin.max_reply_frames)
         self.turn_frames = 0
         self._reply += 1
+        # The reply's first frame comes after the frames its slot still has to tick, one a tick.
+        self._plugin._count_reply_start(self._place.scheduler.queued(self.slot))
 
     def step(self) -> np.ndarray | None:
         if self.budget == 0:
@@ -669,6 +671,7 @@ class MoshiPlugin(ModelPlugin):
         self.slots, self.record, self.runtime = slots, record, runtime
         self.streams = 0
         self.listened = self.replied = self.silence = 0
+        self.queued_at_reply_start: list[int] = []  # [k]: replies that began with k of their slot's frames not yet done
         self._lock = threading.Lock()  # placement and counters: streams call from several threads
         self._started: list[Future] = []  # each place's batch, being built or built
         self.cores: list[list[int]] = []  # of each worker process, when pinned
@@ -735,6 +738,11 @@ class MoshiPlugin(ModelPlugin):
         with self._lock:
             place.scheduler.release(slot)
             place.streams -= 1
+
+    def _count_reply_start(self, queued: int) -> None:
+        with self._lock:
+            self.queued_at_reply_start += [0] * (queued + 1 - len(self.queued_at_reply_start))
+            self.queued_at_reply_start[queued] += 1
 
     def _count(self, listened: int = 0, replied: int = 0, silence: int = 0) -> None:
         with self._lock:
@@ -811,6 +819,10 @@ class MoshiPlugin(ModelPlugin):
                 "replied": self.replied,
                 # of all the ticks, those on 80 ms of silence for a reply's frame that no fed frame brought
                 "silence": self.silence,
+                # [k]: the replies that began while k of their slot's frames were not done yet (the
+                # user's frames still queued, the running tick's included): their first frame came
+                # after those k ticks
+                "queued_at_reply_start": list(self.queued_at_reply_start),
             },
             # Per process that ticks (the server process itself when processes is 0): its batched
             # calls (each runs the frames of every slot that had one waiting), the warm-up calls of

@@ -151,6 +151,13 @@ class SlotScheduler:
             self._cond.notify()
         return future
 
+    def queued(self, slot: int) -> int:
+        """How many of ``slot``'s frames are not done yet: those waiting for a tick, and its frame
+        in the tick that runs now, if any."""
+        with self._cond:
+            self._check_taken(slot)
+            return sum(len(request.frames) - len(request.outputs) for request in self._waiting.get(slot, ()))
+
     def close(self) -> None:
         """Stop ticking; requests still waiting fail."""
         with self._cond:

@@ -275,6 +275,7 @@ def test_a_session_over_uvicorn_delivers_the_vendors_samples(models, capfd):
     assert re.findall(r"moshi-tiny: (\d) slots ready in place (\d) \(\d+\.\d s\)", progress) == [("3", "0")]
     assert (described["slots_per_process"], described["streams"]) == ([3], 1)
     assert described["frames"]["ticks"] == described["batched_ticks_per_process"][0] == fed + reply_frames
+    assert sum(described["frames"]["queued_at_reply_start"]) == 1  # the one reply, counted once
 
     assert rate == 24_000
     committed = next(e for e in events if e["type"] == "input_audio_buffer.committed")

@@ -99,6 +99,22 @@ def test_a_slot_s_requests_queue_in_order_and_the_next_rides_the_tick_after_the_
     ]
 
 
+def test_queued_counts_a_slot_s_frames_not_yet_done_the_running_one_included(scheduler, model):
+    a, b = scheduler.acquire(), scheduler.acquire()
+    assert scheduler.queued(a) == 0
+    model.gate.clear()
+    first = scheduler.submit(a, ["a0", "a1"])
+    assert model.entered.wait(5)  # tick 0 runs a0 and is held
+    second = scheduler.submit(a, ["a2"])
+    assert (scheduler.queued(a), scheduler.queued(b)) == (3, 0)  # a0 running, a1 and a2 waiting
+    model.gate.set()
+    assert (first.result(5), second.result(5)) == ([(0, 0, "a0"), (1, 0, "a1")], [(2, 0, "a2")])
+    assert scheduler.queued(a) == 0
+    scheduler.release(b)
+    with pytest.raises(ValueError, match=r"slot 1 is not taken"):
+        scheduler.queued(b)
+
+
 def test_a_failed_tick_fails_every_request_of_its_slots_queued_behind(scheduler, model):
     slot = scheduler.acquire()
     model.gate.clear()
