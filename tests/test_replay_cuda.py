@@ -143,28 +143,28 @@ def test_pointer_drift_invalidates_runs_eager_and_recovers():
     assert engine.counters.captures == 2 and engine.counters.replays == 6
 
 
+def _replayed_module_with_a_buffer() -> tuple[torch.nn.Module, torch.nn.Module, ExactShapeReplay, torch.Tensor]:
+    """A module with a buffer (``shift``) its step reads, its stock mirror, and an engine over the
+    step whose class captured and replayed (three calls, each equal to the mirror's)."""
+    m = torch.nn.Linear(1024, 1024).to(DEVICE)
+    m.register_buffer("shift", torch.randn(1024, device=DEVICE))
+    mirror = copy.deepcopy(m)
+    x = torch.randn(4, 1024, device=DEVICE)
+    engine = ExactShapeReplay(lambda x: m(x) + m.shift, [Signature.of(x)], modules=[m], inference=True)
+    for _ in range(3):
+        assert torch.equal(engine(x), mirror(x) + mirror.shift)
+    assert (engine.counters.captures, engine.counters.replays) == (1, 3)  # the capture's call ran its graph too
+    return m, mirror, engine, x
+
+
 def test_a_module_tensor_whose_storage_moved_between_replays_invalidates_the_class_and_names_it():
     """A replayed graph reads the module's tensors at their capture addresses: one whose storage was
     swapped since (``.data =``) is pointer drift, found before the replay (which would read the old
     storage)."""
-    m = torch.nn.Linear(1024, 1024).to(DEVICE)
-    m.register_buffer("shift", torch.randn(1024, device=DEVICE))
-    mirror = copy.deepcopy(m)
-
-    def step(x: torch.Tensor) -> torch.Tensor:
-        return m(x) + m.shift
-
-    def stock(x: torch.Tensor) -> torch.Tensor:
-        return mirror(x) + mirror.shift
-
-    x = torch.randn(4, 1024, device=DEVICE)
-    engine = ExactShapeReplay(step, [Signature.of(x)], modules=[m], inference=True)
-    for _ in range(3):
-        assert torch.equal(engine(x), stock(x))
-    assert (engine.counters.captures, engine.counters.replays) == (1, 3)  # the capture's call ran its graph too
+    m, mirror, engine, x = _replayed_module_with_a_buffer()
     m.shift.data = torch.randn(1024, device=DEVICE)
     mirror.shift.data = m.shift.clone()
-    assert torch.equal(engine(x), stock(x))
+    assert torch.equal(engine(x), mirror(x) + mirror.shift)
     assert engine.counters.invalidations == 1 and engine.counters.fallbacks == {"pointer_drift": 1}, engine.explain()
     assert engine.last_miss.detail[0].startswith("module state shift (1024,): data_ptr expected ")
 
@@ -174,25 +174,12 @@ def test_a_module_tensor_rebound_between_replays_invalidates_the_class_and_names
     tensor, which is still alive at its old address: the replay reads each buffer's place in its
     module again, so that is pointer drift too (the engine once kept the old tensor objects and
     replayed the stale buffer)."""
-    m = torch.nn.Linear(1024, 1024).to(DEVICE)
-    m.register_buffer("shift", torch.randn(1024, device=DEVICE))
-    mirror = copy.deepcopy(m)
-
-    def step(x: torch.Tensor) -> torch.Tensor:
-        return m(x) + m.shift
-
-    def stock(x: torch.Tensor) -> torch.Tensor:
-        return mirror(x) + mirror.shift
-
-    x = torch.randn(4, 1024, device=DEVICE)
-    engine = ExactShapeReplay(step, [Signature.of(x)], modules=[m], inference=True)
-    for _ in range(3):
-        assert torch.equal(engine(x), stock(x))
+    m, mirror, engine, x = _replayed_module_with_a_buffer()
     old = m.shift  # kept alive: its storage stays where the graph reads it
     m.shift = torch.randn(1024, device=DEVICE)
     mirror.shift = m.shift.clone()
     assert not torch.equal(old, m.shift)
-    assert torch.equal(engine(x), stock(x))
+    assert torch.equal(engine(x), mirror(x) + mirror.shift)
     assert engine.counters.invalidations == 1 and engine.counters.fallbacks == {"pointer_drift": 1}, engine.explain()
     assert engine.last_miss.detail[0].startswith("module state shift (1024,): data_ptr expected ")
 

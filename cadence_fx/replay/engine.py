@@ -219,10 +219,10 @@ class ExactShapeReplay:
 
     @property
     def module_state(self) -> tuple[torch.Tensor, ...]:
-        """The parameters and buffers of `modules`, each once: the tensors whose addresses every
-        replay checks. The graphs of a binding's classes share the model's tensors, so the check
-        does not grow with the number of classes."""
-        return tuple({id(t): t for m in self.modules for t in (*m.parameters(), *m.buffers())}.values())
+        """The parameters and buffers of `modules` (`_module_state_places`), each tensor once: the
+        tensors whose addresses every replay checks. The graphs of a binding's classes share the
+        model's tensors, so the check does not grow with the number of classes."""
+        return tuple({id(t): t for t in (table[name] for table, name, _ in self._module_state_places())}.values())
 
     def _module_state_places(self) -> list[tuple[dict, str, str]]:
         """Where `modules` hold their parameters and buffers: (the owning module's ``_parameters``
