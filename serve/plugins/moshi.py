@@ -29,14 +29,19 @@ round differently).
 How a duplex model maps onto the session's turns:
 
 * ``feed``: one tick on the user's frame. Moshi speaks while it listens; what it says during the
-  user's turn belongs to no response and is dropped (``listened`` frames). While a reply is in
-  progress (the user talks over it and no barge-in cancelled it), it is the reply's next frame.
-  A turn the server VAD ends inside an append ends at its stop: the append's frames after the stop
-  are fed after ``begin_response``, so the reply starts with what Moshi says on them, without
-  waiting behind them.
+  user's turn belongs to no response and is dropped (``listened`` frames), but for its last frame
+  (below). While a reply is in progress (the user talks over it and no barge-in cancelled it), it
+  is the reply's next frame. A turn the server VAD ends inside an append ends at its stop: the
+  append's frames after the stop are fed after ``begin_response``, as the reply's next frames.
 * ``begin_response``: the reply lasts as many frames as the user's turn (the frames fed since the
   last ``begin_response``), at least 1 and at most ``max_reply_frames``. A duplex model never ends
-  a turn by itself; it talks for as long as its clock runs, so the plugin sets the length.
+  a turn by itself; it talks for as long as its clock runs, so the plugin sets the length. The
+  reply **opens with what Moshi said on the last frame its slot ticked before the reply** (the
+  turn's last frame, or what the slot ticked after it): the tick that heard the turn's end. So the
+  first audio waits only for the turn's own frames still queued on the slot, not for one more
+  tick after them. A turn that fed nothing (a reply asked for on an empty turn, or after
+  ``clear_input``) opens with a tick of its own, as does a stream's very first tick, which says
+  nothing (the acoustic delay).
 * ``step``: the reply's next frame, one computed by a ``feed`` if there is one, else a tick on
   80 ms of silence (the user listens while Moshi speaks); None once the reply's frames are out.
   While nothing fed brings the reply's next frames, ``step`` ticks them ahead on silence before it
@@ -441,8 +446,9 @@ class MoshiStream(ModelStream):
         self._plugin, self._place, self.slot = plugin, place, slot
         self._pending: deque[np.ndarray] = deque()  # reply frames computed by ``feed``
         # Frames ticking whose outputs are not taken yet: (their future, how many, the reply they
-        # were fed in or ticked ahead for, else None).
-        self._inflight: deque[tuple[Future, int, int | None]] = deque()
+        # were fed in or ticked ahead for, else None; the reply their last output opens, else None).
+        self._inflight: deque[tuple[Future, int, int | None, int | None]] = deque()
+        self._heard: np.ndarray | None = None  # the slot's latest output when no reply took it: the next reply may open with it
         self._reply = 0  # which reply is current: begin_response and cancel move it on
         self._closed = False
         self.budget = 0  # reply frames still to come out of ``step``
@@ -465,7 +471,7 @@ class MoshiStream(ModelStream):
         if not frames:
             return
         future = self._place.scheduler.submit(self.slot, frames, follows=self.follows)
-        self._inflight.append((future, len(frames), self._reply if self.budget else None))
+        self._inflight.append((future, len(frames), self._reply if self.budget else None, None))
         self.turn_frames += len(frames)
         self.ticks += len(frames)
 
@@ -476,10 +482,19 @@ class MoshiStream(ModelStream):
         self._take(wait=False)
         if self.budget or self._pending:
             raise RuntimeError(f"begin_response while a reply is in progress ({self.budget} frames still to come)")
-        self.budget = min(max(self.turn_frames, 1), self._plugin.max_reply_frames)
+        fed, self.budget = self.turn_frames > 0, min(max(self.turn_frames, 1), self._plugin.max_reply_frames)
         self.turn_frames = 0
         self._reply += 1
-        # The reply's first frame comes after the frames its slot still has to tick, one a tick.
+        if fed:  # the reply opens with the output of the last frame its slot was given
+            if self._inflight:
+                future, frames, reply, _ = self._inflight[-1]
+                self._inflight[-1] = (future, frames, reply, self._reply)
+                self._place.scheduler.follow(self.slot)  # ``step`` asks for the reply's next frame once it is out
+            elif self._heard is not None:
+                self._pending.append(self._heard)
+                self._heard = None
+        # The reply's first frame is the last of the frames its slot still has to tick, one a tick
+        # (or the tick after them, when the turn fed nothing).
         self._plugin._count_reply_start(self._place.scheduler.queued(self.slot))
 
     def step(self) -> np.ndarray | None:
@@ -491,7 +506,7 @@ class MoshiStream(ModelStream):
             if not self._coming():
                 # The session asks for the reply's next frame at once (``follows``), unless this is the last.
                 future = self._place.scheduler.submit(self.slot, [SILENCE], follows=self.follows and self.budget > 1)
-                self._inflight.append((future, 1, self._reply))
+                self._inflight.append((future, 1, self._reply, None))
                 self.ticks += 1
                 self._plugin._count(silence=1)
             self._take(wait=True, first=True)
@@ -503,7 +518,7 @@ class MoshiStream(ModelStream):
         while coming < min(self.budget, REPLY_AHEAD_FRAMES):
             # The reply's next frames, ticked ahead on silence: they ride the slot's next ticks
             # while the session hands this one out, instead of waiting for it to ask for them.
-            self._inflight.append((self._place.scheduler.submit(self.slot, [SILENCE]), 1, self._reply))
+            self._inflight.append((self._place.scheduler.submit(self.slot, [SILENCE]), 1, self._reply, None))
             self.ticks += 1
             self._plugin._count(silence=1)
             coming += 1
@@ -523,6 +538,10 @@ class MoshiStream(ModelStream):
                     self._take(wait=True)
                 except Exception as error:  # noqa: BLE001 - the session is ending; its slot must still come back
                     log.warning("moshi slot %d: a tick of the closing stream failed: %s", self.slot, error)
+            if self._heard is not None:  # no reply opens with it now
+                self._heard = None
+                self.listened += 1
+                self._plugin._count(listened=1)
             self._plugin._placed_off(self._place, self.slot)
 
     @property
@@ -531,26 +550,33 @@ class MoshiStream(ModelStream):
         return self._place.index
 
     def _coming(self) -> int:
-        """How many frames ticking now belong to the current reply."""
-        return sum(frames for _, frames, reply in self._inflight if reply == self._reply)
+        """How many frames ticking now belong to the current reply (the one it opens with included)."""
+        return sum(frames if reply == self._reply else int(opens == self._reply) for _, frames, reply, opens in self._inflight)
 
     def _take(self, *, wait: bool, first: bool = False) -> None:
         """The outputs of the frames ticking (fed, or silence for a reply), oldest first: those
         already computed (``wait`` False), all of them (``wait``), or only the oldest request's
         (``first``). Those of a frame fed or ticked for the current reply are its next frames, up to
-        its budget; the others Moshi said while it was not replying, and they are dropped."""
+        its budget, after the output it opens with; the others Moshi said while it was not replying:
+        the latest is held (``_heard``) for the next reply to open with, and the ones before it are
+        dropped."""
         listened = 0
         try:
             while self._inflight and (wait or self._inflight[0][0].done()):
-                future, _, reply = self._inflight.popleft()
-                outs = future.result()
-                for out in outs:
+                future, _, reply, opens = self._inflight.popleft()
+                for out in future.result():
+                    if self._heard is not None:  # a later output came: the one held opens no reply
+                        self._heard = None
+                        listened += 1
                     if out is None:
                         continue
                     if reply == self._reply and len(self._pending) < self.budget:
                         self._pending.append(out)
                     else:
-                        listened += 1
+                        self._heard = out
+                if opens == self._reply and self._heard is not None:
+                    self._pending.append(self._heard)
+                    self._heard = None
                 if first:
                     break
         finally:

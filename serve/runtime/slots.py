@@ -151,6 +151,16 @@ class SlotScheduler:
             self._cond.notify()
         return future
 
+    def follow(self, slot: int) -> None:
+        """The session submits again as soon as ``slot``'s last request in flight is answered: that
+        request now says ``follows`` (a reply that opens with the output of a frame fed before it
+        began, say). Nothing in flight: nothing to do."""
+        with self._cond:
+            self._check_taken(slot)
+            queue = self._waiting.get(slot)
+            if queue:
+                queue[-1].follows = True
+
     def queued(self, slot: int) -> int:
         """How many of ``slot``'s frames are not done yet: those waiting for a tick, and its frame
         in the tick that runs now, if any."""

@@ -528,7 +528,7 @@ class Session:
         self._kept()
         # Each VAD edge is handled where it falls in the append: a turn ends at its stop, with the
         # bytes and frames before it; those after go on into the next turn (and while a reply is in
-        # progress, a duplex model's frames after the stop are the reply's first ones).
+        # progress, a duplex model's frames after the stop are the reply's next ones).
         fed = 0
         for edge, at_byte, at_frame in edges:
             await self._feed(frames[fed:at_frame])

@@ -229,9 +229,9 @@ def interleaved_replies(a, b, turns: list[list[np.ndarray]], steps: int) -> tupl
 def two_streams_are_their_slots_rows(plugin, models, turns: list[list[np.ndarray]], steps: int) -> dict:
     """Two streams of a Moshi ``plugin`` (opened with ``record=True``, nothing served yet) fed
     ``turns`` in alternation (``interleaved_replies``), then the plugin described and closed. Asserts
-    that each stream sent its turn then ``steps`` frames of silence, and that its replies are its
-    slot's row of the vendor's batched loop over the recorded ticks, bit for bit. Returns the
-    description."""
+    that each stream sent its turn then ``steps - 1`` frames of silence (its reply opens with the
+    turn's last frame), and that its replies are its slot's row of the vendor's batched loop over
+    the recorded ticks, bit for bit. Returns the description."""
     from cadence_fx.serve.plugins.moshi import SILENCE
 
     try:
@@ -241,8 +241,8 @@ def two_streams_are_their_slots_rows(plugin, models, turns: list[list[np.ndarray
         plugin.close()
     for slot, (turn, out) in enumerate(zip(turns, outs, strict=True)):
         sent, got = slot_reference(models, plugin, place=0, slot=slot, session=0)
-        assert same(sent, turn + [SILENCE] * steps), slot
-        assert same(out, got[len(turn):len(turn) + steps]), slot
+        assert same(sent, turn + [SILENCE] * (steps - 1)), slot
+        assert same(out, got[len(turn) - 1:len(turn) - 1 + steps]), slot
     return described
 
 

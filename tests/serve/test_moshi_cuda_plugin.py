@@ -56,7 +56,7 @@ def test_interleaved_streams_on_cuda_are_each_their_slots_row_and_every_call_rep
     # The ticking process's own device memory, a worker's included.
     (memory,) = described["memory_per_process"]
     assert memory["peak_allocated_bytes"] > 0 and memory["reserved_bytes_end"] >= memory["peak_allocated_bytes"]
-    assert (described["slots_per_process"], described["frames"]["ticks"]) == ([2], 16)
+    assert (described["slots_per_process"], described["frames"]["ticks"]) == ([2], 14)  # 4 fed and 3 of silence each
     replays = described["transform"]["replays"]
     for name in ("mimi_encode", "lm_step", "depformer_step", "mimi_decode"):
         # Each stage captured its graph while the batch was built; every call since replayed it.
@@ -84,6 +84,6 @@ def test_a_session_over_uvicorn_on_cuda_delivers_the_vendors_samples(models):
     assert [d["audio_offset"] for d in deltas] == list(range(0, reply_frames * FRAME_SAMPLES, FRAME_SAMPLES))
     padded = np.concatenate([samples, np.zeros(fed * FRAME_SAMPLES - len(samples), dtype=np.float32)])
     sent, got = slot_reference(models, served, place=0, slot=0, session=0)
-    assert same(sent, list(padded.reshape(fed, FRAME_SAMPLES)) + [SILENCE] * reply_frames)
+    assert same(sent, list(padded.reshape(fed, FRAME_SAMPLES)) + [SILENCE] * (reply_frames - 1))
     assert rate == 24_000
-    assert deltas_of(events) == wire_audio.encode_samples(np.concatenate(got[fed:]), PCM24K)
+    assert deltas_of(events) == wire_audio.encode_samples(np.concatenate(got[fed - 1:]), PCM24K)  # from the turn's last frame

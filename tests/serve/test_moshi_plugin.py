@@ -130,21 +130,23 @@ def test_replies_are_the_slots_row_of_the_vendors_batched_loop_bit_for_bit(plugi
     listened = stream.listened
     stream.close()
 
-    # Ticks: 6 user, 6 silence (reply), 3 user, 3 silence (reply); tick 0 says nothing.
+    # Ticks: 6 user, 5 silence (reply), 3 user, 2 silence (reply); tick 0 says nothing. Each reply
+    # opens with what Moshi said on its turn's last frame (ticks 5 and 13).
     sent, got = slot_reference(models, plugin, stream.place, stream.slot, session)
-    assert same(sent, first + [SILENCE] * 6 + second + [SILENCE] * 3)
-    assert got[0] is None and same(reply_1, got[6:12]) and same(reply_2, got[15:18])
-    assert listened == 5 + 3  # what Moshi said while the user spoke
+    assert same(sent, first + [SILENCE] * 5 + second + [SILENCE] * 2)
+    assert got[0] is None and same(reply_1, got[5:11]) and same(reply_2, got[13:16])
+    assert listened == 4 + 2  # what Moshi said while the user spoke, before each turn's last frame
 
 
-@pytest.mark.parametrize(("fed", "frames", "ticks"), [(0, 1, 2), (1, 1, 2), (5, 5, 10)])
+@pytest.mark.parametrize(("fed", "frames", "ticks"), [(0, 1, 2), (1, 1, 2), (2, 2, 3), (5, 5, 9)])
 def test_a_reply_is_as_long_as_the_turn_in_whole_frames(plugin, fed, frames, ticks):
     stream = plugin.open_stream()
     feed(stream, user_frames(fed, seed=13) if fed else [])
     chunks = reply(stream)
     stream.close()
     assert [(c.shape, c.dtype) for c in chunks] == [((FRAME_SAMPLES,), np.float32)] * frames
-    # With nothing fed, the reply's first tick only passes the acoustic delay.
+    # A reply opens with the output of the turn's last frame, then ticks its other frames on silence;
+    # with nothing fed it ticks its own (and a stream's first tick only passes the acoustic delay).
     assert (stream.ticks, stream.replied) == (ticks, frames)
 
 
@@ -160,10 +162,12 @@ def test_cancel_drops_the_rest_of_the_reply_and_the_clock_goes_on(plugin, models
     after = reply(stream)
     stream.close()
 
-    # The reply's next two frames were ticked ahead of the cancel: the model heard that silence too.
+    # The reply opened with what Moshi said on the turn's last frame (tick 3) and ticked its next
+    # two frames ahead of the cancel: the model heard that silence too. The next reply opens with
+    # tick 7, the second turn's last frame.
     sent, got = slot_reference(models, plugin, stream.place, stream.slot, session)
-    assert same(sent, first + [SILENCE] * 3 + second + [SILENCE] * 2)
-    assert same(after, got[9:11])
+    assert same(sent, first + [SILENCE] * 2 + second + [SILENCE] * 1)
+    assert same(after, got[7:9])
 
 
 def test_a_frame_fed_during_a_reply_comes_after_the_frames_ticked_ahead(plugin, models):
@@ -177,12 +181,37 @@ def test_a_frame_fed_during_a_reply_comes_after_the_frames_ticked_ahead(plugin, 
     next_turn = stream.turn_frames
     stream.close()
 
-    # The first step ticked the reply's other two frames ahead on silence, before the overlap came:
-    # Moshi heard the overlap after its reply, and what it said then is dropped.
+    # The reply opened with the turn's last frame (tick 2) and its first step ticked the other two
+    # ahead on silence, before the overlap came: Moshi heard the overlap after its reply, and what
+    # it said then is dropped, as is what it said on the turn's second frame.
     sent, got = slot_reference(models, plugin, stream.place, stream.slot, session)
-    assert same(sent, turn + [SILENCE] * 3 + overlap)
-    assert same(out, got[3:6])
-    assert (next_turn, stream.listened) == (1, 3)
+    assert same(sent, turn + [SILENCE] * 2 + overlap)
+    assert same(out, got[2:5])
+    assert (next_turn, stream.listened) == (1, 2)
+
+
+def test_a_reply_opens_with_the_turns_last_frame_when_its_tick_is_long_done(plugin, models):
+    turn = user_frames(3, seed=20)
+    stream, session = opened(plugin)
+    feed(stream, turn)
+    scheduler = plugin._places[stream.place].scheduler
+    while scheduler.queued(stream.slot):  # every frame of the turn ticked before the reply is asked for
+        threading.Event().wait(0.01)
+    out = reply(stream)
+    ticks, listened = stream.ticks, stream.listened
+    stream.close()
+
+    sent, got = slot_reference(models, plugin, stream.place, stream.slot, session)
+    assert same(sent, turn + [SILENCE] * 2)
+    assert same(out, got[2:5])
+    assert (ticks, listened, stream.listened) == (5, 1, 1)
+
+
+def test_what_moshi_said_last_is_counted_as_listened_when_no_reply_opens_with_it(plugin):
+    stream = plugin.open_stream()
+    feed(stream, user_frames(3, seed=22))
+    stream.close()
+    assert (stream.ticks, stream.listened, stream.replied) == (3, 2, 0)  # the first tick says nothing
 
 
 def test_clear_input_shortens_the_turn_but_the_model_heard_it(plugin, models):
@@ -195,8 +224,8 @@ def test_clear_input_shortens_the_turn_but_the_model_heard_it(plugin, models):
     stream.close()
 
     sent, got = slot_reference(models, plugin, stream.place, stream.slot, session)
-    assert same(sent, cleared + kept + [SILENCE] * 2)
-    assert same(out, got[7:9])
+    assert same(sent, cleared + kept + [SILENCE] * 1)
+    assert same(out, got[6:8])  # it opens with the last kept frame's output
 
 
 def test_sessions_at_once_share_batched_ticks_and_each_gets_its_slots_row(plugin, models):
@@ -224,10 +253,10 @@ def test_sessions_at_once_share_batched_ticks_and_each_gets_its_slots_row(plugin
     for seed, (stream, session) in streams.items():
         sent, got = slot_reference(models, plugin, stream.place, stream.slot, session)
         n = len(turns[seed])
-        assert same(sent, turns[seed] + [SILENCE] * n), seed
-        assert same(replies[seed], got[n:]), seed
+        assert same(sent, turns[seed] + [SILENCE] * (n - 1)), seed
+        assert same(replies[seed], got[n - 1:]), seed
     run_ticks = plugin.history()[ticks_before:]
-    assert sum(len(record.frames) for record in run_ticks) == 2 * (10 + 4 + 4 + 4)
+    assert sum(len(record.frames) for record in run_ticks) == 2 * (10 + 4 + 4 + 4) - 4
     assert max(len(record.frames) for record in run_ticks) > 1  # ticks carried several sessions
 
 
@@ -245,8 +274,8 @@ def test_describe_counts_every_tick_in_the_transforms_replay_counters(plugin):
         name: after["transform"]["replays"][name]["calls"] - before["transform"]["replays"][name]["calls"]
         for name in ("mimi_encode", "lm_step", "depformer_step", "mimi_decode")
     }
-    assert frames == batched == 4  # alone in its batch: one frame per batched call
-    assert calls == {"mimi_encode": 4, "lm_step": 4, "depformer_step": 4, "mimi_decode": 4}
+    assert frames == batched == 3  # alone in its batch: one frame per batched call (2 fed, 1 of silence)
+    assert calls == {"mimi_encode": 3, "lm_step": 3, "depformer_step": 3, "mimi_decode": 3}
     assert (after["slots_per_process"], after["slots_taken_per_process"], after["warm_up_ticks_per_process"]) == (
         [SLOTS], [0], [2])
     assert after["transform"]["stamps"][-1] == "replay at batch 4: mimi_encode K=1, lm_step K=1, depformer_step K=1, mimi_decode K=1"
@@ -274,7 +303,7 @@ def test_a_session_over_uvicorn_delivers_the_vendors_samples(models, capfd):
     # The server sized the batch for its 3 sessions at startup and built it before any session.
     assert re.findall(r"moshi-tiny: (\d) slots ready in place (\d) \(\d+\.\d s\)", progress) == [("3", "0")]
     assert (described["slots_per_process"], described["streams"]) == ([3], 1)
-    assert described["frames"]["ticks"] == described["batched_ticks_per_process"][0] == fed + reply_frames
+    assert described["frames"]["ticks"] == described["batched_ticks_per_process"][0] == fed + reply_frames - 1
     assert sum(described["frames"]["queued_at_reply_start"]) == 1  # the one reply, counted once
 
     assert rate == 24_000
@@ -291,10 +320,10 @@ def test_a_session_over_uvicorn_delivers_the_vendors_samples(models, capfd):
 
     padded = np.concatenate([samples, np.zeros(fed * FRAME_SAMPLES - len(samples), dtype=np.float32)])
     sent, got = slot_reference(models, served, place=0, slot=0, session=0)
-    assert same(sent, list(padded.reshape(fed, FRAME_SAMPLES)) + [SILENCE] * reply_frames)
+    assert same(sent, list(padded.reshape(fed, FRAME_SAMPLES)) + [SILENCE] * (reply_frames - 1))
     audio = deltas_of(events)
     assert len(audio) == reply_frames * FRAME_SAMPLES * 2
-    assert audio == wire_audio.encode_samples(np.concatenate(got[fed:]), PCM24K)
+    assert audio == wire_audio.encode_samples(np.concatenate(got[fed - 1:]), PCM24K)  # from the turn's last frame
 
 
 def test_moshi_full_without_a_gpu_fails_at_once_naming_what_is_missing(monkeypatch):
@@ -335,7 +364,7 @@ def test_ticks_in_the_server_process_are_the_vendors_batched_loop_bit_for_bit(mo
     local = MoshiPlugin(processes=0, slots=2, record=True)
     described = two_streams_are_their_slots_rows(local, models, turns, 3)
     assert (local.name, described["device"], described["processes"], described["threads"]) == ("moshi-tiny", "cpu", 0, None)
-    assert (described["slots_per_process"], described["frames"]["ticks"]) == ([2], 12)
+    assert (described["slots_per_process"], described["frames"]["ticks"]) == ([2], 10)  # 3 fed and 2 of silence each
 
 
 def test_the_pipeline_runtime_serves_the_vendors_batched_loop_bit_for_bit(models):

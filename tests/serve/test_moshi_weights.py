@@ -71,7 +71,7 @@ def test_on_cuda_the_server_process_serves_the_checkpoint_as_the_vendor_streams_
 
     # The vendor's side after the plugin's transform: under the same pinned kernels.
     sent, got = slot_reference(vendor_models(directory, TINY, device="cuda"), plugin, place=0, slot=0, session=0)
-    assert same(sent, frames + [SILENCE] * 4) and same(reply, got[4:8])
+    assert same(sent, frames + [SILENCE] * 3) and same(reply, got[3:7])  # it opens with the turn's last frame
     assert (plugin.name, described["weights"]) == ("moshi-tiny-cuda", str(directory))
     for name in ("mimi_encode", "lm_step", "mimi_decode", "depformer_step"):
         replays = described["transform"]["replays"][name]
@@ -104,8 +104,8 @@ def test_a_session_over_uvicorn_ticking_in_a_worker_hears_the_vendor_stream_of_t
 
     padded = np.concatenate([samples, np.zeros(fed * FRAME_SAMPLES - len(samples), dtype=np.float32)])
     sent, got = slot_reference(vendor, built[0], place=0, slot=0, session=0)
-    assert same(sent, list(padded.reshape(fed, FRAME_SAMPLES)) + [SILENCE] * reply_frames)
-    assert deltas_of(events) == wire_audio.encode_samples(np.concatenate(got[fed:]), PCM24K)
+    assert same(sent, list(padded.reshape(fed, FRAME_SAMPLES)) + [SILENCE] * (reply_frames - 1))
+    assert deltas_of(events) == wire_audio.encode_samples(np.concatenate(got[fed - 1:]), PCM24K)  # from the turn's last frame
     assert (served["plugin"]["weights"], served["plugin"]["processes"]) == (str(directory), 1)
     assert f" parameters, weights of {directory}) on CPU, " in served["description"]
 

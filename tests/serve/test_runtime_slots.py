@@ -163,6 +163,30 @@ def test_a_tick_waits_for_the_slots_of_the_last_one_that_said_they_follow():
         scheduler.close()
 
 
+def test_follow_makes_a_slot_s_last_request_in_flight_say_it_follows():
+    model = Model()
+    scheduler = SlotScheduler(2, model, name="double", gather_s=30.0)
+    try:
+        a, b = scheduler.acquire(), scheduler.acquire()
+        model.gate.clear()
+        first = scheduler.submit(a, ["a0"])
+        assert model.entered.wait(5)  # tick 0: a0 alone, held
+        scheduler.follow(a)  # its session now asks again as soon as a0 is answered
+        scheduler.follow(b)  # nothing of b in flight: nothing to do
+        second = scheduler.submit(b, ["b0"])
+        model.gate.set()
+        assert first.result(5) == [(0, 0, "a0")]
+        threading.Event().wait(0.3)
+        assert not second.done()  # b0 waits for a
+        third = scheduler.submit(a, ["a1"])
+        assert second.result(5) == [(1, 1, "b0")] and third.result(5) == [(1, 0, "a1")]
+        assert scheduler.submit(b, ["b1"]).result(5) == [(2, 1, "b1")]  # a1 did not say it follows
+        with pytest.raises(ValueError, match=r"double: slot 5 is not taken"):
+            scheduler.follow(5)
+    finally:
+        scheduler.close()
+
+
 def test_a_slot_that_did_not_say_it_follows_holds_no_tick_up():
     model = Model()
     scheduler = SlotScheduler(2, model, name="double", gather_s=30.0)
