@@ -317,6 +317,7 @@ class _Place(ABC):
     name: str
     streams: int  # open streams placed here
     scheduler: SlotScheduler | None = None  # its slots, once the batch size is known
+    started: Future | None = None  # its batch being built (the "start" request), once the batch size is known
 
     def run_tick(self, frames: dict[int, np.ndarray], joins: tuple[int, ...]) -> dict[int, np.ndarray | None]:
         return self.call("tick", frames, joins)
@@ -400,6 +401,9 @@ class _Worker(_Place):
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-{index}")
 
     def run_tick(self, frames: dict[int, np.ndarray], joins: tuple[int, ...]) -> dict[int, np.ndarray | None]:
+        # "start" goes through the other thread: a tick sent straight from here could overtake it.
+        # The first tick waits for the batch (and raises what building it raised).
+        self.started.result()
         return self._roundtrip("tick", (frames, joins))
 
     def submit(self, op: str, *args: Any) -> Future:
@@ -783,8 +787,9 @@ class MoshiPlugin(ModelPlugin):
             return
         self.slots = slots
         for place in self._places:
+            place.started = place.submit("start", slots)
+            self._started.append(place.started)
             place.scheduler = SlotScheduler(slots, place.run_tick, name=f"{self.name}[{place.index}]", record=self.record)
-            self._started.append(place.submit("start", slots))
 
     def _capacity(self, slots: int | None = None) -> str:
         places, slots = len(self._places), self.slots if slots is None else slots

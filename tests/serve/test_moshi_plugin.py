@@ -416,6 +416,21 @@ def test_without_the_option_reserve_sizes_each_batch_for_the_servers_sessions(ca
         local.close()
 
 
+def test_a_worker_builds_its_batch_before_its_first_tick_even_when_the_build_request_waits():
+    """``start`` reaches a worker through its side thread, a tick straight from the scheduler's
+    thread: with the side thread busy, the first tick must still wait for the batch."""
+    plugin = MoshiPlugin(slots=1)
+    try:
+        busy = plugin._places[0]._thread.submit(threading.Event().wait, 1.0)  # the side thread, held for 1 s
+        stream = plugin.open_stream()  # no reserve: the batch is built now, behind the held thread
+        feed(stream, user_frames(2, seed=23))
+        out = reply(stream)
+        stream.close()
+        assert busy.done() and len(out) == 2 and stream.ticks == 3
+    finally:
+        plugin.close()
+
+
 def test_feed_returns_before_its_ticks_and_a_failed_tick_raises_from_the_streams_next_call():
     local = MoshiPlugin(processes=0, slots=1)
     try:
