@@ -41,7 +41,9 @@ How a duplex model maps onto the session's turns:
   first audio waits only for the turn's own frames still queued on the slot, not for one more
   tick after them. A turn that fed nothing (a reply asked for on an empty turn, or after
   ``clear_input``) opens with a tick of its own, as does a stream's very first tick, which says
-  nothing (the acoustic delay).
+  nothing (the acoustic delay). An opening output already computed when the reply begins (the
+  turn's frames all ticked) is handed out with the frame after it: at once, a client playing it
+  would wait for that frame, up to two ticks away.
 * ``step``: the reply's next frame, one computed by a ``feed`` if there is one, else a tick on
   80 ms of silence (the user listens while Moshi speaks); None once the reply's frames are out.
   While nothing fed brings the reply's next frames, ``step`` ticks them ahead on silence before it
@@ -453,6 +455,7 @@ class MoshiStream(ModelStream):
         # were fed in or ticked ahead for, else None; the reply their last output opens, else None).
         self._inflight: deque[tuple[Future, int, int | None, int | None]] = deque()
         self._heard: np.ndarray | None = None  # the slot's latest output when no reply took it: the next reply may open with it
+        self._opened_done = False  # the current reply opened with an output computed before it began
         self._reply = 0  # which reply is current: begin_response and cancel move it on
         self._closed = False
         self.budget = 0  # reply frames still to come out of ``step``
@@ -497,6 +500,7 @@ class MoshiStream(ModelStream):
             elif self._heard is not None:
                 self._pending.append(self._heard)
                 self._heard = None
+                self._opened_done = True
         # The reply's first frame is the last of the frames its slot still has to tick, one a tick
         # (or the tick after them, when the turn fed nothing).
         self._plugin._count_reply_start(self._place.scheduler.queued(self.slot))
@@ -514,24 +518,35 @@ class MoshiStream(ModelStream):
                 self.ticks += 1
                 self._plugin._count(silence=1)
             self._take(wait=True, first=True)
+        if self._opened_done:
+            # Its first frame was computed before the reply began: handed out at once, its playback
+            # would wait for the frame after it (up to two ticks away). It goes out with that one.
+            self._opened_done = False
+            self._tick_ahead(len(self._pending) + self._coming() - 1, self.budget - 1)
+            while len(self._pending) < min(self.budget, 2):
+                self._take(wait=True, first=True)
         out = self._pending.popleft()
         self.budget -= 1
         self.replied += 1
         self._plugin._count(replied=1)
-        coming = len(self._pending) + self._coming()
-        while coming < min(self.budget, REPLY_AHEAD_FRAMES):
-            # The reply's next frames, ticked ahead on silence: they ride the slot's next ticks
-            # while the session hands this one out, instead of waiting for it to ask for them.
+        self._tick_ahead(len(self._pending) + self._coming(), self.budget)
+        return out
+
+    def _tick_ahead(self, coming: int, budget: int) -> None:
+        """The reply's next frames, ticked ahead on silence up to ``REPLY_AHEAD_FRAMES`` (never past
+        its ``budget``) while ``coming`` frames already are: they ride the slot's next ticks while
+        the session hands this one out, instead of waiting for it to ask for them."""
+        while coming < min(budget, REPLY_AHEAD_FRAMES):
             self._inflight.append((self._place.scheduler.submit(self.slot, [SILENCE]), 1, self._reply, None))
             self.ticks += 1
             self._plugin._count(silence=1)
             coming += 1
-        return out
 
     def cancel(self) -> None:
         self.budget = 0
         self._pending.clear()
         self._reply += 1
+        self._opened_done = False
 
     def close(self) -> None:
         if not self._closed:
