@@ -455,7 +455,9 @@ class MoshiStream(ModelStream):
         # were fed in or ticked ahead for, else None; the reply their last output opens, else None).
         self._inflight: deque[tuple[Future, int, int | None, int | None]] = deque()
         self._heard: np.ndarray | None = None  # the slot's latest output when no reply took it: the next reply may open with it
-        self._opened_done = False  # the current reply opened with an output computed before it began
+        # How the current reply opens, until its first ``step``: with the output of a frame ticked
+        # before it began, still "ticking" or "done" at its start; None: with a tick of its own.
+        self._opening: str | None = None
         self._reply = 0  # which reply is current: begin_response and cancel move it on
         self._closed = False
         self.budget = 0  # reply frames still to come out of ``step``
@@ -497,10 +499,11 @@ class MoshiStream(ModelStream):
                 future, frames, reply, _ = self._inflight[-1]
                 self._inflight[-1] = (future, frames, reply, self._reply)
                 self._place.scheduler.follow(self.slot)  # ``step`` asks for the reply's next frame once it is out
+                self._opening = "ticking"
             elif self._heard is not None:
                 self._pending.append(self._heard)
                 self._heard = None
-                self._opened_done = True
+                self._opening = "done"
         # The reply's first frame is the last of the frames its slot still has to tick, one a tick
         # (or the tick after them, when the turn fed nothing).
         self._plugin._count_reply_start(self._place.scheduler.queued(self.slot))
@@ -509,6 +512,14 @@ class MoshiStream(ModelStream):
         if self.budget == 0:
             return None
         self._take(wait=False)
+        if self._opening is not None:
+            # The reply opens with an output of before it began: its next frames queue behind that one
+            # now, not once the session has it and asks again. One computed already goes out with
+            # the frame after it: at once, a client playing it would wait for that one (two ticks away).
+            done, self._opening = self._opening == "done", None
+            self._tick_ahead(len(self._pending) + self._coming() - 1, self.budget - 1)
+            while done and len(self._pending) < min(self.budget, 2):
+                self._take(wait=True, first=True)
         # Frames fed (or ticked ahead) since this reply began are its next frames: they come first.
         while not self._pending:  # a stream's first tick gives nothing: then one more
             if not self._coming():
@@ -518,13 +529,6 @@ class MoshiStream(ModelStream):
                 self.ticks += 1
                 self._plugin._count(silence=1)
             self._take(wait=True, first=True)
-        if self._opened_done:
-            # Its first frame was computed before the reply began: handed out at once, its playback
-            # would wait for the frame after it (up to two ticks away). It goes out with that one.
-            self._opened_done = False
-            self._tick_ahead(len(self._pending) + self._coming() - 1, self.budget - 1)
-            while len(self._pending) < min(self.budget, 2):
-                self._take(wait=True, first=True)
         out = self._pending.popleft()
         self.budget -= 1
         self.replied += 1
@@ -546,7 +550,7 @@ class MoshiStream(ModelStream):
         self.budget = 0
         self._pending.clear()
         self._reply += 1
-        self._opened_done = False
+        self._opening = None
 
     def close(self) -> None:
         if not self._closed:
