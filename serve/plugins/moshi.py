@@ -36,14 +36,14 @@ How a duplex model maps onto the session's turns:
 * ``begin_response``: the reply lasts as many frames as the user's turn (the frames fed since the
   last ``begin_response``), at least 1 and at most ``max_reply_frames``. A duplex model never ends
   a turn by itself; it talks for as long as its clock runs, so the plugin sets the length. The
-  reply **opens with what Moshi said on the last frame its slot ticked before the reply** (the
-  turn's last frame, or what the slot ticked after it): the tick that heard the turn's end. So the
-  first audio waits only for the turn's own frames still queued on the slot, not for one more
-  tick after them. A turn that fed nothing (a reply asked for on an empty turn, or after
-  ``clear_input``) opens with a tick of its own, as does a stream's very first tick, which says
-  nothing (the acoustic delay). An opening output already computed when the reply begins (the
-  turn's frames all ticked) is handed out with the frame after it: at once, a client playing it
-  would wait for that frame, up to two ticks away.
+  reply **opens with what Moshi said on the last frame its slot ticked before the reply** (as a
+  rule the turn's last frame: the tick that heard the turn to its end). So the first audio waits
+  only for the turn's own frames still queued on the slot, not for one more tick after them; the
+  reply's next frames are queued behind that one at its first ``step``. A turn that fed nothing (a
+  reply asked for on an empty turn, or after ``clear_input``) opens with a tick of its own, as
+  does a stream's very first tick, which says nothing (the acoustic delay). An opening output
+  already computed when the reply begins (the turn's frames all ticked) is handed out with the
+  frame after it: at once, a client playing it would wait for that frame, up to two ticks away.
 * ``step``: the reply's next frame, one computed by a ``feed`` if there is one, else a tick on
   80 ms of silence (the user listens while Moshi speaks); None once the reply's frames are out.
   While nothing fed brings the reply's next frames, ``step`` ticks them ahead on silence before it
