@@ -228,6 +228,19 @@ def test_clear_input_shortens_the_turn_but_the_model_heard_it(plugin, models):
     assert same(out, got[6:8])  # it opens with the last kept frame's output
 
 
+def test_a_reply_to_a_turn_cleared_whole_opens_with_a_tick_of_its_own(plugin, models):
+    cleared = user_frames(3, seed=24)
+    stream, session = opened(plugin)
+    feed(stream, cleared)
+    stream.clear_input()
+    out = reply(stream)
+    stream.close()
+
+    sent, got = slot_reference(models, plugin, stream.place, stream.slot, session)
+    assert same(sent, cleared + [SILENCE])
+    assert same(out, got[3:4]) and stream.listened == 2  # what Moshi said on the cleared frames is dropped
+
+
 def test_sessions_at_once_share_batched_ticks_and_each_gets_its_slots_row(plugin, models):
     """The first session's turn is one request of 10 frames (10 ticks); the others arrive while
     it runs and ride its ticks."""
