@@ -463,7 +463,7 @@ class MoshiStream(ModelStream):
         self.budget = 0  # reply frames still to come out of ``step``
         self.turn_frames = 0  # user frames fed since the last ``begin_response``
         self.ticks = 0
-        self.listened = 0  # output frames of the user's turn, dropped
+        self.listened = 0  # output frames no reply handed out: said during the user's turn, or cut off by a cancel
         self.replied = 0  # output frames returned by ``step``
 
     def feed(self, frame: np.ndarray) -> None:
@@ -498,7 +498,8 @@ class MoshiStream(ModelStream):
             if self._inflight:
                 future, frames, reply, _ = self._inflight[-1]
                 self._inflight[-1] = (future, frames, reply, self._reply)
-                self._place.scheduler.follow(self.slot)  # ``step`` asks for the reply's next frame once it is out
+                if self.budget > 1:  # ``step`` asks for the reply's next frame once this one is out
+                    self._place.scheduler.follow(self.slot)
                 self._opening = "ticking"
             elif self._heard is not None:
                 self._pending.append(self._heard)
@@ -548,6 +549,8 @@ class MoshiStream(ModelStream):
 
     def cancel(self) -> None:
         self.budget = 0
+        self.listened += len(self._pending)  # computed, never handed out
+        self._plugin._count(listened=len(self._pending))
         self._pending.clear()
         self._reply += 1
         self._opening = None
@@ -871,7 +874,7 @@ class MoshiPlugin(ModelPlugin):
                 "silence": self.silence,
                 # [k]: the replies that began while k of their slot's frames were not done yet (the
                 # user's frames still queued, the running tick's included): their first frame came
-                # after those k ticks
+                # with the k-th of those ticks (after them, for a reply to a turn that fed nothing)
                 "queued_at_reply_start": list(self.queued_at_reply_start),
             },
             # Per process that ticks (the server process itself when processes is 0): its batched

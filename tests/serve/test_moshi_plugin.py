@@ -228,6 +228,31 @@ def test_clear_input_shortens_the_turn_but_the_model_heard_it(plugin, models):
     assert same(out, got[6:8])  # it opens with the last kept frame's output
 
 
+def test_a_reply_cancelled_before_its_first_frame_counts_that_frame_as_listened(plugin):
+    stream = plugin.open_stream()
+    feed(stream, user_frames(3, seed=25))
+    scheduler = plugin._places[stream.place].scheduler
+    while scheduler.queued(stream.slot):  # the reply will open with an output already computed
+        threading.Event().wait(0.01)
+    stream.begin_response()
+    stream.cancel()
+    stream.close()
+    assert (stream.ticks, stream.listened, stream.replied) == (3, 2, 0)  # every output said: the first tick says nothing
+
+
+def test_a_one_frame_reply_leaves_no_tick_waiting_for_its_slot(plugin):
+    a, b = plugin.open_stream(), plugin.open_stream()
+    feed(a, user_frames(2, seed=26))
+    reply(a)
+    before = plugin.describe()["follow_misses_per_process"][0]
+    feed(a, user_frames(1, seed=27))
+    assert len(reply(a)) == 1  # opens with that frame's output: nothing is asked for after it
+    feed(b, user_frames(1, seed=28))
+    b.close()
+    a.close()
+    assert plugin.describe()["follow_misses_per_process"][0] == before  # b's tick did not wait for a
+
+
 def test_a_reply_to_a_turn_cleared_whole_opens_with_a_tick_of_its_own(plugin, models):
     cleared = user_frames(3, seed=24)
     stream, session = opened(plugin)
