@@ -39,9 +39,9 @@ How a duplex model maps onto the session's turns:
   reply **opens with what Moshi said on the last frame its slot ticked before the reply** (as a
   rule the turn's last frame). The reply is a window onto Moshi's one stream of speech, which runs
   on the same clock as what it hears; the window starts at the frame where the turn ended (for a
-  server VAD turn, inside the trailing silence that ended it), not one frame after it. Moshi's
-  output on that frame has heard that frame's semantic codes; its acoustic codes reach the model
-  at the next tick, per the vendor's delays. So the first audio waits
+  server VAD turn, inside the trailing silence that ended it), not one frame after it: the frame
+  Moshi's own timeline pairs with the turn's last input frame (the vendor's codebook delays spread
+  what one tick reads and samples over neighbouring frames). So the first audio waits
   only for the turn's own frames still queued on the slot, not for one more tick after them; the
   reply's next frames are queued behind that one at its first ``step``. A turn that fed nothing (a
   reply asked for on an empty turn, or after ``clear_input``) opens with a tick of its own, as
