@@ -553,8 +553,7 @@ class MoshiStream(ModelStream):
 
     def cancel(self) -> None:
         self.budget = 0
-        self.listened += len(self._pending)  # computed, never handed out
-        self._plugin._count(listened=len(self._pending))
+        self._dropped(len(self._pending))  # computed, never handed out
         self._pending.clear()
         self._reply += 1
         self._opening = None
@@ -570,8 +569,7 @@ class MoshiStream(ModelStream):
                     log.warning("moshi slot %d: a tick of the closing stream failed: %s", self.slot, error)
             if self._heard is not None:  # no reply opens with it now
                 self._heard = None
-                self.listened += 1
-                self._plugin._count(listened=1)
+                self._dropped(1)
             self._plugin._placed_off(self._place, self.slot)
 
     @property
@@ -610,8 +608,12 @@ class MoshiStream(ModelStream):
                 if first:
                     break
         finally:
-            self.listened += listened
-            self._plugin._count(listened=listened)
+            self._dropped(listened)
+
+    def _dropped(self, frames: int) -> None:
+        """``frames`` outputs no reply hands out, counted as listened here and in the plugin."""
+        self.listened += frames
+        self._plugin._count(listened=frames)
 
 
 def _require_cuda(name: str) -> None:

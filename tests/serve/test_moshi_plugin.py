@@ -68,6 +68,13 @@ def reply(stream) -> list[np.ndarray]:
     return drain(stream)
 
 
+def all_ticked(plugin, stream) -> None:
+    """Returns once every frame fed to the stream's slot has been ticked."""
+    scheduler = plugin._places[stream.place].scheduler
+    while scheduler.queued(stream.slot):
+        threading.Event().wait(0.01)
+
+
 def test_registered_as_the_default_without_loading_the_vendor_on_import():
     probe = "import sys, cadence_fx.serve.plugins as p; print(p.DEFAULT_PLUGIN, 'moshi' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
@@ -194,9 +201,7 @@ def test_a_reply_opens_with_the_turns_last_frame_when_its_tick_is_long_done(plug
     turn = user_frames(3, seed=20)
     stream, session = opened(plugin)
     feed(stream, turn)
-    scheduler = plugin._places[stream.place].scheduler
-    while scheduler.queued(stream.slot):  # every frame of the turn ticked before the reply is asked for
-        threading.Event().wait(0.01)
+    all_ticked(plugin, stream)  # before the reply is asked for
     out = reply(stream)
     ticks, listened = stream.ticks, stream.listened
     stream.close()
@@ -231,9 +236,7 @@ def test_clear_input_shortens_the_turn_but_the_model_heard_it(plugin, models):
 def test_a_reply_cancelled_before_its_first_frame_counts_that_frame_as_listened(plugin):
     stream = plugin.open_stream()
     feed(stream, user_frames(3, seed=25))
-    scheduler = plugin._places[stream.place].scheduler
-    while scheduler.queued(stream.slot):  # the reply will open with an output already computed
-        threading.Event().wait(0.01)
+    all_ticked(plugin, stream)  # the reply will open with an output already computed
     stream.begin_response()
     stream.cancel()
     stream.close()
