@@ -11,8 +11,9 @@ launches per frame over steady frames (torch.profiler), replay counters.
 
 Arms: eager (vendor graphs off: `moshi.utils.compile.no_cuda_graph()`); vendor (its `CUDAGraphed`
 wrappers, which capture on the second call of every session, so each stream's first two frames
-are left out of the steady statistics of every arm); cadence (`transform(models, contract)`: one
-owned streaming state, four replay bindings from the derived catalog). The vendor's lazily
+are left out of the steady statistics of every arm); cadence (`transform(models, contract)`: Mimi
+and the LM transformed from their bindings on the one pipeline, `models/moshi_bound.py`; its
+set-up streams a few frames of silence per decoding mode, counted in `replay`). The vendor's lazily
 `torch.compile`d kernels stay off in every arm (`no_compile()`), so all arms run the same kernels.
 """
 
@@ -40,7 +41,7 @@ from moshi.utils.compile import no_compile, no_cuda_graph  # noqa: E402
 from cadence_fx import transform  # noqa: E402
 from cadence_fx.determinism import pin_deterministic  # noqa: E402
 from cadence_fx.memory import DeviceMemory  # noqa: E402
-from cadence_fx.models.moshi_replay import contract_for  # noqa: E402
+from cadence_fx.models.moshi import contract_for  # noqa: E402
 from cadence_fx.models.moshi_stream import FULL, SMALL, build_models, random_pcm  # noqa: E402
 from cadence_fx.report import format_bytes, latency_stats, measured_commit  # noqa: E402
 

@@ -43,7 +43,7 @@ sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != Path(__f
 from cadence_fx.catalog import derive  # noqa: E402
 from cadence_fx.determinism import pin_deterministic  # noqa: E402
 from cadence_fx.memory import DeviceMemory  # noqa: E402
-from cadence_fx.models.moshi_replay import contract_for  # noqa: E402
+from cadence_fx.models.moshi import contract_for  # noqa: E402
 from cadence_fx.models.moshi_slots import Tick, transform_bound_slots, transform_slots, vendor_ticks  # noqa: E402
 from cadence_fx.models.moshi_stream import FULL, SMALL, build_models, random_pcm  # noqa: E402
 from cadence_fx.report import latency_stats, measured_commit  # noqa: E402

@@ -91,12 +91,18 @@ class OperatorBinding:
     host value (an int, a bool) is moved by the transformed call as the stock call of its class
     moved it; a tensor (a device-side position the step advances in place) is state of its own,
     kept at one address and aliased like a region. Every other argument is a copied input.
+
+    `modes` are host values the call reads but never moves that choose what it computes (a
+    decoding switch, ``"self.use_sampling"``): a graph would freeze the value it was captured with,
+    so each value they take is a class of its own, captured and verified apart, and a call is
+    admitted to the graphs of the values it finds.
     """
 
     operator: str
     method: str = "forward"
     units: tuple[str, int] | int = ("input_ids", 1)
     counters: tuple[str, ...] = ()
+    modes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -390,6 +396,7 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
             raise BindingError(f"operators[{i}].units", f"must be (path, axis) or a positive int, got {ob.units!r}")
         units = [] if isinstance(ob.units, int) else [(f"operators[{i}].units", ob.units[0])]
         paths = units + [(f"operators[{i}].counters[{j}]", p) for j, p in enumerate(ob.counters)]
+        paths += [(f"operators[{i}].modes[{j}]", p) for j, p in enumerate(ob.modes)]
         own = binding.region(operators[ob.operator].region)
         paths += [(f"regions[{binding.regions.index(own)}].at", p) for p in own.at]  # none when per_call
         for field, path in paths:

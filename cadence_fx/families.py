@@ -24,8 +24,10 @@ GROUP = "cadence_fx.families"
 class Family:
     """`contract`: the default contract's factory. How `transform(model, contract)` runs without a
     binding: `binding`, ``binding(model, contract) -> Binding`` (it may refuse a model that does not
-    fit the contract), puts the family on the one pipeline; `adapter`, the family's own transform,
-    is for the families not moved onto it yet. `reference`: builds the reference model at a depth
+    fit the contract), puts the family on the one pipeline; `compose`, for a family whose model is
+    several models (``compose(model, contract, *, audit, replay) -> (transformed, report)``),
+    transforms each part from its own binding on the same pipeline and assembles them; `adapter`,
+    the family's own transform, is for the families not moved onto it yet. `reference`: builds the reference model at a depth
     on a device, for the CLI's diff (``reference(depth, device) -> (model, contract, stream)``,
     ``stream(transformed, chunks) -> str`` running a short stream and saying what it ran); `demo`:
     the CLI's demo, the stock and transformed models streamed side by side
@@ -34,6 +36,7 @@ class Family:
     name: str
     contract: str
     binding: str | None = None
+    compose: str | None = None
     adapter: str | None = None
     reference: str | None = None
     demo: str | None = None

@@ -25,6 +25,8 @@ For each bound operator, per catalog class, at the class's first visit:
 A graph runs no Python, so the host-side values the stock call moves (the binding's `counters`:
 lengths, positions, flags) are moved by the transformed call exactly as the stock call of the same
 class moved them when it was verified; a class whose stock calls moved them differently is refused.
+A host value the call only reads to choose what it computes (the binding's `modes`: a decoding
+switch) is part of the class: each value its own graphs.
 A counter that is a tensor (a device-side length the step advances in place) is state like a
 region's: kept at one address, passed to the graph, aliased by the replay.
 """
@@ -200,9 +202,11 @@ def _writes_in_place(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and schema is not None and schema.is_mutable and bool(node.args)
 
 
-def class_name(operator: str, units: int, extent: int, flush: bool = False) -> str:
-    """The name of an operator's catalog class in reports, stamps and certificates."""
-    return f"{operator}[n={units},L={extent}]" + ("(flush)" if flush else "")
+def class_name(operator: str, units: int, extent: int, flush: bool = False, modes: dict[str, Any] | None = None) -> str:
+    """The name of an operator's catalog class in reports, stamps and certificates (with the
+    binding's modes, the values it was captured at)."""
+    return (f"{operator}[n={units},L={extent}]" + ("(flush)" if flush else "")
+            + (f"{{{', '.join(f'{p}={v!r}' for p, v in modes.items())}}}" if modes else ""))
 
 
 def _host_values(roots: dict[str, Any]) -> dict[str, Any]:
@@ -390,6 +394,7 @@ class BoundOperator:
         if missing:
             raise TypeError(f"{self.ob.operator}: the call passes no {sorted(missing)}, where the binding keeps its state")
         inputs = {k: v for k, v in arguments.items() if k not in self.roots}
+        modes = self._modes(arguments)
         if not self.carries:
             if any(not sites(rb, roots) for rb in self.regions):
                 # A wildcard met None (no state yet, the stock call makes it): the sites cannot be counted
@@ -412,10 +417,10 @@ class BoundOperator:
         # The state's shapes are bounded by the catalogs (another region's extent varies by its
         # own); only what the inputs bring (host values, layouts) makes variants of one class.
         shapes = tuple(None if v is None else tuple(v.shape) for v in state)
-        key = (units, extent, shapes, signature.catalog_key)
+        key = (units, extent, shapes, tuple(modes.items()), signature.catalog_key)
         cls = self.classes.get(key)
         if cls is None:
-            variants = [k for k in self.classes if k[:3] == (units, extent, shapes)]
+            variants = [k for k in self.classes if k[:4] == key[:4]]
             if len(variants) >= VARIANTS:
                 # A host value (an int position, say) that changes every call would make every
                 # call a new graph: fail closed, once said, instead of exporting without end.
@@ -426,14 +431,13 @@ class BoundOperator:
                         f"variants captured, now {signature.describe()}): runs the stock code from here; pass a value "
                         "that changes every call as a tensor, or bind it as a counter")
                 return self._stock(roots, inputs, "variants")
-            cls = self.classes[key] = self._capture(roots, staged, state, call)
+            cls = self.classes[key] = self._capture(roots, staged, state, call, modes)
         if cls.refused is not None:
             return self._stock(roots, inputs, "refused")
         if cls.verify_left > 0:
             return self._verify(cls, roots, inputs, staged, state)
         self._current = cls
-        runner = self.replay if self.replay is not None else cls.graph
-        outputs, new_state = runner(staged, state)
+        outputs, new_state = (self.replay(staged, state, modes) if self.replay is not None else cls.graph(staged, state))
         self.counters.graph_calls += 1
         cls.calls += 1
         self._commit(places, new_state)
@@ -613,6 +617,18 @@ class BoundOperator:
         """The counters that are host values (ints, flags): a graph cannot move them, the pipeline does."""
         return [path for path in self._counter_paths(roots) if path not in self.held]
 
+    def _modes(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """The binding's modes as this call finds them, by path (read, never traced: a path at
+        ``self`` reads the model without making it a root of the call's state)."""
+        modes = {}
+        for path in self.ob.modes:
+            value = get_path({SELF: self.model, **arguments}, path)
+            if not isinstance(value, (bool, int, float, str, type(None))):
+                raise TypeError(f"{self.ob.operator}: mode {path!r} is {type(value).__name__}; a mode is a host value "
+                                "(bool, int, float, str or None) that chooses what the call computes")
+            modes[path] = value
+        return modes
+
     def _units(self, arguments: dict[str, Any]) -> int:
         if isinstance(self.ob.units, int):
             return self.ob.units
@@ -630,8 +646,8 @@ class BoundOperator:
 
     # -- capture, verification, fallback -----------------------------------------------------
 
-    def _capture(self, roots, inputs, state, call: CatalogClass) -> _Class:
-        name = class_name(self.ob.operator, call.call, call.extent, call.flush)
+    def _capture(self, roots, inputs, state, call: CatalogClass, modes: dict[str, Any]) -> _Class:
+        name = class_name(self.ob.operator, call.call, call.extent, call.flush, modes)
         cls = _Class(name, call, verify_left=self.binding.verify)
         started = time.perf_counter()
         at_sites = [get_path(roots, s.path) for s in self.sites]  # the carries, or a returned state's own tensors
@@ -707,7 +723,7 @@ class BoundOperator:
         self.report.sites.extend(found)
         self.report.graphs[name] = (gm, after)
         self.report.stamps.append(f"{stamp}; capture and rewrite of {name} took {cls.capture_ms:.0f} ms")
-        self._names[Signature.of(inputs, state).catalog_key] = name
+        self._names[Signature.of(inputs, state, modes).catalog_key] = name
         return cls
 
     def _pinned(self, windows: list[Window]) -> None:
@@ -827,7 +843,8 @@ class BoundOperator:
 
     # -- replay ------------------------------------------------------------------------------
 
-    def _run(self, inputs, state):
+    def _run(self, inputs, state, modes):
+        """What the replay engine captures: the class's graph (`modes` only key the engine's call)."""
         return self._current.graph(inputs, state)
 
     def _admit(self, signature: Signature):

@@ -40,6 +40,18 @@ class TransformReport:
     determinism: dict = field(default_factory=dict)  # the kernel switches found in force (a transform sets none)
     operators: dict = field(default_factory=dict)  # operator -> pipeline.BoundOperator (bound models)
 
+    @classmethod
+    def merged(cls, reports: list[TransformReport]) -> TransformReport:
+        """One report of a model transformed in parts (each part from its own binding), in order."""
+        merged = cls(family=reports[0].family, catalog=reports[0].catalog, determinism=reports[0].determinism)
+        for report in reports:
+            merged.stamps.extend(report.stamps)
+            merged.sites.extend(report.sites)
+            merged.resizes.extend(report.resizes)
+            for name in ("carries", "graphs", "replays", "operators"):
+                getattr(merged, name).update(getattr(report, name))
+        return merged
+
     def managed_bytes(self) -> dict[str, tuple[int, int]]:
         """Bytes of contract-managed state per region: (stock, after the transform)."""
         return {r.region: (r.stock_bytes, r.demand_bytes) for r in self.resizes}
@@ -126,7 +138,8 @@ def transform(
 
     With a `binding` (where each region lives, which methods are hot operators) the one generic
     pipeline runs (`cadence_fx.pipeline`): any model, no adapter. Without one, a registered family
-    gives its own binding (the same pipeline), or its adapter where it has not moved yet.
+    gives its own binding (the same pipeline), its parts' bindings (`Family.compose`: a model made
+    of several models), or its adapter where it has not moved yet.
 
     The input model is left untouched. With `audit=True` a shadow auditor evaluates the stock
     retention beside every carry write and raises `AuditMismatch` on the first difference.
@@ -147,8 +160,12 @@ def transform(
         report.determinism = determinism.settings()
         report.stamps.append(determinism.envelope())
         return transform_bound(model, contract, binding, catalog, report, replay=replay and not audit), report
+    if declared is not None and declared.compose is not None:
+        if not capture:
+            raise ValueError("a bound model's carries live in its rewritten graphs: capture=False has nothing to run")
+        return load(declared.compose)(model, contract, audit=audit, replay=replay)
     if declared is None or declared.adapter is None:
-        having = sorted(name for name, f in families().items() if f.adapter or f.binding)
+        having = sorted(name for name, f in families().items() if f.adapter or f.binding or f.compose)
         raise ValueError(f"no binding given, and {contract.family!r} is no family with its own binding or adapter ({having}): "
                          "pass transform(model, contract, binding) (README: Bring your own model)")
     adapter = load(declared.adapter)

@@ -9,19 +9,26 @@ Mimi's encode and decode with their rings and every streaming convolution's stat
 step (`LMModel.forward_text`), whose ring caches are its region and whose device-side offsets and
 host-side `offset_cpu`s are its counters; and the depformer step (`LMGen.depformer_step`: all
 codebooks and their sampling), whose ring the vendor allocates afresh inside every call
-(`per_call`). `MIMI_SLOTS_BINDING` and `MOSHI_LM_SLOTS_BINDING` are the same at a batch of slots,
+(`per_call`) and whose sampling switch and parameters are its `modes`. `transform(models,
+moshi_contract())` transforms both for one session at a time (`moshi_bound.py`, the family's
+hook). `MIMI_SLOTS_BINDING` and `MOSHI_LM_SLOTS_BINDING` are the same at a batch of slots,
 with every module's exec mask (`transform_bound_slots`). The service's batched slots runtime runs
-the family's own stages (`moshi_replay.py`, `moshi_slots.py`) by default, and these bindings with
+the family's own stages (`moshi_stages.py`, `moshi_slots.py`) by default, and these bindings with
 `runtime="pipeline"` (`serve/plugins/moshi.py`).
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+import torch
 
 from cadence_fx.binding import Binding, OperatorBinding, RegionBinding
 from cadence_fx.contract import (
     Admission,
     Clock,
     ClockKind,
+    DTYPES,
     Contract,
     Effect,
     Interactivity,
@@ -32,7 +39,8 @@ from cadence_fx.contract import (
     RingCache,
 )
 
-__all__ = ["MIMI_BINDING", "MIMI_SLOTS_BINDING", "MOSHI_LM_BINDING", "MOSHI_LM_SLOTS_BINDING", "moshi_contract"]
+__all__ = ["MIMI_BINDING", "MIMI_SLOTS_BINDING", "MOSHI_LM_BINDING", "MOSHI_LM_SLOTS_BINDING", "check_models", "contract_for",
+           "moshi_contract", "used_codebooks"]
 
 # The vendor keeps a streaming module's state in its `_streaming_state` (entered by `streaming()`).
 _TRANSFORMER = "self.lm_model.transformer"
@@ -42,6 +50,10 @@ _ATTENTION = f"{_TRANSFORMER}.layers.*.self_attn._streaming_state"
 # `set_exec_mask` writes in place between the calls: each stage binds the masks of the modules it
 # runs as device-side counters (`models/moshi_slots.py`).
 _MASK = "exec_mask"
+
+
+#: What `LMGen.depformer_step` reads of `LMGen` to choose how it samples each codebook.
+_SAMPLING = ("self.use_sampling", "self.temp", "self.top_k", "self.cfg_coef")
 
 
 def _lm_binding(masked: bool) -> Binding:
@@ -62,7 +74,8 @@ def _lm_binding(masked: bool) -> Binding:
                 f"{_TRANSFORMER}.layers.*._streaming_state.offset_cpu",
                 *masks,
             )),
-            OperatorBinding("depformer_step", method="depformer_step", units=1),
+            # The sampling switch and its parameters choose the program: each value its own graphs.
+            OperatorBinding("depformer_step", method="depformer_step", units=1, modes=_SAMPLING),
         ),
     )
 
@@ -211,3 +224,57 @@ def moshi_contract(
         admission=Admission("frame", max_per_call=1),
         interactivity=Interactivity(stages=("mimi.encode", "lm.step", "lm.depformer", "mimi.decode")),
     )
+
+
+def contract_for(config, slots: int = 1) -> Contract:
+    """The Moshi contract of a `moshi_stream.MoshiConfig` (`FULL` gives the default contract), at
+    batch `slots` (one session per slot: `models/moshi_slots.py`)."""
+    lm, mimi = config.lm_kwargs, config.mimi["transformer"]
+    return moshi_contract(
+        slots=slots,
+        mimi_context=mimi["context"],
+        lm_context=lm["context"],
+        codebooks=lm["dep_q"],
+        mimi_layers=mimi["num_layers"],
+        mimi_heads=mimi["num_heads"],
+        mimi_dim=mimi["d_model"],
+        lm_layers=lm["num_layers"],
+        lm_heads=lm["num_heads"],
+        lm_dim=lm["dim"],
+        depformer_layers=lm["depformer_num_layers"],
+        depformer_heads=lm["depformer_num_heads"],
+        depformer_dim=lm["depformer_dim"],
+        lm_dtype=str(config.lm_dtype).removeprefix("torch."),
+    )
+
+
+def check_models(models: Any, contract: Contract) -> None:
+    """What the contract says that the bindings cannot check: Mimi's and the LM's rates and dtype,
+    and no attention that picks its weights by a host counter (a graph would freeze it)."""
+    mimi, lm = models.mimi, models.lm
+    symbols = contract.symbols()
+    found = {
+        "codebooks": lm.dep_q,
+        "samples_per_frame": mimi.frame_size,
+        "mimi_steps_per_frame": mimi.encoder_frame_rate / mimi.frame_rate,
+    }
+    for name, actual in found.items():
+        if symbols[name] != actual:
+            raise ValueError(f"contract quantity {name}={symbols[name]} but the model has {actual}: declare {name}={actual}")
+    if DTYPES[contract.region("lm_kv").dtype] != lm.dtype:
+        raise ValueError(f"region 'lm_kv' declares {contract.region('lm_kv').dtype}, the LM runs in {lm.dtype}")
+    for path, module in (("mimi", mimi), ("lm.transformer", lm.transformer)):
+        stepped = [n for n, m in module.named_modules() if len(getattr(m, "in_projs", ())) > 1]
+        if stepped:
+            raise ValueError(f"{path}: attention with weights per step ({stepped[0]}) selects weights by a host "
+                             "counter that a graph would freeze; only the depformer (fresh state per call) may")
+
+
+def used_codebooks(mimi: Any) -> list[torch.nn.Module]:
+    """The codebooks Mimi's calls read: the first `n_q` levels of each residual quantizer (Mimi
+    ships 32 levels and streams 8). A transform fills their lazily derived caches first, as the
+    vendor's first call would; filling the others would hold caches the vendor never makes."""
+    from moshi.quantization.vq import ResidualVectorQuantizer
+
+    return [layer._codebook for module in mimi.quantizer.modules() if isinstance(module, ResidualVectorQuantizer)
+            for layer in module.vq.layers[:module.n_q]]

@@ -51,8 +51,8 @@ the bound LM steps), bit-identical to the vendor's batched loop too, but slower 
 full size for now (61.8 ms a tick and 133.4 GB peak allocated at B = 64 on the H200, against
 51.9 ms and 117.8 GB), so the service keeps `transform_slots` until it is not.
 
-The transform (`transform_slots`) does what `moshi_replay`'s does for one session, at batch B:
-the vendor's `CUDAGraphed` wrappers are replaced by plain modules and three `Stage`s on one
+The transform (`transform_slots`) builds the runtime from the stages' parts
+(`models/moshi_stages.py`), at batch B: the vendor's `CUDAGraphed` wrappers are replaced by plain modules and three `Stage`s on one
 owned streaming state (rings, offsets, conv buffers and exec masks at fixed addresses): Mimi
 encode (the tick's exec masks of Mimi and the LM, then encode), the LM's main step
 (`forward_text`, inside `LMGen.step`), the depformer step (all codebooks and their sampling) and
@@ -66,8 +66,6 @@ generators, so its first tick starts where the vendor's `streaming(B)` entry doe
 from __future__ import annotations
 
 import contextlib
-import copy
-import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -83,9 +81,9 @@ from cadence_fx.pipeline import BoundModel
 from cadence_fx.transform import TransformReport, transform
 from cadence_fx.transformed import rng_get, rng_seeded, rng_set
 
-from .moshi import MIMI_SLOTS_BINDING, MOSHI_LM_SLOTS_BINDING
-from .moshi_replay import OwnedState, Stage, _check_model, _classes, _ring_resizes, _used_codebooks
-from .moshi_stream import MoshiModels
+from .moshi import MIMI_SLOTS_BINDING, MOSHI_LM_SLOTS_BINDING, check_models, used_codebooks
+from .moshi_stages import OwnedState, Stage, _classes, _ring_resizes
+from .moshi_stream import MoshiModels, shared_copy
 
 __all__ = ["BoundSlots", "MoshiSlots", "Tick", "TickOutput", "transform_bound_slots", "transform_slots", "vendor_slots",
            "vendor_ticks"]
@@ -301,30 +299,22 @@ class MoshiSlots(_Batch):
         return {name: engine.counters.as_dict() for name, engine in self.replays.items()}
 
 
-def _shared_copy(models: MoshiModels) -> MoshiModels:
-    """The modules deep-copied with every parameter and buffer shared: the runtime's streaming
-    state is its own, the caller's modules never stream for it."""
-    shared = {id(t): t for module in (models.mimi, models.lm)
-              for t in itertools.chain(module.parameters(), module.buffers())}
-    return copy.deepcopy(models, shared)
-
-
 def _streaming_batch(models: MoshiModels, contract: Contract, sampling: bool) -> tuple[int, MoshiModels, Any, contextlib.ExitStack]:
     """What both slots runtimes start from: the contract's batch size (quantity `slots`), checked;
     the lazily derived codebook caches the calls read filled in `models` (as the vendor's first call
-    would); a copy of the modules around the same weights (`_shared_copy`) with an `LMGen`; both
+    would); a copy of the modules around the same weights (`shared_copy`) with an `LMGen`; both
     streaming at that batch, entered on the returned stack."""
     from moshi.models import LMGen
 
     slots = contract.symbols().get("slots")
     if not isinstance(slots, int) or slots < 1:
         raise ValueError(f"contract quantity slots must be a positive batch size, got {slots!r}")
-    _check_model(models, contract)
+    check_models(models, contract)
     with torch.no_grad():
-        for codebook in _used_codebooks(models.mimi):
+        for codebook in used_codebooks(models.mimi):
             if codebook._embedding is None:
                 codebook.embedding  # noqa: B018 - fills the vendor's lazily derived codebook cache
-    models = _shared_copy(models)
+    models = shared_copy(models)
     mimi, lm = models.mimi, models.lm
     lm_gen = LMGen(lm, use_sampling=sampling, support_out_of_sync=True)
     streaming = contextlib.ExitStack()
@@ -439,7 +429,7 @@ class BoundSlots(_Batch):
     @property
     def report(self) -> TransformReport:
         """The two transforms' reports as one, as they stand now, and what the runtime is."""
-        report = _merged(self.reports)
+        report = TransformReport.merged(list(self.reports.values()))
         stages = ", ".join(f"{name} K={len(op.classes)}" for name, op in report.operators.items())
         report.stamps.append(f"slots: batch of {self.slots}, {stages}; the vendor's glue calls the bound lm_step "
                              "and depformer_step as its graphed_main and graphed_depth")
@@ -466,19 +456,6 @@ class BoundSlots(_Batch):
         """Where every tensor the stages' graphs read as state lives (regions and device-side
         counters): the same for the runtime's life."""
         return [t.data_ptr() for model in self.bound.values() for t in model.resident()[0]]
-
-
-def _merged(reports: Mapping[str, TransformReport]) -> TransformReport:
-    first = next(iter(reports.values()))
-    merged = TransformReport(family=first.family, catalog=first.catalog)
-    for report in reports.values():
-        merged.stamps.extend(report.stamps)
-        for name in ("sites", "resizes"):
-            getattr(merged, name).extend(getattr(report, name))
-        for name in ("carries", "graphs", "replays", "operators"):
-            getattr(merged, name).update(getattr(report, name))
-        merged.determinism = report.determinism
-    return merged
 
 
 def transform_bound_slots(models: MoshiModels, contract: Contract, *, sampling: bool, seed: int,

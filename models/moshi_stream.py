@@ -64,6 +64,8 @@ returns None until the acoustic delay (1 frame) has passed.
 
 from __future__ import annotations
 
+import copy
+import itertools
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -85,6 +87,7 @@ __all__ = [
     "build_models",
     "random_pcm",
     "ring_caches",
+    "shared_copy",
     "stream_reference",
     "time_frames",
 ]
@@ -173,6 +176,14 @@ def _draw_codebooks(mimi: MimiModel) -> None:
             module.embedding_sum.normal_(0.0, 1.0)
             module._initialized.fill_(1.0)
             module._embedding = None
+
+
+def shared_copy(models: MoshiModels) -> MoshiModels:
+    """The modules deep-copied with every parameter and buffer shared: the runtime's streaming
+    state is its own, the caller's modules never stream for it."""
+    shared = {id(t): t for module in (models.mimi, models.lm)
+              for t in itertools.chain(module.parameters(), module.buffers())}
+    return copy.deepcopy(models, shared)
 
 
 def random_pcm(frames: int, seed: int = 0, device: str | torch.device = "cpu") -> torch.Tensor:

@@ -20,10 +20,11 @@ import torch
 
 from cadence_fx import BindingError, RegionBinding, transform
 from cadence_fx.models.moshi import MIMI_BINDING, MOSHI_LM_BINDING
-from cadence_fx.models.moshi_replay import contract_for
+from cadence_fx.models.moshi import contract_for
 from cadence_fx.models.moshi_stream import FRAME_SIZE, TINY, LMGen, build_models, no_compile, random_pcm
 
 FRAMES = 6
+DEPFORMER = "depformer_step[n=1,L=8]{self.use_sampling=True, self.temp=0.8, self.top_k=250, self.cfg_coef=1.0}"
 
 
 def frames(lm, seed: int) -> list[torch.Tensor]:
@@ -71,7 +72,8 @@ def test_the_lm_steps_stream_bit_identically_through_the_pipeline_from_their_bin
     report = run_lm("cpu", streams=2)
     lm, depformer = report.operators["lm_step"], report.operators["depformer_step"]
     assert [cls.name for cls in lm.classes.values()] == ["lm_step[n=1,L=3000]"]
-    assert [cls.name for cls in depformer.classes.values()] == ["depformer_step[n=1,L=8]"]
+    # The depformer's sampling switch and parameters are its modes: the class is the one sampling.
+    assert [cls.name for cls in depformer.classes.values()] == [DEPFORMER]
     # The first frame adopts each layer's ring and its three device-side offsets into the carries.
     assert lm.counters.as_dict() == {"calls": 2 * FRAMES, "graph_calls": 2 * FRAMES, "verified": 2, "stock": 0,
                                      "adopted": 4, "stock_by_reason": {}}
@@ -83,7 +85,7 @@ def test_the_lm_steps_stream_bit_identically_through_the_pipeline_from_their_bin
     assert [(s.graph, s.kind, s.rewritten, s.reason) for s in report.sites] == [
         ("lm_step[n=1,L=3000]", "ring", False,
          f"{ring}: written in place by the step (scatter__1): the carry is the ring, nothing to rewrite"),
-        ("depformer_step[n=1,L=8]", "ring", False, f"{ring}: not written by the step: passed through at its address"),
+        (DEPFORMER, "ring", False, f"{ring}: not written by the step: passed through at its address"),
     ]
 
 

@@ -14,7 +14,7 @@ from moshi_checkpoint_kit import stored, vendor_models, write_checkpoint
 
 from cadence_fx import transform
 from cadence_fx.models.moshi_checkpoint import CheckpointNotFound, CheckpointUnsupported, locate
-from cadence_fx.models.moshi_replay import contract_for
+from cadence_fx.models.moshi import contract_for
 from cadence_fx.models.moshi_stream import FULL, TINY, MoshiConfig, build_models, random_pcm, stream_reference
 
 FRAMES = 10
@@ -93,9 +93,11 @@ def test_on_cuda_the_replayed_checkpoint_streams_the_vendors_eager_tokens_and_pc
             want = stream_reference(vendor, pcm, sampling=sampling, seed=seed)
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.pcm, want.pcm), (sampling, seed)
     counters = transformed.counters()
-    for name in ("mimi_encode", "lm_step", "mimi_decode", "depformer_step[sampling]", "depformer_step[greedy]"):
-        assert counters[name]["captures"] == 1 and counters[name]["eager"] == 0, (name, counters[name])
-        assert counters[name]["replays"] == counters[name]["calls"], (name, counters[name])
+    for name, classes in (("mimi_encode", 1), ("lm_step", 1), ("mimi_decode", 1), ("depformer_step", 2)):
+        bound, replay = counters[name], counters[name]["replay"]
+        assert bound["stock"] == 0 and bound["graph_calls"] == bound["calls"], (name, bound)
+        assert replay["captures"] == classes and replay["eager"] == 0, (name, replay)
+        assert replay["replays"] == replay["calls"] == bound["calls"] - 2 * classes, (name, replay)
 
 
 def test_a_checkpoint_moves_to_a_worker_as_json_and_back_unchanged(checkpoint):

@@ -9,7 +9,7 @@ import torch
 from moshi.modules.transformer import RingKVCache
 
 from cadence_fx import derive, transform
-from cadence_fx.models.moshi_replay import contract_for
+from cadence_fx.models.moshi import contract_for
 from cadence_fx.models.moshi_slots import Tick, transform_slots, vendor_slots
 from cadence_fx.models.moshi_stream import TINY, build_models, random_pcm, stream_reference
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cadence_fx.models.moshi_replay import contract_for
+from cadence_fx.models.moshi import contract_for
 from cadence_fx.models.moshi_slots import Tick, transform_bound_slots, vendor_slots
 from cadence_fx.models.moshi_stream import SMALL, TINY, build_models, random_pcm
 
@@ -43,6 +43,10 @@ def run(device: str, size, sampling: bool):
     return runtime, report
 
 
+#: The depformer's modes besides the sampling switch: `LMGen`'s defaults.
+SAMPLING = "self.temp=0.8, self.top_k=250, self.cfg_coef=1.0"
+
+
 @pytest.mark.parametrize("sampling", [True, False], ids=["sampling", "greedy"])
 def test_every_tick_is_the_vendors_batched_call_bit_for_bit_from_the_bindings(sampling):
     runtime, report = run("cpu", TINY, sampling)
@@ -55,7 +59,7 @@ def test_every_tick_is_the_vendors_batched_call_bit_for_bit_from_the_bindings(sa
         "mimi_encode": [("mimi_encode[n=2,L=250]", None)],
         "mimi_decode": [("mimi_decode[n=2,L=250]", None)],
         "lm_step": [("lm_step[n=1,L=3000]", None)],
-        "depformer_step": [("depformer_step[n=1,L=8]", None)],
+        "depformer_step": [(f"depformer_step[n=1,L=8]{{self.use_sampling={sampling}, {SAMPLING}}}", None)],
     }
     state = runtime.lm_gen._streaming_state
     assert (state.graphed_main, state.graphed_depth) == (report.operators["lm_step"], report.operators["depformer_step"])

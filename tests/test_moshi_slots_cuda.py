@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cadence_fx.models.moshi_replay import contract_for
+from cadence_fx.models.moshi import contract_for
 from cadence_fx.models.moshi_slots import Tick, transform_slots, vendor_slots
 from cadence_fx.models.moshi_stream import SMALL, build_models, random_pcm
 

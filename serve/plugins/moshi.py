@@ -135,7 +135,7 @@ import torch
 from cadence_fx.determinism import pin_deterministic
 from cadence_fx.memory import DeviceMemory
 from cadence_fx.models.moshi_checkpoint import MoshiCheckpoint, locate
-from cadence_fx.models.moshi_replay import contract_for
+from cadence_fx.models.moshi import contract_for
 from cadence_fx.models.moshi_slots import (
     WARM_UP_TICKS,
     BoundSlots,

@@ -1,4 +1,5 @@
-"""Moshi transformed (owned state, replay bindings), reduced size on a CPU, against the vendor."""
+"""Moshi transformed from its two bindings on the one pipeline (`models/moshi_bound.py`), reduced
+size on a CPU, against the vendor's own loop."""
 
 import json
 import subprocess
@@ -9,12 +10,13 @@ import pytest
 import torch
 
 from cadence_fx import transform
-from cadence_fx.models.moshi import moshi_contract
-from cadence_fx.models.moshi_replay import Stage, contract_for
+from cadence_fx.models.moshi import contract_for, moshi_contract
+from cadence_fx.models.moshi_bound import WARM_UP_FRAMES
 from cadence_fx.models.moshi_stream import SMALL, build_models, random_pcm, stream_reference
 
 FRAMES, SEEDS = 50, (7, 8, 9)
 GREEDY_SEED = 3
+SAMPLING = "self.temp=0.8, self.top_k=250, self.cfg_coef=1.0"
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def streams(models):
                     tokens.append(codes)
                     audio.append(out)
             addresses.append(transformed.state.addresses())
-            offsets.append(models.lm.transformer.layers[0].self_attn._streaming_state.offset_cpu)
+            offsets.append(transformed.models.lm.transformer.layers[0].self_attn._streaming_state.offset_cpu)
         runs.append((sampling, reference, torch.cat(tokens, dim=-1), torch.cat(audio, dim=-1)))
     counters = transformed.counters()
     return transformed, report, runs, addresses, offsets, counters
@@ -66,44 +68,51 @@ def test_the_streams_differ_from_each_other(streams):
     assert len({tuple(tokens.flatten().tolist()) for _, _, tokens, _ in runs}) == len(runs)
 
 
-def test_counters_show_every_admission(streams):
+def test_counters_show_every_call_through_its_graph(streams):
     *_, counters = streams
-    sampled, greedy = len(SEEDS) * FRAMES, FRAMES
-    frames, decoded = sampled + greedy, (len(SEEDS) + 1) * (FRAMES - 1)
+    warm = 2 * WARM_UP_FRAMES  # silence at construction, in each decoding mode
+    sampled, greedy = len(SEEDS) * FRAMES + WARM_UP_FRAMES, FRAMES + WARM_UP_FRAMES
+    frames = sampled + greedy
+    decoded = frames - (len(SEEDS) + 1 + 2)  # no tokens on each session's first frame
+    assert warm + (len(SEEDS) + 1) * FRAMES == frames
 
-    def eager(calls, reason):
-        return {"calls": calls, "captures": 0, "replays": 0, "eager": calls, "invalidations": 0, "fallbacks": {reason: calls}}
+    def bound(calls, verified):
+        return {"calls": calls, "graph_calls": calls, "verified": verified, "stock": 0}
 
-    # Without CUDA every admitted call runs eagerly (no_cuda); the sampling depformer reads the
-    # CPU generator, a host RNG, so its class is refused for good (host_rng).
-    assert counters == {
-        "mimi_encode": eager(frames, "no_cuda"),
-        "lm_step": eager(frames, "no_cuda"),
-        "mimi_decode": eager(decoded, "no_cuda"),
-        "depformer_step[sampling]": eager(sampled, "host_rng"),
-        "depformer_step[greedy]": eager(greedy, "no_cuda"),
+    def eager(calls, **fallbacks):
+        return {"calls": calls, "captures": 0, "replays": 0, "eager": calls, "invalidations": 0, "fallbacks": fallbacks}
+
+    # Every call runs its class's graph; the first two of each class ran beside the stock call
+    # (verified), the others went through the replay engine, which without CUDA runs the graph
+    # eagerly (no_cuda). The sampling depformer reads the CPU generator, a host RNG, so the engine
+    # refuses to capture it (host_rng) and runs its graph eagerly too.
+    got = {name: {k: v for k, v in c.items() if k not in ("adopted", "stock_by_reason")} for name, c in counters.items()}
+    assert got == {
+        "mimi_encode": {**bound(frames, 2), "replay": eager(frames - 2, no_cuda=frames - 2)},
+        "mimi_decode": {**bound(decoded, 2), "replay": eager(decoded - 2, no_cuda=decoded - 2)},
+        "lm_step": {**bound(frames, 2), "replay": eager(frames - 2, no_cuda=frames - 2)},
+        "depformer_step": {**bound(frames, 4), "replay": eager(frames - 4, host_rng=sampled - 2, no_cuda=greedy - 2)},
     }
+    # The LM step took each ring and device-side offset at one address at its first call (two
+    # layers: a ring, an offset and a ring end each; the transformer's offsets), never again.
+    assert counters["lm_step"]["adopted"] == 7
 
 
-def test_each_binding_has_one_certified_class_from_the_catalog(streams):
+def test_each_operator_has_one_class_per_decoding_mode_from_the_catalog(streams):
     transformed, report, *_ = streams
     assert {op.name: op.width for op in report.catalog.operators} == {
         "mimi_encode": 1, "lm_step": 1, "depformer_step": 1, "mimi_decode": 1,
     }
-    verdicts = {name: [(c.shape_class, c.admitted) for c in engine.certificates.values()]
-                for name, engine in transformed.replays.items()}
-    assert verdicts == {
-        "mimi_encode": [("mimi_encode ring=250", True)],
-        "lm_step": [("lm_step ring=3000", True)],
-        "mimi_decode": [("mimi_decode ring=250", True)],
-        "depformer_step[sampling]": [("depformer_step ring=8", False)],
-        "depformer_step[greedy]": [("depformer_step ring=8", True)],
-    }
-    sampling = next(iter(transformed.replays["depformer_step[sampling]"].certificates.values()))
-    assert sampling.host_rng == ("torch.get_rng_state",)
+    assert [cls.name for model in transformed.bound.values() for op in model.operators.values() for cls in op.classes.values()] == [
+        "mimi_encode[n=2,L=250]", "mimi_decode[n=2,L=250]", "lm_step[n=1,L=3000]",
+        f"depformer_step[n=1,L=8]{{self.use_sampling=True, {SAMPLING}}}",
+        f"depformer_step[n=1,L=8]{{self.use_sampling=False, {SAMPLING}}}",
+    ]
+    assert all(not cls.refused for model in transformed.bound.values() for op in model.operators.values()
+               for cls in op.classes.values())
 
 
-def test_the_owned_state_keeps_one_address_per_tensor_across_sessions(streams):
+def test_the_streaming_state_keeps_one_address_per_tensor_across_sessions(streams):
     transformed, _, _, addresses, *_ = streams
     originals = [slot.tensor.data_ptr() for slot in transformed.state.tensors]
     assert addresses == [originals] * len(addresses)
@@ -114,75 +123,43 @@ def test_the_probationary_call_leaves_host_counters_as_eager_does(streams):
     assert offsets == [FRAMES] * (len(SEEDS) + 1)
 
 
-def test_each_stage_on_the_owned_state_gives_its_binding_the_host_counters(streams):
+def test_the_vendors_glue_calls_the_bound_lm_steps(streams):
     transformed, *_ = streams
-    for name in ("mimi_encode", "lm_step", "mimi_decode"):
-        stage = transformed.stages[name]
-        assert stage.engine.host_counters is stage.state
-    # What a replay does to them: every counter written at once, each one a vendor attribute.
-    lm = transformed.stages["lm_step"].state
-    with transformed.session(sampling=False, seed=0):
-        attention = transformed.models.lm.transformer.layers[0].self_attn._streaming_state
-        index = next(i for i, (owner, attr, _) in enumerate(lm.counters) if owner is attention and attr == "offset_cpu")
-        values = lm.read()
-        assert values[index] == attention.offset_cpu == 0
-        lm.write([v + 1 for v in values])
-        assert attention.offset_cpu == 1
-        lm.write(values)
-        assert lm.read() == values
+    gen_state = transformed.lm_gen._streaming_state
+    assert gen_state.graphed_main is transformed.bound["lm"].operators["lm_step"]
+    assert gen_state.graphed_depth is transformed.bound["lm"].operators["depformer_step"]
 
 
-def test_the_vendors_state_rebinding_becomes_an_in_place_write(streams, models):
-    transformed, *_ = streams
-    encode = transformed.stages["mimi_encode"]
-    # The replicate-padded downsampling conv rebinds `state.first` on every encode call, the probe
-    # included; each time the value lands in the original tensor, which stays bound.
-    assert encode.state.rebinds == encode.engine.counters.calls + 1
-    assert all(getattr(slot.owner, slot.attr) is slot.tensor for slot in encode.state.tensors)
-
-
-def test_vendor_graph_wrappers_are_gone_from_the_owned_state(streams, models):
-    transformed, *_ = streams
-    mimi_state = transformed.state.states["mimi"][""]
-    gen_state = transformed.state.states["lm_gen"][""]
-    assert mimi_state.graphed_encoder is models.mimi.encoder
-    assert mimi_state.graphed_decoder is models.mimi.decoder
-    assert mimi_state.graphed_tr_enc is models.mimi.encoder_transformer
-    assert mimi_state.graphed_tr_dec is models.mimi.decoder_transformer
-    assert isinstance(gen_state.graphed_main, Stage) and isinstance(gen_state.graphed_depth, Stage)
-
-
-def test_rings_are_the_carries_and_sit_at_the_derived_bounds(streams):
+def test_every_ring_is_the_vendors_own_written_in_place(streams):
     _, report, *_ = streams
-    assert {r.region: (r.stock_shape, r.demand_shape) for r in report.resizes} == {
-        "mimi_encoder_kv": ((2, 2, 1, 2, 250, 64),) * 2,
-        "mimi_decoder_kv": ((2, 2, 1, 2, 250, 64),) * 2,
-        "lm_kv": ((2, 2, 1, 4, 3000, 32),) * 2,
-        "depformer_kv": ((2, 2, 1, 4, 8, 16),) * 2,
-    }
+    written = {(s.graph.split("[")[0], s.region) for s in report.sites if "written in place" in s.reason}
+    assert written == {("mimi_encode", "mimi_encoder_kv"), ("mimi_decode", "mimi_decoder_kv"), ("lm_step", "lm_kv")}
+    assert report.carries == {} and not any(s.rewritten for s in report.sites)
 
 
-def test_the_input_models_are_free_between_sessions(streams, models):
+def test_the_input_models_never_stream_for_it(streams, models):
     transformed, *_ = streams
-    assert not any(m.is_streaming for m in (models.mimi, models.lm, transformed.lm_gen))
-    busy = pytest.raises(RuntimeError, match="mimi is already streaming")
-    with models.mimi.streaming(1), busy, transformed.session(sampling=False, seed=0):
-        pass
+    assert not any(m.is_streaming for m in (models.mimi, models.lm))
+    assert transformed.models.mimi is not models.mimi and transformed.models.lm.text_linear.weight is models.lm.text_linear.weight
+    with transformed.session(sampling=False, seed=0), pytest.raises(RuntimeError, match="a session is already open"):
+        with transformed.session(sampling=False, seed=0):
+            pass
 
 
-def test_replay_off_streams_the_same_on_the_owned_state(models):
+def test_replay_off_streams_the_same_through_the_graphs(models):
     transformed, report = transform(models, contract_for(SMALL), replay=False)
     pcm = random_pcm(10, seed=5)
     got = transformed.stream(pcm, sampling=True, seed=1)
     want = stream_reference(models, pcm, sampling=True, seed=1)
-    assert report.replays == {}
+    assert report.replays == {} and transformed.replays == {}
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.pcm, want.pcm)
 
 
 def test_a_contract_for_another_model_is_refused(models):
     with pytest.raises(ValueError, match=r"region 'lm_kv' declares bfloat16, the LM runs in torch.float32"):
         transform(models, moshi_contract())
-    with pytest.raises(ValueError, match=r"lm.transformer: the vendor's rings stack to \(2, 2, 1, 4, 3000, 32\)"):
+    with pytest.raises(ValueError, match=r"region 'lm_kv': the binding's paths .* reach 2 tensors .* the contract's "
+                                         r"leading dims \(32,\) ask for 32"):
         transform(models, moshi_contract(lm_dtype="float32", mimi_layers=2, mimi_heads=2, mimi_dim=128))
 
 
@@ -199,13 +176,14 @@ def test_the_benchmark_smoke_mode_runs_every_arm_bit_exact_on_a_cpu(tmp_path):
     assert record["eager_repeats_itself"] is True
     one = {"tokens": 1, "pcm": 1, "of": 1}
     assert all(arm["streams_equal_to_eager"] == {"sampling": one, "greedy": one} for arm in record["arms"].values())
-    assert record["arms"]["cadence"]["replay"]["lm_step"]["calls"] == 2 * (3 + 10)  # warm-up and measured, both modes
+    # the transform's own warm-up, then the benchmark's warm-up and measured frames, both modes
+    assert record["arms"]["cadence"]["replay"]["lm_step"]["calls"] == 2 * (WARM_UP_FRAMES + 3 + 10)
     assert record["summary"]["target_bit_exact_all_streams"] is True
     assert record["png"] in ("skipped: matplotlib is not installed", str(out.with_suffix(".png")))
     assert {"commit", "command", "device", "torch", "determinism"} <= set(record)
 
 
-def test_two_streams_taking_turns_on_one_owned_state_each_equal_the_vendor_alone():
+def test_two_streams_taking_turns_on_one_streaming_state_each_equal_the_vendor_alone():
     """The one transformed interface: inside one session, two sampled streams swap their state in
     and out frame by frame (`swap_in` / `swap_out`), and each equals the vendor's loop run alone."""
     models = build_models(SMALL)  # its own models: the module fixture's are shared with the tests above
@@ -214,7 +192,7 @@ def test_two_streams_taking_turns_on_one_owned_state_each_equal_the_vendor_alone
     pcms = [random_pcm(frames, seed=200 + i) for i in range(2)]
     outputs = [([], []), ([], [])]
     with transformed.session(sampling=True, seed=0) as step:
-        states = [transformed.session_state(seed) for seed in seeds]  # both from the fresh owned state
+        states = [transformed.session_state(seed) for seed in seeds]  # both from the fresh streaming state
         for t in range(frames):
             for i, state in enumerate(states):
                 transformed.swap_in(state)
