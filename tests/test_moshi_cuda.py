@@ -49,7 +49,7 @@ def test_replayed_stages_give_the_vendors_eager_tokens_and_pcm_and_move_its_coun
                     tokens.append(codes)
                     audio.append(out)
             # Replays run no Python: the binding moved the vendor's host counters as eager would.
-            offset = models.lm.transformer.layers[0].self_attn._streaming_state.offset_cpu
+            offset = transformed.models.lm.transformer.layers[0].self_attn._streaming_state.offset_cpu
         assert offset == FRAMES
         assert torch.equal(torch.cat(tokens, dim=-1), reference.tokens)
         assert torch.equal(torch.cat(audio, dim=-1), reference.pcm)
