@@ -403,6 +403,12 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
             if _segments(path)[0] not in parameters:
                 raise BindingError(field, f"{path!r} starts at {_segments(path)[0]!r}, which is not an argument of "
                                           f"{ob.method}; its arguments: {sorted(parameters)}")
+        for j, path in enumerate(ob.modes):
+            if _segments(path)[0] == SELF:  # the model is here now: a misspelt mode fails at once, not at a call
+                try:
+                    get_path({SELF: model}, path)
+                except (AttributeError, KeyError, IndexError, TypeError) as error:
+                    raise BindingError(f"operators[{i}].modes[{j}]", f"{path!r} does not resolve on the model: {error}") from None
         signatures[ob.operator] = signature
     reached = {rb.region for ob in binding.operators for rb in operator_regions(binding, ob, signatures[ob.operator])}
     reached |= {operators[ob.operator].region for ob in binding.operators}  # a per_call region has no paths

@@ -25,7 +25,7 @@ class Family:
     """`contract`: the default contract's factory. How `transform(model, contract)` runs without a
     binding: `binding`, ``binding(model, contract) -> Binding`` (it may refuse a model that does not
     fit the contract), puts the family on the one pipeline; `compose`, for a family whose model is
-    several models (``compose(model, contract, *, audit, replay) -> (transformed, report)``),
+    several models (``compose(model, contract, *, audit, replay, budget) -> (transformed, report)``),
     transforms each part from its own binding on the same pipeline and assembles them; `adapter`,
     the family's own transform, is for the families not moved onto it yet. `reference`: builds the reference model at a depth
     on a device, for the CLI's diff (``reference(depth, device) -> (model, contract, stream)``,

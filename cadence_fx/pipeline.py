@@ -417,17 +417,19 @@ class BoundOperator:
         # The state's shapes are bounded by the catalogs (another region's extent varies by its
         # own); only what the inputs bring (host values, layouts) makes variants of one class.
         shapes = tuple(None if v is None else tuple(v.shape) for v in state)
-        key = (units, extent, shapes, tuple(modes.items()), signature.catalog_key)
+        # A mode by its type and repr: values equal to Python (True and 1, 0.0 and -0.0) are not the same program.
+        mode_key = tuple((path, type(value).__name__, repr(value)) for path, value in modes.items())
+        key = (units, extent, shapes, mode_key, signature.catalog_key)
         cls = self.classes.get(key)
         if cls is None:
-            variants = [k for k in self.classes if k[:4] == key[:4]]
+            variants = [k for k in self.classes if k[:3] == key[:3]]
             if len(variants) >= VARIANTS:
-                # A host value (an int position, say) that changes every call would make every
-                # call a new graph: fail closed, once said, instead of exporting without end.
+                # A host value (an int position, say, or a mode) that changes every call would make
+                # every call a new graph: fail closed, once said, instead of exporting without end.
                 if (units, extent) not in self._unbounded:
                     self._unbounded.add((units, extent))
                     self.report.stamps.append(
-                        f"{class_name(self.ob.operator, units, extent)}: the calls' host values or layouts differ ({VARIANTS} "
+                        f"{class_name(self.ob.operator, units, extent)}: the calls' host values, modes or layouts differ ({VARIANTS} "
                         f"variants captured, now {signature.describe()}): runs the stock code from here; pass a value "
                         "that changes every call as a tensor, or bind it as a counter")
                 return self._stock(roots, inputs, "variants")
@@ -599,6 +601,12 @@ class BoundOperator:
         call) is taken into its carry now, so the state object holds the carry from this call on."""
         for place, site, value in zip(places, self.sites, new_state):
             if site.out is None:
+                held = self.held.get(site.path) if site.region is None else None
+                if held is not None and value is not None and value is not held:
+                    # A device-side counter the step rebinds (`state.first = torch.where(...)`):
+                    # its new value written into the one tensor it is kept at.
+                    held.copy_(value)
+                    value = held
                 place.set(value)
                 if site.region is not None and value is not None and not self.carries[site.path].holds(value):
                     self._carry_view(place, site)

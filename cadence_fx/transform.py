@@ -42,8 +42,10 @@ class TransformReport:
 
     @classmethod
     def merged(cls, reports: list[TransformReport]) -> TransformReport:
-        """One report of a model transformed in parts (each part from its own binding), in order."""
-        merged = cls(family=reports[0].family, catalog=reports[0].catalog, determinism=reports[0].determinism)
+        """One report of a model transformed in parts (each part from its own binding), in order: a
+        snapshot of the parts' reports as they stand (the first part's shadow auditor, if any)."""
+        auditor = next((r.auditor for r in reports if r.auditor is not None), None)
+        merged = cls(family=reports[0].family, catalog=reports[0].catalog, determinism=reports[0].determinism, auditor=auditor)
         for report in reports:
             merged.stamps.extend(report.stamps)
             merged.sites.extend(report.sites)
@@ -163,10 +165,10 @@ def transform(
     if declared is not None and declared.compose is not None:
         if not capture:
             raise ValueError("a bound model's carries live in its rewritten graphs: capture=False has nothing to run")
-        return load(declared.compose)(model, contract, audit=audit, replay=replay)
+        return load(declared.compose)(model, contract, audit=audit, replay=replay, budget=budget)
     if declared is None or declared.adapter is None:
         having = sorted(name for name, f in families().items() if f.adapter or f.binding or f.compose)
-        raise ValueError(f"no binding given, and {contract.family!r} is no family with its own binding or adapter ({having}): "
+        raise ValueError(f"no binding given, and {contract.family!r} is no family with its own binding, composer or adapter ({having}): "
                          "pass transform(model, contract, binding) (README: Bring your own model)")
     adapter = load(declared.adapter)
     return adapter.transform(model, contract, catalog, audit=audit, capture=capture, replay=replay)

@@ -250,19 +250,30 @@ def contract_for(config, slots: int = 1) -> Contract:
 
 def check_models(models: Any, contract: Contract) -> None:
     """What the contract says that the bindings cannot check: Mimi's and the LM's rates and dtype,
-    and no attention that picks its weights by a host counter (a graph would freeze it)."""
+    the depformer's ring (allocated inside each call), and no attention that picks its weights by a
+    host counter (a graph would freeze it)."""
     mimi, lm = models.mimi, models.lm
     symbols = contract.symbols()
+    attention = lm.depformer.layers[0].self_attn
     found = {
         "codebooks": lm.dep_q,
         "samples_per_frame": mimi.frame_size,
         "mimi_steps_per_frame": mimi.encoder_frame_rate / mimi.frame_rate,
+    }
+    # The depformer's ring lives inside each call (no path to check it at): its shape here.
+    depformer = {
+        "depformer_layers": len(lm.depformer.layers),
+        "depformer_heads": attention.num_heads,
+        "depformer_head_dim": attention.embed_dim // attention.num_heads,
     }
     for name, actual in found.items():
         if symbols[name] != actual:
             raise ValueError(f"contract quantity {name}={symbols[name]} but the model has {actual}: declare {name}={actual}")
     if DTYPES[contract.region("lm_kv").dtype] != lm.dtype:
         raise ValueError(f"region 'lm_kv' declares {contract.region('lm_kv').dtype}, the LM runs in {lm.dtype}")
+    for name, actual in depformer.items():
+        if symbols[name] != actual:
+            raise ValueError(f"contract quantity {name}={symbols[name]} but the model has {actual}: declare {name}={actual}")
     for path, module in (("mimi", mimi), ("lm.transformer", lm.transformer)):
         stepped = [n for n, m in module.named_modules() if len(getattr(m, "in_projs", ())) > 1]
         if stepped:

@@ -144,7 +144,8 @@ class BoundMoshi(Transformed):
         self._streaming.close()
 
 
-def transform_moshi(models: MoshiModels, contract: Contract, *, audit: bool, replay: bool) -> tuple[BoundMoshi, TransformReport]:
+def transform_moshi(models: MoshiModels, contract: Contract, *, audit: bool, replay: bool,
+                    budget: int) -> tuple[BoundMoshi, TransformReport]:
     """The family's hook (`Family.compose`): `models` (Mimi + LM, one device) for one session at a
     time, each model transformed from its binding on the one pipeline. The lazily derived codebook
     caches the calls read are filled in `models` first, as the vendor's first call would. It then
@@ -164,20 +165,27 @@ def transform_moshi(models: MoshiModels, contract: Contract, *, audit: bool, rep
     models = shared_copy(models)
     lm_gen = LMGen(models.lm, use_sampling=True)
     streaming = contextlib.ExitStack()
-    streaming.enter_context(models.mimi.streaming(1))
-    streaming.enter_context(lm_gen.streaming(1))
-    bound, reports = {}, {}
-    bound["mimi"], reports["mimi"] = transform(models.mimi, contract, MIMI_BINDING, audit=audit, replay=replay)
-    bound["lm"], reports["lm"] = transform(lm_gen, contract, MOSHI_LM_BINDING, audit=audit, replay=replay)
-    gen_state = lm_gen._streaming_state
-    gen_state.graphed_main, gen_state.graphed_depth = bound["lm"].operators["lm_step"], bound["lm"].operators["depformer_step"]
-    transformed = BoundMoshi(models, lm_gen, bound, reports, streaming)
-    device = transformed.device()
-    silence = torch.zeros(1, models.mimi.channels, models.mimi.frame_size, device=device)
-    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-        for sampling in (True, False):
-            with transformed.session(sampling=sampling, seed=0) as step:
-                for _ in range(WARM_UP_FRAMES):
-                    step(silence)
-    transformed.state  # noqa: B018 - settles the resident state: its addresses from here on
+    try:
+        streaming.enter_context(models.mimi.streaming(1))
+        streaming.enter_context(lm_gen.streaming(1))
+        bound, reports = {}, {}
+        options = dict(audit=audit, replay=replay, budget=budget)
+        bound["mimi"], reports["mimi"] = transform(models.mimi, contract, MIMI_BINDING, **options)
+        bound["lm"], reports["lm"] = transform(lm_gen, contract, MOSHI_LM_BINDING, **options)
+        gen_state = lm_gen._streaming_state
+        gen_state.graphed_main = bound["lm"].operators["lm_step"]
+        gen_state.graphed_depth = bound["lm"].operators["depformer_step"]
+        transformed = BoundMoshi(models, lm_gen, bound, reports, streaming)
+        device = transformed.device()
+        silence = torch.zeros(1, models.mimi.channels, models.mimi.frame_size, device=device)
+        # Every generator `session` seeds (`torch.manual_seed`: the CPU's and every GPU's) put back after.
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if device.type == "cuda" else []):
+            for sampling in (True, False):
+                with transformed.session(sampling=sampling, seed=0) as step:
+                    for _ in range(WARM_UP_FRAMES):
+                        step(silence)
+        transformed.state  # noqa: B018 - settles the resident state: its addresses from here on
+    except BaseException:
+        streaming.close()
+        raise
     return transformed, transformed.report

@@ -123,3 +123,46 @@ def test_a_mode_must_be_a_host_value():
     bound, _ = transform(model, contract(), binding(("self.proj",)))
     with pytest.raises(TypeError, match="mode 'self.proj' is Linear; a mode is a host value"):
         bound(torch.zeros(1, STEP, DIM), Cache())
+
+
+class Reciprocal(nn.Module):
+    """A window whose output is divided by `self.scale`: 0.0 and -0.0 give +inf and -inf."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = 0.0
+
+    def forward(self, x: torch.Tensor, cache: Cache):
+        full = x if cache.kept is None else torch.cat([cache.kept, x], dim=1)
+        cache.kept = full[:, -WINDOW:]
+        return full[:, -x.shape[1]:] / torch.full_like(x, self.scale)
+
+
+def test_modes_equal_to_python_but_not_the_same_program_are_classes_apart():
+    """0.0 == -0.0 in Python, yet dividing by one or the other gives infinities of opposite signs:
+    a mode is told apart by its type and repr, and the replay engine admits each call to its own."""
+    scales = [0.0, 0.0, 0.0, 0.0, -0.0, -0.0, 0.0, -0.0, 0.0]
+    frames = torch.rand(1, CALLS * STEP, DIM, generator=torch.Generator().manual_seed(2)) + 1.0
+    stock, model = Reciprocal(), Reciprocal()
+    bound, report = transform(model, contract(), binding(("self.scale",)))
+    cache, stock_cache, outputs, expected = Cache(), Cache(), [], []
+    with torch.no_grad():
+        for call, scale in enumerate(scales):
+            model.scale = stock.scale = scale
+            chunk = frames[:, call * STEP:(call + 1) * STEP]
+            outputs.append(bound(chunk, cache))
+            expected.append(stock(chunk, stock_cache))
+    assert all(torch.equal(a, e) for a, e in zip(outputs, expected, strict=True))
+    assert sorted(bound.calls) == ["smooth[n=2,L=0]{self.scale=0.0}", "smooth[n=2,L=2]{self.scale=0.0}",
+                                   "smooth[n=2,L=4]{self.scale=-0.0}", "smooth[n=2,L=4]{self.scale=0.0}"]
+    # Past the first visits of each class (verified: one each at L=0 and L=2, two at each mode of
+    # L=4), every call went through the replay engine (eager without CUDA),
+    # never missing it: the engine keys each call with its modes as the pipeline named it.
+    counters = report.operators["smooth"].counters
+    assert (counters.calls, counters.graph_calls, counters.verified, counters.stock) == (CALLS, CALLS, 6, 0)
+    assert dict(report.replays["smooth"].counters.fallbacks) == {"no_cuda": CALLS - 6}
+
+
+def test_a_misspelt_mode_on_the_model_is_refused_when_the_transform_starts():
+    with pytest.raises(BindingError, match=r"binding.operators\[0\].modes\[0\]: 'self.sumING' does not resolve on the model"):
+        transform(Switched(), contract(), binding(("self.sumING",)))

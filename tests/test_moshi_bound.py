@@ -28,6 +28,7 @@ def models():
 def streams(models):
     """Three sampled streams and one greedy stream, each from both models, interleaved."""
     transformed, report = transform(models, contract_for(SMALL))
+    adopted = {name: c["adopted"] for name, c in transformed.counters().items()}  # after the construction's warm-up
     runs, addresses, offsets = [], [], []
     for i, (sampling, seed) in enumerate([(True, s) for s in SEEDS] + [(False, GREEDY_SEED)]):
         pcm = random_pcm(FRAMES, seed=100 + i)
@@ -43,7 +44,7 @@ def streams(models):
             offsets.append(transformed.models.lm.transformer.layers[0].self_attn._streaming_state.offset_cpu)
         runs.append((sampling, reference, torch.cat(tokens, dim=-1), torch.cat(audio, dim=-1)))
     counters = transformed.counters()
-    return transformed, report, runs, addresses, offsets, counters
+    return transformed, report, runs, addresses, offsets, counters, adopted
 
 
 def test_three_sampled_streams_give_the_vendors_tokens_and_pcm_bit_for_bit(streams):
@@ -69,12 +70,12 @@ def test_the_streams_differ_from_each_other(streams):
 
 
 def test_counters_show_every_call_through_its_graph(streams):
-    *_, counters = streams
+    *_, counters, _ = streams
     warm = 2 * WARM_UP_FRAMES  # silence at construction, in each decoding mode
     sampled, greedy = len(SEEDS) * FRAMES + WARM_UP_FRAMES, FRAMES + WARM_UP_FRAMES
     frames = sampled + greedy
-    decoded = frames - (len(SEEDS) + 1 + 2)  # no tokens on each session's first frame
-    assert warm + (len(SEEDS) + 1) * FRAMES == frames
+    decoded = frames - (len(SEEDS) + 1 + 2)  # no tokens on each session's first frame (the two warm-up ones too)
+    assert frames == warm + (len(SEEDS) + 1) * FRAMES
 
     def bound(calls, verified):
         return {"calls": calls, "graph_calls": calls, "verified": verified, "stock": 0}
@@ -113,13 +114,20 @@ def test_each_operator_has_one_class_per_decoding_mode_from_the_catalog(streams)
 
 
 def test_the_streaming_state_keeps_one_address_per_tensor_across_sessions(streams):
-    transformed, _, _, addresses, *_ = streams
+    """Every tensor the graphs read as state is one of the streaming state's own, and no call after
+    the construction's warm-up had to take a tensor into its address again (`adopted`): what the
+    vendor rebinds (Mimi's padded convs' `first` flags) is written into the one tensor it keeps."""
+    transformed, _, _, addresses, _, counters, adopted = streams
+    owned = {id(slot.tensor) for slot in transformed.state.tensors}
+    held = [t for model in transformed.bound.values() for op in model.operators.values() for t in op.held.values()]
+    assert held and all(id(t) in owned for t in held)
+    assert {name: c["adopted"] for name, c in counters.items()} == adopted
     originals = [slot.tensor.data_ptr() for slot in transformed.state.tensors]
     assert addresses == [originals] * len(addresses)
 
 
 def test_the_probationary_call_leaves_host_counters_as_eager_does(streams):
-    *_, offsets, _ = streams
+    *_, offsets, _, _ = streams
     assert offsets == [FRAMES] * (len(SEEDS) + 1)
 
 
@@ -160,7 +168,12 @@ def test_a_contract_for_another_model_is_refused(models):
         transform(models, moshi_contract())
     with pytest.raises(ValueError, match=r"region 'lm_kv': the binding's paths .* reach 2 tensors .* the contract's "
                                          r"leading dims \(32,\) ask for 32"):
-        transform(models, moshi_contract(lm_dtype="float32", mimi_layers=2, mimi_heads=2, mimi_dim=128))
+        transform(models, moshi_contract(lm_dtype="float32", mimi_layers=2, mimi_heads=2, mimi_dim=128,
+                                         depformer_layers=2, depformer_heads=4, depformer_dim=64))
+    with pytest.raises(ValueError, match=r"contract quantity depformer_layers=7 but the model has 2: declare depformer_layers=2"):
+        transform(models, moshi_contract(
+            lm_dtype="float32", mimi_layers=2, mimi_heads=2, mimi_dim=128, lm_layers=2, lm_heads=4, lm_dim=128,
+            depformer_layers=7, depformer_heads=4, depformer_dim=64))
 
 
 @pytest.mark.slow
