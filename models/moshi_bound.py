@@ -47,7 +47,9 @@ class BoundMoshi(Transformed):
     binds the sampling switch as a mode, so sampled and greedy sessions each run their own graphs.
     Several streams take turns on it through `session_state` / `swap_in` / `swap_out`
     (`cadence_fx.transformed`): the resident state is every tensor and host counter of the
-    modules' streaming state (`OwnedState`), at one address each for the model's life."""
+    modules' streaming state (`OwnedState`), at one address each for the model's life. A fresh
+    stream's state is the one a session starts from: take `session_state`s inside a session, before
+    its first frame (outside one, the resident state is where the last session left it)."""
 
     def __init__(self, models: MoshiModels, lm_gen: Any, bound: dict[str, BoundModel],
                  reports: dict[str, TransformReport], streaming: contextlib.ExitStack):
