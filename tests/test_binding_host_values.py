@@ -99,7 +99,7 @@ def test_a_position_passed_as_an_int_stops_capturing_after_a_few_variants_and_sa
     assert len(op.classes) == 2 + VARIANTS
     assert op.counters.stock_by_reason == {"variants": CALLS - 2 - VARIANTS}
     (stamp,) = [s for s in report.stamps if "variants captured" in s]
-    assert stamp.startswith(f"smooth[n={STEP},L={WINDOW}]: the calls' host values or layouts differ ({VARIANTS} variants captured, now ")
+    assert stamp.startswith(f"smooth[n={STEP},L={WINDOW}]: the calls' host values, modes or layouts differ ({VARIANTS} variants captured, now ")
     assert stamp.endswith("pass a value that changes every call as a tensor, or bind it as a counter")
 
 
