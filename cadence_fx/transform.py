@@ -155,17 +155,16 @@ def transform(
     declared = families().get(contract.family)
     if binding is None and declared is not None and declared.binding is not None:
         binding = load(declared.binding)(model, contract)
+    compose = declared.compose if binding is None and declared is not None else None
+    if (binding is not None or compose is not None) and not capture:
+        raise ValueError("a bound model's carries live in its rewritten graphs: capture=False has nothing to run")
     if binding is not None:
-        if not capture:
-            raise ValueError("a bound model's carries live in its rewritten graphs: capture=False has nothing to run")
         report = TransformReport(family=contract.family, catalog=catalog, auditor=ShadowAuditor() if audit else None)
         report.determinism = determinism.settings()
         report.stamps.append(determinism.envelope())
         return transform_bound(model, contract, binding, catalog, report, replay=replay and not audit), report
-    if declared is not None and declared.compose is not None:
-        if not capture:
-            raise ValueError("a bound model's carries live in its rewritten graphs: capture=False has nothing to run")
-        return load(declared.compose)(model, contract, audit=audit, replay=replay, budget=budget)
+    if compose is not None:
+        return load(compose)(model, contract, audit=audit, replay=replay, budget=budget)
     if declared is None or declared.adapter is None:
         having = sorted(name for name, f in families().items() if f.adapter or f.binding or f.compose)
         raise ValueError(f"no binding given, and {contract.family!r} is no family with its own binding, composer or adapter ({having}): "

@@ -27,9 +27,9 @@ from cadence_fx.pipeline import BoundModel
 from cadence_fx.transform import TransformReport, transform
 from cadence_fx.transformed import Transformed
 
-from .moshi import MIMI_BINDING, MOSHI_LM_BINDING, check_models, used_codebooks
+from .moshi import MIMI_BINDING, MOSHI_LM_BINDING
 from .moshi_stages import OwnedState
-from .moshi_stream import MoshiModels, StreamOutput, shared_copy
+from .moshi_stream import MoshiModels, StreamOutput, streaming_copy
 
 __all__ = ["BoundMoshi", "transform_moshi"]
 
@@ -72,8 +72,8 @@ class BoundMoshi(Transformed):
             tokens = lm_gen.step(encode(frame))
             out = (None, None) if tokens is None else (tokens, decode(tokens[:, 1:]))
             if self._state is not None:
-                # What the vendor's code rebinds (`state.first = torch.where(...)` in Mimi's padded
-                # convs, LMGen's offsets in its glue) is written back into the one tensor each.
+                # What the vendor's eager glue rebinds (LMGen's offsets; a stock fallback's state)
+                # is written back into the one tensor each, where swap_in and swap_out find it.
                 self._state.keep_addresses()
             return out
 
@@ -154,22 +154,11 @@ def transform_moshi(models: MoshiModels, contract: Contract, *, audit: bool, rep
     streams `WARM_UP_FRAMES` of silence in each decoding mode (the caller's generators untouched),
     so every class is verified (and on a GPU captured) and the state settled before the first
     session."""
-    from moshi.models import LMGen
-
     if contract.symbols()["slots"] != 1:
         raise ValueError(f"contract quantity slots={contract.symbols()['slots']}: transform() streams one session "
                          "at batch 1; sessions as slots of one batch: models/moshi_slots.py transform_slots")
-    check_models(models, contract)
-    with torch.no_grad():
-        for codebook in used_codebooks(models.mimi):
-            if codebook._embedding is None:
-                codebook.embedding  # noqa: B018 - fills the vendor's lazily derived codebook cache
-    models = shared_copy(models)
-    lm_gen = LMGen(models.lm, use_sampling=True)
-    streaming = contextlib.ExitStack()
+    models, lm_gen, streaming = streaming_copy(models, contract, 1, use_sampling=True)
     try:
-        streaming.enter_context(models.mimi.streaming(1))
-        streaming.enter_context(lm_gen.streaming(1))
         bound, reports = {}, {}
         options = dict(audit=audit, replay=replay, budget=budget)
         bound["mimi"], reports["mimi"] = transform(models.mimi, contract, MIMI_BINDING, **options)

@@ -81,9 +81,9 @@ from cadence_fx.pipeline import BoundModel
 from cadence_fx.transform import TransformReport, transform
 from cadence_fx.transformed import rng_get, rng_seeded, rng_set
 
-from .moshi import MIMI_SLOTS_BINDING, MOSHI_LM_SLOTS_BINDING, check_models, used_codebooks
+from .moshi import MIMI_SLOTS_BINDING, MOSHI_LM_SLOTS_BINDING
 from .moshi_stages import OwnedState, Stage, _classes, _ring_resizes
-from .moshi_stream import MoshiModels, shared_copy
+from .moshi_stream import MoshiModels, streaming_copy
 
 __all__ = ["BoundSlots", "MoshiSlots", "Tick", "TickOutput", "transform_bound_slots", "transform_slots", "vendor_slots",
            "vendor_ticks"]
@@ -300,26 +300,13 @@ class MoshiSlots(_Batch):
 
 
 def _streaming_batch(models: MoshiModels, contract: Contract, sampling: bool) -> tuple[int, MoshiModels, Any, contextlib.ExitStack]:
-    """What both slots runtimes start from: the contract's batch size (quantity `slots`), checked;
-    the lazily derived codebook caches the calls read filled in `models` (as the vendor's first call
-    would); a copy of the modules around the same weights (`shared_copy`) with an `LMGen`; both
-    streaming at that batch, entered on the returned stack."""
-    from moshi.models import LMGen
-
+    """What both slots runtimes start from: the contract's batch size (quantity `slots`), checked,
+    and Mimi and an out-of-sync `LMGen` streaming at it on a copy of the modules around the same
+    weights (`moshi_stream.streaming_copy`)."""
     slots = contract.symbols().get("slots")
     if not isinstance(slots, int) or slots < 1:
         raise ValueError(f"contract quantity slots must be a positive batch size, got {slots!r}")
-    check_models(models, contract)
-    with torch.no_grad():
-        for codebook in used_codebooks(models.mimi):
-            if codebook._embedding is None:
-                codebook.embedding  # noqa: B018 - fills the vendor's lazily derived codebook cache
-    models = shared_copy(models)
-    mimi, lm = models.mimi, models.lm
-    lm_gen = LMGen(lm, use_sampling=sampling, support_out_of_sync=True)
-    streaming = contextlib.ExitStack()
-    streaming.enter_context(mimi.streaming(slots))
-    streaming.enter_context(lm_gen.streaming(slots))
+    models, lm_gen, streaming = streaming_copy(models, contract, slots, use_sampling=sampling, support_out_of_sync=True)
     return slots, models, lm_gen, streaming
 
 

@@ -87,7 +87,7 @@ __all__ = [
     "build_models",
     "random_pcm",
     "ring_caches",
-    "shared_copy",
+    "streaming_copy",
     "stream_reference",
     "time_frames",
 ]
@@ -178,12 +178,32 @@ def _draw_codebooks(mimi: MimiModel) -> None:
             module._embedding = None
 
 
-def shared_copy(models: MoshiModels) -> MoshiModels:
-    """The modules deep-copied with every parameter and buffer shared: the runtime's streaming
-    state is its own, the caller's modules never stream for it."""
+def streaming_copy(models: MoshiModels, contract: Any, batch: int, **lm_gen_options: Any) -> tuple[MoshiModels, LMGen, ExitStack]:
+    """What every transformed Moshi streams on: `models` checked against `contract`
+    (`moshi.check_models`), the lazily derived codebook caches the calls read filled in `models`
+    (as the vendor's first call would), then the modules deep-copied with every parameter and
+    buffer shared (the runtime's streaming state is its own, the caller's modules never stream for
+    it), an `LMGen(lm, **lm_gen_options)` on the copy, and both streaming at `batch`, entered on the
+    returned stack."""
+    from .moshi import check_models, used_codebooks
+
+    check_models(models, contract)
+    with torch.no_grad():
+        for codebook in used_codebooks(models.mimi):
+            if codebook._embedding is None:
+                codebook.embedding  # noqa: B018 - fills the vendor's lazily derived codebook cache
     shared = {id(t): t for module in (models.mimi, models.lm)
               for t in itertools.chain(module.parameters(), module.buffers())}
-    return copy.deepcopy(models, shared)
+    models = copy.deepcopy(models, shared)
+    lm_gen = LMGen(models.lm, **lm_gen_options)
+    streaming = ExitStack()
+    try:
+        streaming.enter_context(models.mimi.streaming(batch))
+        streaming.enter_context(lm_gen.streaming(batch))
+    except BaseException:
+        streaming.close()
+        raise
+    return models, lm_gen, streaming
 
 
 def random_pcm(frames: int, seed: int = 0, device: str | torch.device = "cpu") -> torch.Tensor:
