@@ -280,8 +280,17 @@ class Places:
 
     def at(self, roots: dict[str, Any]) -> list[Place]:
         found: dict[str, Any] = {}
+        module = torch.nn.Module
         for prefix, parent, segment in self._walk:
-            found[prefix] = roots[segment] if parent is None else _child(found[parent], segment)
+            if parent is None:
+                found[prefix] = roots[segment]
+                continue
+            value = found[parent]
+            if isinstance(value, module):  # `_child`'s first case inlined: most segments are on modules, every call
+                child = value._modules.get(segment)
+                found[prefix] = child if child is not None else getattr(value, segment)
+            else:
+                found[prefix] = _child(value, segment)
         return [Place(roots, path, parent, last, roots if parent is None else found[parent])
                 for path, parent, last in self._ends]
 

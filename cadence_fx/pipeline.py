@@ -401,12 +401,13 @@ class BoundOperator:
                 return self._stock(roots, inputs, "no_state_yet")
             self._allocate(roots)
         places = self._site_places().at(roots)  # each module on the sites' paths walked once a call
-        extent = self._retained(places)
+        values = [place.get() for place in places]  # each site read once a call
+        extent = self._retained(values)
         units = self._units(arguments)
         call = self._catalog_class(units, extent)
         if call is None:
             return self._stock(roots, inputs, "not_in_catalog")
-        state = [self._carry_view(place, site) for place, site in zip(places, self.sites)]
+        state = [self._carry_view(place, site, value) for place, site, value in zip(places, self.sites, values)]
         staged = _staged(inputs)
         try:
             # The inputs' key only: the state's layouts follow from its shapes (carry views, held
@@ -442,7 +443,7 @@ class BoundOperator:
         outputs, new_state = (self.replay(staged, state, modes) if self.replay is not None else cls.graph(staged, state))
         self.counters.graph_calls += 1
         cls.calls += 1
-        self._commit(places, new_state)
+        self._commit(places, new_state, state)
         # Found all at once where no counter lies under another; else each after the writes before
         # it (a value set may replace the object another counter is in).
         wheres = cls.effect_places.at(roots) if cls.effect_places is not None else None
@@ -547,17 +548,21 @@ class BoundOperator:
                     f"{tuple(expected[:carry.axis])} x extent x {tuple(expected[carry.axis + 1:])}")
         return None
 
-    def _retained(self, places: list[Place]) -> int | None:
-        """The operator region's retained extent (0 before any state); None when its sites disagree."""
+    def _retained(self, values: list[Any]) -> int | None:
+        """The operator region's retained extent (0 before any state), from the sites' `values`;
+        None when its sites disagree."""
         if self.per_call:
             return self.catalog.region(self.op.region).bound
         extents = set()
-        for place, site in zip(places, self.sites):
+        for value, site in zip(values, self.sites):
             if site.region != self.op.region:
                 continue
-            value = place.get()
             if value is None:
                 extents.add(0)
+                continue
+            carry = self.carries[site.path]
+            if carry.holds(value):  # the carry's own view (every steady call): its shape is the contract's
+                extents.add(carry.extent)
                 continue
             error = self._site_shape_error(site, value)
             if error is not None:
@@ -565,9 +570,11 @@ class BoundOperator:
             extents.add(value.shape[self.carries[site.path].axis])
         return extents.pop() if len(extents) == 1 else None
 
-    def _carry_view(self, place: Place, site: Site) -> torch.Tensor | None:
-        """The site's state (at `place`) as its carry's view: adopted into the carry when it is another tensor."""
-        value = place.get()
+    def _carry_view(self, place: Place, site: Site, value: Any = None) -> torch.Tensor | None:
+        """The site's state (at `place`, or `value` where the caller has just read it there) as its
+        carry's view: adopted into the carry when it is another tensor."""
+        if value is None:
+            value = place.get()
         if value is None:
             return None
         if site.region is None:
@@ -595,11 +602,16 @@ class BoundOperator:
         self.counters.adopted += 1
         return view
 
-    def _commit(self, places: list[Place], new_state: list) -> None:
+    def _commit(self, places: list[Place], new_state: list, current: list | None = None) -> None:
         """Mutated state objects get the carry views back; returned state is in the output already.
         A ring the step returns anew (Whisper's cross-attention keys, computed by a stream's first
-        call) is taken into its carry now, so the state object holds the carry from this call on."""
-        for place, site, value in zip(places, self.sites, new_state):
+        call) is taken into its carry now, so the state object holds the carry from this call on.
+        `current`: what the places held when the graph ran (the state passed to it); a site whose
+        new state is that very tensor (a ring written in place, a full window: every steady call)
+        has nothing to commit."""
+        for i, (place, site, value) in enumerate(zip(places, self.sites, new_state)):
+            if current is not None and value is current[i]:
+                continue
             if site.out is None:
                 held = self.held.get(site.path) if site.region is None else None
                 if held is not None and value is not None and value is not held:
@@ -783,7 +795,7 @@ class BoundOperator:
         outputs, new_state = cls.graph(staged, state)
         self.counters.graph_calls += 1
         cls.calls += 1
-        self._commit(self._site_places().at(roots), new_state)
+        self._commit(self._site_places().at(roots), new_state, state)
         for path, value in counters_after.items():
             set_path(roots, path, value)
         actual = self._rebuild(cls, outputs, roots)

@@ -129,3 +129,17 @@ def test_compacting_overlapping_spans_leftwards_keeps_every_unit():
     c.adopt(full)
     kept = c.keep(c.view(), ((0, 2), (3, 12)))  # the second span moves one unit left onto itself
     assert torch.equal(kept, torch.cat([full[:, :2], full[:, 3:]], dim=AXIS))
+
+
+def test_holds_remembers_the_view_but_not_past_a_change_to_it_or_to_the_extent():
+    carry = Carry("r", torch.zeros(2, 8), axis=1)
+    view = carry.adopt(torch.ones(2, 3))
+    assert carry.holds(view) and carry.holds(view)  # the second answer comes from the memo
+    carry.extent = 2
+    assert not carry.holds(view)  # the carry moved on: the same tensor is no longer its view
+    carry.extent = 3
+    assert carry.holds(view)
+    view.as_strided_((2, 3), (1, 2))  # the same tensor object, now another layout of the buffer
+    assert not carry.holds(view)
+    other = carry.buffer.narrow(1, 0, 3)
+    assert carry.holds(other) and not carry.holds(torch.ones(2, 3))

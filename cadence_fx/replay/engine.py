@@ -7,6 +7,7 @@ import contextlib
 import enum
 import gc
 import logging
+import operator
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
@@ -188,6 +189,9 @@ class ExactShapeReplay:
         self._pool: Any = pool
         self._state_places: list[tuple[dict, str, str]] = []  # ``_module_state_places``, at the first capture
         self._state_ptrs: list[int] = []
+        self._state_tables: list[dict] = []  # ``_remember_state``: the places, split for C-level passes
+        self._state_names: list[str] = []
+        self._state_tensors: list[torch.Tensor | None] = []
         self._predicate: Callable[[Signature], Any] | None = None
         self._catalog: dict[tuple, ShapeClass] = {}
         if callable(catalog) and not isinstance(catalog, (list, tuple)):
@@ -365,9 +369,9 @@ class ExactShapeReplay:
             now = leaves[i].data_ptr()
             if now != ptr:
                 return f"{st.names[i]}: data_ptr expected {ptr:#x}, got {now:#x}"
-        # Every module tensor, every replayed call: one comprehension, and the loop below only to
-        # name the first that moved.
-        if self.check_module_state and st.phase is Phase.REPLAY and self._state_now() != self._state_ptrs:
+        # Every module tensor, every replayed call: the same tensor objects at the same addresses
+        # (C-level passes; `_state_now` and the loop below only to name the first that moved).
+        if self.check_module_state and st.phase is Phase.REPLAY and not self._state_unmoved():
             for (table, name, qualified), ptr, now in zip(self._state_places, self._state_ptrs, self._state_now()):
                 if now != ptr:
                     held = table.get(name)
@@ -378,6 +382,21 @@ class ExactShapeReplay:
     def _state_now(self) -> list[int]:
         """The address each place of the module state holds now (0 where it holds no tensor)."""
         return [0 if (t := table.get(name)) is None else t.data_ptr() for table, name, _ in self._state_places]
+
+    def _remember_state(self) -> None:
+        """The module state every replay checks: where it is, the tensors there and their addresses."""
+        self._state_places = self._module_state_places()
+        self._state_ptrs = self._state_now()
+        self._state_tables = [table for table, _, _ in self._state_places]
+        self._state_names = [name for _, name, _ in self._state_places]
+        self._state_tensors = list(map(dict.get, self._state_tables, self._state_names))
+
+    def _state_unmoved(self) -> bool:
+        """Every place of the module state holds the tensor it held at the first capture (none was
+        rebound), at the same address (no storage was swapped under it): checked in C-level passes,
+        since it runs on every replayed call over every parameter of the model."""
+        now = list(map(dict.get, self._state_tables, self._state_names))
+        return all(map(operator.is_, now, self._state_tensors)) and list(map(torch.Tensor.data_ptr, now)) == self._state_ptrs
 
     def _invalidate(self, st: _ClassState, detail: str) -> None:
         self.counters.invalidations += 1
@@ -617,8 +636,7 @@ class ExactShapeReplay:
         st.write_back = [(i, buf) for i, buf in copy_in if names[i] in written]
         persistent = {leaves[i].untyped_storage().data_ptr() for i in st.aliased}
         if not self._state_places:
-            self._state_places = self._module_state_places()
-            self._state_ptrs = self._state_now()
+            self._remember_state()
         persistent |= {t.untyped_storage().data_ptr() for t in self.module_state}
         out_leaves, st.out_spec = pytree.tree_flatten(out)
         st.out_leaves = out_leaves
