@@ -21,6 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import transformers
 from torch import nn
 from torch.utils import _pytree as pytree
 from transformers import (CsmConfig, CsmForConditionalGeneration, DynamicCache, EncoderDecoderCache, Gemma3ForCausalLM,
@@ -217,6 +218,43 @@ def test_gpt2_streams_bit_identically_through_the_same_cache_binding():
 def test_gpt2_replays_every_call_after_its_class_is_verified_on_cuda():
     _, report = gpt2_streams("cuda", CUDA_STREAMS)
     assert_replay_counters(report, GPT2_CLASSES, CUDA_STREAMS, "cuda", may_refuse=frozenset({FIRST}))
+
+
+# More decoders from transformers, each streamed into one DynamicCache and transformed from the
+# same contract and binding as Qwen3's above, with no code of their own: (config, model, the kv
+# heads each layer stores, the tiny config). Bloom has no SDPA path in transformers: eager attention.
+_DECODER = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, max_position_embeddings=128)
+MORE_DECODERS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", 2,
+              dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2, head_dim=8)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", 2,
+             dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2, pad_token_id=0)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", 4, dict(_DECODER, intermediate_size=64, num_hidden_layers=2)),
+    "opt": ("OPTConfig", "OPTForCausalLM", 4, dict(_DECODER, ffn_dim=64, num_hidden_layers=2, word_embed_proj_dim=32)),
+    "falcon": ("FalconConfig", "FalconForCausalLM", 4,
+               dict(_DECODER, num_hidden_layers=2, num_kv_heads=4, new_decoder_architecture=True)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", 2,
+              dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", 2,
+                dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2)),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", 2,
+                 dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2)),
+    "bloom": ("BloomConfig", "BloomForCausalLM", 4, dict(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MORE_DECODERS))
+def test_more_transformers_decoders_stream_bit_identically_from_the_same_binding(family):
+    config_class, model_class, kv_heads, kwargs = MORE_DECODERS[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**kwargs, attn_implementation="eager" if family == "bloom" else "sdpa")
+    model = getattr(transformers, model_class)(config).eval()
+    tokens, sizes = random_tokens(12), [STEP] * 6
+    _, report = streamed(model, kv_contract(family, 2, kv_heads, tokens=12), DYNAMIC_CACHE,
+                         lambda m: stream_dynamic(m, config, tokens, sizes), streams=2)
+    assert report.operators["decoder_step"].counters.as_dict() == {"calls": 12, "graph_calls": 12, "verified": 6, "stock": 0,
+                                                                   "adopted": 0, "stock_by_reason": {}}
+    assert_replay_counters(report, QWEN3_CLASSES, streams=2, device="cpu")
 
 
 CHANNELS, KERNEL, CONV_LAYERS = 8, 3, 3
