@@ -611,6 +611,80 @@ def test_a_mamba_decoder_replays_every_steady_call_after_the_first_on_cuda():
     assert_replay_counters(report, MAMBA_CLASSES, CUDA_STREAMS, "cuda")
 
 
+JAMBA_COUNTERS = ("cache.layers.[1::2].is_initialized", "cache.layers.[0::2].is_conv_states_initialized",
+                  "cache.layers.[0::2].is_recurrent_states_initialized", "cache.layers.[0::2].has_previous_state",
+                  "cache.layers.[0::2].conv_kernel_size")
+
+
+def jamba_streams(counters: tuple[str, ...] = JAMBA_COUNTERS):
+    """A hybrid decoder: transformers' Jamba, Mamba layers (even) and attention layers (odd) in one
+    `DynamicCache`. Three regions in one binding: the attention layers' keys and values a growing
+    `SlidingWindow(window=N)` (Qwen3's), the Mamba layers' convolution and scan states `RingCache`s
+    (Mamba's), each reached by a slice of `cache.layers`; the host values their first call sets
+    bound as counters."""
+    torch.manual_seed(0)
+    config = transformers.JambaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=100, expert_layer_offset=99,
+        num_experts=1, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, max_position_embeddings=128,
+        attn_implementation="sdpa")
+    model = transformers.JambaForCausalLM(config).eval()
+    tokens = random_tokens(12)
+
+    def stream(m):
+        cache, logits, addresses = DynamicCache(config=config), [], []
+        with torch.no_grad():
+            for t in range(0, tokens.shape[1], STEP):
+                logits.append(m(input_ids=tokens[:, t:t + STEP], cache=cache, use_cache=True).logits)
+                where = {}
+                for i, layer in enumerate(cache.layers):
+                    if i % 2:
+                        where |= {f"cache.layers.{i}.{kind}": getattr(layer, kind).data_ptr() for kind in ("keys", "values")}
+                    else:
+                        where |= {f"cache.layers.{i}.{kind}.0": getattr(layer, kind)[0].data_ptr()
+                                  for kind in ("conv_states", "recurrent_states")}
+                addresses.append(where)
+        return logits, addresses
+
+    contract = Contract(
+        family="jamba",
+        clocks=(Clock("token", ClockKind.TOKENS), Clock("state", ClockKind.TOKENS), Clock("call", ClockKind.CALLS)),
+        rates=(Rate("token", "call", STEP, name="tokens_per_call"),),
+        quantities={"attention_layers": 2, "mamba_layers": 2, "kv_heads": 2, "head_dim": 8, "inner": 64},
+        regions=(Region("kv", dims=("attention_layers", 2, 1, "kv_heads", "token", "head_dim"), axis=4, clock="token",
+                        stride=STEP, dtype="float32", lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=12)),
+                 Region("conv", dims=("mamba_layers", 1, "inner", "token"), axis=3, clock="token", stride=STEP,
+                        dtype="float32", lifetime=Lifetime.PER_STREAM, retention=RingCache(4)),
+                 Region("scan", dims=("mamba_layers", 1, "inner", "state"), axis=3, clock="state", stride=1,
+                        dtype="float32", lifetime=Lifetime.PER_STREAM, retention=RingCache(4))),
+        operators=(Operator("decoder_step", "kv", steady=STEP),),
+        admission=Admission("token", max_per_call=STEP),
+        interactivity=Interactivity(stages=("decoder",)),
+    )
+    binding = Binding(regions=(RegionBinding("kv", at=("cache.layers.[1::2].keys", "cache.layers.[1::2].values")),
+                               RegionBinding("conv", at=("cache.layers.[0::2].conv_states.0",)),
+                               RegionBinding("scan", at=("cache.layers.[0::2].recurrent_states.0",))),
+                      operators=(OperatorBinding("decoder_step", units=("input_ids", 1), counters=counters),), verify=1)
+    return streamed(model, contract, binding, stream, streams=2)
+
+
+def test_a_hybrid_attention_and_mamba_decoder_binds_three_regions_in_one_cache():
+    _, report = jamba_streams()
+    # each stream's first call allocates the Mamba layers' 4 states, which the carries then adopt
+    assert report.operators["decoder_step"].counters.as_dict() == {"calls": 12, "graph_calls": 12, "verified": 6, "stock": 0,
+                                                                   "adopted": 8, "stock_by_reason": {}}
+    assert_replay_counters(report, QWEN3_CLASSES, streams=2, device="cpu")
+
+
+def test_a_host_value_the_first_call_sets_and_the_binding_leaves_out_refuses_that_class_by_path():
+    _, report = jamba_streams(JAMBA_COUNTERS[:-1])  # without `conv_kernel_size`, which the first call sets
+    assert report.operators["decoder_step"].counters.stock_by_reason == {"verification": 1, "refused": 1}
+    (refusal,) = [stamp for stamp in report.stamps if "refused" in stamp]
+    assert refusal.startswith("decoder_step[n=2,L=0]: refused, verification: the stock call moved host values the binding "
+                              "does not declare: cache.layers.0.conv_kernel_size.0 (None -> 4), "
+                              "cache.layers.2.conv_kernel_size.0 (None -> 4)")
+
+
 CONF_DIM, CONF_HEADS, CONF_HEAD_DIM, CONF_KERNEL, CONF_WINDOW = 16, 2, 8, 3, 4
 
 
