@@ -240,6 +240,21 @@ MORE_DECODERS = {
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", 2,
                  dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2)),
     "bloom": ("BloomConfig", "BloomForCausalLM", 4, dict(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)),
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", 4,
+                    dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=128, multi_query=False)),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", 4, dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=128, rotary_dim=4)),
+    "codegen": ("CodeGenConfig", "CodeGenForCausalLM", 4,
+                dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=128, rotary_dim=4)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", 2,  # mixture of experts: 2 of 4 routed a token
+                dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2, head_dim=8,
+                     num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", 2,
+                  dict(_DECODER, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                       num_hidden_layers=2, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", 2,
+               dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2)),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", 2,
+                   dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2)),
 }
 
 
