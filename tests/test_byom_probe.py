@@ -626,6 +626,45 @@ def test_a_mamba_decoder_replays_every_steady_call_after_the_first_on_cuda():
     assert_replay_counters(report, MAMBA_CLASSES, CUDA_STREAMS, "cuda")
 
 
+def test_deepseek_v3_latent_attention_binds_its_two_cache_widths_as_two_regions():
+    """DeepSeek-V3's multi-head latent attention caches one compressed latent (its `keys`, 16 wide)
+    and one rotary key (its `values`, 4 wide) per layer: two regions of their own widths, one
+    operator, the stream bit-identical (a mixture of experts after the first layer, too)."""
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+        max_position_embeddings=128, attn_implementation="sdpa")
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+
+    def region(name: str, width: str) -> Region:
+        return Region(name, dims=("layers", 1, 1, "token", width), axis=3, clock="token", stride=STEP, dtype="float32",
+                      lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=12))
+
+    contract = Contract(
+        family="deepseek_v3", clocks=(Clock("token", ClockKind.TOKENS), Clock("call", ClockKind.CALLS)),
+        rates=(Rate("token", "call", STEP, name="tokens_per_call"),),
+        quantities={"layers": 2, "latent": 16, "rope": 4},
+        regions=(region("latent", "latent"), region("rope_keys", "rope")),
+        operators=(Operator("decoder_step", "latent", steady=STEP),),
+        admission=Admission("token", max_per_call=STEP),
+        interactivity=Interactivity(stages=("decoder",)),
+    )
+    binding = Binding(regions=(RegionBinding("latent", at=("cache.layers.*.keys",)),
+                               RegionBinding("rope_keys", at=("cache.layers.*.values",))),
+                      operators=(OperatorBinding("decoder_step", units=("input_ids", 1),
+                                                 counters=("cache.layers.*.is_initialized",)),), verify=1)
+    tokens, sizes = random_tokens(12), [STEP] * 6
+    _, report = streamed(model, contract, binding, lambda m: stream_dynamic(m, config, tokens, sizes), streams=2)
+    assert report.operators["decoder_step"].counters.as_dict() == {"calls": 12, "graph_calls": 12, "verified": 6, "stock": 0,
+                                                                   "adopted": 0, "stock_by_reason": {}}
+    assert sorted(report.carries) == ["latent", "rope_keys"]
+    # each at its own width, 12 retained tokens plus the call's 2 (the region holds the call's units)
+    assert report.carries["latent"].buffer.shape == (2, 1, 1, 14, 16)
+    assert report.carries["rope_keys"].buffer.shape == (2, 1, 1, 14, 4)
+
+
 JAMBA_COUNTERS = ("cache.layers.[1::2].is_initialized", "cache.layers.[0::2].is_conv_states_initialized",
                   "cache.layers.[0::2].is_recurrent_states_initialized", "cache.layers.[0::2].has_previous_state",
                   "cache.layers.[0::2].conv_kernel_size")
