@@ -607,8 +607,9 @@ class BoundOperator:
         A ring the step returns anew (Whisper's cross-attention keys, computed by a stream's first
         call) is taken into its carry now, so the state object holds the carry from this call on.
         `current`: what the places held when the graph ran (the state passed to it); a site whose
-        new state is that very tensor (a ring written in place, a full window: every steady call)
-        has nothing to commit."""
+        new state is that very tensor has nothing to commit: a ring written in place, a counter kept
+        in its held tensor, and on a replay every site of a steady class (the graph's outputs come
+        back as the same objects every call)."""
         for i, (place, site, value) in enumerate(zip(places, self.sites, new_state)):
             if current is not None and value is current[i]:
                 continue

@@ -73,13 +73,14 @@ class Carry(torch.nn.Module):
         buffer = self._buffers["buffer"]  # straight from the table: `Module.__getattr__` is Python, every call
         held = self.__dict__.get("_held")
         if (held is not None and held[0] is t and held[1] == self.extent and held[2] is buffer
-                and held[3] == (t.data_ptr(), t.shape, t.stride())):
-            return True  # the very tensor last found to be the view, unchanged, at the same extent (every steady call)
+                and held[3] == (t.data_ptr(), t.shape, t.stride(), t.dtype, buffer.data_ptr(), buffer.shape, buffer.stride())):
+            return True  # the very tensor last found to be the view, it and the buffer unchanged, at the same extent
         if t.data_ptr() != buffer.data_ptr() or t.dtype != buffer.dtype or t.stride() != buffer.stride():
             return False
         shape, axis = t.shape, self.axis
         if shape[axis] == self.extent and shape[:axis] == buffer.shape[:axis] and shape[axis + 1:] == buffer.shape[axis + 1:]:
-            object.__setattr__(self, "_held", (t, self.extent, buffer, (t.data_ptr(), shape, t.stride())))
+            key = (t.data_ptr(), shape, t.stride(), t.dtype, buffer.data_ptr(), buffer.shape, buffer.stride())
+            object.__setattr__(self, "_held", (t, self.extent, buffer, key))
             return True
         return False
 

@@ -143,3 +143,16 @@ def test_holds_remembers_the_view_but_not_past_a_change_to_it_or_to_the_extent()
     assert not carry.holds(view)
     other = carry.buffer.narrow(1, 0, 3)
     assert carry.holds(other) and not carry.holds(torch.ones(2, 3))
+
+
+def test_holds_does_not_remember_past_a_change_to_the_buffer_or_the_views_dtype():
+    carry = Carry("r", torch.zeros(2, 8), axis=1)
+    view = carry.adopt(torch.ones(2, 3))
+    assert carry.holds(view)
+    carry.buffer.as_strided_((2, 8), (1, 2))  # the buffer itself re-laid in place: the view no longer matches it
+    assert not carry.holds(view)
+    carry = Carry("r", torch.zeros(2, 8), axis=1)
+    view = carry.adopt(torch.ones(2, 3))
+    assert carry.holds(view)
+    view.data = view.view(torch.int32)  # same address, shape and strides, another dtype
+    assert not carry.holds(view)

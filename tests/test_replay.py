@@ -387,3 +387,24 @@ def test_the_module_state_a_replay_checks_is_each_parameter_and_buffer_place_onc
     places = engine._module_state_places()
     assert [qualified for _, _, qualified in places] == ["scale", "a.weight", "a.bias"]
     assert [table[name] is tensor for (table, name, _), tensor in zip(places, (root.scale, shared.weight, shared.bias))] == [True] * 3
+
+
+def test_the_module_state_check_passes_the_same_tensors_and_decides_a_rebound_one_by_its_address():
+    """The check every replay runs over the module state: the tensors seen last time at their
+    addresses; a tensor rebound at a place is decided by its address (as the check always was),
+    then remembered; a tensor at another address, or a place emptied, is drift."""
+    layer = torch.nn.Linear(2, 2)
+    layer.register_buffer("scale", torch.ones(2))
+    engine = ExactShapeReplay(lambda x: layer(x) * layer.scale, [Signature.of(torch.zeros(2))], modules=[layer])
+    engine._remember_state()
+    assert engine._state_unmoved()
+    weight = layer.weight
+    layer.weight = torch.nn.Parameter(weight.data)  # another object over the same storage
+    assert engine._state_unmoved()
+    assert any(t is layer.weight for t in engine._state_tensors) and not any(t is weight for t in engine._state_tensors)
+    layer.weight = torch.nn.Parameter(weight.data.clone())  # another address
+    assert not engine._state_unmoved()
+    layer.weight = torch.nn.Parameter(weight.data)
+    assert engine._state_unmoved()
+    layer.scale = None
+    assert not engine._state_unmoved()

@@ -369,8 +369,8 @@ class ExactShapeReplay:
             now = leaves[i].data_ptr()
             if now != ptr:
                 return f"{st.names[i]}: data_ptr expected {ptr:#x}, got {now:#x}"
-        # Every module tensor, every replayed call: the same tensor objects at the same addresses
-        # (C-level passes; `_state_now` and the loop below only to name the first that moved).
+        # Every module tensor, every replayed call, at the address it had at the capture (C-level
+        # passes in `_state_unmoved`; the loop below only to name the first that moved).
         if self.check_module_state and st.phase is Phase.REPLAY and not self._state_unmoved():
             for (table, name, qualified), ptr, now in zip(self._state_places, self._state_ptrs, self._state_now()):
                 if now != ptr:
@@ -392,11 +392,19 @@ class ExactShapeReplay:
         self._state_tensors = list(map(dict.get, self._state_tables, self._state_names))
 
     def _state_unmoved(self) -> bool:
-        """Every place of the module state holds the tensor it held at the first capture (none was
-        rebound), at the same address (no storage was swapped under it): checked in C-level passes,
-        since it runs on every replayed call over every parameter of the model."""
+        """Every place of the module state holds a tensor at the address it held at the first
+        capture. It runs on every replayed call over every parameter of the model, so in C-level
+        passes over the tensor objects last seen there. A place that holds another object now (a
+        module that rebinds a buffer) is decided by its address, as the check always was (a tensor
+        rebound at the same address, with other strides, is not caught), and the new objects are
+        remembered so the next call takes the C-level passes again."""
         now = list(map(dict.get, self._state_tables, self._state_names))
-        return all(map(operator.is_, now, self._state_tensors)) and list(map(torch.Tensor.data_ptr, now)) == self._state_ptrs
+        if all(map(operator.is_, now, self._state_tensors)):
+            return list(map(torch.Tensor.data_ptr, now)) == self._state_ptrs
+        if self._state_now() != self._state_ptrs:
+            return False
+        self._state_tensors = now
+        return True
 
     def _invalidate(self, st: _ClassState, detail: str) -> None:
         self.counters.invalidations += 1
