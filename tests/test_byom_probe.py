@@ -354,30 +354,12 @@ ENCODER_FRAMES, WHISPER_TOKENS = 6, 8
 WHISPER_CLASSES = {f"decoder_step[n=2,L={e}]": 1 for e in (0, 2, 4, 6)}  # 4 calls a stream, one per class
 
 
-def whisper_streams(device: str, streams: int):
-    """Self-attention grows (SlidingWindow to the stream's length), cross-attention is the encoder's
+def encoder_decoder(family: str) -> tuple[Contract, Binding]:
+    """The contract and binding of a 2-layer decoder with an `EncoderDecoderCache`, 4 heads of 8:
+    self-attention grows (SlidingWindow to the stream's length), cross-attention is the encoder's
     keys and values, computed at the first call and read after (a RingCache of the encoder's extent)."""
-    torch.manual_seed(0)
-    config = WhisperConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=4,
-                           decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
-                           max_source_positions=ENCODER_FRAMES, max_target_positions=32, attn_implementation="sdpa",
-                           pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
-    model = WhisperForConditionalGeneration(config).eval().to(device)
-    encoded = BaseModelOutput(last_hidden_state=torch.randn(1, ENCODER_FRAMES, 32, generator=torch.Generator().manual_seed(2)).to(device))
-    tokens = random_tokens(WHISPER_TOKENS, device)
-
-    def stream(m):
-        cache, logits, addresses = EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config)), [], []
-        with torch.no_grad():
-            for t in range(0, WHISPER_TOKENS, STEP):
-                logits.append(m(encoder_outputs=encoded, decoder_input_ids=tokens[:, t:t + STEP], use_cache=True,
-                                decoder_position_ids=torch.arange(t, t + STEP, device=device)[None], cache=cache).logits)
-                addresses.append(layer_addresses(cache.self_attention_cache.layers, "cache.self_attention_cache.layers")
-                                 | layer_addresses(cache.cross_attention_cache.layers, "cache.cross_attention_cache.layers"))
-        return logits, addresses
-
     contract = Contract(
-        family="whisper_decoder",
+        family=family,
         clocks=(Clock("token", ClockKind.TOKENS), Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
         rates=(Rate("token", "call", STEP, name="tokens_per_call"),),
         quantities={"layers": 2, "heads": 4, "head_dim": 8},
@@ -402,7 +384,39 @@ def whisper_streams(device: str, streams: int):
                                              "cache.is_updated.0", "cache.is_updated.1")),),
         verify=1,
     )
-    return streamed(model, contract, binding, stream, streams)
+    return contract, binding
+
+
+def encoder_decoder_stream(config, device: str, **call):
+    """The stock stream of an encoder-decoder model over a fixed encoding: WHISPER_TOKENS decoder
+    tokens, STEP a call, into one `EncoderDecoderCache`; `call` adds keywords (positions)."""
+    encoded = BaseModelOutput(last_hidden_state=torch.randn(1, ENCODER_FRAMES, 32, generator=torch.Generator().manual_seed(2)).to(device))
+    tokens = random_tokens(WHISPER_TOKENS, device)
+
+    def stream(m):
+        cache, logits, addresses = EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config)), [], []
+        with torch.no_grad():
+            for t in range(0, WHISPER_TOKENS, STEP):
+                extra = {name: value(t) for name, value in call.items()}
+                logits.append(m(encoder_outputs=encoded, decoder_input_ids=tokens[:, t:t + STEP], use_cache=True,
+                                cache=cache, **extra).logits)
+                addresses.append(layer_addresses(cache.self_attention_cache.layers, "cache.self_attention_cache.layers")
+                                 | layer_addresses(cache.cross_attention_cache.layers, "cache.cross_attention_cache.layers"))
+        return logits, addresses
+
+    return stream
+
+
+def whisper_streams(device: str, streams: int):
+    torch.manual_seed(0)
+    config = WhisperConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=4,
+                           decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
+                           max_source_positions=ENCODER_FRAMES, max_target_positions=32, attn_implementation="sdpa",
+                           pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    model = WhisperForConditionalGeneration(config).eval().to(device)
+    stream = encoder_decoder_stream(config, device,
+                                    decoder_position_ids=lambda t: torch.arange(t, t + STEP, device=device)[None])
+    return streamed(model, *encoder_decoder("whisper_decoder"), stream, streams)
 
 
 def test_a_whisper_decoder_streams_with_an_encoder_decoder_cache():
@@ -420,6 +434,27 @@ def test_a_whisper_decoder_streams_with_an_encoder_decoder_cache():
 def test_a_whisper_decoder_replays_every_call_after_its_class_is_verified_on_cuda():
     _, report = whisper_streams("cuda", CUDA_STREAMS)
     assert_replay_counters(report, WHISPER_CLASSES, CUDA_STREAMS, "cuda", may_refuse=frozenset({FIRST}))
+
+
+SEQ2SEQ = {  # 2 decoder layers (and 2 encoder layers: `DynamicCache(config=)` counts T5's from `num_layers`), 4 heads of 8
+    "bart": lambda: transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, attn_implementation="sdpa")),
+    # relative position buckets, from the cache's length: each class (one length) exports its own
+    "t5": lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        decoder_start_token_id=0, pad_token_id=0)),
+}
+
+
+@pytest.mark.parametrize("family", sorted(SEQ2SEQ))
+def test_bart_and_t5_decoders_bind_as_whisper_does(family):
+    torch.manual_seed(0)
+    model = SEQ2SEQ[family]().eval()
+    _, report = streamed(model, *encoder_decoder(family), encoder_decoder_stream(model.config, "cpu"), streams=2)
+    assert report.operators["decoder_step"].counters.as_dict() == {"calls": 8, "graph_calls": 8, "verified": 4, "stock": 0,
+                                                                   "adopted": 8, "stock_by_reason": {}}
+    assert_replay_counters(report, WHISPER_CLASSES, streams=2, device="cpu")
 
 
 def test_a_digit_segment_names_a_mapping_s_int_key_when_it_has_no_such_string_key():
