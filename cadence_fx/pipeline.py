@@ -570,11 +570,9 @@ class BoundOperator:
             extents.add(value.shape[self.carries[site.path].axis])
         return extents.pop() if len(extents) == 1 else None
 
-    def _carry_view(self, place: Place, site: Site, value: Any = None) -> torch.Tensor | None:
-        """The site's state (at `place`, or `value` where the caller has just read it there) as its
-        carry's view: adopted into the carry when it is another tensor."""
-        if value is None:
-            value = place.get()
+    def _carry_view(self, place: Place, site: Site, value: Any) -> torch.Tensor | None:
+        """The site's state `value` (what `place` holds: the caller has just read or written it
+        there) as its carry's view: adopted into the carry when it is another tensor."""
         if value is None:
             return None
         if site.region is None:
@@ -622,7 +620,7 @@ class BoundOperator:
                     value = held
                 place.set(value)
                 if site.region is not None and value is not None and not self.carries[site.path].holds(value):
-                    self._carry_view(place, site)
+                    self._carry_view(place, site, value)
 
     def _counter_paths(self, roots: dict[str, Any]) -> list[str]:
         found = []
@@ -817,7 +815,7 @@ class BoundOperator:
                 if site.out is None:
                     where = place(roots, site.path)
                     where.set(value)
-                    self._carry_view(where, site)
+                    self._carry_view(where, site, value)
             self.counters.fallback("verification")
             return expected
         cls.effects = effects
@@ -847,7 +845,7 @@ class BoundOperator:
         for site, where in zip(self.sites, self._site_places().at(roots)):
             value = where.get()
             if site.out is None and value is not None and (site.region is None or self._site_shape_error(site, value) is None):
-                self._carry_view(where, site)
+                self._carry_view(where, site, value)
         self.counters.fallback(reason)
         return out
 
