@@ -133,7 +133,7 @@ def build_arm(arm: str, flow, hift, contract):
     if arm == "eager":
         return flow, hift, None, {}
     if arm in ("S", "SRc"):
-        transformed, report = transform((flow, hift), contract, capture=False, replay=arm == "SRc")
+        transformed, report = transform((flow, hift), contract, replay=arm == "SRc")
         return transformed.flow, transformed.hift, transformed, report.replays
     if arm == "V":
         vendor = copy.deepcopy(flow)
@@ -265,7 +265,7 @@ def capacity(flow, hift, contract, prompt, device, sessions: list[int], chunks: 
     (`TransformedFlow.swap_in` / `swap_out`), HiFT's device-RNG draws through one `RngSection`;
     every stream checked bit for bit against the same stream run alone (module docstring)."""
     started = time.perf_counter()
-    models = [transform((flow, hift), contract, capture=False, replay=True) for _ in range(lanes)]
+    models = [transform((flow, hift), contract, replay=True) for _ in range(lanes)]
     _shed_stock("SRc", flow, hift, device)
     section = RngSection(device)
     lane_set = [Lane(f"lane{k}", device) for k in range(lanes)]

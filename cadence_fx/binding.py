@@ -72,13 +72,25 @@ class RegionBinding:
     allocates it as the stock call does.
 
     `write_before_read`: every call writes the region in place, only at positions it writes before
-    it reads them; verified without a copy (see the module docstring)."""
+    it reads them; verified without a copy (see the module docstring).
+
+    `caller_trims`: the call returns (`out`) the region grown by its new units, and its caller, not
+    the call, cuts it to the region's retention (a vendor's streaming loop keeping
+    ``cat([c[..., :P], c[..., -H:]])``). The transformed call returns the retention itself, copied
+    into the carry, so the caller's trim finds nothing more to cut; it is verified against the
+    retention of the stock call's state.
+
+    `operators`: the operators that keep the region. By default every bound operator whose method
+    takes the arguments its paths start at; name them where two methods take arguments of one name
+    that hold different regions (two vendor modules' ``att_cache``)."""
 
     region: str
     at: tuple[str, ...] = ()
     out: tuple[str, ...] = ()
     per_call: bool = False
     write_before_read: bool = False
+    caller_trims: bool = False
+    operators: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,6 +108,10 @@ class OperatorBinding:
     decoding switch, ``"self.use_sampling"``): a graph would freeze the value it was captured with,
     so each value they take is a class of its own, captured and verified apart, and a call is
     admitted to the graphs of the values it finds.
+
+    `flush`: the path of the host flag that marks a stream's last call (a vendor's ``last_chunk``),
+    for an operator whose `units` is an int: a call with the flag set brings the contract's flush
+    units (the operator's one `flush` size) and is matched against the catalog's flush classes.
     """
 
     operator: str
@@ -103,6 +119,7 @@ class OperatorBinding:
     units: tuple[str, int] | int = ("input_ids", 1)
     counters: tuple[str, ...] = ()
     modes: tuple[str, ...] = ()
+    flush: str | None = None
 
 
 @dataclass(frozen=True)
@@ -339,7 +356,8 @@ def operator_regions(binding: Binding, ob: OperatorBinding, signature: inspect.S
     """The regions an operator binds: those whose every path starts at one of its method's arguments
     or at the model itself (its own region always does: `check_binding` checks it)."""
     parameters = set(signature.parameters) | {SELF}
-    return [rb for rb in binding.regions if not rb.per_call and all(_segments(p)[0] in parameters for p in rb.at)]
+    return [rb for rb in binding.regions if not rb.per_call and all(_segments(p)[0] in parameters for p in rb.at)
+            and (not rb.operators or ob.operator in rb.operators)]
 
 
 def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str, inspect.Signature]:
@@ -362,6 +380,10 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
                                                              f"{type(regions[rb.region].retention).__name__}: only a "
                                                              "RingCache (a fixed extent) can be allocated afresh each call")
             continue
+        if rb.caller_trims and (not rb.out or not isinstance(regions[rb.region].retention, (SlidingWindow, PromptPlusHistory))):
+            raise BindingError(f"regions[{i}].caller_trims", f"region {rb.region!r}: a caller trims a state the call returns "
+                               f"(`out`) to a SlidingWindow or PromptPlusHistory retention; got out={rb.out!r}, retention "
+                               f"{type(regions[rb.region].retention).__name__}")
         if rb.write_before_read and (rb.out or not isinstance(regions[rb.region].retention, RingCache)):
             raise BindingError(f"regions[{i}].write_before_read", f"region {rb.region!r}: only a region written in place "
                                f"at a fixed extent (a RingCache, no `out`) is written before it is read; it retains by "
@@ -383,6 +405,11 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
                                                 "retention (a region whose extent is bounded)")
     bound = {rb.region for rb in binding.regions}
     operators = {op.name: op for op in contract.operators}
+    named = {ob.operator for ob in binding.operators}
+    for i, rb in enumerate(binding.regions):
+        for j, name in enumerate(rb.operators):
+            if name not in named:
+                raise BindingError(f"regions[{i}].operators[{j}]", f"{name!r} is not a bound operator; bound: {sorted(named)}")
     if not binding.operators:
         raise BindingError("operators", "binds no operator")
     signatures = {}
@@ -406,7 +433,16 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
         units = [] if isinstance(ob.units, int) else [(f"operators[{i}].units", ob.units[0])]
         paths = units + [(f"operators[{i}].counters[{j}]", p) for j, p in enumerate(ob.counters)]
         paths += [(f"operators[{i}].modes[{j}]", p) for j, p in enumerate(ob.modes)]
+        if ob.flush is not None:
+            flush = operators[ob.operator].flush
+            if not isinstance(ob.units, int) or len(flush) != 1:
+                raise BindingError(f"operators[{i}].flush", f"a flush flag gives an int `units` the contract's one flush "
+                                   f"size; got units={ob.units!r}, the contract's flush sizes {flush}")
+            paths.append((f"operators[{i}].flush", ob.flush))
         own = binding.region(operators[ob.operator].region)
+        if own.operators and ob.operator not in own.operators:
+            raise BindingError(f"regions[{binding.regions.index(own)}].operators", f"{own.region!r} is operator "
+                               f"{ob.operator!r}'s own region, which it always keeps; name it too, got {own.operators!r}")
         paths += [(f"regions[{binding.regions.index(own)}].at", p) for p in own.at]  # none when per_call
         for field, path in paths:
             if _segments(path)[0] not in parameters:

@@ -122,20 +122,42 @@ class _Step(torch.nn.Module):
     out as results, on `roots`, a private copy of the state objects. The output's tensors are
     returned flat; `_structure` of a stock output rebuilds it."""
 
-    def __init__(self, model: Any, method, roots: dict[str, Any], sites: list[Site]):
+    def __init__(self, model: Any, method, roots: dict[str, Any], sites: list[Site], trims: dict[int, tuple[int, int, int]]):
         super().__init__()
         if isinstance(model, torch.nn.Module):
             # Registered, so the export lifts the model's weights as parameters the graphs share
             # with it; unregistered, every class's graph would hold a copy of them as constants.
             self.model = model
-        self.method, self.roots, self.sites = method, roots, sites
+        self.method, self.roots, self.sites, self.trims = method, roots, sites, trims
 
     def forward(self, inputs: dict[str, Any], state: list):
         for site, value in zip(self.sites, state):
             set_path(self.roots, site.path, value)
-        out = self.method(**inputs, **_arguments(self.roots))
+        out = _caller_trimmed(self.method(**inputs, **_arguments(self.roots)), self.sites, self.trims)
         leaves, _ = _structure(out, self.roots)
         return [x for x in leaves if isinstance(x, torch.Tensor)], _new_state(self.sites, self.roots, out)
+
+
+def _caller_trim(value: torch.Tensor, axis: int, keep: int, head: int) -> torch.Tensor:
+    """A region's retention of a returned state, as its caller cuts it: the whole state while it is
+    no longer than `keep`, else its last `keep` units, or its first `head` and last `keep - head`
+    (negative slices, the form the window pass reads)."""
+    if value.shape[axis] <= keep:
+        return value
+    index = (slice(None),) * axis
+    tail = value[index + (slice(head - keep, None),)]
+    return torch.cat([value[index + (slice(None, head),)], tail], dim=axis) if head else tail
+
+
+def _caller_trimmed(out: Any, sites: list[Site], trims: dict[int, tuple[int, int, int]]) -> Any:
+    """The call's output with each state its caller trims (`trims`: (axis, keep, head) by site
+    index, the binding's `caller_trims` regions) cut to the region's retention."""
+    if not trims:
+        return out
+    holder = {RETURN: out}
+    for i, (axis, keep, head) in trims.items():
+        set_path(holder, sites[i].out, _caller_trim(get_path(holder, sites[i].out), axis, keep, head))
+    return holder[RETURN]
 
 
 def _arguments(roots: dict[str, Any]) -> dict[str, Any]:
@@ -359,6 +381,7 @@ class BoundOperator:
         # is read, already in the model at its derived shape) the model's own tensors, one per site.
         self.region_tensors: dict[str, list[torch.Tensor]] = {}
         self.sites: list[Site] = []  # the regions' sites, then the device-side counters (region None)
+        self.trims: dict[int, tuple[int, int, int]] = {}  # site index -> (axis, keep, head): its caller trims it
         self._places = Places([])  # where the sites are, found on each call's roots
         self._holder = torch.nn.Module()  # owns the carries, so the replay engine rewinds their buffers
         self._replay_wanted = replay
@@ -498,15 +521,25 @@ class BoundOperator:
             by_reference = not allocated and rb.write_before_read and _holds_region(
                 values, derived.shape[lead:], DTYPES[region.dtype], device)
             if not allocated and not by_reference:
-                buffer = torch.zeros(derived.shape, dtype=DTYPES[region.dtype], device=device)
+                # Never an inference tensor (a first call under a vendor's `torch.inference_mode()`):
+                # the carry is written in place outside it too (a turn reset, a swap).
+                with torch.inference_mode(False):
+                    buffer = torch.zeros(derived.shape, dtype=DTYPES[region.dtype], device=device)
                 self.report.carries[rb.region] = WindowCarry(rb.region, rb.region, buffer, region.axis)
             for site, value in zip(found, values):
                 key = (rb.region, site.index)
                 if key not in self.shared:
                     home = value if by_reference else self.report.carries[rb.region].buffer[site.index]
-                    self.shared[key] = WindowCarry(site.path, rb.region, home, region.axis - lead, auditor=self.report.auditor)
+                    # Named by its path; by its region too where the binding names the region's operators
+                    # (two methods' arguments of one name, such as two vendor modules' `att_cache`).
+                    name = f"{rb.region}:{site.path}" if rb.operators else site.path
+                    self.shared[key] = WindowCarry(name, rb.region, home, region.axis - lead, auditor=self.report.auditor)
                 carry = self.carries[site.path] = self.shared[key]
                 self._holder.add_module(f"carry{len(self.sites)}", carry)
+                if rb.caller_trims:
+                    retention = region.retention
+                    head = retention.prompt if isinstance(retention, PromptPlusHistory) else 0
+                    self.trims[len(self.sites)] = (carry.axis, derived.lower + derived.window, head)
                 self.sites.append(site)
             self.region_tensors[rb.region] = ([self.report.carries[rb.region].buffer] if rb.region in self.report.carries
                                               else [self.shared[(rb.region, site.index)].buffer for site in found])
@@ -521,7 +554,8 @@ class BoundOperator:
         for path in self._counter_paths(roots):
             value = get_path(roots, path)
             if isinstance(value, torch.Tensor):  # a device-side counter: state of its own, at one address
-                self.held[path] = value.detach().clone()
+                with torch.inference_mode(False):
+                    self.held[path] = value.detach().clone()
                 self.sites.append(Site(None, path, ()))
         if self._replay_wanted and self.report.auditor is None:  # without CUDA the engine runs eager and says so
             self.replay = ExactShapeReplay(self._run, self._admit, name=self.ob.operator, aliased=[1],
@@ -650,6 +684,8 @@ class BoundOperator:
 
     def _units(self, arguments: dict[str, Any]) -> int:
         if isinstance(self.ob.units, int):
+            if self.ob.flush is not None and get_path(arguments, self.ob.flush) is True:
+                return self.op.flush[0]
             return self.ob.units
         path, axis = self.ob.units
         value = get_path(arguments, path)
@@ -672,7 +708,7 @@ class BoundOperator:
         at_sites = [get_path(roots, s.path) for s in self.sites]  # the carries, or a returned state's own tensors
         private = _private(roots, [v for v in (*state, *at_sites) if isinstance(v, torch.Tensor)])
         method = method_of(private[SELF], self.ob.method) if SELF in private else self.method
-        step = _Step(self.model, method, private, self.sites)
+        step = _Step(self.model, method, private, self.sites, self.trims)
         example = list(state)  # the export traces fake copies of them: the carries are not written
         try:
             with torch.no_grad(), warnings.catch_warnings():
@@ -727,6 +763,7 @@ class BoundOperator:
                 live=retained + call.call,
                 held=region.holds_call,
                 head=region.retention.prompt if isinstance(region.retention, PromptPlusHistory) else 0,
+                copy=site.out is not None,
             ))
         if call.extent == max(self.op_catalog.grid) and not call.flush:
             self._pinned(windows)
@@ -772,7 +809,7 @@ class BoundOperator:
         rng = RngState.capture()
         for site, value in zip(self.sites, state):
             set_path(roots, site.path, value if value is None or self._uncopied(site) else value.clone())
-        expected = self._stock_call(roots, inputs)
+        expected = _caller_trimmed(self._stock_call(roots, inputs), self.sites, self.trims)
         if cls.outputs is None:
             cls.outputs = _structure(expected, roots)[1]
         expected_state = _new_state(self.sites, roots, expected)

@@ -1,13 +1,13 @@
 """`transform(model, contract)`: the entry point, and the report it returns.
 
 With a binding, the one pipeline (`pipeline.py`) runs on any model. Without one, the family
-registry (`families.py`) gives the family's binding (the same pipeline) or, for a family not moved
-onto it yet, its adapter. The passes do the rewriting; this module derives the catalog, dispatches and reports.
+registry (`families.py`) gives the family's binding, or its composer (a hook that transforms the
+family's parts from their bindings on the same pipeline). The passes do the rewriting; this module
+derives the catalog, dispatches and reports.
 """
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +21,7 @@ from .families import families, load
 from .pipeline import transform_bound
 from .report import format_bytes, format_table
 
-__all__ = ["Adapter", "TransformReport", "transform"]
+__all__ = ["TransformReport", "transform"]
 
 
 @dataclass
@@ -112,20 +112,6 @@ class TransformReport:
         return "\n".join(lines)
 
 
-class Adapter(abc.ABC):
-    """Where one family keeps its regions, and how its transform is assembled from the passes."""
-
-    family: str
-
-    @abc.abstractmethod
-    def transform(
-        self, model: Any, contract: Contract, catalog: Catalog, *, audit: bool, capture: bool, replay: bool
-    ) -> tuple[Any, TransformReport]:
-        """Return the transformed model (the input left untouched) and the report."""
-
-
-
-
 def transform(
     model: Any,
     contract: Contract,
@@ -140,8 +126,8 @@ def transform(
 
     With a `binding` (where each region lives, which methods are hot operators) the one generic
     pipeline runs (`cadence_fx.pipeline`): any model, no adapter. Without one, a registered family
-    gives its own binding (the same pipeline), its parts' bindings (`Family.compose`: a model made
-    of several models), or its adapter where it has not moved yet.
+    gives its own binding (the same pipeline) or its composer (`Family.compose`: a hook that
+    transforms the model's parts from their bindings on the same pipeline).
 
     The input model is left untouched. With `audit=True` a shadow auditor evaluates the stock
     retention beside every carry write and raises `AuditMismatch` on the first difference.
@@ -165,9 +151,6 @@ def transform(
         return transform_bound(model, contract, binding, catalog, report, replay=replay and not audit), report
     if compose is not None:
         return load(compose)(model, contract, audit=audit, replay=replay, budget=budget)
-    if declared is None or declared.adapter is None:
-        having = sorted(name for name, f in families().items() if f.adapter or f.binding or f.compose)
-        raise ValueError(f"no binding given, and {contract.family!r} is no family with its own binding, composer or adapter ({having}): "
-                         "pass transform(model, contract, binding) (README: Bring your own model)")
-    adapter = load(declared.adapter)
-    return adapter.transform(model, contract, catalog, audit=audit, capture=capture, replay=replay)
+    having = sorted(name for name, f in families().items() if f.binding or f.compose)
+    raise ValueError(f"no binding given, and {contract.family!r} is no family with its own binding or composer ({having}): "
+                     "pass transform(model, contract, binding) (README: Bring your own model)")

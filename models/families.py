@@ -5,7 +5,7 @@ from cadence_fx.families import Family
 TOKEN2WAV = Family(
     "token2wav",
     contract="cadence_fx.models.token2wav:token2wav_contract",
-    adapter="cadence_fx.models.token2wav_carry:ADAPTER",
+    compose="cadence_fx.models.token2wav_carry:transform_flow",
     reference="cadence_fx.models.token2wav_carry:reference_stream",
     demo="cadence_fx.models.token2wav_carry:demo",
 )

@@ -203,7 +203,11 @@ class Window:
     is the site's time axis, `keep` the units it retains (the region's retained bound), `live` the
     operand's extent in this class (retained + the call's units), `held` whether the region holds
     the call's units (the operand then lives in the carry), `head` the units it keeps from the
-    operand's front (a prompt or attention sinks; 0 for a plain sliding window).
+    operand's front (a prompt or attention sinks; 0 for a plain sliding window). `copy`: a state the
+    step returns to its caller, who threads it back in; built where the pass does not follow it (not
+    a concat of the retained state: a buffer a vendor writes and returns a view of), its kept units
+    are copied into the carry, as taking it into the carry at the next call would; without `copy`
+    such a site is refused.
     """
 
     site: str
@@ -215,6 +219,7 @@ class Window:
     live: int
     held: bool
     head: int = 0
+    copy: bool = False
 
 
 def _axis(node: torch.fx.Node, dim: int) -> int:
@@ -340,6 +345,8 @@ def rewrite_windows(gm: torch.fx.GraphModule, windows: tuple[Window, ...], carri
             # carry after the step's last reader of it.
             kept = _adopt(gm, output, carry, leaf)
             kind, done = "keep", f"the last {w.keep} of the new units (they fill the window) copied into the carry in place"
+        elif w.copy:
+            kept, kind, done = _copy_retained(gm, graph, w, carry, leaf, tail, nodes.get(w.input), output)
         else:
             raise WindowError(f"{graph}: {w.site}: retention output {leaf.name} is neither a concat of "
                               f"{w.input} and new units nor new units kept whole")
@@ -395,6 +402,22 @@ def _rewrite_concat(gm, graph, w: Window, carry, leaf, cat, tail, retained_input
     if tail is not None:
         _erase_trim(gm, leaf)
     return kept, done
+
+
+def _copy_retained(gm, graph, w: Window, carry, leaf, tail, retained_input, output):
+    """A retained state the step builds itself (`leaf`: its retention, or the state whole while it
+    fits): the kept units copied into the carry after the step's last reader. Returns (kept node,
+    kind, what was done)."""
+    if tail is not None and (tail[1] != w.axis or tail[3] != w.keep or tail[2] != w.head):
+        raise WindowError(f"{graph}: {w.site}: the retention keeps {tail[3]} units (the first {tail[2]}) along axis {tail[1]}, "
+                          f"the region retains {w.keep} (the first {w.head}) along axis {w.axis}")
+    operand = leaf if tail is None else tail[0]
+    with gm.graph.inserting_before(output):
+        kept = gm.graph.call_function(window_keep, (carry, retained_input, operand, w.keep, w.head))
+    output.replace_input_with(leaf, kept)
+    if tail is not None:
+        _erase_trim(gm, leaf)
+    return kept, "keep", f"built by the step ({operand.name}); {_kept(w.keep, w.head)} copied into the carry in place after the last reader"
 
 
 def _kept(keep: int, head: int) -> str:

@@ -42,13 +42,14 @@ def test_diff_prints_every_rewritten_site_and_writes_a_page(capsys, tmp_path):
     page = tmp_path / "diff.html"
     assert main(["diff", "token2wav", "--device", "cpu", "--html", str(page)]) == 0
     out = capsys.readouterr().out
-    assert out.count("rewritten: in-place writes of ((0, 102), (-100, None)) into the carry") == 2
-    assert "=== estimator_att_cache_trim ===" in out and "=== conformer_att_cache_trim ===" in out
-    assert "removed nodes: cat x1, getitem x2" in out
+    assert out.count("its first 102 and last 100 units copied into the carry in place after the last reader") == 8
+    assert "=== cfm_loop[n=50,L=202] ===" in out and "=== conformer_encoder[n=50,L=202] ===" in out
+    assert out.count("removed nodes: cat x1, slice x2") == 4  # the caller's trim, once a turn evicts (L=202)
     text = page.read_text()
     assert text.startswith("<!DOCTYPE html>") and "://" not in text
-    assert 'data-graph="estimator_att_cache_trim"' in text and 'data-graph="conformer_att_cache_trim"' in text
-    assert "No replayed operator has been called yet" in text
+    assert 'data-graph="cfm_loop[n=50,L=202]"' in text and 'data-graph="conformer_encoder[n=50,L=202]"' in text
+    # The construction's warm-up turns called every class of the two bound operators: each certified.
+    assert text.count('<dl class="certificate admitted">') == 8
 
 
 @pytest.mark.slow

@@ -8,9 +8,8 @@ import torch
 from cadence_fx import AuditMismatch, transform
 from cadence_fx.diff import diff_graphs, render_html, render_text
 from cadence_fx.models.token2wav import token2wav_contract
-from cadence_fx.models.token2wav_carry import ENVELOPES, CarryStream, reference_flow
+from cadence_fx.models.token2wav_carry import ENVELOPES, WARM_UP_CHUNKS, WARM_UP_TURNS, CarryStream, reference_flow
 from cadence_fx.models.token2wav_stream import StockStream, build_hift, random_chunks, random_prompt
-from cadence_fx.passes.carry import rewrite_trims, trace_trim
 from pagekit import Page
 
 pytestmark = pytest.mark.slow
@@ -80,25 +79,29 @@ def test_each_carry_keeps_one_address_for_the_whole_stream(streamed):
 
 def test_the_auditor_counts_every_retention_and_finds_no_mismatch(streamed):
     _, report = streamed
-    # Per turn: chunks 1-2 keep everything (102 + 50, 102 + 100 <= 202); chunks 3-6 evict.
+    # Every chunk retains three sites (the two attention caches, the CFM's conv cache), the warm-up
+    # turns at construction included; the attention caches evict from each turn's third chunk on
+    # (102 + 50, 102 + 100 <= 202), the conv cache never (its 2 frames are kept whole).
+    chunks = BLOCKS * CHUNKS + WARM_UP_TURNS * WARM_UP_CHUNKS
+    evicting = BLOCKS * (CHUNKS - 2) + WARM_UP_TURNS * (WARM_UP_CHUNKS - 2)
     assert report.auditor.counters() == {
-        "retentions": 2 * BLOCKS * CHUNKS,
-        "applications": 2 * BLOCKS * (CHUNKS - 2),
+        "retentions": 3 * chunks,
+        "applications": 2 * evicting,
         "mismatches": 0,
-        "distinct_carry_addresses": {"conformer_att_cache": 1, "estimator_att_cache": 1},
+        "distinct_carry_addresses": {"estimator_att_cache:att_cache": 1, "estimator_cnn_cache:cnn_cache": 1,
+                                     "conformer_att_cache:att_cache": 1},
     }
 
 
-def test_the_auditor_catches_a_carry_that_keeps_the_prompt_whole(reference):
-    """A carry that evicts by the prompt-plus-history policy (newest history, whole prompt, as
-    an ordering-aware carry would) instead of the vendor's [:P] + [-100:] trim on the prepend-
-    ordered DiT cache: caught at chunk 3, the first chunk whose eviction reaches the prompt."""
+def test_the_auditor_catches_a_carry_that_keeps_the_wrong_units(reference, monkeypatch):
+    """A carry that keeps the newest 102 frames and the first 100 (the prompt-plus-history policy
+    read the wrong way round) instead of the vendor's [:P] + [-100:]: caught at chunk 3, the first
+    chunk that evicts."""
     flow, contract, prompt = reference
-    transformed, report = transform(flow, contract, audit=True, capture=False)
-    planted, _, _ = rewrite_trims(
-        trace_trim(4, head=100, tail=102), {"cache": "estimator_att_cache"}, report.carries, graph="planted"
-    )
-    transformed.trims["estimator_att_cache"] = planted
+    transformed, report = transform(flow, contract, audit=True)
+    carry = transformed.bound.operators["cfm_loop"].carries["att_cache"]
+    keep = carry.keep
+    monkeypatch.setattr(carry, "keep", lambda full, segments: keep(full, ((0, 100), (-102, None)) if len(segments) == 2 else segments))
     stream = CarryStream(transformed, prompt)
     stream.setup()
     chunks = random_chunks(7, 3)
@@ -106,7 +109,7 @@ def test_the_auditor_catches_a_carry_that_keeps_the_prompt_whole(reference):
     stream.flow_chunk(chunks[1])
     with pytest.raises(AuditMismatch) as caught:
         stream.flow_chunk(chunks[2])
-    assert (caught.value.site, caught.value.chunk) == ("estimator_att_cache", 3)
+    assert (caught.value.site, caught.value.chunk) == ("estimator_att_cache:att_cache", 3)
     assert caught.value.index is not None
     assert report.auditor.mismatches == 1
 
@@ -121,6 +124,8 @@ def test_demand_sizing_measured_on_the_buffers(reference, streamed):
         "dit_block_att_cache": 16 * 2 * 8 * 1000 * 128 * 4,
         "dit_block_cnn_cache": 16 * 2 * 1024 * 2 * 4,
     }
+    # The conformer's cache has no envelope: the stock code pins its 202 + 50 frames between calls.
+    stock["conformer_att_cache"] = 2 * 1 * 8 * 252 * 128 * 4
     carried = {r.region: r.demand_bytes for r in report.resizes}
     # 10 solver steps, 2 DiT blocks, 102 prompt + 100 retained + 56 frames of the final chunk.
     assert carried == {
@@ -128,6 +133,7 @@ def test_demand_sizing_measured_on_the_buffers(reference, streamed):
         "estimator_cnn_cache": 10 * 2 * 2 * 1024 * 2 * 4,
         "dit_block_att_cache": 2 * 2 * 8 * 258 * 128 * 4,
         "dit_block_cnn_cache": 2 * 2 * 1024 * 2 * 4,
+        "conformer_att_cache": 2 * 1 * 8 * 202 * 128 * 4,
     }
     assert report.managed_bytes() == {region: (stock[region], carried[region]) for region in stock}
 
@@ -135,53 +141,48 @@ def test_demand_sizing_measured_on_the_buffers(reference, streamed):
 def test_the_input_model_is_left_untouched(reference, streamed):
     flow, _, _ = reference
     assert flow.decoder.att_cache_buffer.shape == (16, 16, 2, 8, 1000, 128)
+    assert "forward_chunk" not in vars(flow.decoder) and "forward_chunk" not in vars(flow.encoder)
 
 
-def test_report_names_every_site_with_its_ordering(streamed):
+CLASSES = [f"{op}[n={n},L={extent}]{flush}" for op in ("cfm_loop", "conformer_encoder")
+           for n, extent, flush in ((50, 102, ""), (50, 152, ""), (50, 202, ""), (56, 202, "(flush)"))]
+
+
+def test_report_names_every_rewritten_site_of_every_class(streamed):
     _, report = streamed
-    kinds = sorted({(s.graph, s.kind, s.rewritten) for s in report.sites})
-    assert kinds == [
-        ("conformer", "append", False),
-        ("conformer_att_cache_trim", "trim", True),
-        ("dit_estimator", "prepend", False),
-        ("estimator_att_cache_trim", "trim", True),
-    ]
-    # Two concats (keys and values) per attention block: 2 DiT blocks, 2 conformer blocks.
-    assert sum(s.kind == "prepend" for s in report.sites) == 4
-    assert sum(s.kind == "append" for s in report.sites) == 4
+    assert sorted({s.graph for s in report.sites}) == sorted(CLASSES)
+    assert sorted((s.graph, s.region, s.kind, s.rewritten) for s in report.sites) == sorted(
+        [(name, "estimator_att_cache", "keep", True) for name in CLASSES[:4]]
+        + [(name, "estimator_cnn_cache", "keep", True) for name in CLASSES[:4]]
+        + [(name, "conformer_att_cache", "keep", True) for name in CLASSES[4:]])
 
 
-def test_the_diff_report_shows_every_rewritten_site(streamed, tmp_path):
+def test_the_diff_report_shows_every_rewritten_site(streamed):
     _, report = streamed
     diffs = {name: diff_graphs(name, before, after) for name, (before, after) in report.graphs.items()}
-    for name in ("estimator_att_cache_trim", "conformer_att_cache_trim"):
-        assert dict(diffs[name].removed) == {"cat": 1, "getitem": 2}
-        assert dict(diffs[name].added) == {"attr carry_" + name.removesuffix("_trim"): 1, "carry_keep": 1}
+    assert sorted(diffs) == sorted(CLASSES)
+    for name in CLASSES:
+        # The caller's trim is in the step's graph once a turn evicts (L=202): it becomes the carry write.
+        evicts = "L=202" in name
+        assert dict(diffs[name].removed) == ({"cat": 1, "slice": 2} if evicts else {})
+        assert dict(diffs[name].added) == ({"attr carry_att_cache": 1, "attr carry_cnn_cache": 1, "window_keep": 2}
+                                           if name.startswith("cfm_loop") else {"attr carry_att_cache": 1, "window_keep": 1})
     text = render_text(list(diffs.values()))
-    assert text.count("+carry_keep = carry_keep(") == 2
-    assert "-cat = cat([getitem, getitem_1], dim=4)" in text
-    assert "-cat = cat([getitem, getitem_1], dim=3)" in text
+    assert "+window_keep = window_keep(carry_att_cache, state_0, cat_10, 202, 102)" in text
 
 
 def test_the_report_page_draws_each_trim_rewrite_and_links_its_carry_to_the_site(streamed):
     _, report = streamed
     page = Page(render_html(report, report.catalog, stream="the streams of this module"))
     assert page.errors == [] and page.external() == [] and "://" not in page.text
-    for name in ("estimator_att_cache_trim", "conformer_att_cache_trim"):
-        carry = "carry_" + name.removesuffix("_trim")
-        before, after = f"svg-{name}-before", f"svg-{name}-after"
-        assert set(page.svgs[before]) == {"cache", "getitem", "getitem_1", "cat", "output"}
-        assert page.marked(before, "removed") == {"getitem", "getitem_1", "cat"}
-        assert page.marked(before, "site") == {"cat"}
-        assert page.marked(after, "added") == {carry, "carry_keep"}
-        assert page.marked(after, "carry") == {carry}
-        assert page.marked(before, "changed") == page.marked(after, "changed") == {"output"}
-        assert page.links(after) == {carry: f"#site-{name}-cat", "carry_keep": f"#site-{name}-cat"}
-    # The DiT's buffers shrank to demand; its prepend concats are sites left in place.
-    assert page.marked("svg-dit_estimator-before", "changed") == {
-        "estimator_att_cache_buffer", "estimator_cnn_cache_buffer", "select_4", "select_8", "slice_7"}
-    assert page.marked("svg-dit_estimator-after", "site") == {"cat_4", "cat_5", "cat_10", "cat_11"}
-    assert page.marked("svg-dit_estimator-after", "added") == set()
+    name = "conformer_encoder.5bn.3d50.2cL.3d202.5d"  # conformer_encoder[n=50,L=202], as an HTML id
+    before, after = f"svg-{name}-before", f"svg-{name}-after"
+    assert page.marked(before, "removed") == {"slice_17", "slice_18", "cat_12"}
+    assert page.marked(before, "site") == {"cat_12"}
+    assert page.marked(after, "added") == {"carry_att_cache", "window_keep"}
+    assert page.marked(after, "carry") == {"carry_att_cache"}
+    assert page.marked(before, "changed") == page.marked(after, "changed") == {"output"}
+    assert page.links(after) == {"carry_att_cache": f"#site-{name}-cat_12", "window_keep": f"#site-{name}-cat_12"}
 
 
 def test_the_report_page_lists_exactly_the_derivation_and_certifies_every_streamed_class(streamed):
@@ -189,32 +190,27 @@ def test_the_report_page_lists_exactly_the_derivation_and_certifies_every_stream
     catalog = report.catalog
     page = Page(render_html(report, catalog))
     assert page.values("data-region") == [r.name for r in catalog.regions]
-    assert page.values("data-carry") == ["estimator_att_cache", "conformer_att_cache"]
+    assert page.values("data-carry") == ["conformer_att_cache", "estimator_att_cache", "estimator_cnn_cache"]
     assert page.values("data-operator") == ["cfm_loop", "dit_estimator", "conformer_encoder", "hift"]
     assert page.values("data-class") == [
         f"{op}:{call}@{extent}{flush}" for op in ("cfm_loop", "dit_estimator", "conformer_encoder")
         for call, extent, flush in ((50, 102, ""), (50, 152, ""), (50, 202, ""), (56, 202, ":flush"))
     ] + ["hift:50@0", "hift:50@8", "hift:56@8:flush"]
-    assert page.values("data-replay-class") == [
-        "steady f=50 L=102", "steady f=50 L=152", "steady f=50 L=202", "flush f=56 L=202",
-        "steady L=102", "steady L=152", "steady L=202", "flush L=202",
-    ]
-    # Every class was called in the module's streams: each has its certificate, none refused.
-    assert page.text.count('<dl class="certificate admitted">') == 8
-    assert 'class="certificate refused"' not in page.text
-    assert page.text.count("No replay engine for this operator in this transform.") == 2
+    # Under the auditor the classes run their rewritten graphs eagerly: no replay engine, no certificate.
+    assert page.values("data-replay-class") == []
+    assert page.text.count("No replay engine for this operator in this transform.") == 4
     assert f"{report.auditor.retentions} retentions checked" in page.text and "<b>0 mismatches</b>" in page.text
 
 
 def test_a_contract_for_another_depth_is_refused(reference):
     flow, _, _ = reference
     with pytest.raises(ValueError, match="contract quantity depth=16 but the flow has 2"):
-        transform(flow, token2wav_contract(f_prompt=102), capture=False)
+        transform(flow, token2wav_contract(f_prompt=102))
 
 
 def test_a_prompt_the_contract_does_not_declare_is_refused(reference):
     flow, contract, _ = reference
-    transformed, _ = transform(flow, contract, capture=False)
+    transformed, _ = transform(flow, contract)
     stream = CarryStream(transformed, random_prompt(0, n_tokens=60))
     with pytest.raises(ValueError, match="the prompt has 120 mel frames, the contract declares f_prompt=102"):
         stream.setup()
@@ -233,7 +229,7 @@ def test_streams_time_multiplexed_over_one_transformed_flow_equal_each_stream_al
     flow, contract, prompt_tokens = reference_flow("reduced")
     hift = build_hift()
     prompt = random_prompt(0, n_tokens=prompt_tokens)
-    transformed, _ = transform((flow, hift), contract, capture=False)
+    transformed, _ = transform((flow, hift), contract)
     tokens = [random_chunks(50 + i, 4) for i in range(2)]
 
     def alone(i):
@@ -248,8 +244,7 @@ def test_streams_time_multiplexed_over_one_transformed_flow_equal_each_stream_al
     states = [transformed.session_state(seed=0)]
     streams[1].reset_turn()
     states.append(transformed.session_state(seed=1))
-    assert states[0].nbytes == sum(c.buffer.numel() * c.buffer.element_size() for c in transformed.carries.values()) \
-        + transformed.flow.decoder.cnn_cache_buffer.numel() * 4
+    assert states[0].nbytes == sum(c.buffer.numel() * c.buffer.element_size() for c in transformed.carries.values())
     got = [[], []]
     for c in range(4):
         for i in (1, 0):

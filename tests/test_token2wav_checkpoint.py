@@ -116,7 +116,7 @@ def streamed(model_dir, prompt_file):
     flow, hift = checkpoint.load_flow(found, seed=SEED), checkpoint.load_hift(found)
     loaded = checkpoint.load_prompt(path)
     contract = contract_for_flow(flow, loaded.mels.shape[1])
-    transformed, report = transform((flow, hift), contract, audit=True, capture=False)
+    transformed, report = transform((flow, hift), contract, audit=True)
     with torch.no_grad():
         return CarryStream(transformed, loaded).run(REPLY, rng_seed=rng_seed(SEED, 0)), report
 

@@ -254,7 +254,7 @@ class Token2WavPlugin(ModelPlugin):
         self.streams = 0
         self.rng = RngSection(self.device)
         with torch.no_grad():  # a lane's thread runs in the grad mode of the thread that made it
-            self.lanes = [ReplayLane(k, transform((flow, hift), contract, capture=False)[0], Lane(f"{name}-lane{k}", self.device))
+            self.lanes = [ReplayLane(k, transform((flow, hift), contract)[0], Lane(f"{name}-lane{k}", self.device))
                           for k in range(lanes)]
         del flow, hift  # each lane holds its own copy
         if self.device.type == "cuda":
