@@ -185,9 +185,18 @@ def open_stream(arm: str, flow, hift, contract, prompt):
 
 def _shed_stock(arm: str, flow, hift, device: torch.device) -> None:
     """Every arm but eager runs on copies its build made: the stock flow and HiFT leave the
-    device, so the process holds what a deployment of this arm would hold and no more."""
-    if _base_arm(arm)[0] != "eager" and device.type == "cuda":
-        flow.to("cpu")
+    device, so the process holds what a deployment of this arm would hold and no more. A
+    transformed flow (S, SRc) shares the stock flow's weights: only the stock envelopes it sized
+    to demand leave."""
+    base = _base_arm(arm)[0]
+    if base != "eager" and device.type == "cuda":
+        if base in ("S", "SRc"):
+            for envelope in ENVELOPES:
+                owner, _, name = envelope.path.rpartition(".")
+                module = flow.get_submodule(owner)
+                module._buffers[name] = module._buffers[name].to("cpu")
+        else:
+            flow.to("cpu")
         hift.to("cpu")
         _sync(device)
         torch.cuda.empty_cache()
