@@ -33,6 +33,7 @@ region's: kept at one address, passed to the graph, aliased by the replay.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import inspect
@@ -66,7 +67,7 @@ from .binding import (
 from .catalog import Catalog, CatalogClass
 from .contract import DTYPES, Contract, PromptPlusHistory, RingCache
 from .determinism import RngState
-from .passes.carry import RetentionSite
+from .passes.carry import RetentionSite, shared_memo
 from .passes.hoist import HostConstantHoist
 from .passes.state import Resize
 from .passes.window import CarryCounters, Window, WindowCarry, WindowError, rewrite_windows
@@ -389,6 +390,7 @@ class BoundOperator:
         self._names: dict[tuple, str] = {}
         self._current: _Class | None = None
         self._unbounded: set[tuple[int, int]] = set()  # catalog classes past VARIANTS signatures
+        self._fingerprint: tuple | None = None  # the model's structure, for `_export_key`
 
     def __deepcopy__(self, memo: dict) -> BoundOperator:
         """Itself: a handle on graphs and carries that a state object may hold (a vendor's step
@@ -684,7 +686,7 @@ class BoundOperator:
 
     def _units(self, arguments: dict[str, Any]) -> int:
         if isinstance(self.ob.units, int):
-            if self.ob.flush is not None and get_path(arguments, self.ob.flush) is True:
+            if self.ob.flush is not None and get_path(self._with_defaults(arguments), self.ob.flush) is True:
                 return self.op.flush[0]
             return self.ob.units
         path, axis = self.ob.units
@@ -692,6 +694,11 @@ class BoundOperator:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{self.ob.operator}: units path {path!r} is {type(value).__name__}, expected a tensor")
         return int(value.shape[axis])
+
+    def _with_defaults(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """The call's arguments, those it left out at their defaults (a `last_chunk=False` not passed)."""
+        defaults = {name: p.default for name, p in self.signature.parameters.items() if p.default is not inspect.Parameter.empty}
+        return {**defaults, **arguments}
 
     def _catalog_class(self, units: int, extent: int | None) -> CatalogClass | None:
         for call in self.op_catalog.classes:
@@ -710,6 +717,11 @@ class BoundOperator:
         method = method_of(private[SELF], self.ob.method) if SELF in private else self.method
         step = _Step(self.model, method, private, self.sites, self.trims)
         example = list(state)  # the export traces fake copies of them: the carries are not written
+        key = self._export_key(inputs, example, modes)
+        gm = _reused_export(key, self.model)
+        if gm is not None:
+            self.report.stamps.append(f"{name}: the export of a model of the same structure reused, rebound to this model's tensors")
+            return self._rewrite(cls, gm, inputs, example, modes, call, name, started)
         try:
             with torch.no_grad(), warnings.catch_warnings():
                 # The step writes the sites into its private copy of the state: expected, not a bug.
@@ -731,6 +743,32 @@ class BoundOperator:
             self.report.stamps.append(f"{name}: refused, {cls.refused}")
             return cls
         gm = program.module()
+        _keep_export(key, gm)
+        return self._rewrite(cls, gm, inputs, example, modes, call, name, started)
+
+    def _export_key(self, inputs, example, modes) -> tuple | None:
+        """What an export of this operator's step depends on: the model's structure (its class, every
+        weight's and buffer's name, shape, dtype and device, every module's host settings), the
+        method, the sites and their trims, and the class's signature (shapes, layouts, host values,
+        grad and autocast modes). None for a model that is no module (its weights would be constants)."""
+        if not isinstance(self.model, torch.nn.Module):
+            return None
+        if self._fingerprint is None:
+            tensors = tuple((name, tuple(t.shape), t.dtype, t.device) for name, t in itertools.chain(
+                self.model.named_parameters(remove_duplicate=False), self.model.named_buffers(remove_duplicate=False)))
+            settings = tuple((name, tuple(sorted((k, v) for k, v in vars(module).items()
+                                                 if isinstance(v, (bool, int, float, str, type(None))))))
+                             for name, module in self.model.named_modules())
+            self._fingerprint = (type(self.model), tensors, settings)
+        try:
+            signature = Signature.of(inputs, example, modes).catalog_key
+        except TypeError:
+            return None
+        return (self._fingerprint, self.ob.method, tuple(self.sites), tuple(sorted(self.trims.items())), signature)
+
+    def _rewrite(self, cls: _Class, gm: torch.fx.GraphModule, inputs, example, modes: dict[str, Any], call: CatalogClass,
+                 name: str, started: float) -> _Class:
+        """The exported step `gm` of class `cls`, its retention rewritten onto the carries."""
         placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         positions = {}
         for i, (path, _) in enumerate(pytree.tree_flatten_with_path(((inputs, example), {}))[0]):
@@ -779,7 +817,7 @@ class BoundOperator:
         self.report.sites.extend(found)
         self.report.graphs[name] = (gm, after)
         self.report.stamps.append(f"{stamp}; capture and rewrite of {name} took {cls.capture_ms:.0f} ms")
-        self._names[Signature.of(inputs, state, modes).catalog_key] = name
+        self._names[Signature.of(inputs, example, modes).catalog_key] = name
         return cls
 
     def _pinned(self, windows: list[Window]) -> None:
@@ -914,6 +952,58 @@ class BoundOperator:
         return "\n".join(lines)
 
 
+#: Exported steps by `BoundOperator._export_key`, their model's weights and buffers stripped (meta
+#: tensors): another model of the same structure (a serving lane's copy of a flow, sharing its
+#: weights) calling the same method at the same class takes a copy rebound to its own tensors by
+#: name instead of tracing again (a full-size Token2Wav CFM loop takes minutes to export). Only an
+#: export whose every tensor is the model's own weight or buffer is kept; verification still runs
+#: the stock call beside the graph in every transform.
+_EXPORTS: collections.OrderedDict[tuple, torch.fx.GraphModule] = collections.OrderedDict()
+EXPORTS_KEPT = 32
+_MODEL = "model."  # where `_Step` registers the model: its tensors' names in an export
+
+
+def _rebound(gm: torch.fx.GraphModule, tensor_for) -> torch.fx.GraphModule | None:
+    """A copy of `gm` (sharing its nodes' metadata and specs) whose model tensors are
+    `tensor_for(name, tensor)`; None when `gm` holds a tensor that is not the model's (a constant)."""
+    memo = shared_memo(gm)
+    named = dict(itertools.chain(gm.named_parameters(remove_duplicate=False), gm.named_buffers(remove_duplicate=False)))
+    owned = {id(t) for t in named.values()}
+    if any(isinstance(v, torch.Tensor) and id(v) not in owned for m in gm.modules() for v in vars(m).values()):
+        return None
+    for name, tensor in named.items():
+        if not name.startswith(_MODEL):
+            return None
+        memo[id(tensor)] = tensor_for(name[len(_MODEL):], tensor)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
+        return copy.deepcopy(gm, memo)
+
+
+def _meta(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+    return torch.nn.Parameter(meta, requires_grad=False) if isinstance(tensor, torch.nn.Parameter) else meta
+
+
+def _keep_export(key: tuple | None, gm: torch.fx.GraphModule) -> None:
+    if key is None:
+        return
+    stripped = _rebound(gm, _meta)
+    if stripped is not None:
+        _EXPORTS[key] = stripped
+        while len(_EXPORTS) > EXPORTS_KEPT:
+            _EXPORTS.popitem(last=False)
+
+
+def _reused_export(key: tuple | None, model: torch.nn.Module) -> torch.fx.GraphModule | None:
+    stripped = _EXPORTS.get(key) if key is not None else None
+    if stripped is None:
+        return None
+    _EXPORTS.move_to_end(key)
+    found = dict(itertools.chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)))
+    return _rebound(stripped, lambda name, _: found[name])
+
+
 class BoundModel(Transformed):
     """A model transformed from its contract and binding: call it as the stock model (its one
     bound operator), or each operator through `operators[name]`. Several streams share its graphs
@@ -943,8 +1033,9 @@ class BoundModel(Transformed):
 
     @property
     def carries(self) -> dict[str, WindowCarry]:
-        """Every site's carry, by the site's concrete path (empty before the first call)."""
-        return {path: carry for op in self.operators.values() for path, carry in op.carries.items()}
+        """Every site's carry, by its name: the site's concrete path (with its region where the binding
+        names the region's operators: two methods' `att_cache`); empty before the first call."""
+        return {carry.site: carry for op in self.operators.values() for carry in op.carries.values()}
 
     @property
     def calls(self) -> dict[str, int]:

@@ -316,3 +316,43 @@ def test_a_rewritten_graph_shares_every_tensor_the_model_holds():
     assert held(gm) == model_tensors and held(after) - held(carry) == model_tensors
     assert rewrite_windows(gm, (), {}, graph="lookup") == (
         gm, [], "window pass on lookup: no window site declared, the graph runs as exported")
+
+
+class ScratchPrepend(torch.nn.Module):
+    """Token2Wav's DiT-and-CFM shape: [new | kept] written into a scratch buffer of the step's own,
+    a view of it returned, and the caller's prompt-plus-history trim of it (first 2, last 6)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scratch", torch.zeros(*SHAPE[:2], 16, SHAPE[2]))
+
+    def forward(self, new: torch.Tensor, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = new.shape[2] + kept.shape[2]
+        self.scratch[:, :, :n] = torch.cat([new * 2, kept], dim=2)
+        full = self.scratch[:, :, :n]
+        return full.sum(2), torch.cat([full[:, :, :2], full[:, :, -(KEEP - 2):]], dim=2)
+
+
+def test_a_returned_state_the_pass_cannot_follow_is_copied_into_the_carry_only_when_declared():
+    """`copy`: the kept units of a state built in a buffer of the step's own are copied into the
+    carry after the last reader (the trim erased), bit for bit the stock retention, at one address;
+    without it the same graph is refused."""
+    step = ScratchPrepend()
+    gm = export(step, units(NEW, 0), units(KEEP, 1))
+    declared = Window("kv", "kv", 1, "kept", 2, KEEP, KEEP + NEW, False, head=2)
+    carry = WindowCarry("kv", "kv", torch.zeros(*SHAPE[:2], KEEP + NEW, SHAPE[2]), axis=2, auditor=ShadowAuditor())
+    with pytest.raises(WindowError, match="is neither a concat of kept and new units"):
+        rewrite_windows(gm, (declared,), {"kv": carry}, graph="g")
+    after, sites, _ = rewrite_windows(gm, (Window(**{**vars(declared), "copy": True}),), {"kv": carry}, graph="g")
+    assert [(s.kind, s.rewritten) for s in sites] == [("keep", True)]
+    assert targets(after).count(window_keep) == 1 and targets(after).count(torch.ops.aten.cat.default) == 1  # the trim's cat erased
+    stock_kept = units(KEEP, 1)
+    view = carry.reset(stock_kept)
+    for call in range(4):
+        new = units(NEW, 10 + call)
+        expected_out, expected_kept = ScratchPrepend()(new, stock_kept)
+        out, kept = after(new, view)
+        assert torch.equal(out, expected_out) and torch.equal(kept, expected_kept)
+        assert kept.data_ptr() == carry.address
+        stock_kept, view = expected_kept, kept
+    assert carry.auditor.mismatches == 0 and carry.auditor.retentions == 4
