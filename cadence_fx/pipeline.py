@@ -712,16 +712,16 @@ class BoundOperator:
         name = class_name(self.ob.operator, call.call, call.extent, call.flush, modes)
         cls = _Class(name, call, verify_left=self.binding.verify)
         started = time.perf_counter()
-        at_sites = [get_path(roots, s.path) for s in self.sites]  # the carries, or a returned state's own tensors
-        private = _private(roots, [v for v in (*state, *at_sites) if isinstance(v, torch.Tensor)])
-        method = method_of(private[SELF], self.ob.method) if SELF in private else self.method
-        step = _Step(self.model, method, private, self.sites, self.trims)
         example = list(state)  # the export traces fake copies of them: the carries are not written
         key = self._export_key(inputs, example, modes)
         gm = _reused_export(key, self.model)
         if gm is not None:
             self.report.stamps.append(f"{name}: the export of a model of the same structure reused, rebound to this model's tensors")
             return self._rewrite(cls, gm, inputs, example, modes, call, name, started)
+        at_sites = [get_path(roots, s.path) for s in self.sites]  # the carries, or a returned state's own tensors
+        private = _private(roots, [v for v in (*state, *at_sites) if isinstance(v, torch.Tensor)])
+        method = method_of(private[SELF], self.ob.method) if SELF in private else self.method
+        step = _Step(self.model, method, private, self.sites, self.trims)
         try:
             with torch.no_grad(), warnings.catch_warnings():
                 # The step writes the sites into its private copy of the state: expected, not a bug.

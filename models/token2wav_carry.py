@@ -85,8 +85,8 @@ ENVELOPES = (
 )
 
 #: Turns of random speech streamed at construction, each of 4 chunks and a flush: every class of
-#: the catalog is visited three times, so it is verified twice and (on a GPU) captured.
-WARM_UP_TURNS, WARM_UP_CHUNKS = 3, 5
+#: the catalog is visited twice, so it is verified; on a GPU one more turn captures each.
+WARM_UP_TURNS, WARM_UP_CHUNKS = 2, 5
 
 
 class TransformedFlow(Transformed):
@@ -219,14 +219,15 @@ def transform_flow(model, contract: Contract, *, audit: bool, replay: bool, budg
 
 
 def _warm_up(transformed: TransformedFlow) -> None:
-    """`WARM_UP_TURNS` turns of random speech tokens after a random prompt of the contract's length:
-    the carries are allocated and every class verified (and, on a GPU, captured) before the first
-    stream. The caller's generators are left as they were (the flow draws none; HiFT is not run)."""
+    """`WARM_UP_TURNS` turns of random speech tokens after a random prompt of the contract's length
+    (one more on a GPU): the carries are allocated and every class verified (and, on a GPU,
+    captured) before the first stream. The caller's generators are left as they were (the flow
+    draws none; HiFT is not run)."""
     device = transformed.device()
     prompt = random_prompt(0, n_tokens=transformed.prompt_frames // transformed.flow.up_rate, device=device)
     stream = CarryStream(transformed, prompt)
     with torch.no_grad():
-        for turn in range(WARM_UP_TURNS):
+        for turn in range(WARM_UP_TURNS + (device.type == "cuda")):
             stream.setup() if turn == 0 else stream.reset_turn()
             for i, tokens in enumerate(random_chunks(turn, WARM_UP_CHUNKS, device=device)):
                 stream.flow_chunk(tokens, last_chunk=i == WARM_UP_CHUNKS - 1)
