@@ -41,6 +41,7 @@ import itertools
 import math
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -390,7 +391,6 @@ class BoundOperator:
         self._names: dict[tuple, str] = {}
         self._current: _Class | None = None
         self._unbounded: set[tuple[int, int]] = set()  # catalog classes past VARIANTS signatures
-        self._fingerprint: tuple | None = None  # the model's structure, for `_export_key`
 
     def __deepcopy__(self, memo: dict) -> BoundOperator:
         """Itself: a handle on graphs and carries that a state object may hold (a vendor's step
@@ -743,7 +743,7 @@ class BoundOperator:
             self.report.stamps.append(f"{name}: refused, {cls.refused}")
             return cls
         gm = program.module()
-        _keep_export(key, gm)
+        _keep_export(key, gm, self.model)
         return self._rewrite(cls, gm, inputs, example, modes, call, name, started)
 
     def _export_key(self, inputs, example, modes) -> tuple | None:
@@ -753,18 +753,20 @@ class BoundOperator:
         grad and autocast modes). None for a model that is no module (its weights would be constants)."""
         if not isinstance(self.model, torch.nn.Module):
             return None
-        if self._fingerprint is None:
-            tensors = tuple((name, tuple(t.shape), t.dtype, t.device) for name, t in itertools.chain(
-                self.model.named_parameters(remove_duplicate=False), self.model.named_buffers(remove_duplicate=False)))
-            settings = tuple((name, tuple(sorted((k, v) for k, v in vars(module).items()
-                                                 if isinstance(v, (bool, int, float, str, type(None))))))
-                             for name, module in self.model.named_modules())
-            self._fingerprint = (type(self.model), tensors, settings)
+        tensors = tuple((name, tuple(t.shape), t.dtype, t.device) for name, t in itertools.chain(
+            self.model.named_parameters(remove_duplicate=False), self.model.named_buffers(remove_duplicate=False)))
+        # Host settings by type and repr (0.0 and -0.0, True and 1 are not the same program), read now:
+        # a setting may have changed since the last class (a mode the binding declares).
+        settings = tuple((name, tuple(sorted((k, type(v).__name__, repr(v)) for k, v in vars(module).items()
+                                             if isinstance(v, (bool, int, float, str, type(None), type)))))
+                         for name, module in self.model.named_modules())
         try:
             signature = Signature.of(inputs, example, modes).catalog_key
         except TypeError:
             return None
-        return (self._fingerprint, self.ob.method, tuple(self.sites), tuple(sorted(self.trims.items())), signature)
+        mode_key = tuple((path, type(value).__name__, repr(value)) for path, value in modes.items())
+        return ((type(self.model), tensors, settings), self.ob.method, tuple(self.sites), tuple(sorted(self.trims.items())),
+                signature, mode_key)
 
     def _rewrite(self, cls: _Class, gm: torch.fx.GraphModule, inputs, example, modes: dict[str, Any], call: CatalogClass,
                  name: str, started: float) -> _Class:
@@ -953,12 +955,13 @@ class BoundOperator:
 
 
 #: Exported steps by `BoundOperator._export_key`, their model's weights and buffers stripped (meta
-#: tensors): another model of the same structure (a serving lane's copy of a flow, sharing its
-#: weights) calling the same method at the same class takes a copy rebound to its own tensors by
-#: name instead of tracing again (a full-size Token2Wav CFM loop takes minutes to export). Only an
-#: export whose every tensor is the model's own weight or buffer is kept; verification still runs
-#: the stock call beside the graph in every transform.
-_EXPORTS: collections.OrderedDict[tuple, torch.fx.GraphModule] = collections.OrderedDict()
+#: tensors), with weak references to the weights: another model of the same structure that holds
+#: the very same weights (a serving lane's copy of a flow, made around the caller's weights)
+#: calling the same method at the same class takes a copy rebound to its own buffers by name
+#: instead of tracing again (a full-size Token2Wav CFM loop takes minutes to export). Only an export
+#: whose every tensor is the model's own weight or buffer is kept; verification still runs the
+#: stock call beside the graph in every transform.
+_EXPORTS: collections.OrderedDict[tuple, tuple[torch.fx.GraphModule, list]] = collections.OrderedDict()
 EXPORTS_KEPT = 32
 _MODEL = "model."  # where `_Step` registers the model: its tensors' names in an export
 
@@ -985,20 +988,24 @@ def _meta(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return torch.nn.Parameter(meta, requires_grad=False) if isinstance(tensor, torch.nn.Parameter) else meta
 
 
-def _keep_export(key: tuple | None, gm: torch.fx.GraphModule) -> None:
+def _keep_export(key: tuple | None, gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
     if key is None:
         return
     stripped = _rebound(gm, _meta)
     if stripped is not None:
-        _EXPORTS[key] = stripped
+        _EXPORTS[key] = (stripped, [weakref.ref(p) for _, p in model.named_parameters(remove_duplicate=False)])
         while len(_EXPORTS) > EXPORTS_KEPT:
             _EXPORTS.popitem(last=False)
 
 
 def _reused_export(key: tuple | None, model: torch.nn.Module) -> torch.fx.GraphModule | None:
-    stripped = _EXPORTS.get(key) if key is not None else None
-    if stripped is None:
+    kept = _EXPORTS.get(key) if key is not None else None
+    if kept is None:
         return None
+    stripped, weights = kept
+    params = [p for _, p in model.named_parameters(remove_duplicate=False)]
+    if len(weights) != len(params) or any(ref() is not p for ref, p in zip(weights, params)):
+        return None  # another model's weights (or they are gone): its own export
     _EXPORTS.move_to_end(key)
     found = dict(itertools.chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)))
     return _rebound(stripped, lambda name, _: found[name])

@@ -8,6 +8,8 @@ themselves, copied into a carry at one address; `OperatorBinding.flush` tells th
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -144,22 +146,27 @@ def test_the_callers_trim_runs_on_carries_bit_identical_to_the_stock_loop(data):
     assert sorted(bound.carries) == ["decoder_cache:att_cache", "encoder_cache:att_cache"]
 
 
-def test_a_second_model_of_the_same_structure_reuses_the_exports_on_its_own_buffers(data):
-    first, second = Vendor().eval(), Vendor().eval()
+def test_a_copy_sharing_the_weights_reuses_the_exports_on_its_own_buffers_and_another_model_does_not(data):
+    """A serving lane's copy of a model, made around the same weights (the buffers its own), takes
+    the first transform's exports rebound to its buffers; a model of the same structure with
+    weights of its own exports again."""
+    first = Vendor().eval()
+    lane = copy.deepcopy(first, {id(p): p for p in first.parameters()})
+    other = Vendor().eval()
     with torch.no_grad():
-        second.dec.weight.mul_(2)  # same structure, other weights: the reused graphs must read these
-    expected, _ = stream(second, *data)
-    stream(transform(first, contract(), BINDING)[0], *data)  # its exports are kept for models of its structure
-    bound, report = transform(second, contract(), BINDING)
-    actual, _ = stream(bound, *data)
-    assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
-    reused = [s for s in report.stamps if "of a model of the same structure reused" in s]
-    assert len(reused) == 7  # encode's 3 steady classes and its flush, decode's 3 classes
-    graph = next(iter(report.operators["decode"].classes.values())).graph
-    assert graph.get_buffer("model.scratch").data_ptr() == second.scratch.data_ptr()
-    assert graph.get_parameter("model.dec.weight") is second.dec.weight
-    assert _EXPORTS  # kept with their model's tensors stripped to meta
-    assert all(t.device.type == "meta" for gm in _EXPORTS.values() for t in (*gm.parameters(), *gm.buffers()))
+        other.dec.weight.mul_(2)
+    stream(transform(first, contract(), BINDING)[0], *data)
+    for model, reused in ((lane, 7), (other, 0)):  # encode's 3 steady classes and its flush, decode's 3
+        expected, _ = stream(model, *data)
+        bound, report = transform(model, contract(), BINDING)
+        actual, _ = stream(bound, *data)
+        assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
+        assert sum("of a model of the same structure reused" in s for s in report.stamps) == reused
+        graph = next(iter(report.operators["decode"].classes.values())).graph
+        assert graph.get_buffer("model.scratch").data_ptr() == model.scratch.data_ptr()
+        assert graph.get_parameter("model.dec.weight") is model.dec.weight
+    # kept with their model's tensors stripped to meta
+    assert all(t.device.type == "meta" for gm, _ in _EXPORTS.values() for t in (*gm.parameters(), *gm.buffers()))
 
 
 @pytest.mark.parametrize("binding, field, message", [
