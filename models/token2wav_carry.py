@@ -15,8 +15,8 @@ Where the regions live in the vendor flow (minicpmo-utils 1.0.6), as `FLOW_BINDI
 What the hook adds (`transform_flow`) is what no binding can say: the vendor provisions its
 scratch buffers as stock envelopes (16 steps x 16 blocks x 1000 frames); the state rule
 (`passes/state.py`) sizes them to demand on the transformed copy (`ENVELOPES`). The copy shares the
-caller's weights. A warm-up turn at construction allocates the carries and verifies every class
-(`WARM_UP_TURNS`). HiFT retains nothing itself (its caches are its caller's inputs), so it runs
+caller's weights (so another lane's transform reuses its exports: `cadence_fx.pipeline._EXPORTS`).
+Warm-up turns at construction allocate the carries and verify every class (`WARM_UP_TURNS`). HiFT retains nothing itself (its caches are its caller's inputs), so it runs
 through one exact-shape replay of its call, with its own catalog (`hift_classes`).
 
 A turn reset writes the prompt state, kept once and shared by every turn (it is only ever read),
