@@ -256,7 +256,7 @@ class Token2WavPlugin(ModelPlugin):
         with torch.no_grad():  # a lane's thread runs in the grad mode of the thread that made it
             self.lanes = [ReplayLane(k, transform((flow, hift), contract)[0], Lane(f"{name}-lane{k}", self.device))
                           for k in range(lanes)]
-        del flow, hift  # each lane holds its own copy
+        del flow, hift  # each lane holds its own copy (the flow's around the same weights, its buffers its own)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # built on the default stream, which the lanes' streams do not wait for
         for lane in self.lanes:
