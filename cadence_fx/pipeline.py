@@ -1003,11 +1003,11 @@ def _reused_export(key: tuple | None, model: torch.nn.Module) -> torch.fx.GraphM
     if kept is None:
         return None
     stripped, weights = kept
-    params = [p for _, p in model.named_parameters(remove_duplicate=False)]
-    if len(weights) != len(params) or any(ref() is not p for ref, p in zip(weights, params)):
+    params = list(model.named_parameters(remove_duplicate=False))
+    if len(weights) != len(params) or any(ref() is not p for ref, (_, p) in zip(weights, params)):
         return None  # another model's weights (or they are gone): its own export
     _EXPORTS.move_to_end(key)
-    found = dict(itertools.chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)))
+    found = dict(itertools.chain(params, model.named_buffers(remove_duplicate=False)))
     return _rebound(stripped, lambda name, _: found[name])
 
 

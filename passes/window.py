@@ -346,7 +346,8 @@ def rewrite_windows(gm: torch.fx.GraphModule, windows: tuple[Window, ...], carri
             kept = _adopt(gm, output, carry, leaf)
             kind, done = "keep", f"the last {w.keep} of the new units (they fill the window) copied into the carry in place"
         elif w.copy:
-            kept, kind, done = _copy_retained(gm, graph, w, carry, leaf, tail, nodes.get(w.input), output)
+            kept, done = _copy_retained(gm, graph, w, carry, leaf, tail, nodes.get(w.input), output)
+            kind = "keep"
         else:
             raise WindowError(f"{graph}: {w.site}: retention output {leaf.name} is neither a concat of "
                               f"{w.input} and new units nor new units kept whole")
@@ -373,11 +374,7 @@ def _rewrite_concat(gm, graph, w: Window, carry, leaf, cat, tail, retained_input
     if _extent(cat, w.axis) != w.live:
         raise WindowError(f"{graph}: {w.site}: operand {cat.name} has extent {_extent(cat, w.axis)} along "
                           f"axis {w.axis}, the catalog class declares {w.live}")
-    if tail and (tail[1] != w.axis or tail[3] != w.keep or tail[2] != w.head):
-        kept = f"the first {tail[2]} and last {tail[3] - tail[2]}" if tail[2] else f"the last {tail[3]}"
-        declared = f"the first {w.head} and last {w.keep - w.head}" if w.head else f"the last {w.keep}"
-        raise WindowError(f"{graph}: {w.site}: the retention keeps {kept} units along axis {tail[1]}, "
-                          f"the region retains {declared} along axis {w.axis}")
+    _check_retention(graph, w, tail)
     if w.held:
         cat_strides = tuple(cat.meta["val"].stride())
         with gm.graph.inserting_before(cat):
@@ -404,20 +401,28 @@ def _rewrite_concat(gm, graph, w: Window, carry, leaf, cat, tail, retained_input
     return kept, done
 
 
+def _check_retention(graph: str, w: Window, tail) -> None:
+    """A trim the step makes (`tail`: `_retention_of` its output, None for none) must keep what the
+    region retains, along its axis."""
+    if tail and (tail[1] != w.axis or tail[3] != w.keep or tail[2] != w.head):
+        kept = f"the first {tail[2]} and last {tail[3] - tail[2]}" if tail[2] else f"the last {tail[3]}"
+        declared = f"the first {w.head} and last {w.keep - w.head}" if w.head else f"the last {w.keep}"
+        raise WindowError(f"{graph}: {w.site}: the retention keeps {kept} units along axis {tail[1]}, "
+                          f"the region retains {declared} along axis {w.axis}")
+
+
 def _copy_retained(gm, graph, w: Window, carry, leaf, tail, retained_input, output):
     """A retained state the step builds itself (`leaf`: its retention, or the state whole while it
     fits): the kept units copied into the carry after the step's last reader. Returns (kept node,
-    kind, what was done)."""
-    if tail is not None and (tail[1] != w.axis or tail[3] != w.keep or tail[2] != w.head):
-        raise WindowError(f"{graph}: {w.site}: the retention keeps {tail[3]} units (the first {tail[2]}) along axis {tail[1]}, "
-                          f"the region retains {w.keep} (the first {w.head}) along axis {w.axis}")
+    what was done)."""
+    _check_retention(graph, w, tail)
     operand = leaf if tail is None else tail[0]
     with gm.graph.inserting_before(output):
         kept = gm.graph.call_function(window_keep, (carry, retained_input, operand, w.keep, w.head))
     output.replace_input_with(leaf, kept)
     if tail is not None:
         _erase_trim(gm, leaf)
-    return kept, "keep", f"built by the step ({operand.name}); {_kept(w.keep, w.head)} copied into the carry in place after the last reader"
+    return kept, f"built by the step ({operand.name}); {_kept(w.keep, w.head)} copied into the carry in place after the last reader"
 
 
 def _kept(keep: int, head: int) -> str:
