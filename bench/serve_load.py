@@ -238,6 +238,10 @@ def _summary(results, wall_s: float) -> dict:
         "accounted": all(r.appended_bytes == r.committed_bytes and r.accounted for r in results),
         "errors": sum(len(r.errors) for r in results),
         "responses": len(replies),
+        # A turn that ends while the reply to an earlier one is still in progress gets no response
+        # of its own (barge-in off, one response at a time): responses = turns - these.
+        "turns": sum(r.turns for r in results),
+        "turns_ended_during_a_reply": sum(r.turns_during_reply for r in results),
         "turn_end_to_first_audio_ms": _stats_ms([x for r in results for x in r.latencies_s]),
         "reply_playback_stall_ms": _stats_ms(stalls),
         "replies_that_stalled": sum(stall > 0 for stall in stalls),
@@ -370,6 +374,8 @@ def main() -> None:
         "appended_bytes": sum(r.appended_bytes for r in results),
         "committed_bytes": sum(r.committed_bytes for r in results),
         "responses": overall["responses"],
+        "turns": overall["turns"],
+        "turns_ended_during_a_reply": overall["turns_ended_during_a_reply"],
         "reply_audio_bytes": sum(len(reply.audio) for reply in replies),
         "turn_end_to_first_audio_ms": overall["turn_end_to_first_audio_ms"],
         "reply_playback_stall_ms": overall["reply_playback_stall_ms"],

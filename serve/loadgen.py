@@ -55,6 +55,10 @@ class SessionLoad:
     replies: list[Reply] = field(default_factory=list)
     latencies_s: list[float] = field(default_factory=list)  # append that ended a turn -> first delta
     errors: list[dict] = field(default_factory=list)
+    turns: int = 0  # turns the server VAD ended (speech_stopped)
+    # ... of which ended while a reply to an earlier turn was still in progress: with barge-in off
+    # the server commits such a turn and opens no response for it (one response at a time).
+    turns_during_reply: int = 0
 
     @property
     def accounted(self) -> bool:
@@ -118,6 +122,8 @@ async def drive_session(
             kind = event["type"]
             if kind == "input_audio_buffer.speech_stopped":
                 turn_ended_at = next(t for end_ms, t in sent_at if end_ms >= event["audio_end_ms"])
+                result.turns += 1
+                result.turns_during_reply += bool(active)
             elif kind == "input_audio_buffer.committed":
                 result.committed_bytes += event["audio_bytes"]
                 pending_turns.append(event["audio_bytes"])

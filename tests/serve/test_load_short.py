@@ -3,12 +3,15 @@ The 8 x 60 s run with latency percentiles is bench/serve_load.py."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from servekit import run, running, tone_reply_pcm
 
 from cadence_fx.serve.loadgen import run_load, speech_pattern
 from cadence_fx.serve.plugins import tone
+from cadence_fx.serve.protocol import PCM24K
+from cadence_fx.serve.protocol import audio as wire_audio
 from cadence_fx.serve.session import Limits
 
 
@@ -33,6 +36,7 @@ def test_eight_sessions_for_three_seconds_lose_nothing():
         assert (ledger.playback.dropped_samples, ledger.responses.completed, ledger.responses.cancelled) == (0, 2, 0)
         assert result.errors == []
         assert result.accounted
+        assert (result.turns, result.turns_during_reply) == (2, 0)
         assert result.appended_bytes == result.committed_bytes == len(pcm) == 144_000
         # Each turn is committed at its VAD stop, inside the 200 ms append that saw it: 1.3 s and
         # 1.5 s of audio (both whole 20 ms frames, all fed to the turn); the last 0.2 s at the end.
@@ -40,6 +44,20 @@ def test_eight_sessions_for_three_seconds_lose_nothing():
         chunks = [tone.reply_chunks(reply.turn_bytes // 2 * 2 // 3) for reply in result.replies]
         assert chunks == [17, 19]
         assert [bytes(reply.audio) for reply in result.replies] == [tone_reply_pcm(n) for n in chunks]
+
+
+def test_a_turn_that_ends_while_the_last_reply_plays_is_counted_and_gets_no_response_of_its_own():
+    # Speech 0-2.0 s, then 0.3 s more at 2.6 s: the VAD ends the turns at 2.5 s and 3.4 s. The first
+    # reply (2.5 s of tone) is paced to real time (reply_lead_s), so it still plays at 3.4 s.
+    rate = PCM24K.rate
+    t = np.arange(4 * rate) / rate
+    on = (t < 2.0) | ((t >= 2.6) & (t < 2.9))
+    pcm = wire_audio.encode_samples((0.1 * np.sin(2 * np.pi * 220 * t) * on).astype(np.float32), PCM24K)
+
+    with running(Limits(max_sessions=1, reply_lead_s=0.1)) as server:
+        (result,) = run(run_load(server.handle.ws_url + "/v1/duplex", pcm, sessions=1))
+    assert result.errors == [] and result.accounted
+    assert (result.turns, result.turns_during_reply, len(result.replies)) == (2, 1, 1)
 
 
 def test_a_session_the_server_refuses_fails_the_load_saying_what_the_server_said():
