@@ -1,6 +1,13 @@
 """Run the `cuda`-marked tests and record the run as data: which tests, device, pass/fail.
 
     python bench/gpu_tests.py bench/results/gpu_tests.json tests/test_token2wav_cuda.py ...
+
+A run longer than one sitting on the GPU machine allows is made in parts: ``--after EARLIER.json``
+(a record of the same commit on the same device) adds this part's tests to that record's, and the
+record lists each part's command (``parts``):
+
+    python bench/gpu_tests.py part1.json tests/test_token2wav_cuda.py
+    python bench/gpu_tests.py bench/results/gpu_tests.json --after part1.json tests/test_moshi_cuda.py ...
 """
 
 from __future__ import annotations
@@ -42,24 +49,41 @@ class _Recorder:
                                            "reason": str(report.longrepr)[-500:]}
 
 
-def main(out: str, paths: list[str]) -> int:
+def _earlier(path: str, commit: str | None, device: str) -> dict:
+    """The record a part continues: of the same commit, on the same device."""
+    with open(path) as f:
+        earlier = json.load(f)
+    if (earlier.get("commit"), earlier.get("device")) != (commit, device):
+        raise SystemExit(f"--after {path}: that record is of commit {earlier.get('commit')} on {earlier.get('device')}; "
+                         f"this run is of commit {commit} on {device}: a record's parts are of one commit on one device")
+    return earlier
+
+
+def main(out: str, paths: list[str], after: str | None = None) -> int:
+    commit = measured_commit()
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    earlier = _earlier(after, commit, device) if after else None
     recorder = _Recorder()
     code = pytest.main([*paths, "-q", "-m", "cuda", "-p", "no:cacheprovider"], plugins=[recorder])
-    outcomes = [r["outcome"] for r in recorder.results.values()]
-    commit = measured_commit()
+    part = {"command": " ".join([sys.executable, *sys.argv]), "exit_code": int(code)}
+    parts = (earlier.get("parts") or [{"command": earlier["command"], "exit_code": earlier["exit_code"]}] if earlier else []) + [part]
+    tests = (earlier["tests"] if earlier else {}) | recorder.results
+    measured = {name: dict(module.MEASURED) for name, module in sorted(sys.modules.items())
+                if name.startswith(("test_", "tests.")) and isinstance(getattr(module, "MEASURED", None), dict)}
+    outcomes = [r["outcome"] for r in tests.values()]
     record = {
-        "command": " ".join([sys.executable, *sys.argv]),
+        "command": part["command"] if len(parts) == 1 else " && ".join(p["command"] for p in parts),
+        "parts": parts,
         "commit": commit,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "device": device,
         "torch": torch.__version__,
         "determinism": settings(),
         "passed": outcomes.count("passed"),
         "failed": outcomes.count("failed"),
         "skipped": outcomes.count("skipped"),
-        "exit_code": int(code),
-        "tests": recorder.results,
-        "measured": {name: dict(module.MEASURED) for name, module in sorted(sys.modules.items())
-                     if name.startswith(("test_", "tests.")) and isinstance(getattr(module, "MEASURED", None), dict)},
+        "exit_code": max(p["exit_code"] for p in parts),
+        "tests": tests,
+        "measured": (earlier["measured"] if earlier else {}) | measured,
     }
     with open(out, "w") as f:
         json.dump(record, f, indent=2, default=str)
@@ -67,4 +91,14 @@ def main(out: str, paths: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2:]))
+    arguments = sys.argv[1:]
+    after = None
+    if "--after" in arguments:
+        at = arguments.index("--after")
+        if at + 1 >= len(arguments):
+            raise SystemExit("--after takes the path of the earlier part's record")
+        after = arguments[at + 1]
+        del arguments[at:at + 2]
+    if not arguments:
+        raise SystemExit("usage: gpu_tests.py OUT.json [--after EARLIER.json] TEST_PATH...")
+    sys.exit(main(arguments[0], arguments[1:], after))
