@@ -47,9 +47,10 @@ tokens equal, PCM within 2.6e-8, not equal; `tests/test_moshi_slots.py` records 
 
 The same runtime is also built on the one pipeline of every model (`transform_bound_slots`,
 `BoundSlots`: Mimi and `LMGen` transformed from their bindings as data, the vendor's glue calling
-the bound LM steps), bit-identical to the vendor's batched loop too, but slower and larger at
-full size for now (61.8 ms a tick and 133.4 GB peak allocated at B = 64 on the H200, against
-51.9 ms and 117.8 GB), so the service keeps `transform_slots` until it is not.
+the bound LM steps), bit-identical to the vendor's batched loop too, and as fast a tick at full
+size (53.3 ms at B = 64 on the H200 at 7b5a062, against 51.9 ms for `MoshiSlots`:
+`bench/results/moshi_slots_64_pipeline_host_7b5a062.json`, `moshi_slots.json`), but 121.5 s to
+build against 1.3 s (each stage exported), so the service keeps `transform_slots` for now.
 
 The transform (`transform_slots`) builds the runtime from the stages' parts
 (`models/moshi_stages.py`), at batch B: the vendor's `CUDAGraphed` wrappers are replaced by plain modules and three `Stage`s on one
