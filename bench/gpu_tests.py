@@ -12,6 +12,7 @@ record lists each part's command (``parts``):
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -91,14 +92,9 @@ def main(out: str, paths: list[str], after: str | None = None) -> int:
 
 
 if __name__ == "__main__":
-    arguments = sys.argv[1:]
-    after = None
-    if "--after" in arguments:
-        at = arguments.index("--after")
-        if at + 1 >= len(arguments):
-            raise SystemExit("--after takes the path of the earlier part's record")
-        after = arguments[at + 1]
-        del arguments[at:at + 2]
-    if not arguments:
-        raise SystemExit("usage: gpu_tests.py OUT.json [--after EARLIER.json] TEST_PATH...")
-    sys.exit(main(arguments[0], arguments[1:], after))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="the record to write (JSON)")
+    parser.add_argument("paths", nargs="+", help="test files or folders")
+    parser.add_argument("--after", metavar="EARLIER.json", help="an earlier part's record of the same commit and device")
+    args = parser.parse_args()
+    sys.exit(main(args.out, args.paths, args.after))

@@ -241,7 +241,7 @@ def _summary(results, wall_s: float) -> dict:
         # A turn that ends while the reply to an earlier one is still in progress gets no response
         # of its own (barge-in off, one response at a time): responses = turns - these.
         "turns": sum(r.turns for r in results),
-        "turns_ended_during_a_reply": sum(r.turns_during_reply for r in results),
+        "turns_ended_during_a_reply": sum(r.turns_ended_during_a_reply for r in results),
         "turn_end_to_first_audio_ms": _stats_ms([x for r in results for x in r.latencies_s]),
         "reply_playback_stall_ms": _stats_ms(stalls),
         "replies_that_stalled": sum(stall > 0 for stall in stalls),

@@ -86,14 +86,14 @@ class Probe:
         return wrapped
 
 
-def token2wav(probe: Probe) -> None:
+def token2wav() -> None:
     from cadence_fx.models.token2wav_carry import reference_flow
 
     flow, contract, _ = reference_flow("reduced")
     transform(flow, contract)  # the family's hook warms up every class
 
 
-def wide(probe: Probe, calls: int) -> None:
+def wide(calls: int) -> None:
     import byom_example
     from binding_wide import build
 
@@ -111,14 +111,14 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     models = {}
-    for name, run in (("token2wav_reduced", token2wav), ("mistral_window250", lambda p: wide(p, args.wide_calls))):
+    for name, run in (("token2wav_reduced", token2wav), ("mistral_window250", lambda: wide(args.wide_calls))):
         probe = Probe()
         torch.export.export = probe.export
         capture = pipeline.BoundOperator._capture
         pipeline.BoundOperator._capture = probe.capture(capture)
         pipeline._EXPORTS.clear()
         try:
-            run(probe)
+            run()
         finally:
             torch.export.export, pipeline.BoundOperator._capture = _export, capture
         models[name] = probe.rows

@@ -58,7 +58,7 @@ class SessionLoad:
     turns: int = 0  # turns the server VAD ended (speech_stopped)
     # ... of which ended while a reply to an earlier turn was still in progress: with barge-in off
     # the server commits such a turn and opens no response for it (one response at a time).
-    turns_during_reply: int = 0
+    turns_ended_during_a_reply: int = 0
 
     @property
     def accounted(self) -> bool:
@@ -123,7 +123,7 @@ async def drive_session(
             if kind == "input_audio_buffer.speech_stopped":
                 turn_ended_at = next(t for end_ms, t in sent_at if end_ms >= event["audio_end_ms"])
                 result.turns += 1
-                result.turns_during_reply += bool(active)
+                result.turns_ended_during_a_reply += bool(active)
             elif kind == "input_audio_buffer.committed":
                 result.committed_bytes += event["audio_bytes"]
                 pending_turns.append(event["audio_bytes"])

@@ -36,7 +36,7 @@ def test_eight_sessions_for_three_seconds_lose_nothing():
         assert (ledger.playback.dropped_samples, ledger.responses.completed, ledger.responses.cancelled) == (0, 2, 0)
         assert result.errors == []
         assert result.accounted
-        assert (result.turns, result.turns_during_reply) == (2, 0)
+        assert (result.turns, result.turns_ended_during_a_reply) == (2, 0)
         assert result.appended_bytes == result.committed_bytes == len(pcm) == 144_000
         # Each turn is committed at its VAD stop, inside the 200 ms append that saw it: 1.3 s and
         # 1.5 s of audio (both whole 20 ms frames, all fed to the turn); the last 0.2 s at the end.
@@ -57,7 +57,7 @@ def test_a_turn_that_ends_while_the_last_reply_plays_is_counted_and_gets_no_resp
     with running(Limits(max_sessions=1, reply_lead_s=0.1)) as server:
         (result,) = run(run_load(server.handle.ws_url + "/v1/duplex", pcm, sessions=1))
     assert result.errors == [] and result.accounted
-    assert (result.turns, result.turns_during_reply, len(result.replies)) == (2, 1, 1)
+    assert (result.turns, result.turns_ended_during_a_reply, len(result.replies)) == (2, 1, 1)
 
 
 def test_a_session_the_server_refuses_fails_the_load_saying_what_the_server_said():
