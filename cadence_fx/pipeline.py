@@ -39,9 +39,9 @@ import dataclasses
 import inspect
 import itertools
 import math
+import sys
 import time
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -743,22 +743,24 @@ class BoundOperator:
             self.report.stamps.append(f"{name}: refused, {cls.refused}")
             return cls
         gm = program.module()
-        _keep_export(key, gm, self.model)
+        _keep_export(key, gm)
         return self._rewrite(cls, gm, inputs, example, modes, call, name, started)
 
     def _export_key(self, inputs, example, modes) -> tuple | None:
         """What an export of this operator's step depends on: the model's structure (its class, every
-        weight's and buffer's name, shape, dtype and device, every module's host settings), the
+        weight's and buffer's name, shape, dtype and device, every module's other attributes), the
         method, the sites and their trims, and the class's signature (shapes, layouts, host values,
         grad and autocast modes). None for a model that is no module (its weights would be constants)."""
         if not isinstance(self.model, torch.nn.Module):
             return None
         tensors = tuple((name, tuple(t.shape), t.dtype, t.device) for name, t in itertools.chain(
             self.model.named_parameters(remove_duplicate=False), self.model.named_buffers(remove_duplicate=False)))
-        # Host settings by type and repr (0.0 and -0.0, True and 1 are not the same program), read now:
-        # a setting may have changed since the last class (a mode the binding declares).
-        settings = tuple((name, tuple(sorted((k, type(v).__name__, repr(v)) for k, v in vars(module).items()
-                                             if isinstance(v, (bool, int, float, str, type(None), type)))))
+        # Every other attribute of every module by type and repr (0.0 and -0.0, True and 1 are not the
+        # same program), read now: a setting may have changed since the last class (a mode the binding
+        # declares). An object whose repr is its address differs from any other: no reuse.
+        settings = tuple((name, tuple(sorted((k, type(v).__name__, _setting(v)) for k, v in vars(module).items()
+                                             if k not in _STRUCTURE_KEPT_APART
+                                             and not isinstance(v, (torch.Tensor, torch.nn.Module)))))
                          for name, module in self.model.named_modules())
         try:
             signature = Signature.of(inputs, example, modes).catalog_key
@@ -955,15 +957,32 @@ class BoundOperator:
 
 
 #: Exported steps by `BoundOperator._export_key`, their model's weights and buffers stripped (meta
-#: tensors), with weak references to the weights: another model of the same structure that holds
-#: the very same weights (a serving lane's copy of a flow, made around the caller's weights)
-#: calling the same method at the same class takes a copy rebound to its own buffers by name
-#: instead of tracing again (a full-size Token2Wav CFM loop takes minutes to export). Only an export
-#: whose every tensor is the model's own weight or buffer is kept; verification still runs the
-#: stock call beside the graph in every transform.
-_EXPORTS: collections.OrderedDict[tuple, tuple[torch.fx.GraphModule, list]] = collections.OrderedDict()
+#: tensors). Another model of the same structure calling the same method at the same class (a
+#: serving lane's copy of a flow, or a second flow with weights of its own) takes a copy rebound to
+#: its own weights and buffers by name instead of tracing again (a full-size Token2Wav CFM loop
+#: takes minutes to export). That is sound because torch.export traces the weights and buffers as
+#: fake tensors: a graph cannot depend on their values (a step that reads one on the host fails
+#: its export). Only an export whose every tensor is the model's own weight or buffer is kept (a
+#: constant's value is in the graph); verification still runs the stock call beside the graph in
+#: every transform.
+_EXPORTS: collections.OrderedDict[tuple, torch.fx.GraphModule] = collections.OrderedDict()
 EXPORTS_KEPT = 32
+#: Module attributes the export key leaves out: the weights, buffers and submodules (keyed by name,
+#: shape, dtype and device), and which buffers are saved with the model (not a program's business).
+_STRUCTURE_KEPT_APART = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
 _MODEL = "model."  # where `_Step` registers the model: its tensors' names in an export
+
+
+def _setting(value: Any) -> Any:
+    """A module attribute as the export key holds it: its repr; for an operator this pipeline bound
+    on the model, its name; for a NumPy array (whose repr elides the middle of a long one), its
+    dtype, shape and bytes."""
+    if isinstance(value, BoundOperator):
+        return f"bound operator {value.ob.operator}"
+    np = sys.modules.get("numpy")  # none imported, no array to hold
+    if np is not None and isinstance(value, np.ndarray):
+        return (str(value.dtype), value.shape, value.tobytes())
+    return repr(value)
 
 
 def _rebound(gm: torch.fx.GraphModule, tensor_for) -> torch.fx.GraphModule | None:
@@ -988,12 +1007,12 @@ def _meta(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return torch.nn.Parameter(meta, requires_grad=False) if isinstance(tensor, torch.nn.Parameter) else meta
 
 
-def _keep_export(key: tuple | None, gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
+def _keep_export(key: tuple | None, gm: torch.fx.GraphModule) -> None:
     if key is None:
         return
     stripped = _rebound(gm, _meta)
     if stripped is not None:
-        _EXPORTS[key] = (stripped, [weakref.ref(p) for _, p in model.named_parameters(remove_duplicate=False)])
+        _EXPORTS[key] = stripped
         while len(_EXPORTS) > EXPORTS_KEPT:
             _EXPORTS.popitem(last=False)
 
@@ -1002,13 +1021,9 @@ def _reused_export(key: tuple | None, model: torch.nn.Module) -> torch.fx.GraphM
     kept = _EXPORTS.get(key) if key is not None else None
     if kept is None:
         return None
-    stripped, weights = kept
-    params = list(model.named_parameters(remove_duplicate=False))
-    if len(weights) != len(params) or any(ref() is not p for ref, (_, p) in zip(weights, params)):
-        return None  # another model's weights (or they are gone): its own export
     _EXPORTS.move_to_end(key)
-    found = dict(itertools.chain(params, model.named_buffers(remove_duplicate=False)))
-    return _rebound(stripped, lambda name, _: found[name])
+    found = dict(itertools.chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)))
+    return _rebound(kept, lambda name, _: found[name])
 
 
 class BoundModel(Transformed):

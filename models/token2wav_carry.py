@@ -14,8 +14,8 @@ Where the regions live in the vendor flow (minicpmo-utils 1.0.6), as `FLOW_BINDI
 
 What the hook adds (`transform_flow`) is what no binding can say: the vendor provisions its
 scratch buffers as stock envelopes (16 steps x 16 blocks x 1000 frames); the state rule
-(`passes/state.py`) sizes them to demand on the transformed copy (`ENVELOPES`). The copy shares the
-caller's weights (so another lane's transform reuses its exports: `cadence_fx.pipeline._EXPORTS`).
+(`passes/state.py`) sizes them to demand on the transformed copy (`ENVELOPES`). Another lane's
+transform, or another flow of the same structure, reuses its exports (`cadence_fx.pipeline._EXPORTS`).
 Warm-up turns at construction allocate the carries and verify every class (`WARM_UP_TURNS`). HiFT retains nothing itself (its caches are its caller's inputs), so it runs
 through one exact-shape replay of its call, with its own catalog (`hift_classes`).
 
@@ -87,6 +87,12 @@ ENVELOPES = (
 #: Turns of random speech streamed at construction, each of 4 chunks and a flush: every class of
 #: the catalog is visited twice, so it is verified; on a GPU one more turn captures each.
 WARM_UP_TURNS, WARM_UP_CHUNKS = 2, 5
+
+
+def warm_up_chunks(device: torch.device | str) -> int:
+    """How many chunks the transform's own warm-up streams on `device`: `WARM_UP_TURNS` turns (one
+    more on a GPU, which captures each class) of `WARM_UP_CHUNKS` chunks."""
+    return (WARM_UP_TURNS + (torch.device(device).type == "cuda")) * WARM_UP_CHUNKS
 
 
 class TransformedFlow(Transformed):
@@ -227,7 +233,7 @@ def _warm_up(transformed: TransformedFlow) -> None:
     prompt = random_prompt(0, n_tokens=transformed.prompt_frames // transformed.flow.up_rate, device=device)
     stream = CarryStream(transformed, prompt)
     with torch.no_grad():
-        for turn in range(WARM_UP_TURNS + (device.type == "cuda")):
+        for turn in range(warm_up_chunks(device) // WARM_UP_CHUNKS):
             stream.setup() if turn == 0 else stream.reset_turn()
             for i, tokens in enumerate(random_chunks(turn, WARM_UP_CHUNKS, device=device)):
                 stream.flow_chunk(tokens, last_chunk=i == WARM_UP_CHUNKS - 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -146,17 +147,21 @@ def test_the_callers_trim_runs_on_carries_bit_identical_to_the_stock_loop(data):
     assert sorted(bound.carries) == ["decoder_cache:att_cache", "encoder_cache:att_cache"]
 
 
-def test_a_copy_sharing_the_weights_reuses_the_exports_on_its_own_buffers_and_another_model_does_not(data):
-    """A serving lane's copy of a model, made around the same weights (the buffers its own), takes
-    the first transform's exports rebound to its buffers; a model of the same structure with
-    weights of its own exports again."""
+def test_a_model_of_the_same_structure_reuses_the_exports_on_its_own_tensors_and_another_setting_does_not(data):
+    """A serving lane's copy of a model (made around the same weights, the buffers its own) and a
+    model of the same structure with weights of its own both take the first transform's exports
+    rebound to their own tensors (torch.export traced the weights as fake tensors: the graphs hold
+    no value of them), and stream their own stock stream bit for bit; a model that differs in
+    any other attribute, even a tuple no code reads, exports again."""
     first = Vendor().eval()
     lane = copy.deepcopy(first, {id(p): p for p in first.parameters()})
     other = Vendor().eval()
     with torch.no_grad():
         other.dec.weight.mul_(2)
+    tuned = Vendor().eval()
+    tuned.dec.setting = (1, 2)
     stream(transform(first, contract(), BINDING)[0], *data)
-    for model, reused in ((lane, 7), (other, 0)):  # encode's 3 steady classes and its flush, decode's 3
+    for model, reused in ((lane, 7), (other, 7), (tuned, 0)):  # encode's 3 steady classes and its flush, decode's 3
         expected, _ = stream(model, *data)
         bound, report = transform(model, contract(), BINDING)
         actual, _ = stream(bound, *data)
@@ -166,7 +171,18 @@ def test_a_copy_sharing_the_weights_reuses_the_exports_on_its_own_buffers_and_an
         assert graph.get_buffer("model.scratch").data_ptr() == model.scratch.data_ptr()
         assert graph.get_parameter("model.dec.weight") is model.dec.weight
     # kept with their model's tensors stripped to meta
-    assert all(t.device.type == "meta" for gm, _ in _EXPORTS.values() for t in (*gm.parameters(), *gm.buffers()))
+    assert all(t.device.type == "meta" for gm in _EXPORTS.values() for t in (*gm.parameters(), *gm.buffers()))
+
+
+def test_an_array_that_differs_only_where_its_repr_elides_is_another_structure(data):
+    """A NumPy attribute is keyed by its bytes, not its repr (which elides a long array's middle)."""
+    first, second = Vendor().eval(), Vendor().eval()
+    first.dec.table, second.dec.table = np.zeros(2000), np.zeros(2000)
+    second.dec.table[1000] = 1.0
+    assert repr(first.dec.table) == repr(second.dec.table)
+    stream(transform(first, contract(), BINDING)[0], *data)
+    _, report = transform(second, contract(), BINDING)
+    assert sum("of a model of the same structure reused" in s for s in report.stamps) == 0
 
 
 @pytest.mark.parametrize("binding, field, message", [

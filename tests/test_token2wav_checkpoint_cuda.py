@@ -10,8 +10,7 @@ import torch
 from checkpointkit import vendor_token2wav, write_assets
 
 from cadence_fx.models import token2wav_checkpoint as checkpoint
-from cadence_fx.models.token2wav_carry import WARM_UP_CHUNKS as FLOW_WARM_UP_CHUNKS
-from cadence_fx.models.token2wav_carry import WARM_UP_TURNS as FLOW_WARM_UP_TURNS
+from cadence_fx.models.token2wav_carry import warm_up_chunks
 from cadence_fx.models.token2wav_stream import FULL_DEPTH, PROMPT_TOKENS, SILENCE_TOKEN, random_chunks, random_prompt
 from cadence_fx.serve.plugins.token2wav import (
     FRAME_SAMPLES,
@@ -70,7 +69,7 @@ def test_a_reply_on_the_full_size_checkpoint_is_the_vendors_own_stream(tmp_path)
     assert len(heard) == MIN_REPLY_CHUNKS
     assert [np.array_equal(a, b) for a, b in zip(heard, expected)] == [True] * MIN_REPLY_CHUNKS
     replays, chunks_run = described["replays"], WARM_UP_CHUNKS + MIN_REPLY_CHUNKS
-    # The flow's bound operators also replay the transform's own warm-up turns (three on a GPU),
-    # less each class's two verified visits (4 classes); HiFT is not in that warm-up.
-    flow_warm_up = (FLOW_WARM_UP_TURNS + 1) * FLOW_WARM_UP_CHUNKS - 2 * 4
+    # The flow's bound operators also replay the transform's own warm-up turns, less each class's
+    # two verified visits (4 classes); HiFT is not in that warm-up.
+    flow_warm_up = warm_up_chunks("cuda") - 2 * 4
     assert replays["cfm_loop"]["replays"] == chunks_run + flow_warm_up and replays["hift"]["replays"] == chunks_run

@@ -12,8 +12,7 @@ import pytest
 import torch
 from servekit import Server, deltas_of, run, silence
 
-from cadence_fx.models.token2wav_carry import WARM_UP_CHUNKS as FLOW_WARM_UP_CHUNKS
-from cadence_fx.models.token2wav_carry import WARM_UP_TURNS as FLOW_WARM_UP_TURNS
+from cadence_fx.models.token2wav_carry import warm_up_chunks
 from cadence_fx.models.token2wav_carry import reference_flow
 from cadence_fx.models.token2wav_stream import StockStream, build_hift, random_chunks
 from cadence_fx.serve.app import background_server, health_of
@@ -64,10 +63,10 @@ def test_two_sessions_on_two_lanes_each_hear_the_stock_vendor_stream_of_their_to
                                        for i, t in enumerate(tokens)])
         assert deltas_of(got) == wire_audio.encode_samples(expected, PCM24K), f"stream {stream}"
     # Every chunk after each lane's construction-time prompt setup replayed: no eager call in a
-    # session. Each lane's flow also replays its transform's own warm-up turns (three on a GPU), less
-    # each class's two verified visits (4 classes); HiFT is not in that warm-up.
+    # session. Each lane's flow also replays its transform's own warm-up turns, less each class's
+    # two verified visits (4 classes); HiFT is not in that warm-up.
     chunks = 2 * (WARM_UP_CHUNKS + MIN_REPLY_CHUNKS)
-    flow_warm_up = 2 * ((FLOW_WARM_UP_TURNS + 1) * FLOW_WARM_UP_CHUNKS - 2 * 4)
+    flow_warm_up = 2 * (warm_up_chunks("cuda") - 2 * 4)
     replays = described["replays"]
     assert replays["cfm_loop"]["fallbacks"] == {} and replays["cfm_loop"]["replays"] == chunks + flow_warm_up
     assert replays["conformer_encoder"]["replays"] == chunks + flow_warm_up

@@ -13,8 +13,7 @@ import pytest
 import torch
 from servekit import drain
 
-from cadence_fx.models.token2wav_carry import WARM_UP_CHUNKS as FLOW_WARM_UP_CHUNKS
-from cadence_fx.models.token2wav_carry import WARM_UP_TURNS as FLOW_WARM_UP_TURNS
+from cadence_fx.models.token2wav_carry import warm_up_chunks
 from cadence_fx.models.token2wav_carry import reference_flow
 from cadence_fx.models.token2wav_stream import StockStream, build_hift, random_chunks
 from cadence_fx.serve.plugins import load_plugin
@@ -144,7 +143,7 @@ def test_describe_counts_every_chunk_and_each_binding_says_why_it_ran_eager_on_a
     # 4 classes) and not for the prompt setup's call (outside the catalog: the stock code): the
     # transform's own warm-up turns, then every chunk. HiFT draws its noise from the CPU generator
     # here, which a graph would freeze: refused.
-    flow = chunks + FLOW_WARM_UP_TURNS * FLOW_WARM_UP_CHUNKS - 2 * 4
+    flow = chunks + warm_up_chunks("cpu") - 2 * 4
     assert {name: counters["fallbacks"] for name, counters in described["replays"].items()} == {
         "cfm_loop": {"no_cuda": flow},
         "conformer_encoder": {"no_cuda": flow},
