@@ -9,14 +9,34 @@ at the catalog class it was given, and the capture says so.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.fx
 
-__all__ = ["Captured", "capture", "node_shape"]
+__all__ = ["Captured", "capture", "node_shape", "without_stack_traces"]
+
+
+@contextlib.contextmanager
+def without_stack_traces() -> Iterator[None]:
+    """Tracing that records no Python stack trace per node (`torch.fx.config.do_not_emit_stack_traces`,
+    where this torch has it): nothing here reads a node's `stack_trace`, and extracting one per node
+    was a fifth of a Token2Wav CFM loop's export (10.0 s -> 6.5 to 8.8 s a class, reduced depth,
+    2 CPU cores)."""
+    config = torch.fx.config
+    if not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    before = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
 
 
 @dataclass(frozen=True)
@@ -56,7 +76,7 @@ def capture(
     dynamic = tuple({axis: dims[clock] for axis, clock in clocks[p].items()} if p in clocks else None for p in parameters)
     symbolic = bool(clocks)
     reason = ""
-    with torch.no_grad():
+    with torch.no_grad(), without_stack_traces():
         try:
             program = torch.export.export(module, args, dynamic_shapes=dynamic if symbolic else None, strict=False)
         except Exception as error:  # the model's guards specialise the axis: capture the class as given

@@ -65,6 +65,7 @@ from .binding import (
     set_path,
     sites,
 )
+from .capture import without_stack_traces
 from .catalog import Catalog, CatalogClass
 from .contract import DTYPES, Contract, PromptPlusHistory, RingCache
 from .determinism import RngState
@@ -723,7 +724,7 @@ class BoundOperator:
         method = method_of(private[SELF], self.ob.method) if SELF in private else self.method
         step = _Step(self.model, method, private, self.sites, self.trims)
         try:
-            with torch.no_grad(), warnings.catch_warnings():
+            with torch.no_grad(), without_stack_traces(), warnings.catch_warnings():
                 # The step writes the sites into its private copy of the state: expected, not a bug.
                 warnings.filterwarnings("ignore", "The tensor attributes? .* (was|were) assigned during export", UserWarning)
                 program = torch.export.export(step, (inputs, example), strict=False)

@@ -92,6 +92,14 @@ __all__ = ["BoundSlots", "MoshiSlots", "Tick", "TickOutput", "transform_bound_sl
 WARM_UP_TICKS = 2  # the first certifies (and on a GPU captures) every stage, the second replays it
 
 
+def bound_warm_up_ticks(device: torch.device) -> int:
+    """`BoundSlots`' warm-up: its bindings' verified visits of each stage's one class, and on a GPU
+    one tick more, whose call captures each stage. Without it the first tick under load captured
+    the four stages (at B = 64, full size, the replies that began then found 16 frames queued:
+    `serve_load_moshi_full_64_pipeline_016184d.json`)."""
+    return max(MIMI_SLOTS_BINDING.verify, MOSHI_LM_SLOTS_BINDING.verify) + (device.type == "cuda")
+
+
 @dataclass(frozen=True)
 class Tick:
     """One batched call. `frames` maps each live slot to its input frame (float32, shape
@@ -289,6 +297,7 @@ class MoshiSlots(_Batch):
     ran: list[int] = field(default_factory=list)  # per slot: the frames it ran since it joined
     ticks: int = 0
     closed: bool = False
+    warm_up_ticks: int = WARM_UP_TICKS  # the ticks of its construction, before any slot's
 
     def _stages(self, live: torch.Tensor, speaking: torch.Tensor, frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         codes = self.stages["mimi_encode"](live, frames)
@@ -413,6 +422,7 @@ class BoundSlots(_Batch):
     ran: list[int] = field(default_factory=list)  # per slot: the frames it ran since it joined
     ticks: int = 0
     closed: bool = False
+    warm_up_ticks: int = WARM_UP_TICKS  # the ticks of its construction, before any slot's
 
     @property
     def report(self) -> TransformReport:
@@ -456,8 +466,8 @@ def transform_bound_slots(models: MoshiModels, contract: Contract, *, sampling: 
     encode and decode called here, the LM's main step and depformer step called by the vendor's
     own glue (`LMGen.step`) as its `graphed_main` and `graphed_depth`. Every ring is a region
     written before it is read: it stays where the vendor allocated it (no buffer, no copy). The
-    runtime ticks twice at construction (the stages' verified calls; on a GPU their captures
-    follow), then resets every slot in place (`reset_streaming` of all rows) and seeds its
+    runtime ticks at construction until every stage is verified and, on a GPU, captured
+    (`bound_warm_up_ticks`), then resets every slot in place (`reset_streaming` of all rows) and seeds its
     generator. Every slot is bit-identical to the vendor's batched loop, as `MoshiSlots` is. The
     service runs it with `runtime="pipeline"`, not by default: on the H200 at B = 64 (full size) it
     ticked in 51.8 ms with 117.7 GB peak allocated and 98.3 s of setup, against 51.9 ms, 117.8 GB
@@ -482,7 +492,8 @@ def transform_bound_slots(models: MoshiModels, contract: Contract, *, sampling: 
     with torch.random.fork_rng(devices=devices), no_compile(), no_cuda_graph():
         runtime.rng = rng_get(device)
         silence = torch.zeros(mimi.frame_size)
-        for index in range(WARM_UP_TICKS):
+        runtime.warm_up_ticks = bound_warm_up_ticks(device)
+        for index in range(runtime.warm_up_ticks):
             runtime.tick(Tick({slot: silence for slot in everyone}, joins=everyone if index == 0 else ()))
         with torch.inference_mode():  # the fresh streaming entry's values, written in place: every address kept
             mimi.reset_streaming(_mask(slots, everyone, device))

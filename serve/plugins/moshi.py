@@ -137,7 +137,6 @@ from cadence_fx.memory import DeviceMemory
 from cadence_fx.models.moshi_checkpoint import MoshiCheckpoint, locate
 from cadence_fx.models.moshi import contract_for
 from cadence_fx.models.moshi_slots import (
-    WARM_UP_TICKS,
     BoundSlots,
     MoshiSlots,
     Tick,
@@ -266,6 +265,7 @@ class _Engine:
         runtime = self.runtime
         return {
             "slots": None if runtime is None else runtime.slots,
+            "warm_up_ticks": 0 if runtime is None else runtime.warm_up_ticks,
             "ticks": self.ticks,
             "tick_seconds": round(self.tick_seconds, 3),
             "tick_cpu_seconds": round(self.tick_cpu_seconds, 3),
@@ -888,7 +888,7 @@ class MoshiPlugin(ModelPlugin):
             # building its batch (outside any session), seconds spent ticking (its load) and of
             # them on a core.
             "batched_ticks_per_process": [part["ticks"] for part in places],
-            "warm_up_ticks_per_process": [WARM_UP_TICKS if part["slots"] else 0 for part in places],
+            "warm_up_ticks_per_process": [part["warm_up_ticks"] for part in places],
             "tick_seconds_per_process": [part["tick_seconds"] for part in places],
             "tick_cpu_seconds_per_process": [part["tick_cpu_seconds"] for part in places],
             # Where a place's time went, per tick part: on its ticking thread (``_Engine.tick``:

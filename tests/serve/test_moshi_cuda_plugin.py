@@ -57,6 +57,8 @@ def test_interleaved_streams_on_cuda_are_each_their_slots_row_and_every_call_rep
     (memory,) = described["memory_per_process"]
     assert memory["peak_allocated_bytes"] > 0 and memory["reserved_bytes_end"] >= memory["peak_allocated_bytes"]
     assert (described["slots_per_process"], described["frames"]["ticks"]) == ([2], 14)  # 4 fed and 3 of silence each
+    # The pipeline's batch ticks once more while it is built: its stages' two verified calls, then their captures.
+    assert described["warm_up_ticks_per_process"] == [{"stages": 2, "pipeline": 3}[runtime]]
     replays = described["transform"]["replays"]
     for name in ("mimi_encode", "lm_step", "depformer_step", "mimi_decode"):
         # Each stage captured its graph while the batch was built; every call since replayed it.
