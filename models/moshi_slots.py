@@ -417,7 +417,6 @@ class BoundSlots(_Batch):
     bound: dict[str, BoundModel]  # "mimi" and "lm": each stage is one of their operators
     reports: dict[str, TransformReport]  # their transforms' reports (`report` merges them)
     streaming: contextlib.ExitStack  # the modules' streaming entries, closed by `close`
-    state: OwnedState | None = None  # the whole batch's streaming state, as the vendor holds it (to observe it)
     rng: torch.Tensor | None = None  # the batch's generator state between ticks (the device's)
     ran: list[int] = field(default_factory=list)  # per slot: the frames it ran since it joined
     ticks: int = 0
@@ -500,6 +499,4 @@ def transform_bound_slots(models: MoshiModels, contract: Contract, *, sampling: 
             lm_gen.reset_streaming(_mask(slots, everyone, device))
     runtime.rng = rng_seeded(device, seed)
     runtime.ran, runtime.ticks = [0] * slots, 0
-    runtime.state = OwnedState.of({"mimi": mimi.get_streaming_state(), "lm": lm.get_streaming_state(),
-                                   "lm_gen": lm_gen.get_streaming_state()})
     return runtime, runtime.report
