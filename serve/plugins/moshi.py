@@ -665,7 +665,7 @@ class MoshiPlugin(ModelPlugin):
         weights: str | None = None,
         slots: int | None = None,
         record: bool = False,
-        runtime: str = "stages",
+        runtime: str = "pipeline",
     ) -> None:
         """``seed`` draws the weights and seeds each batch's sampling; ``sampling`` False decodes
         greedily. ``weights`` is a published checkpoint instead (a directory or a hub repo id, see
