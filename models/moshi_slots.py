@@ -49,8 +49,10 @@ The same runtime is also built on the one pipeline of every model (`transform_bo
 `BoundSlots`: Mimi and `LMGen` transformed from their bindings as data, the vendor's glue calling
 the bound LM steps), bit-identical to the vendor's batched loop too, and as fast a tick at full
 size (53.3 ms at B = 64 on the H200 at 7b5a062, against 51.9 ms for `MoshiSlots`:
-`bench/results/moshi_slots_64_pipeline_host_7b5a062.json`, `moshi_slots.json`), but 121.5 s to
-build against 1.3 s (each stage exported), so the service keeps `transform_slots` for now.
+`bench/results/moshi_slots_64_pipeline_host_7b5a062.json`, `moshi_slots.json`). The service runs
+it by default (`runtime="pipeline"`): at B = 64 on the H200 it answered every turn of the load
+with first audio p95 209 ms and a server start-up of 28.7 s
+(`bench/results/serve_load_moshi_full_64_pipeline_b10a762.json`).
 
 The transform (`transform_slots`) builds the runtime from the stages' parts
 (`models/moshi_stages.py`), at batch B: the vendor's `CUDAGraphed` wrappers are replaced by plain modules and three `Stage`s on one

@@ -677,11 +677,11 @@ class MoshiPlugin(ModelPlugin):
         stream opens first; given, ``reserve`` refuses more sessions than the places' slots hold.
         ``record`` keeps every batched tick's frames and joins (``history``), to check a run
         against the vendor's batched loop. ``processes`` defaults to 1; on a GPU it is 1 or 0 (the
-        server process). ``runtime`` is how each batch is transformed (``RUNTIMES``): ``stages``,
-        the family's own (the default: on the H200 at 64 slots it ticked in 51.9 ms after 2.3 s of
-        setup), or ``pipeline``, the one pipeline of every model from Moshi's bindings (bit-identical
-        too; 51.8 ms a tick after 98.3 s of exports, ``bench/results/moshi_slots_64_pipeline_masks.json``;
-        served, 64 sessions gave first audio p95 432 ms, ``serve_load_moshi_full_64_pipeline_masks.json``).
+        server process). ``runtime`` is how each batch is transformed (``RUNTIMES``): ``pipeline``
+        (the default), the one pipeline of every model from Moshi's bindings, or ``stages``, the
+        family's own; both bit-identical to the vendor's batched loop. On the H200 at 64 sessions
+        both answered all 2,560 turns of ``bench/serve_load.py``; the pipeline starts slower (its
+        four exports) and holds the worker longer a tick (README, "The service on the one pipeline").
         ``threads`` is torch's intra-op thread count in each worker process (1 by default): the
         model is small enough that a tick is bound by per-operator overhead, and a second thread
         only contends for the cores the other workers and the event loop need. ``pin`` puts each
