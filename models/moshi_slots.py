@@ -470,11 +470,9 @@ def transform_bound_slots(models: MoshiModels, contract: Contract, *, sampling: 
     runtime ticks at construction until every stage is verified and, on a GPU, captured
     (`bound_warm_up_ticks`), then resets every slot in place (`reset_streaming` of all rows) and seeds its
     generator. Every slot is bit-identical to the vendor's batched loop, as `MoshiSlots` is. The
-    service runs it with `runtime="pipeline"`, not by default: on the H200 at B = 64 (full size) it
-    ticked in 51.8 ms with 117.7 GB peak allocated and 98.3 s of setup, against 51.9 ms, 117.8 GB
-    and 2.3 s for `MoshiSlots` (`bench/results/moshi_slots_64_pipeline_masks.json`,
-    `moshi_slots.json`); 64 sessions served on it kept real time with first audio p95 432 ms
-    (`serve_load_moshi_full_64_pipeline_masks.json`). Its ticks run the vendor's own exec-mask
+    service runs it by default (`runtime="pipeline"`): on the H200 at B = 64 (full size), 64
+    served sessions got every turn answered, first audio p95 209 ms, after 28.7 s of server
+    start-up (`bench/results/serve_load_moshi_full_64_pipeline_b10a762.json`). Its ticks run the vendor's own exec-mask
     graphs, as `MoshiSlots`' do (eagerly, the 221 mask copies a tick cost 15 ms of host at full size)."""
     from moshi.utils.compile import no_compile, no_cuda_graph
 

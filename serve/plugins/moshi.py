@@ -680,8 +680,9 @@ class MoshiPlugin(ModelPlugin):
         server process). ``runtime`` is how each batch is transformed (``RUNTIMES``): ``pipeline``
         (the default), the one pipeline of every model from Moshi's bindings, or ``stages``, the
         family's own; both bit-identical to the vendor's batched loop. On the H200 at 64 sessions
-        both answered all 2,560 turns of ``bench/serve_load.py``; the pipeline starts slower (its
-        four exports) and holds the worker longer a tick (README, "The service on the one pipeline").
+        both answered all 2,560 turns of ``bench/serve_load.py``; the pipeline's server started in
+        28.7 s (its four exports), the stages' in 22.1 s (README, "What started it, and the default
+        flipped").
         ``threads`` is torch's intra-op thread count in each worker process (1 by default): the
         model is small enough that a tick is bound by per-operator overhead, and a second thread
         only contends for the cores the other workers and the event loop need. ``pin`` puts each
