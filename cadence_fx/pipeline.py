@@ -39,12 +39,12 @@ import dataclasses
 import inspect
 import itertools
 import math
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
@@ -980,8 +980,7 @@ def _setting(value: Any) -> Any:
     dtype, shape and bytes."""
     if isinstance(value, BoundOperator):
         return f"bound operator {value.ob.operator}"
-    np = sys.modules.get("numpy")  # none imported, no array to hold
-    if np is not None and isinstance(value, np.ndarray):
+    if isinstance(value, np.ndarray):
         return (str(value.dtype), value.shape, value.tobytes())
     return repr(value)
 

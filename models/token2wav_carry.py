@@ -89,10 +89,16 @@ ENVELOPES = (
 WARM_UP_TURNS, WARM_UP_CHUNKS = 2, 5
 
 
+def warm_up_turns(device: torch.device | str) -> int:
+    """How many turns the transform's own warm-up streams on `device`: `WARM_UP_TURNS`, and one
+    more on a GPU, which captures each class."""
+    return WARM_UP_TURNS + (torch.device(device).type == "cuda")
+
+
 def warm_up_chunks(device: torch.device | str) -> int:
-    """How many chunks the transform's own warm-up streams on `device`: `WARM_UP_TURNS` turns (one
-    more on a GPU, which captures each class) of `WARM_UP_CHUNKS` chunks."""
-    return (WARM_UP_TURNS + (torch.device(device).type == "cuda")) * WARM_UP_CHUNKS
+    """How many chunks the transform's own warm-up streams on `device`: `warm_up_turns` turns of
+    `WARM_UP_CHUNKS` chunks."""
+    return warm_up_turns(device) * WARM_UP_CHUNKS
 
 
 class TransformedFlow(Transformed):
@@ -233,7 +239,7 @@ def _warm_up(transformed: TransformedFlow) -> None:
     prompt = random_prompt(0, n_tokens=transformed.prompt_frames // transformed.flow.up_rate, device=device)
     stream = CarryStream(transformed, prompt)
     with torch.no_grad():
-        for turn in range(warm_up_chunks(device) // WARM_UP_CHUNKS):
+        for turn in range(warm_up_turns(device)):
             stream.setup() if turn == 0 else stream.reset_turn()
             for i, tokens in enumerate(random_chunks(turn, WARM_UP_CHUNKS, device=device)):
                 stream.flow_chunk(tokens, last_chunk=i == WARM_UP_CHUNKS - 1)

@@ -29,11 +29,15 @@ def test_the_setting_is_torchs_again_after_the_block_even_when_it_raises():
             pass
         assert not hasattr(config, "do_not_emit_stack_traces")
         return
+    torchs = config.do_not_emit_stack_traces
     config.do_not_emit_stack_traces = False
     try:
-        with without_stack_traces():
-            assert config.do_not_emit_stack_traces is True
-            raise KeyError("inside")
-    except KeyError:
-        pass
-    assert config.do_not_emit_stack_traces is False
+        try:
+            with without_stack_traces():
+                assert config.do_not_emit_stack_traces is True
+                raise KeyError("inside")
+        except KeyError:
+            pass
+        assert config.do_not_emit_stack_traces is False
+    finally:
+        config.do_not_emit_stack_traces = torchs
