@@ -44,7 +44,7 @@ from cadence_fx.catalog import derive  # noqa: E402
 from cadence_fx.determinism import pin_deterministic  # noqa: E402
 from cadence_fx.memory import DeviceMemory  # noqa: E402
 from cadence_fx.models.moshi import contract_for  # noqa: E402
-from cadence_fx.models.moshi_slots import Tick, transform_bound_slots, transform_slots, vendor_ticks  # noqa: E402
+from cadence_fx.models.moshi_slots import Tick, transform_slots, vendor_ticks  # noqa: E402
 from cadence_fx.models.moshi_stream import FULL, SMALL, build_models, random_pcm  # noqa: E402
 from cadence_fx.report import latency_stats, measured_commit  # noqa: E402
 
@@ -73,9 +73,8 @@ def run_arm(name: str, models, slots: int, ticks: list[Tick], args, device: torc
     setup_s, runtime, counters = 0.0, None, None
     if name == "cadence":
         started = time.perf_counter()
-        build = transform_bound_slots if args.pipeline else transform_slots
-        runtime, report = build(models, contract_for(models.config, slots=slots), sampling=not args.greedy,
-                                seed=args.seed)
+        runtime, report = transform_slots(models, contract_for(models.config, slots=slots),
+                                          sampling=not args.greedy, seed=args.seed)
         setup_s = time.perf_counter() - started
         step = iter(runtime.tick(tick) for tick in ticks)
     else:
@@ -139,8 +138,6 @@ def main(argv=None) -> int:
     parser.add_argument("--ticks", type=int, default=12, help="ticks per arm and batch (80 ms of audio each)")
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--small", action="store_true", help="the reduced configuration (moshi_stream.SMALL)")
-    parser.add_argument("--pipeline", action="store_true",
-                        help="the cadence arm on the one pipeline (transform_bound_slots) instead of the runtime's own stages")
     parser.add_argument("--greedy", action="store_true", help="decode greedily (default: sampling, as served)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)

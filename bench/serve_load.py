@@ -270,7 +270,7 @@ def main() -> None:
                              "the server process (a test double of the device: the service's own overhead at N sessions)")
     parser.add_argument("--plugin-option", metavar="NAME=VALUE", type=plugin_option, action="append", default=[],
                         help="a keyword argument of the model plugin (repeatable), as cadence-fx serve takes it, "
-                             "e.g. runtime=pipeline for moshi-*")
+                             "e.g. slots=32 for moshi-*")
     parser.add_argument("--lanes", type=int, metavar="L",
                         help="token2wav*: the plugin's replay lanes (cadence-fx serve --lanes; default: the plugin's own)")
     parser.add_argument("--runs", type=int, default=1, metavar="N",

@@ -12,9 +12,8 @@ codebooks and their sampling), whose ring the vendor allocates afresh inside eve
 (`per_call`) and whose sampling switch and parameters are its `modes`. `transform(models,
 moshi_contract())` transforms both for one session at a time (`moshi_bound.py`, the family's
 hook). `MIMI_SLOTS_BINDING` and `MOSHI_LM_SLOTS_BINDING` are the same at a batch of slots,
-with every module's exec mask (`transform_bound_slots`). The service's batched slots runtime runs
-the family's own stages (`moshi_stages.py`, `moshi_slots.py`) by default, and these bindings with
-`runtime="pipeline"` (`serve/plugins/moshi.py`).
+with every module's exec mask (`models/moshi_slots.py`, `transform_slots`), which the service's
+batched runtime runs (`serve/plugins/moshi.py`).
 """
 
 from __future__ import annotations
@@ -118,7 +117,7 @@ MOSHI_LM_BINDING = _lm_binding(masked=False)
 #: steps of the transformers' 25 Hz clock.
 MIMI_BINDING = _mimi_binding(masked=False)
 
-#: The two at a batch of slots (`transform_bound_slots`): the same, and every module's exec mask.
+#: The two at a batch of slots (`models/moshi_slots.py`, `transform_slots`): the same, and every module's exec mask.
 MOSHI_LM_SLOTS_BINDING = _lm_binding(masked=True)
 MIMI_SLOTS_BINDING = _mimi_binding(masked=True)
 

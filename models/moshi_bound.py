@@ -18,7 +18,8 @@ of the model and the graphs keep serving every session. The caller's modules nev
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -28,7 +29,6 @@ from cadence_fx.transform import TransformReport, transform
 from cadence_fx.transformed import Transformed
 
 from .moshi import MIMI_BINDING, MOSHI_LM_BINDING
-from .moshi_stages import OwnedState
 from .moshi_stream import MoshiModels, StreamOutput, streaming_copy
 
 __all__ = ["BoundMoshi", "transform_moshi"]
@@ -36,6 +36,71 @@ __all__ = ["BoundMoshi", "transform_moshi"]
 #: Frames of silence streamed per decoding mode at construction: each operator's first two visits
 #: are verified against the stock call, the next one (on a GPU) captured.
 WARM_UP_FRAMES = 3
+
+
+@dataclass
+class _Slot:
+    owner: Any  # a vendor State (or a RingKVCache inside one)
+    attr: str
+    tensor: torch.Tensor  # the original: the one address this slot keeps
+
+
+def _is_vendor_object(value: Any) -> bool:
+    from moshi.utils.compile import CUDAGraphed
+
+    module = type(value).__module__
+    return module.startswith("moshi.") and not isinstance(value, (CUDAGraphed, torch.nn.Module)) and hasattr(value, "__dict__")
+
+
+@dataclass
+class OwnedState:
+    """The streaming state of some vendor modules, owned for the life of a transformed model:
+    `tensors` keep one address each (state the vendor rebinds is written into the original:
+    `keep_addresses`); `counters` are the host-side integers (`read`, `write`)."""
+
+    tensors: list[_Slot] = field(default_factory=list)
+    counters: list[tuple[Any, str]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, states: dict[str, dict[str, Any]]) -> OwnedState:
+        """Every tensor and host integer reachable from `states` (module path -> its `get_streaming_state()`)."""
+        owned, seen = cls(), set()
+        for entries in states.values():
+            for state in entries.values():
+                owned._walk(state, seen)
+        return owned
+
+    def _walk(self, obj: Any, seen: set[int]) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        for attr, value in vars(obj).items():
+            if isinstance(value, torch.Tensor):
+                self.tensors.append(_Slot(obj, attr, value))
+            elif type(value) is int:
+                self.counters.append((obj, attr))
+            elif _is_vendor_object(value):
+                self._walk(value, seen)
+
+    def addresses(self) -> list[int]:
+        return [getattr(s.owner, s.attr).data_ptr() for s in self.tensors]
+
+    def keep_addresses(self) -> None:
+        """Attributes the vendor rebound during a call: the value written into the original."""
+        for slot in self.tensors:
+            current = getattr(slot.owner, slot.attr)
+            if current is not slot.tensor:
+                with torch.no_grad():
+                    slot.tensor.copy_(current)
+                setattr(slot.owner, slot.attr, slot.tensor)
+
+    def read(self) -> list[int]:
+        """The host counters' values (the engine's `HostCounters`)."""
+        return [getattr(owner, attr) for owner, attr in self.counters]
+
+    def write(self, values: Sequence[int]) -> None:
+        for (owner, attr), value in zip(self.counters, values, strict=True):
+            setattr(owner, attr, value)
 
 
 class BoundMoshi(Transformed):

@@ -45,57 +45,41 @@ the vendor's own batched loop at the same B, with the same ticks, joins and seed
 guaranteed: batched kernels may round differently (measured on a CPU at the TINY size, greedy:
 tokens equal, PCM within 2.6e-8, not equal; `tests/test_moshi_slots.py` records it).
 
-The same runtime is also built on the one pipeline of every model (`transform_bound_slots`,
-`BoundSlots`: Mimi and `LMGen` transformed from their bindings as data, the vendor's glue calling
-the bound LM steps), bit-identical to the vendor's batched loop too, and as fast a tick at full
-size (53.3 ms at B = 64 on the H200 at 7b5a062, against 51.9 ms for `MoshiSlots`:
-`bench/results/moshi_slots_64_pipeline_host_7b5a062.json`, `moshi_slots.json`). The service runs
-it by default (`runtime="pipeline"`): at B = 64 on the H200 it answered every turn of the load
+The transform (`transform_slots`) builds the runtime on the one pipeline of every model: Mimi
+and `LMGen` at batch B transformed from Moshi's slots bindings as data (`models/moshi.py`), four
+bound operators: Mimi encode, the LM's main step (`forward_text`, inside `LMGen.step`), the
+depformer step (all codebooks and their sampling) and Mimi decode. The tick writes the exec masks,
+calls encode, lets the vendor's own glue (`LMGen.step`: the delayed-token cache, the text
+sampling) call the bound LM steps as its `graphed_main` and `graphed_depth`, then writes the
+speaking mask and calls decode; a join's `reset_streaming` runs eagerly, as the vendor runs its
+glue between its graphs. Every ring stays where the vendor allocated it. The service runs it
+(`serve/plugins/moshi.py`): at B = 64, full size, on the H200 it answered every turn of the load
 with first audio p95 209 ms and a server start-up of 28.7 s
-(`bench/results/serve_load_moshi_full_64_pipeline_b10a762.json`).
-
-The transform (`transform_slots`) builds the runtime from the stages' parts
-(`models/moshi_stages.py`), at batch B: the vendor's `CUDAGraphed` wrappers are replaced by plain modules and three `Stage`s on one
-owned streaming state (rings, offsets, conv buffers and exec masks at fixed addresses): Mimi
-encode (the tick's exec masks of Mimi and the LM, then encode), the LM's main step
-(`forward_text`, inside `LMGen.step`), the depformer step (all codebooks and their sampling) and
-Mimi decode (its exec mask, then decode). `LMGen.step`'s own glue (the delayed-token cache,
-the text sampling) and a join's `reset_streaming` run eagerly between them, as the vendor runs
-its glue between its graphs. The runtime warms every stage up at construction (certified on a
-CPU, captured on a GPU), then writes the fresh streaming state back in place and seeds its
-generators, so its first tick starts where the vendor's `streaming(B)` entry does.
+(`bench/results/serve_load_moshi_full_64_pipeline_b10a762.json`); its tick took 53.3 ms at B = 64
+(`bench/results/moshi_slots_64_pipeline_host_7b5a062.json`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
 from cadence_fx.contract import Contract
-from cadence_fx.catalog import derive
-from cadence_fx.determinism import envelope, settings
-from cadence_fx.passes.hoist import HostConstantHoist
-from cadence_fx.replay import TensorSpec
-from cadence_fx.report import format_bytes
 from cadence_fx.pipeline import BoundModel
 from cadence_fx.transform import TransformReport, transform
 from cadence_fx.transformed import rng_get, rng_seeded, rng_set
 
 from .moshi import MIMI_SLOTS_BINDING, MOSHI_LM_SLOTS_BINDING
-from .moshi_stages import OwnedState, Stage, _classes, _ring_resizes
 from .moshi_stream import MoshiModels, streaming_copy
 
-__all__ = ["BoundSlots", "MoshiSlots", "Tick", "TickOutput", "transform_bound_slots", "transform_slots", "vendor_slots",
-           "vendor_ticks"]
-
-WARM_UP_TICKS = 2  # the first certifies (and on a GPU captures) every stage, the second replays it
+__all__ = ["MoshiSlots", "Tick", "TickOutput", "transform_slots", "vendor_slots", "vendor_ticks", "warm_up_ticks"]
 
 
-def bound_warm_up_ticks(device: torch.device) -> int:
-    """`BoundSlots`' warm-up: its bindings' verified visits of each stage's one class, and on a GPU
+def warm_up_ticks(device: torch.device) -> int:
+    """`MoshiSlots`' warm-up: its bindings' verified visits of each stage's one class, and on a GPU
     one tick more, whose call captures each stage. Without it the first tick under load captured
     the four stages (at B = 64, full size, the replies that began then found 16 frames queued:
     `serve_load_moshi_full_64_pipeline_016184d.json`)."""
@@ -211,203 +195,10 @@ def vendor_slots(models: MoshiModels, slots: int, ticks: Sequence[Tick], *, samp
     return list(vendor_ticks(models, slots, ticks, sampling=sampling, seed=seed, cuda_graphs=cuda_graphs))
 
 
-class _Batch:
-    """What `MoshiSlots` and `BoundSlots` share: the tick's schedule (masks, joins, each slot's
-    frames since its join, the batch's generator), around their own `_stages`."""
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.models.lm.parameters()).device
-
-    @property
-    def frame_size(self) -> int:
-        return self.models.mimi.frame_size
-
-    @property
-    def replays(self) -> dict:
-        return self.report.replays
-
-    @contextlib.contextmanager
-    def _generators(self) -> Iterator[None]:
-        """The batch's generator state swapped in for a tick; the caller's put back after it."""
-        caller = rng_get(self.device)
-        rng_set(self.device, self.rng)
-        try:
-            yield
-        finally:
-            self.rng = rng_get(self.device)
-            rng_set(self.device, caller)
-
-    def _stages(self, live: torch.Tensor, speaking: torch.Tensor, frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Encode the live rows' frames, step the LM, decode the speaking rows: (tokens, pcm)."""
-        raise NotImplementedError
-
-    def tick(self, tick: Tick) -> TickOutput:
-        from moshi.utils.compile import no_compile
-
-        if self.closed:
-            raise RuntimeError(f"this {type(self).__name__} is closed")
-        _check_tick(tick, self.slots, self.frame_size)
-        device, mimi, lm_gen = self.device, self.models.mimi, self.lm_gen
-        live = tuple(sorted(tick.frames))
-        ran = [0 if slot in tick.joins else count for slot, count in enumerate(self.ran)]
-        # LMGen's offsets reach max_delay + 1 at a slot's (max_delay + 1)-th frame: its first real tokens.
-        speaking = tuple(slot for slot in live if ran[slot] + 1 > lm_gen.max_delay)
-        # The vendor's own `CUDAGraphed` wrappers stay on: those of its exec masks and resets run
-        # as in its own loop; the ones of the stages are replaced (`MoshiSlots`) or never reached
-        # while the bound operators replay (`BoundSlots`: only a stock fallback calls them).
-        with self._generators(), no_compile(), torch.inference_mode():
-            # Every input goes to the device before the first stage runs (the speaking mask too:
-            # it is known on the host), so no copy waits for a stage in flight.
-            live_mask, speaking_mask = _mask(self.slots, live, device), _mask(self.slots, speaking, device)
-            frames = _frames(self.slots, self.frame_size, tick.frames, device)
-            if tick.joins:
-                joins = _mask(self.slots, tick.joins, device)
-                mimi.reset_streaming(joins)
-                lm_gen.reset_streaming(joins)
-            tokens, pcm = self._stages(live_mask, speaking_mask, frames)
-        self.ran = [count + (slot in live) for slot, count in enumerate(ran)]
-        self.ticks += 1
-        return TickOutput(live, speaking, tokens[:, :, 0], pcm[:, 0])
-
-    def close(self) -> None:
-        """Leave streaming and drop every graph: the batch's state and graph pools can be freed."""
-        if not self.closed:
-            self.closed = True
-            for engine in self.replays.values():
-                engine.reset()
-            self.streaming.close()
-
-
 @dataclass
-class MoshiSlots(_Batch):
-    """B slots of one batched Mimi + `LMGen` on one owned streaming state; see the module docstring.
-
-    `tick(Tick(frames={slot: frame}, joins=(...)))` runs one batched call for every live slot and
-    returns its `TickOutput`. Which slot a session owns, and when it joins, is the caller's
-    schedule: the runtime keeps no sessions, only each slot's frames since its last join."""
-
-    models: MoshiModels
-    lm_gen: Any  # moshi.models.LMGen at batch `slots`
-    slots: int
-    state: OwnedState  # the whole batch's streaming state, at fixed addresses
-    glue: OwnedState  # LMGen's own state (its eager glue rebinds `offsets`)
-    stages: dict[str, Stage]
-    report: TransformReport
-    streaming: contextlib.ExitStack  # the modules' streaming entries, closed by `close`
-    rng: torch.Tensor | None = None  # the batch's generator state between ticks (the device's)
-    ran: list[int] = field(default_factory=list)  # per slot: the frames it ran since it joined
-    ticks: int = 0
-    closed: bool = False
-    warm_up_ticks: int = WARM_UP_TICKS  # the ticks of its construction, before any slot's
-
-    def _stages(self, live: torch.Tensor, speaking: torch.Tensor, frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        codes = self.stages["mimi_encode"](live, frames)
-        tokens = self.lm_gen.step(codes)
-        self.glue.keep_addresses()  # LMGen rebinds its offsets each step
-        return tokens, self.stages["mimi_decode"](speaking, tokens)
-
-    def counters(self) -> dict[str, dict]:
-        return {name: engine.counters.as_dict() for name, engine in self.replays.items()}
-
-
-def _streaming_batch(models: MoshiModels, contract: Contract, sampling: bool) -> tuple[int, MoshiModels, Any, contextlib.ExitStack]:
-    """What both slots runtimes start from: the contract's batch size (quantity `slots`), checked,
-    and Mimi and an out-of-sync `LMGen` streaming at it on a copy of the modules around the same
-    weights (`moshi_stream.streaming_copy`)."""
-    slots = contract.symbols().get("slots")
-    if not isinstance(slots, int) or slots < 1:
-        raise ValueError(f"contract quantity slots must be a positive batch size, got {slots!r}")
-    models, lm_gen, streaming = streaming_copy(models, contract, slots, use_sampling=sampling, support_out_of_sync=True)
-    return slots, models, lm_gen, streaming
-
-
-def transform_slots(models: MoshiModels, contract: Contract, *, sampling: bool, seed: int,
-                    replay: bool = True) -> tuple[MoshiSlots, TransformReport]:
-    """A `MoshiSlots` at the contract's batch (quantity `slots`) on `models`' weights (shared,
-    not copied; the lazily derived codebook caches the calls read are filled in `models` first, as
-    the vendor's first call would). `sampling` and `seed` are the batch's (module docstring).
-    Like every transform it pins no kernel switch: on a GPU the caller pins deterministic kernels
-    first (`cadence_fx.determinism.pin_deterministic`), and the report says what it found."""
-    from moshi.utils.compile import no_compile
-
-    slots, models, lm_gen, streaming = _streaming_batch(models, contract, sampling)
-    mimi, lm = models.mimi, models.lm
-    catalog = derive(contract)
-    report = TransformReport(family=contract.family, catalog=catalog)
-    report.determinism = settings()
-    report.stamps.append(envelope())
-    with lm.depformer.streaming(slots):
-        report.resizes.extend(_ring_resizes(models, contract, catalog))
-    states = {"mimi": mimi.get_streaming_state(), "lm": lm.get_streaming_state(), "lm_gen": lm_gen.get_streaming_state()}
-    mimi_state, gen_state = states["mimi"][""], states["lm_gen"][""]
-    mimi_state.graphed_encoder, mimi_state.graphed_decoder = mimi.encoder, mimi.decoder
-    mimi_state.graphed_tr_enc, mimi_state.graphed_tr_dec = mimi.encoder_transformer, mimi.decoder_transformer
-    owned = OwnedState.of(states)
-    mimi_owned, lm_owned = OwnedState.of({"mimi": states["mimi"]}), OwnedState.of({"lm": states["lm"]})
-    glue = OwnedState.of({"lm_gen": states["lm_gen"]})
-    report.stamps.append(
-        f"state: batch of {slots} slots, one owned streaming state, {len(owned.tensors)} tensors "
-        f"({format_bytes(owned.nbytes)}) at fixed addresses; vendor CUDAGraphed wrappers removed: mimi.graphed_encoder, "
-        "mimi.graphed_tr_enc, mimi.graphed_tr_dec, mimi.graphed_decoder, lm_gen.graphed_main, lm_gen.graphed_depth"
-    )
-
-    device = next(lm.parameters()).device
-    hooks = (HostConstantHoist(),) if device.type == "cuda" else ()
-    mask = TensorSpec((slots,), torch.bool, device)
-    frame = TensorSpec((slots, mimi.channels, mimi.frame_size), torch.float32, device)
-    tokens = TensorSpec((slots, 1 + lm.dep_q, 1), torch.long, device)
-    sequence = TensorSpec((slots, lm.num_codebooks, 1), torch.long, device)
-    text, hidden = TensorSpec((slots,), torch.long, device), TensorSpec((slots, 1, lm.dim), lm.dtype, device)
-
-    def encode(live: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
-        mimi.set_exec_mask(live)
-        lm_gen.set_exec_mask(live)
-        return mimi.encode(frames)
-
-    def decode(speaking: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
-        mimi.set_exec_mask(speaking)
-        return mimi.decode(generated[:, 1:].clamp(min=0))
-
-    def stage(name: str, fn: Callable[..., Any], state: OwnedState | None, modules: list, *specs: Any) -> Stage:
-        return Stage(name, fn, _classes(catalog, name, *specs), state, modules, replay=replay, hooks=hooks)
-
-    stages = {
-        "mimi_encode": stage("mimi_encode", encode, mimi_owned, [mimi, lm_owned.holder, glue.holder], mask, frame),
-        "lm_step": stage("lm_step", lm.forward_text, lm_owned, [lm], sequence, None, None),
-        "depformer_step": stage("depformer_step", lm_gen.depformer_step, None, [lm], text, hidden),
-        "mimi_decode": stage("mimi_decode", decode, mimi_owned, [mimi], mask, tokens),
-    }
-    gen_state.graphed_main, gen_state.graphed_depth = stages["lm_step"], stages["depformer_step"]
-    for one in stages.values():
-        if one.engine is not None:
-            report.replays[one.name] = one.engine
-    report.stamps.append(
-        f"replay at batch {slots}: " + ", ".join(f"{name} K={catalog.operator(name).width}" for name in stages)
-        if replay else f"replay: off (stages eager on the owned state, batch {slots})"
-    )
-
-    runtime = MoshiSlots(models, lm_gen, slots, owned, glue, stages, report, streaming, ran=[0] * slots)
-    devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), no_compile():
-        runtime.rng = rng_get(device)
-        silence = torch.zeros(mimi.frame_size)
-        for index in range(WARM_UP_TICKS):
-            runtime.tick(Tick({slot: silence for slot in range(slots)}, joins=tuple(range(slots)) if index == 0 else ()))
-    runtime.rng = rng_seeded(device, seed)
-    owned.reset()  # the fresh streaming entry's values, written in place: every address kept
-    runtime.ran, runtime.ticks = [0] * slots, 0
-    return runtime, report
-
-
-# ---------------------------------------------------------------------------------------------
-# The same runtime on the one pipeline
-
-
-@dataclass
-class BoundSlots(_Batch):
-    """`MoshiSlots` on the one pipeline: the same B slots, their four stages bound operators of
-    `cadence_fx.transform` from Moshi's bindings (`transform_bound_slots`).
+class MoshiSlots:
+    """B slots of one batched Mimi + `LMGen`, their four stages bound operators of
+    `cadence_fx.transform` from Moshi's slots bindings; see the module docstring.
 
     `tick(Tick(frames={slot: frame}, joins=(...)))` runs one batched call for every live slot and
     returns its `TickOutput`. Which slot a session owns, and when it joins, is the caller's
@@ -423,7 +214,15 @@ class BoundSlots(_Batch):
     ran: list[int] = field(default_factory=list)  # per slot: the frames it ran since it joined
     ticks: int = 0
     closed: bool = False
-    warm_up_ticks: int = WARM_UP_TICKS  # the ticks of its construction, before any slot's
+    warm_up_ticks: int = 0  # the ticks of its construction, before any slot's (`warm_up_ticks(device)`)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.models.lm.parameters()).device
+
+    @property
+    def frame_size(self) -> int:
+        return self.models.mimi.frame_size
 
     @property
     def report(self) -> TransformReport:
@@ -434,15 +233,50 @@ class BoundSlots(_Batch):
                              "and depformer_step as its graphed_main and graphed_depth")
         return report
 
-    def _stages(self, live: torch.Tensor, speaking: torch.Tensor, frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mimi, lm_gen = self.models.mimi, self.lm_gen
+    @contextlib.contextmanager
+    def _generators(self) -> Iterator[None]:
+        """The batch's generator state swapped in for a tick; the caller's put back after it."""
+        caller = rng_get(self.device)
+        rng_set(self.device, self.rng)
+        try:
+            yield
+        finally:
+            self.rng = rng_get(self.device)
+            rng_set(self.device, caller)
+
+    def tick(self, tick: Tick) -> TickOutput:
+        from moshi.utils.compile import no_compile
+
+        if self.closed:
+            raise RuntimeError(f"this {type(self).__name__} is closed")
+        _check_tick(tick, self.slots, self.frame_size)
+        device, mimi, lm_gen = self.device, self.models.mimi, self.lm_gen
         stages = self.bound["mimi"].operators
-        mimi.set_exec_mask(live)
-        lm_gen.set_exec_mask(live)
-        codes = stages["mimi_encode"](frames)
-        tokens = lm_gen.step(codes)  # its glue calls the bound lm_step and depformer_step
-        mimi.set_exec_mask(speaking)
-        return tokens, stages["mimi_decode"](tokens[:, 1:].clamp(min=0))
+        live = tuple(sorted(tick.frames))
+        ran = [0 if slot in tick.joins else count for slot, count in enumerate(self.ran)]
+        # LMGen's offsets reach max_delay + 1 at a slot's (max_delay + 1)-th frame: its first real tokens.
+        speaking = tuple(slot for slot in live if ran[slot] + 1 > lm_gen.max_delay)
+        # The vendor's own `CUDAGraphed` wrappers stay on: those of its exec masks and resets run
+        # as in its own loop; the ones of the stages are never reached while the bound operators
+        # replay (only a stock fallback calls them).
+        with self._generators(), no_compile(), torch.inference_mode():
+            # Every input goes to the device before the first stage runs (the speaking mask too:
+            # it is known on the host), so no copy waits for a stage in flight.
+            live_mask, speaking_mask = _mask(self.slots, live, device), _mask(self.slots, speaking, device)
+            frames = _frames(self.slots, self.frame_size, tick.frames, device)
+            if tick.joins:
+                joins = _mask(self.slots, tick.joins, device)
+                mimi.reset_streaming(joins)
+                lm_gen.reset_streaming(joins)
+            mimi.set_exec_mask(live_mask)
+            lm_gen.set_exec_mask(live_mask)
+            codes = stages["mimi_encode"](frames)
+            tokens = lm_gen.step(codes)  # its glue calls the bound lm_step and depformer_step
+            mimi.set_exec_mask(speaking_mask)
+            pcm = stages["mimi_decode"](tokens[:, 1:].clamp(min=0))
+        self.ran = [count + (slot in live) for slot, count in enumerate(ran)]
+        self.ticks += 1
+        return TickOutput(live, speaking, tokens[:, :, 0], pcm[:, 0])
 
     def counters(self) -> dict[str, dict]:
         """Per stage: its replay engine's counters (on a GPU), else its bound operator's (calls,
@@ -456,42 +290,53 @@ class BoundSlots(_Batch):
         counters): the same for the runtime's life."""
         return [t.data_ptr() for model in self.bound.values() for t in model.resident()[0]]
 
+    def close(self) -> None:
+        """Leave streaming and drop every graph: the batch's state and graph pools can be freed."""
+        if not self.closed:
+            self.closed = True
+            for engine in self.report.replays.values():
+                engine.reset()
+            self.streaming.close()
 
-def transform_bound_slots(models: MoshiModels, contract: Contract, *, sampling: bool, seed: int,
-                          replay: bool = True) -> tuple[BoundSlots, TransformReport]:
-    """`transform_slots`' runtime built on the one pipeline of every model (`cadence_fx.transform`
-    with a binding), not on this module's own stages: Mimi and `LMGen` at the contract's batch
-    transformed from `MIMI_SLOTS_BINDING` and `MOSHI_LM_SLOTS_BINDING` (Moshi's bindings with the
-    exec masks of the modules each operator runs, which `set_exec_mask` writes in place between the
-    calls); Mimi's
-    encode and decode called here, the LM's main step and depformer step called by the vendor's
-    own glue (`LMGen.step`) as its `graphed_main` and `graphed_depth`. Every ring is a region
-    written before it is read: it stays where the vendor allocated it (no buffer, no copy). The
-    runtime ticks at construction until every stage is verified and, on a GPU, captured
-    (`bound_warm_up_ticks`), then resets every slot in place (`reset_streaming` of all rows) and seeds its
-    generator. Every slot is bit-identical to the vendor's batched loop, as `MoshiSlots` is. The
-    service runs it by default (`runtime="pipeline"`): on the H200 at B = 64 (full size), 64
-    served sessions got every turn answered, first audio p95 209 ms, after 28.7 s of server
-    start-up (`bench/results/serve_load_moshi_full_64_pipeline_b10a762.json`). Its ticks run the vendor's own exec-mask
-    graphs, as `MoshiSlots`' do (eagerly, the 221 mask copies a tick cost 15 ms of host at full size)."""
+
+def transform_slots(models: MoshiModels, contract: Contract, *, sampling: bool, seed: int,
+                    replay: bool = True) -> tuple[MoshiSlots, TransformReport]:
+    """A `MoshiSlots` at the contract's batch (quantity `slots`) on `models`' weights (shared, not
+    copied; the lazily derived codebook caches the calls read are filled in `models` first, as the
+    vendor's first call would), on the one pipeline of every model: Mimi and `LMGen` transformed
+    from `MIMI_SLOTS_BINDING` and `MOSHI_LM_SLOTS_BINDING` (Moshi's bindings with the exec masks of
+    the modules each operator runs, which `set_exec_mask` writes in place between the calls);
+    Mimi's encode and decode called by the runtime, the LM's main step and depformer step called
+    by the vendor's own glue (`LMGen.step`) as its `graphed_main` and `graphed_depth`. Every ring
+    is a region written before it is read: it stays where the vendor allocated it (no buffer, no
+    copy). `sampling` and `seed` are the batch's (module docstring).
+
+    The runtime ticks at construction until every stage is verified and, on a GPU, captured
+    (`warm_up_ticks`), then resets every slot in place (`reset_streaming` of all rows) and seeds
+    its generator, so its first tick starts where the vendor's `streaming(B)` entry does. Like
+    every transform it pins no kernel switch: on a GPU the caller pins deterministic kernels first
+    (`cadence_fx.determinism.pin_deterministic`), and the report says what it found."""
     from moshi.utils.compile import no_compile, no_cuda_graph
 
-    slots, models, lm_gen, streaming = _streaming_batch(models, contract, sampling)
-    mimi, lm = models.mimi, models.lm
+    slots = contract.symbols().get("slots")
+    if not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"contract quantity slots must be a positive batch size, got {slots!r}")
+    models, lm_gen, streaming = streaming_copy(models, contract, slots, use_sampling=sampling, support_out_of_sync=True)
+    mimi = models.mimi
     bound = {}
     bound["mimi"], mimi_report = transform(mimi, contract, MIMI_SLOTS_BINDING, replay=replay)
     bound["lm"], lm_report = transform(lm_gen, contract, MOSHI_LM_SLOTS_BINDING, replay=replay)
     # The vendor's glue calls its own CUDAGraphed wrappers of the LM's two steps: the bound ones instead.
     gen_state = lm_gen._streaming_state
     gen_state.graphed_main, gen_state.graphed_depth = bound["lm"].operators["lm_step"], bound["lm"].operators["depformer_step"]
-    runtime = BoundSlots(models, lm_gen, slots, bound, {"mimi": mimi_report, "lm": lm_report}, streaming, ran=[0] * slots)
+    runtime = MoshiSlots(models, lm_gen, slots, bound, {"mimi": mimi_report, "lm": lm_report}, streaming, ran=[0] * slots)
     device = runtime.device
     devices = [device.index or 0] if device.type == "cuda" else []
     everyone = tuple(range(slots))
     with torch.random.fork_rng(devices=devices), no_compile(), no_cuda_graph():
         runtime.rng = rng_get(device)
         silence = torch.zeros(mimi.frame_size)
-        runtime.warm_up_ticks = bound_warm_up_ticks(device)
+        runtime.warm_up_ticks = warm_up_ticks(device)
         for index in range(runtime.warm_up_ticks):
             runtime.tick(Tick({slot: silence for slot in everyone}, joins=everyone if index == 0 else ()))
         with torch.inference_mode():  # the fresh streaming entry's values, written in place: every address kept

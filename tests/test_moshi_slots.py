@@ -1,6 +1,8 @@
-"""Moshi sessions as slots of one batch (models/moshi_slots.py), TINY size on a CPU: every tick is
-the vendor's own batched call at the same B, bit for bit; an idle slot keeps its state; a join
-resets its slot alone; at B = 1 the runtime is the vendor's batch-1 stream."""
+"""Moshi sessions as slots of one batch (models/moshi_slots.py), TINY size on a CPU: Mimi and
+`LMGen` at a batch of slots transformed from Moshi's slots bindings on the one pipeline, the
+vendor's glue calling the bound LM steps. Every tick is the vendor's own batched call at the same
+B, bit for bit; every ring stays where the vendor allocated it; an idle slot keeps its state; a
+join resets its slot alone; at B = 1 the runtime is the vendor's batch-1 stream."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from moshi.modules.transformer import RingKVCache
 
 from cadence_fx import derive, transform
 from cadence_fx.models.moshi import contract_for
+from cadence_fx.models.moshi_bound import OwnedState
 from cadence_fx.models.moshi_slots import Tick, transform_slots, vendor_slots
 from cadence_fx.models.moshi_stream import TINY, build_models, random_pcm, stream_reference
 
@@ -53,7 +56,7 @@ def run(runtime, ticks):
 def both(request, models):
     """The runtime and the vendor's batched loop over the same schedule."""
     runtime, report = transform_slots(models, contract_for(TINY, slots=SLOTS), sampling=request.param, seed=SEED)
-    addresses = runtime.state.addresses()
+    addresses = runtime.addresses()
     ours = run(runtime, schedule())
     reference = vendor_slots(models, SLOTS, schedule(), sampling=request.param, seed=SEED)
     return request.param, runtime, report, addresses, ours, reference
@@ -97,39 +100,56 @@ def test_sampled_and_greedy_runs_differ(both, models):
 
 def test_the_state_keeps_every_address_through_ticks_and_joins(both):
     _, runtime, _, addresses, _, _ = both
-    assert runtime.state.addresses() == addresses
+    assert runtime.addresses() == addresses
 
 
 def test_counters_show_every_stage_call_of_warm_up_and_ticks(both):
-    sampling, runtime, _, _, _, _ = both
-    calls = 2 + 10  # two warm-up ticks at construction, then the schedule
+    sampling, runtime, report, _, _, _ = both
+    assert runtime.warm_up_ticks == 2  # on a CPU: the verified visits, nothing to capture
+    ticks = 10
+    for name, op in report.operators.items():
+        assert {key: op.counters.as_dict()[key] for key in ("calls", "graph_calls", "verified", "stock")} == {
+            "calls": 2 + ticks, "graph_calls": 2 + ticks, "verified": 2, "stock": 0}, name
 
     def eager(reason):
-        return {"calls": calls, "captures": 0, "replays": 0, "eager": calls, "invalidations": 0, "fallbacks": {reason: calls}}
+        return {"calls": ticks, "captures": 0, "replays": 0, "eager": ticks, "invalidations": 0, "fallbacks": {reason: ticks}}
 
-    # Without CUDA every admitted call runs eagerly (no_cuda); the sampling depformer reads the
-    # CPU generator, a host RNG, so its class is refused for good.
+    # Once verified, every call goes through the stage's replay engine: without CUDA it runs the
+    # rewritten graph eagerly (no_cuda); the sampling depformer reads the CPU generator, a host
+    # RNG, so its class is refused for good.
     assert runtime.counters() == {
         "mimi_encode": eager("no_cuda"),
+        "mimi_decode": eager("no_cuda"),
         "lm_step": eager("no_cuda"),
         "depformer_step": eager("host_rng" if sampling else "no_cuda"),
-        "mimi_decode": eager("no_cuda"),
     }
 
 
-def test_each_stage_has_one_certified_class_at_the_batch(both):
+#: The depformer's modes besides the sampling switch: `LMGen`'s defaults.
+SAMPLING = "self.temp=0.8, self.top_k=250, self.cfg_coef=1.0"
+
+
+def test_each_stage_has_one_class_at_the_batch_bound_from_the_bindings(both):
     sampling, runtime, report, *_ = both
-    verdicts = {name: [(c.shape_class, c.admitted) for c in engine.certificates.values()]
-                for name, engine in runtime.replays.items()}
-    assert verdicts == {
-        "mimi_encode": [("mimi_encode ring=250", True)],
-        "lm_step": [("lm_step ring=3000", True)],
-        "depformer_step": [("depformer_step ring=8", not sampling)],
-        "mimi_decode": [("mimi_decode ring=250", True)],
+    classes = {name: [(cls.name, cls.refused) for cls in op.classes.values()] for name, op in report.operators.items()}
+    assert classes == {
+        "mimi_encode": [("mimi_encode[n=2,L=250]", None)],
+        "mimi_decode": [("mimi_decode[n=2,L=250]", None)],
+        "lm_step": [("lm_step[n=1,L=3000]", None)],
+        "depformer_step": [(f"depformer_step[n=1,L=8]{{self.use_sampling={sampling}, {SAMPLING}}}", None)],
     }
-    signature = next(iter(runtime.replays["mimi_encode"].certificates.values())).signature
-    assert [leaf[1] for leaf in signature.leaves] == [(SLOTS,), (SLOTS, 1, 1920)]
-    assert report.stamps[-1] == "replay at batch 3: mimi_encode K=1, lm_step K=1, depformer_step K=1, mimi_decode K=1"
+    state = runtime.lm_gen._streaming_state
+    assert (state.graphed_main, state.graphed_depth) == (report.operators["lm_step"], report.operators["depformer_step"])
+    # Every ring stays where the vendor allocated it at the batch: no buffer allocated, nothing copied in.
+    assert [stamp for stamp in report.stamps if stamp.startswith("state rule")] == [
+        f"state rule: {region} at {shape} ({size}), kept where the model holds it (1 tensor), none allocated; written "
+        "before read (the binding says so): never copied, verified through the outputs it feeds"
+        for region, shape, size in (("mimi_encoder_kv", f"1x2x{SLOTS}x2x250x16", "187.50 KiB"),
+                                    ("mimi_decoder_kv", f"1x2x{SLOTS}x2x250x16", "187.50 KiB"),
+                                    ("lm_kv", f"1x2x{SLOTS}x4x3000x8", "2.20 MiB"))]
+    assert report.stamps[-1] == (
+        f"slots: batch of {SLOTS}, mimi_encode K=1, mimi_decode K=1, lm_step K=1, depformer_step K=1; the vendor's "
+        "glue calls the bound lm_step and depformer_step as its graphed_main and graphed_depth")
 
 
 def test_the_catalog_declares_every_ring_at_the_batch():
@@ -141,11 +161,18 @@ def test_the_catalog_declares_every_ring_at_the_batch():
     }
 
 
+def _held(runtime) -> list:
+    """Every tensor of the batch's streaming state, with the vendor object that holds it."""
+    return OwnedState.of({"mimi": runtime.models.mimi.get_streaming_state(),
+                          "lm": runtime.models.lm.get_streaming_state(),
+                          "lm_gen": runtime.lm_gen.get_streaming_state()}).tensors
+
+
 def _rows(runtime, slot: int) -> list[tuple[str, torch.Tensor]]:
     """Every state tensor's row of `slot` (the batch axis is 1 in a ring body, else 0), with the
     tensors that hold no batch axis (LMGen's initial tokens) whole; exec masks left out."""
     rows = []
-    for held in runtime.state.tensors:
+    for held in _held(runtime):
         name = f"{type(held.owner).__name__}.{held.attr}"
         if held.attr == "exec_mask":
             continue
@@ -159,7 +186,7 @@ def _rows(runtime, slot: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def _rings(runtime) -> list[RingKVCache]:
-    return [held.owner for held in runtime.state.tensors
+    return [held.owner for held in _held(runtime)
             if isinstance(held.owner, RingKVCache) and held.attr == "cache"]
 
 
@@ -189,20 +216,18 @@ def test_an_idle_slot_keeps_its_state_but_the_ring_positions_its_next_call_write
 
 
 def test_an_idle_slot_resumes_as_if_it_had_never_waited(models):
-    """Greedy, so nothing couples the slots: slot 0 with three idle ticks in the middle gives what
-    it gives with none."""
-    contract = contract_for(TINY, slots=SLOTS)
-    mine, other = frames(73, 6), frames(74, 3)
-    straight, _ = transform_slots(models, contract, sampling=False, seed=SEED)
-    waiting, _ = transform_slots(models, contract, sampling=False, seed=SEED)
-    plain = run(straight, [Tick({0: f}, joins=(0,) if i == 0 else ()) for i, f in enumerate(mine)])
-    paused = run(waiting, [Tick({0: mine[0], 1: other[0]}, joins=(0, 1)), Tick({0: mine[1]}), Tick({0: mine[2]})]
-                 + [Tick({1: f}) for f in other[1:]] + [Tick({1: other[0]})]
-                 + [Tick({0: f}) for f in mine[3:]])
-    outputs = [o.slot(0) for o in paused if 0 in o.live]
-    assert len(outputs) == len(plain) == 6
-    for (tokens, pcm), want in zip(outputs[1:], plain[1:]):
-        assert torch.equal(tokens, want.tokens[0]) and torch.equal(pcm, want.pcm[0])
+    """Greedy, so nothing couples the slots: in one batch, slot 1 with three idle ticks in the
+    middle gives what slot 0 gives on the same frames with none."""
+    mine = frames(73, 6)
+    runtime, _ = transform_slots(models, contract_for(TINY, slots=SLOTS), sampling=False, seed=SEED)
+    outs = run(runtime, [Tick({0: mine[0], 1: mine[0]}, joins=(0, 1)), Tick({0: mine[1], 1: mine[1]}),
+                         Tick({0: mine[2], 1: mine[2]}), Tick({0: mine[3]}), Tick({0: mine[4]}), Tick({0: mine[5]}),
+                         Tick({1: mine[3]}), Tick({1: mine[4]}), Tick({1: mine[5]})])
+    straight = [o.slot(0) for o in outs if 0 in o.live]
+    paused = [o.slot(1) for o in outs if 1 in o.live]
+    assert len(straight) == len(paused) == 6 and straight[0] is paused[0] is None
+    for (tokens, pcm), (want_tokens, want_pcm) in zip(paused[1:], straight[1:]):
+        assert torch.equal(tokens, want_tokens) and torch.equal(pcm, want_pcm)
 
 
 def test_a_join_resets_its_slot_alone(models):
@@ -227,26 +252,39 @@ def test_a_join_resets_its_slot_alone(models):
 
 
 def test_a_joining_session_hears_nothing_of_the_slots_last_session(models):
-    """Greedy: after a join, slot 2 gives what slot 2 of a fresh runtime gives on the same frames,
-    although its rings still hold the previous session's keys (a reset only empties them)."""
-    contract = contract_for(TINY, slots=SLOTS)
+    """Greedy: after a join, slot 2 gives what slot 0, joining afresh at the same tick, gives on
+    the same frames, although slot 2's rings still hold the previous session's keys (a reset only
+    empties them)."""
     old, new = frames(78, 4), frames(79, 4)
-    used, _ = transform_slots(models, contract, sampling=False, seed=SEED)
-    fresh, _ = transform_slots(models, contract, sampling=False, seed=SEED)
-    run(used, [Tick({2: f}, joins=(2,) if i == 0 else ()) for i, f in enumerate(old)])
-    after = run(used, [Tick({2: f}, joins=(2,) if i == 0 else ()) for i, f in enumerate(new)])
-    want = run(fresh, [Tick({2: f}, joins=(2,) if i == 0 else ()) for i, f in enumerate(new)])
-    for mine, theirs in zip(after[1:], want[1:]):
-        assert torch.equal(mine.tokens[2], theirs.tokens[2]) and torch.equal(mine.pcm[2], theirs.pcm[2])
+    runtime, _ = transform_slots(models, contract_for(TINY, slots=SLOTS), sampling=False, seed=SEED)
+    run(runtime, [Tick({2: f}, joins=(2,) if i == 0 else ()) for i, f in enumerate(old)])
+    after = run(runtime, [Tick({0: f, 2: f}, joins=(0, 2) if i == 0 else ()) for i, f in enumerate(new)])
+    assert [o.speaking for o in after] == [(), (0, 2), (0, 2), (0, 2)]
+    for out in after[1:]:
+        assert torch.equal(out.tokens[2], out.tokens[0]) and torch.equal(out.pcm[2], out.pcm[0])
 
 
-def test_at_one_slot_the_runtime_is_the_vendors_batch_1_stream(models):
-    pcm = random_pcm(8, seed=80)
+@pytest.fixture(scope="module")
+def one_slot(models):
+    """A runtime of one slot; `test_a_closed_runtime_refuses_to_tick`, the last to use it, closes it."""
     runtime, _ = transform_slots(models, contract_for(TINY, slots=1), sampling=True, seed=SEED)
+    return runtime
+
+
+def test_at_one_slot_the_runtime_is_the_vendors_batch_1_stream(models, one_slot):
+    pcm = random_pcm(8, seed=80)
+    runtime = one_slot
     outs = run(runtime, [Tick({0: f}, joins=(0,) if i == 0 else ()) for i, f in enumerate(pcm.reshape(8, 1920))])
     reference = stream_reference(models, pcm, sampling=True, seed=SEED)
     assert torch.equal(torch.stack([o.tokens[0] for o in outs[1:]], dim=-1)[None], reference.tokens)
     assert torch.equal(torch.cat([o.pcm[0] for o in outs[1:]])[None, None], reference.pcm)
+
+
+def test_a_closed_runtime_refuses_to_tick(one_slot):
+    runtime = one_slot
+    runtime.close()
+    with pytest.raises(RuntimeError, match="this MoshiSlots is closed"):
+        runtime.tick(Tick({0: torch.zeros(1920)}))
 
 
 def test_against_batch_1_greedy_tokens_agree_and_pcm_is_close_but_not_promised_equal(models):
@@ -282,13 +320,6 @@ def test_a_bad_tick_is_refused_by_name_before_anything_runs(both, tick, error):
         runtime.tick(tick)
     assert str(refused.value) == error
     assert (runtime.ran, runtime.ticks) == (ran, ticks)
-
-
-def test_a_closed_runtime_refuses_to_tick(models):
-    runtime, _ = transform_slots(models, contract_for(TINY, slots=1), sampling=False, seed=SEED)
-    runtime.close()
-    with pytest.raises(RuntimeError, match="this MoshiSlots is closed"):
-        runtime.tick(Tick({0: torch.zeros(1920)}))
 
 
 def test_the_one_session_transform_refuses_a_batch_of_slots(models):

@@ -14,6 +14,7 @@ a model.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -25,10 +26,20 @@ PluginFactory = Callable[..., ModelPlugin]
 DEFAULT_PLUGIN = "moshi-tiny"
 
 
+def _known_options(plugin: type, fixed: str, options: dict[str, Any]) -> None:
+    """Refuse, by name, an option the plugin does not take (``fixed`` is the one its name sets)."""
+    accepted = [name for name in inspect.signature(plugin).parameters if name != fixed]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(f"{plugin.__name__} takes no option {', '.join(map(repr, unknown))}; "
+                         f"its options: {', '.join(accepted)}")
+
+
 def _moshi(size: str) -> PluginFactory:
     def build(**options: Any) -> ModelPlugin:
         from .moshi import MoshiPlugin
 
+        _known_options(MoshiPlugin, "size", options)
         return MoshiPlugin(size=size, **options)
 
     return build
@@ -38,6 +49,7 @@ def _token2wav(depth: str) -> PluginFactory:
     def build(**options: Any) -> ModelPlugin:
         from .token2wav import Token2WavPlugin
 
+        _known_options(Token2WavPlugin, "depth", options)
         return Token2WavPlugin(depth, **options)
 
     return build

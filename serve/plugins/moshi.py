@@ -136,13 +136,7 @@ from cadence_fx.determinism import pin_deterministic
 from cadence_fx.memory import DeviceMemory
 from cadence_fx.models.moshi_checkpoint import MoshiCheckpoint, locate
 from cadence_fx.models.moshi import contract_for
-from cadence_fx.models.moshi_slots import (
-    BoundSlots,
-    MoshiSlots,
-    Tick,
-    transform_bound_slots,
-    transform_slots,
-)
+from cadence_fx.models.moshi_slots import MoshiSlots, Tick, transform_slots
 from cadence_fx.models.moshi_stream import (
     FULL,
     SAMPLE_RATE,
@@ -161,9 +155,6 @@ from .base import ModelPlugin, ModelStream, PluginInfo, add_counters
 log = logging.getLogger(__name__)
 
 SIZES: dict[str, MoshiConfig] = {"tiny": TINY, "small": SMALL, "full": FULL}
-#: How a place's batch is transformed: the family's own stages (``transform_slots``, the default),
-#: or the one pipeline every model goes through, from Moshi's bindings (``transform_bound_slots``).
-RUNTIMES = {"stages": transform_slots, "pipeline": transform_bound_slots}
 DEVICES: dict[str, str] = {"tiny": "cpu", "small": "cpu", "full": "cuda"}  # each size's default device
 FRAME_SAMPLES = 1920  # 80 ms at 24 kHz: one tick
 # How many of a reply's next frames ``step`` keeps ticking ahead on silence when nothing fed brings them.
@@ -179,15 +170,14 @@ DEFAULT_SLOTS = 8  # a place's batch when a stream opens before any ``reserve``
 
 class _Engine:
     """A place's weights (a checkpoint's, else random from the seed) and its batch of slots
-    (``MoshiSlots``, or ``BoundSlots`` on the pipeline: ``RUNTIMES``), on one device."""
+    (``MoshiSlots``: Moshi's slots bindings on the one pipeline), on one device."""
 
-    def __init__(self, config: MoshiConfig, sampling: bool, device: str, checkpoint: MoshiCheckpoint | None,
-                 runtime: str) -> None:
-        self.config, self.sampling, self.device, self.runtime_name = config, sampling, torch.device(device), runtime
+    def __init__(self, config: MoshiConfig, sampling: bool, device: str, checkpoint: MoshiCheckpoint | None) -> None:
+        self.config, self.sampling, self.device = config, sampling, torch.device(device)
         self.models = (
             build_models(config, self.device) if checkpoint is None else checkpoint.load(self.device, config.lm_dtype)
         )
-        self.runtime: MoshiSlots | BoundSlots | None = None
+        self.runtime: MoshiSlots | None = None
         self.start_error: str | None = None  # why the batch could not be built, for every tick after
         self.ticks = 0  # batched calls
         self.tick_seconds = 0.0  # spent ticking: this place's load
@@ -224,8 +214,8 @@ class _Engine:
         """The batch of ``slots`` slots, built (its stages warmed up: certified on a CPU, captured
         on a GPU) and reset to a fresh streaming state, so no session's frame pays for it."""
         try:
-            self.runtime, _ = RUNTIMES[self.runtime_name](self.models, contract_for(self.config, slots=slots),
-                                                          sampling=self.sampling, seed=self.config.seed)
+            self.runtime, _ = transform_slots(self.models, contract_for(self.config, slots=slots),
+                                              sampling=self.sampling, seed=self.config.seed)
         except Exception as error:
             self.start_error = f"{type(error).__name__}: {error}"
             raise
@@ -292,7 +282,7 @@ def _worker_main() -> None:
     if options["device"] == "cuda":
         pin_deterministic()  # this process's: a stream is bit-exact against deterministic eager
     with no_compile():
-        engine = _Engine(config, options["sampling"], options["device"], checkpoint, options["runtime"])
+        engine = _Engine(config, options["sampling"], options["device"], checkpoint)
         while True:
             try:
                 request = conn.recv()
@@ -344,20 +334,18 @@ class _InProcess(_Place):
 
     def __init__(
         self, name: str, config: MoshiConfig, sampling: bool, device: str, checkpoint: MoshiCheckpoint | None,
-        runtime: str,
     ) -> None:
         self.index, self.name, self.streams = 0, name, 0
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-ticks")
         self._flags = contextlib.ExitStack()
-        self._engine = self._thread.submit(self._start, config, sampling, device, checkpoint, runtime)
+        self._engine = self._thread.submit(self._start, config, sampling, device, checkpoint)
 
-    def _start(self, config: MoshiConfig, sampling: bool, device: str, checkpoint: MoshiCheckpoint | None,
-               runtime: str) -> _Engine:
+    def _start(self, config: MoshiConfig, sampling: bool, device: str, checkpoint: MoshiCheckpoint | None) -> _Engine:
         torch.set_grad_enabled(False)  # this thread's mode only
         self._flags.enter_context(no_compile())  # process-wide, for as long as the plugin is open
         if device == "cuda":
             pin_deterministic()  # for the process's life: a stream is bit-exact against deterministic eager
-        return _Engine(config, sampling, device, checkpoint, runtime)
+        return _Engine(config, sampling, device, checkpoint)
 
     def submit(self, op: str, *args: Any) -> Future:
         return self._thread.submit(self._handle, op, args)
@@ -665,7 +653,6 @@ class MoshiPlugin(ModelPlugin):
         weights: str | None = None,
         slots: int | None = None,
         record: bool = False,
-        runtime: str = "pipeline",
     ) -> None:
         """``seed`` draws the weights and seeds each batch's sampling; ``sampling`` False decodes
         greedily. ``weights`` is a published checkpoint instead (a directory or a hub repo id, see
@@ -677,12 +664,7 @@ class MoshiPlugin(ModelPlugin):
         stream opens first; given, ``reserve`` refuses more sessions than the places' slots hold.
         ``record`` keeps every batched tick's frames and joins (``history``), to check a run
         against the vendor's batched loop. ``processes`` defaults to 1; on a GPU it is 1 or 0 (the
-        server process). ``runtime`` is how each batch is transformed (``RUNTIMES``): ``pipeline``
-        (the default), the one pipeline of every model from Moshi's bindings, or ``stages``, the
-        family's own; both bit-identical to the vendor's batched loop. On the H200 at 64 sessions
-        both answered all 2,560 turns of ``bench/serve_load.py``; the pipeline's server started in
-        28.7 s (its four exports), the stages' in 22.1 s (README, "What started it, and the default
-        flipped").
+        server process.
         ``threads`` is torch's intra-op thread count in each worker process (1 by default): the
         model is small enough that a tick is bound by per-operator overhead, and a second thread
         only contends for the cores the other workers and the event loop need. ``pin`` puts each
@@ -699,8 +681,6 @@ class MoshiPlugin(ModelPlugin):
             raise ValueError(f"unknown device {device!r} for Moshi; expected 'cpu' or 'cuda'")
         if max_reply_frames < 1:
             raise ValueError(f"max_reply_frames must be at least 1, got {max_reply_frames}")
-        if not isinstance(runtime, str) or runtime not in RUNTIMES:
-            raise ValueError(f"unknown runtime {runtime!r} for Moshi's batch; expected one of {', '.join(RUNTIMES)}")
         if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS):
             raise ValueError(f"slots must be a batch of 1 to {MAX_SLOTS} sessions per place, got {slots!r}")
         processes = 1 if processes is None else processes
@@ -727,7 +707,7 @@ class MoshiPlugin(ModelPlugin):
         self.max_reply_frames, self.processes, self.threads = max_reply_frames, processes, threads
         self.config = dataclasses.replace(SIZES[size], seed=seed)
         self.checkpoint = None if weights is None else _checkpoint_of_size(self.name, size, weights)
-        self.slots, self.record, self.runtime = slots, record, runtime
+        self.slots, self.record = slots, record
         self.streams = 0
         self.listened = self.replied = self.silence = 0
         self.queued_at_reply_start: list[int] = []  # [k]: replies that began with k of their slot's frames not yet done
@@ -739,7 +719,6 @@ class MoshiPlugin(ModelPlugin):
             if pin and processes * threads <= len(available):
                 self.cores = [available[i * threads : (i + 1) * threads] for i in range(processes)]
             options = {"size": size, "device": device, "seed": seed, "sampling": sampling, "threads": threads,
-                       "runtime": runtime,
                        "weights": None if self.checkpoint is None else self.checkpoint.to_json()}
             self._places: list[_Place] = [
                 _Worker(i, self.name, options | {"cores": self.cores[i] if self.cores else None})
@@ -747,7 +726,7 @@ class MoshiPlugin(ModelPlugin):
             ]
             where = f"in {processes} worker process{'es' if processes > 1 else ''}"
         else:
-            self._places = [_InProcess(self.name, self.config, sampling, device, self.checkpoint, runtime)]
+            self._places = [_InProcess(self.name, self.config, sampling, device, self.checkpoint)]
             where = "in the server process, on one thread"
         try:
             counts = [p.submit("parameters") for p in self._places]  # answered once a place has built its weights
@@ -865,7 +844,6 @@ class MoshiPlugin(ModelPlugin):
             "weights": None if self.checkpoint is None else self.checkpoint.source,
             "seed": self.seed,
             "sampling": self.sampling,
-            "runtime": self.runtime,
             "processes": self.processes,
             "threads": self.threads,
             "cores_per_process": self.cores or None,

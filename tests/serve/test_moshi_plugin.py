@@ -319,7 +319,6 @@ def test_describe_counts_every_tick_in_the_transforms_replay_counters(plugin):
     assert calls == {"mimi_encode": 3, "lm_step": 3, "depformer_step": 3, "mimi_decode": 3}
     assert (after["slots_per_process"], after["slots_taken_per_process"], after["warm_up_ticks_per_process"]) == (
         [SLOTS], [0], [2])
-    # The default runtime: the batch on the one pipeline, from Moshi's bindings.
     assert after["transform"]["stamps"][-1] == (
         "slots: batch of 4, mimi_encode K=1, mimi_decode K=1, lm_step K=1, depformer_step K=1; the vendor's glue "
         "calls the bound lm_step and depformer_step as its graphed_main and graphed_depth")
@@ -392,8 +391,6 @@ def test_moshi_full_without_a_gpu_fails_at_once_naming_what_is_missing(monkeypat
         ({"slots": 65}, "slots must be a batch of 1 to 64 sessions per place, got 65"),
         ({"slots": True}, "slots must be a batch of 1 to 64 sessions per place, got True"),
         ({"slots": 2.0}, "slots must be a batch of 1 to 64 sessions per place, got 2.0"),
-        ({"runtime": "graphs"}, "unknown runtime 'graphs' for Moshi's batch; expected one of stages, pipeline"),
-        ({"runtime": ["pipeline"]}, "unknown runtime ['pipeline'] for Moshi's batch; expected one of stages, pipeline"),
     ],
 )
 def test_a_bad_size_device_or_place_is_refused_before_anything_is_built(options, error):
@@ -411,8 +408,8 @@ def test_ticks_in_the_server_process_are_the_vendors_batched_loop_bit_for_bit(mo
     assert (described["slots_per_process"], described["frames"]["ticks"]) == ([2], 10)  # 3 fed and 2 of silence each
 
 
-def test_the_pipeline_runtime_runs_every_stage_through_its_replay_engine(plugin):
-    """The default runtime (the batch on the one pipeline): every tick ran each stage's rewritten
+def test_every_stage_runs_through_its_replay_engine(plugin):
+    """The batch on the one pipeline: every tick ran each stage's rewritten
     graph through its replay engine; eagerly, with no CUDA here, and the depformer's sampling draws
     from the host's generator, which no graph may freeze."""
     stream = plugin.open_stream()
@@ -421,25 +418,10 @@ def test_the_pipeline_runtime_runs_every_stage_through_its_replay_engine(plugin)
     stream.close()
     described = plugin.describe()
     ticks = described["batched_ticks_per_process"][0]
-    assert described["runtime"] == "pipeline" and ticks > 0
+    assert ticks > 0
     assert {name: (op["calls"], op["fallbacks"]) for name, op in described["transform"]["replays"].items()} == {
         "mimi_encode": (ticks, {"no_cuda": ticks}), "mimi_decode": (ticks, {"no_cuda": ticks}),
         "lm_step": (ticks, {"no_cuda": ticks}), "depformer_step": (ticks, {"host_rng": ticks})}
-
-
-def test_the_stages_runtime_serves_the_vendors_batched_loop_bit_for_bit(models):
-    """``runtime="stages"``: the batch built from the family's own stages (``transform_slots``), in a
-    worker process; two interleaved streams, each its slot's row of the vendor's loop."""
-    turns = [user_frames(3, seed=42), user_frames(3, seed=43)]
-    described = two_streams_are_their_slots_rows(MoshiPlugin(runtime="stages", slots=2, record=True), models, turns, 3)
-    assert (described["runtime"], described["slots_per_process"]) == ("stages", [2])
-    assert described["transform"]["stamps"][-1] == (
-        "replay at batch 2: mimi_encode K=1, lm_step K=1, depformer_step K=1, mimi_decode K=1")
-    # Its warm-up ticks are counted too: two at construction, then the streams'.
-    calls = 2 + described["batched_ticks_per_process"][0]
-    assert {name: (op["calls"], op["fallbacks"]) for name, op in described["transform"]["replays"].items()} == {
-        "mimi_encode": (calls, {"no_cuda": calls}), "mimi_decode": (calls, {"no_cuda": calls}),
-        "lm_step": (calls, {"no_cuda": calls}), "depformer_step": (calls, {"host_rng": calls})}
 
 
 def test_admission_is_a_free_slot_and_a_session_beyond_them_is_refused_by_name():

@@ -81,5 +81,17 @@ def test_registry_loads_by_name_and_says_what_it_knows(monkeypatch):
         load_plugin("nope")
 
 
+@pytest.mark.parametrize(("name", "options", "error"), [
+    ("moshi-tiny", {"runtime": "stages"}, "MoshiPlugin takes no option 'runtime'; its options: device, seed, sampling, "
+     "max_reply_frames, processes, threads, pin, weights, slots, record"),
+    ("token2wav", {"size": "full", "lane": 2}, "Token2WavPlugin takes no option 'lane', 'size'; its options: seed, "
+     "max_reply_chunks, weights, prompt, lanes"),
+])
+def test_an_option_a_model_plugin_does_not_take_is_refused_by_name_before_anything_is_built(name, options, error):
+    with pytest.raises(ValueError) as refused:
+        load_plugin(name, **options)
+    assert str(refused.value) == error
+
+
 def test_tone_is_labelled_a_test_double():
     assert "test double" in ToneModel.info.description and "not a model" in ToneModel.info.description
