@@ -8,6 +8,12 @@ its own stream. Inside a lane, sessions take turns over the lane's graphs as bef
 (`Transformed.swap_in` / `swap_out`), so a session's result does not depend on which lane or
 which other sessions ran beside it.
 
+Build each lane's transformed model on the lane's own thread (`lane.submit(transform, ...)`):
+graphs captured on one thread use its cuBLAS handle's workspace, baked into every cuBLAS kernel of
+every graph it captured, so two lanes replaying graphs captured on one thread at the same time write
+the same workspace (on the H200 two Token2Wav lanes built so gave an illegal memory access, or a
+kernel that never ended; `tests/serve/test_token2wav_gpu.py`).
+
 What a thread does not inherit is set by the lane itself: its grad mode is the one of the thread
 that made the lane (a new thread starts with grad enabled, and an engine would then refuse every
 class that has parameters requiring grad as `autograd`), and its current stream is its own. The

@@ -7,8 +7,10 @@ reserved memory and, below that, what the device itself reports used. `DeviceMem
 three:
 
 * ``peak_allocated_bytes``: `torch.cuda.max_memory_allocated` since the last `reset_peak`;
-* ``reserved_bytes_end`` / ``reserved_bytes_max``: `torch.cuda.memory_reserved` at `record` and at
-  its largest over the `sample`s;
+* ``reserved_bytes_end`` / ``reserved_bytes_max``: `torch.cuda.memory_reserved` at `record`, and
+  its largest since the last `reset_peak` (`torch.cuda.max_memory_reserved`, never below a
+  `sample`'s). The end can be below the peak allocated: memory freed and given back to the device
+  in between (`torch.cuda.empty_cache`) is no longer reserved;
 * ``device_footprint_bytes_end`` / ``device_footprint_bytes_max``: device memory in use
   (`torch.cuda.mem_get_info`: total - free) less what was in use when the `DeviceMemory` was
   started, which a benchmark does first thing in its process, after the CUDA context exists. The
@@ -81,7 +83,7 @@ class DeviceMemory:
         self.sample()
         return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
                 "reserved_bytes_end": torch.cuda.memory_reserved(self.device),
-                "reserved_bytes_max": self.reserved_max,
+                "reserved_bytes_max": max(self.reserved_max, torch.cuda.max_memory_reserved(self.device)),
                 "device_footprint_bytes_end": self.footprint(),
                 "device_footprint_bytes_max": self.footprint_max,
                 "device_used_at_start_bytes": self.used_at_start}

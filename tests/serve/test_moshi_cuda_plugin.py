@@ -54,7 +54,7 @@ def test_interleaved_streams_on_cuda_are_each_their_slots_row_and_every_call_rep
     assert (plugin.name, described["device"], described["processes"]) == ("moshi-small-cuda", "cuda", processes)
     # The ticking process's own device memory, a worker's included.
     (memory,) = described["memory_per_process"]
-    assert memory["peak_allocated_bytes"] > 0 and memory["reserved_bytes_end"] >= memory["peak_allocated_bytes"]
+    assert memory["peak_allocated_bytes"] > 0 and memory["reserved_bytes_max"] >= memory["peak_allocated_bytes"]
     assert (described["slots_per_process"], described["frames"]["ticks"]) == ([2], 14)  # 4 fed and 3 of silence each
     # The batch ticked three times while it was built: its stages' two verified calls, then their captures.
     assert described["warm_up_ticks_per_process"] == [3]
