@@ -8,11 +8,12 @@ its own stream. Inside a lane, sessions take turns over the lane's graphs as bef
 (`Transformed.swap_in` / `swap_out`), so a session's result does not depend on which lane or
 which other sessions ran beside it.
 
-Build each lane's transformed model on the lane's own thread (`lane.submit(transform, ...)`):
-graphs captured on one thread use its cuBLAS handle's workspace, baked into every cuBLAS kernel of
-every graph it captured, so two lanes replaying graphs captured on one thread at the same time write
-the same workspace (on the H200 two Token2Wav lanes built so gave an illegal memory access, or a
-kernel that never ended; `tests/serve/test_token2wav_gpu.py`).
+Build each lane's transformed model on the lane's own thread (`lane.submit(transform, ...)`). On
+the H200 two Token2Wav lanes whose graphs were all captured on one thread hung when both replayed
+at once (a kernel that never ended; an illegal memory access in a variant), and replied bit for
+bit once each lane captured its own (`tests/serve/test_token2wav_gpu.py`). The likely reason, not
+measured: torch gives each thread its own cuBLAS handle and workspace, and a graph keeps the
+workspace of the thread that captured it, so graphs captured on one thread share one workspace.
 
 What a thread does not inherit is set by the lane itself: its grad mode is the one of the thread
 that made the lane (a new thread starts with grad enabled, and an engine would then refuse every

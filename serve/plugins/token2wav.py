@@ -257,9 +257,8 @@ class Token2WavPlugin(ModelPlugin):
             torch.cuda.synchronize(self.device)  # built on the default stream, which the lanes' streams do not wait for
         with torch.no_grad():  # a lane's thread runs in the grad mode of the thread that made it
             threads = [Lane(f"{name}-lane{k}", self.device) for k in range(lanes)]
-        # Each lane's flow is transformed (its graphs captured) on the lane's own thread: graphs
-        # captured on one thread share its cuBLAS workspace, and two lanes replaying such graphs at
-        # once corrupt each other's (on the H200: a kernel that never ended, or an illegal address).
+        # Each lane's flow is transformed (its graphs captured) on the lane's own thread: lanes whose
+        # graphs were captured on one thread hung when replaying at once (``cadence_fx.lanes``).
         self.lanes = [ReplayLane(k, thread.submit(transform, (flow, hift), contract).result()[0], thread)
                       for k, thread in enumerate(threads)]
         del flow, hift  # each lane holds its own copy (the flow's around the same weights, its buffers its own)
