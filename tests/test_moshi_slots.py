@@ -215,12 +215,20 @@ def test_an_idle_slot_keeps_its_state_but_the_ring_positions_its_next_call_write
     assert runtime.ran == [4, 3, 2]
 
 
-def test_an_idle_slot_resumes_as_if_it_had_never_waited(models):
+@pytest.fixture(scope="module")
+def greedy(models):
+    """One greedy runtime for the tests whose schedules begin with their slots' joins: a join
+    resets its slot (`test_a_joining_session_hears_nothing_of_the_slots_last_session`), so what
+    an earlier test ran on it does not reach them."""
+    runtime, _ = transform_slots(models, contract_for(TINY, slots=SLOTS), sampling=False, seed=SEED)
+    return runtime
+
+
+def test_an_idle_slot_resumes_as_if_it_had_never_waited(greedy):
     """Greedy, so nothing couples the slots: in one batch, slot 1 with three idle ticks in the
     middle gives what slot 0 gives on the same frames with none."""
     mine = frames(73, 6)
-    runtime, _ = transform_slots(models, contract_for(TINY, slots=SLOTS), sampling=False, seed=SEED)
-    outs = run(runtime, [Tick({0: mine[0], 1: mine[0]}, joins=(0, 1)), Tick({0: mine[1], 1: mine[1]}),
+    outs = run(greedy, [Tick({0: mine[0], 1: mine[0]}, joins=(0, 1)), Tick({0: mine[1], 1: mine[1]}),
                          Tick({0: mine[2], 1: mine[2]}), Tick({0: mine[3]}), Tick({0: mine[4]}), Tick({0: mine[5]}),
                          Tick({1: mine[3]}), Tick({1: mine[4]}), Tick({1: mine[5]})])
     straight = [o.slot(0) for o in outs if 0 in o.live]
@@ -251,12 +259,12 @@ def test_a_join_resets_its_slot_alone(models):
     assert [o.speaking for o in vendor_slots(models, SLOTS, rejoined, sampling=True, seed=SEED)][2] == (0, 2)
 
 
-def test_a_joining_session_hears_nothing_of_the_slots_last_session(models):
+def test_a_joining_session_hears_nothing_of_the_slots_last_session(greedy):
     """Greedy: after a join, slot 2 gives what slot 0, joining afresh at the same tick, gives on
     the same frames, although slot 2's rings still hold the previous session's keys (a reset only
     empties them)."""
     old, new = frames(78, 4), frames(79, 4)
-    runtime, _ = transform_slots(models, contract_for(TINY, slots=SLOTS), sampling=False, seed=SEED)
+    runtime = greedy
     run(runtime, [Tick({2: f}, joins=(2,) if i == 0 else ()) for i, f in enumerate(old)])
     after = run(runtime, [Tick({0: f, 2: f}, joins=(0, 2) if i == 0 else ()) for i, f in enumerate(new)])
     assert [o.speaking for o in after] == [(), (0, 2), (0, 2), (0, 2)]
@@ -287,13 +295,12 @@ def test_a_closed_runtime_refuses_to_tick(one_slot):
         runtime.tick(Tick({0: torch.zeros(1920)}))
 
 
-def test_against_batch_1_greedy_tokens_agree_and_pcm_is_close_but_not_promised_equal(models):
+def test_against_batch_1_greedy_tokens_agree_and_pcm_is_close_but_not_promised_equal(models, greedy):
     """What a slot at B = 3 gives against the vendor's batch-1 stream of the same frames, greedy.
     Not a guarantee (batched kernels may round differently): measured here, tokens equal and PCM
     within 2.6e-8 of batch 1, not equal."""
     streams = [random_pcm(10, seed=81 + slot) for slot in range(SLOTS)]
-    runtime, _ = transform_slots(models, contract_for(TINY, slots=SLOTS), sampling=False, seed=SEED)
-    outs = run(runtime, [Tick({slot: s.reshape(10, 1920)[i] for slot, s in enumerate(streams)},
+    outs = run(greedy, [Tick({slot: s.reshape(10, 1920)[i] for slot, s in enumerate(streams)},
                               joins=tuple(range(SLOTS)) if i == 0 else ()) for i in range(10)])
     for slot, pcm in enumerate(streams):
         reference = stream_reference(models, pcm, sampling=False, seed=SEED)
