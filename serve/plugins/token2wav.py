@@ -259,8 +259,13 @@ class Token2WavPlugin(ModelPlugin):
             threads = [Lane(f"{name}-lane{k}", self.device) for k in range(lanes)]
         # Each lane's flow is transformed (its graphs captured) on the lane's own thread: lanes whose
         # graphs were captured on one thread hung when replaying at once (``cadence_fx.lanes``).
-        self.lanes = [ReplayLane(k, thread.submit(transform, (flow, hift), contract).result()[0], thread)
-                      for k, thread in enumerate(threads)]
+        try:
+            self.lanes = [ReplayLane(k, thread.submit(transform, (flow, hift), contract).result()[0], thread)
+                          for k, thread in enumerate(threads)]
+        except BaseException:
+            for thread in threads:
+                thread.close()
+            raise
         del flow, hift  # each lane holds its own copy (the flow's around the same weights, its buffers its own)
         for lane in self.lanes:
             lane.run(self._warm, lane)
