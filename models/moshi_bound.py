@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from cadence_fx.binding import Binding
 from cadence_fx.contract import Contract
 from cadence_fx.pipeline import BoundModel
 from cadence_fx.transform import TransformReport, transform
@@ -31,7 +32,7 @@ from cadence_fx.transformed import Transformed
 from .moshi import MIMI_BINDING, MOSHI_LM_BINDING
 from .moshi_stream import MoshiModels, StreamOutput, streaming_copy
 
-__all__ = ["BoundMoshi", "transform_moshi"]
+__all__ = ["BoundMoshi", "bind", "replays", "transform_moshi"]
 
 #: Frames of silence streamed per decoding mode at construction: each operator's first two visits
 #: are verified against the stock call, the next one (on a GPU) captured.
@@ -178,8 +179,7 @@ class BoundMoshi(Transformed):
     @property
     def replays(self) -> dict[str, Any]:
         """Each operator's replay engine (none with `replay=False`)."""
-        return {name: op.replay for model in self.bound.values() for name, op in model.operators.items()
-                if op.replay is not None}
+        return replays(self.bound)
 
     def counters(self) -> dict[str, dict]:
         """Per operator: its bound operator's counters (calls, graph calls, verified, stock) and,
@@ -211,6 +211,25 @@ class BoundMoshi(Transformed):
         self._streaming.close()
 
 
+def bind(models: MoshiModels, lm_gen: Any, contract: Contract, mimi_binding: Binding, lm_binding: Binding,
+         **options: Any) -> tuple[dict[str, BoundModel], dict[str, TransformReport]]:
+    """Mimi and a streaming `LMGen` transformed from their bindings on the one pipeline (`options`
+    are `transform`'s), keyed "mimi" and "lm"; the vendor's glue (`LMGen.step`) then calls the bound
+    LM steps where it calls its own CUDA-graph wrappers, as its `graphed_main` and `graphed_depth`."""
+    bound, reports = {}, {}
+    bound["mimi"], reports["mimi"] = transform(models.mimi, contract, mimi_binding, **options)
+    bound["lm"], reports["lm"] = transform(lm_gen, contract, lm_binding, **options)
+    gen_state = lm_gen._streaming_state
+    gen_state.graphed_main = bound["lm"].operators["lm_step"]
+    gen_state.graphed_depth = bound["lm"].operators["depformer_step"]
+    return bound, reports
+
+
+def replays(bound: dict[str, BoundModel]) -> dict[str, Any]:
+    """Each bound operator's replay engine, by operator name (none with `replay=False`)."""
+    return {name: op.replay for model in bound.values() for name, op in model.operators.items() if op.replay is not None}
+
+
 def transform_moshi(models: MoshiModels, contract: Contract, *, audit: bool, replay: bool,
                     budget: int) -> tuple[BoundMoshi, TransformReport]:
     """The family's hook (`Family.compose`): `models` (Mimi + LM, one device) for one session at a
@@ -224,13 +243,8 @@ def transform_moshi(models: MoshiModels, contract: Contract, *, audit: bool, rep
                          "at batch 1; sessions as slots of one batch: models/moshi_slots.py transform_slots")
     models, lm_gen, streaming = streaming_copy(models, contract, 1, use_sampling=True)
     try:
-        bound, reports = {}, {}
-        options = dict(audit=audit, replay=replay, budget=budget)
-        bound["mimi"], reports["mimi"] = transform(models.mimi, contract, MIMI_BINDING, **options)
-        bound["lm"], reports["lm"] = transform(lm_gen, contract, MOSHI_LM_BINDING, **options)
-        gen_state = lm_gen._streaming_state
-        gen_state.graphed_main = bound["lm"].operators["lm_step"]
-        gen_state.graphed_depth = bound["lm"].operators["depformer_step"]
+        bound, reports = bind(models, lm_gen, contract, MIMI_BINDING, MOSHI_LM_BINDING,
+                              audit=audit, replay=replay, budget=budget)
         transformed = BoundMoshi(models, lm_gen, bound, reports, streaming)
         device = transformed.device()
         silence = torch.zeros(1, models.mimi.channels, models.mimi.frame_size, device=device)

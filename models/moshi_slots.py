@@ -69,10 +69,11 @@ import torch
 
 from cadence_fx.contract import Contract
 from cadence_fx.pipeline import BoundModel
-from cadence_fx.transform import TransformReport, transform
+from cadence_fx.transform import TransformReport
 from cadence_fx.transformed import rng_get, rng_seeded, rng_set
 
 from .moshi import MIMI_SLOTS_BINDING, MOSHI_LM_SLOTS_BINDING
+from .moshi_bound import bind, replays
 from .moshi_stream import MoshiModels, streaming_copy
 
 __all__ = ["MoshiSlots", "Tick", "TickOutput", "transform_slots", "vendor_slots", "vendor_ticks", "warm_up_ticks"]
@@ -281,9 +282,9 @@ class MoshiSlots:
     def counters(self) -> dict[str, dict]:
         """Per stage: its replay engine's counters (on a GPU), else its bound operator's (calls,
         graph calls, verified, stock)."""
-        report = self.report
-        return {name: (report.replays[name] if name in report.replays else op).counters.as_dict()
-                for name, op in report.operators.items()}
+        engines = replays(self.bound)
+        return {name: (engines[name] if name in engines else op).counters.as_dict()
+                for model in self.bound.values() for name, op in model.operators.items()}
 
     def addresses(self) -> list[int]:
         """Where every tensor the stages' graphs read as state lives (regions and device-side
@@ -294,7 +295,7 @@ class MoshiSlots:
         """Leave streaming and drop every graph: the batch's state and graph pools can be freed."""
         if not self.closed:
             self.closed = True
-            for engine in self.report.replays.values():
+            for engine in replays(self.bound).values():
                 engine.reset()
             self.streaming.close()
 
@@ -316,32 +317,36 @@ def transform_slots(models: MoshiModels, contract: Contract, *, sampling: bool, 
     its generator, so its first tick starts where the vendor's `streaming(B)` entry does. Like
     every transform it pins no kernel switch: on a GPU the caller pins deterministic kernels first
     (`cadence_fx.determinism.pin_deterministic`), and the report says what it found."""
-    from moshi.utils.compile import no_compile, no_cuda_graph
-
     slots = contract.symbols().get("slots")
     if not isinstance(slots, int) or slots < 1:
         raise ValueError(f"contract quantity slots must be a positive batch size, got {slots!r}")
     models, lm_gen, streaming = streaming_copy(models, contract, slots, use_sampling=sampling, support_out_of_sync=True)
-    mimi = models.mimi
-    bound = {}
-    bound["mimi"], mimi_report = transform(mimi, contract, MIMI_SLOTS_BINDING, replay=replay)
-    bound["lm"], lm_report = transform(lm_gen, contract, MOSHI_LM_SLOTS_BINDING, replay=replay)
-    # The vendor's glue calls its own CUDAGraphed wrappers of the LM's two steps: the bound ones instead.
-    gen_state = lm_gen._streaming_state
-    gen_state.graphed_main, gen_state.graphed_depth = bound["lm"].operators["lm_step"], bound["lm"].operators["depformer_step"]
-    runtime = MoshiSlots(models, lm_gen, slots, bound, {"mimi": mimi_report, "lm": lm_report}, streaming, ran=[0] * slots)
-    device = runtime.device
-    devices = [device.index or 0] if device.type == "cuda" else []
+    try:
+        bound, reports = bind(models, lm_gen, contract, MIMI_SLOTS_BINDING, MOSHI_LM_SLOTS_BINDING, replay=replay)
+        runtime = MoshiSlots(models, lm_gen, slots, bound, reports, streaming, ran=[0] * slots)
+        _warm_up(runtime)
+    except BaseException:
+        streaming.close()
+        raise
+    runtime.rng = rng_seeded(runtime.device, seed)
+    runtime.ran, runtime.ticks = [0] * slots, 0
+    return runtime, runtime.report
+
+
+def _warm_up(runtime: MoshiSlots) -> None:
+    """`warm_up_ticks` of silence in every slot, then every slot reset in place (`reset_streaming`
+    of all rows, the fresh streaming entry's values): every stage verified (on a GPU captured),
+    every address kept."""
+    from moshi.utils.compile import no_compile, no_cuda_graph
+
+    device, slots, mimi, lm_gen = runtime.device, runtime.slots, runtime.models.mimi, runtime.lm_gen
     everyone = tuple(range(slots))
-    with torch.random.fork_rng(devices=devices), no_compile(), no_cuda_graph():
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []), no_compile(), no_cuda_graph():
         runtime.rng = rng_get(device)
         silence = torch.zeros(mimi.frame_size)
         runtime.warm_up_ticks = warm_up_ticks(device)
         for index in range(runtime.warm_up_ticks):
             runtime.tick(Tick({slot: silence for slot in everyone}, joins=everyone if index == 0 else ()))
-        with torch.inference_mode():  # the fresh streaming entry's values, written in place: every address kept
+        with torch.inference_mode():
             mimi.reset_streaming(_mask(slots, everyone, device))
             lm_gen.reset_streaming(_mask(slots, everyone, device))
-    runtime.rng = rng_seeded(device, seed)
-    runtime.ran, runtime.ticks = [0] * slots, 0
-    return runtime, runtime.report
