@@ -967,7 +967,7 @@ class BoundOperator:
 #: constant's value is in the graph); verification still runs the stock call beside the graph in
 #: every transform.
 _EXPORTS: collections.OrderedDict[tuple, torch.fx.GraphModule] = collections.OrderedDict()
-EXPORTS_KEPT = 32
+EXPORTS_KEPT = 256
 #: Module attributes the export key leaves out: the weights, buffers and submodules (keyed by name,
 #: shape, dtype and device), and which buffers are saved with the model (not a program's business).
 _STRUCTURE_KEPT_APART = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})

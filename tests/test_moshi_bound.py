@@ -14,7 +14,7 @@ from cadence_fx.models.moshi import contract_for, moshi_contract
 from cadence_fx.models.moshi_bound import WARM_UP_FRAMES
 from cadence_fx.models.moshi_stream import SMALL, build_models, random_pcm, stream_reference
 
-FRAMES, SEEDS = 50, (7, 8, 9)
+FRAMES, SEEDS = 20, (7, 8, 9)
 GREEDY_SEED = 3
 SAMPLING = "self.temp=0.8, self.top_k=250, self.cfg_coef=1.0"
 

@@ -14,7 +14,7 @@ from pagekit import Page
 
 pytestmark = pytest.mark.slow
 
-BLOCKS, CHUNKS = 8, 6
+BLOCKS, CHUNKS = 3, 4
 
 
 @dataclass
