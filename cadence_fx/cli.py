@@ -194,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="stream a family's reference model stock and transformed, side by side")
     demo.add_argument("family", nargs="?", default="token2wav", choices=sorted(n for n, f in families().items() if f.demo),
                       help="a family whose registry entry has a demo")
-    demo.add_argument("--depth", choices=("reduced", "full"), default="reduced")
+    demo.add_argument("--depth", choices=("tiny", "reduced", "full"), default="tiny",
+                      help="the flow's size: tiny (1 DiT block, the default), reduced (2) or full (MiniCPM-o 4.5's)")
     demo.add_argument("--blocks", type=positive_int, default=2, help="turns, with a reset between them")
     demo.add_argument("--chunks", type=positive_int, default=4, help="chunks per turn (the last one flushes)")
     demo.set_defaults(run=_demo)

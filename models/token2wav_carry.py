@@ -262,15 +262,17 @@ def contract_for_flow(flow: torch.nn.Module, prompt_frames: int) -> Contract:
 def reference_flow(depth: str = "reduced", *, prompt_tokens: int | None = None, device: str = "cpu"):
     """The real vendor flow with random weights, on `device`, and its contract, for the CLI and the demo.
 
-    `depth` is "reduced" (1 + 1 conformer blocks, 2 DiT blocks; a 51-token prompt, fast on a
-    CPU) or "full" (the MiniCPM-o 4.5 configuration and its 151-token prompt).
+    `depth` is "tiny" (1 + 1 conformer blocks, 1 DiT block: the demo's), "reduced" (1 + 1
+    conformer blocks, 2 DiT blocks; both with a 51-token prompt, fast on a CPU) or "full" (the
+    MiniCPM-o 4.5 configuration and its 151-token prompt).
     """
-    from .token2wav_stream import FULL_DEPTH, PROMPT_TOKENS, REDUCED_DEPTH, build_flow
+    from .token2wav_stream import FULL_DEPTH, PROMPT_TOKENS, REDUCED_DEPTH, TINY_DEPTH, build_flow
 
-    if depth not in ("reduced", "full"):
-        raise ValueError(f"depth must be 'reduced' or 'full', got {depth!r}")
-    layout = REDUCED_DEPTH if depth == "reduced" else FULL_DEPTH
-    tokens = prompt_tokens or (51 if depth == "reduced" else PROMPT_TOKENS)
+    layouts = {"tiny": TINY_DEPTH, "reduced": REDUCED_DEPTH, "full": FULL_DEPTH}
+    if depth not in layouts:
+        raise ValueError(f"depth must be one of {sorted(layouts)}, got {depth!r}")
+    layout = layouts[depth]
+    tokens = prompt_tokens or (PROMPT_TOKENS if depth == "full" else 51)
     flow = build_flow(layout, device=device)
     return flow, contract_for_flow(flow, 2 * tokens), tokens
 

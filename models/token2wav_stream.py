@@ -72,6 +72,7 @@ from cadence_fx.passes.carry import stock_trim
 __all__ = [
     "FULL_DEPTH",
     "REDUCED_DEPTH",
+    "TINY_DEPTH",
     "ChunkOut",
     "FlowDepth",
     "Prompt",
@@ -99,6 +100,8 @@ class FlowDepth:
 
 FULL_DEPTH = FlowDepth()
 REDUCED_DEPTH = FlowDepth(encoder_blocks=1, up_blocks=1, dit_blocks=2)
+#: The demo's: one DiT block, so that the demo's work (four CFM-loop exports) stays under a minute on a CPU.
+TINY_DEPTH = FlowDepth(encoder_blocks=1, up_blocks=1, dit_blocks=1)
 
 
 def redraw_zero_parameters(module: torch.nn.Module, generator: torch.Generator) -> list[str]:
