@@ -967,6 +967,8 @@ class BoundOperator:
 #: constant's value is in the graph); verification still runs the stock call beside the graph in
 #: every transform.
 _EXPORTS: collections.OrderedDict[tuple, torch.fx.GraphModule] = collections.OrderedDict()
+#: How many exports the process keeps, the least recently used dropped first. Each is kept with its tensors
+#: on meta, so it costs its graph only; 256 keeps a Token2Wav flow's exports while many other models export.
 EXPORTS_KEPT = 256
 #: Module attributes the export key leaves out: the weights, buffers and submodules (keyed by name,
 #: shape, dtype and device), and which buffers are saved with the model (not a program's business).
