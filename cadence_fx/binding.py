@@ -46,6 +46,7 @@ from typing import Any, Iterator
 
 import torch
 
+from .guards import Regime
 from .contract import Contract, PromptPlusHistory, RingCache, SlidingWindow
 
 __all__ = ["Binding", "BindingError", "OperatorBinding", "RegionBinding", "Site", "check_binding", "resolve"]
@@ -112,6 +113,11 @@ class OperatorBinding:
     `flush`: the path of the host flag that marks a stream's last call (a vendor's ``last_chunk``),
     for an operator whose `units` is an int: a call with the flag set brings the contract's flush
     units (the operator's one `flush` size) and is matched against the catalog's flush classes.
+
+    `regimes`: how a host counter's value keys the classes (`cadence_fx.guards`). Every host value
+    the call can reach is guarded by equality (each value its own class) unless a regime says the
+    computation reads it only as min(n, at) (`Saturating`), n mod period (`Periodic`) or not at
+    all (`Unread`); each class is then verified at two values of it where it spans several.
     """
 
     operator: str
@@ -120,6 +126,7 @@ class OperatorBinding:
     counters: tuple[str, ...] = ()
     modes: tuple[str, ...] = ()
     flush: str | None = None
+    regimes: tuple[Regime, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -433,6 +440,11 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
         units = [] if isinstance(ob.units, int) else [(f"operators[{i}].units", ob.units[0])]
         paths = units + [(f"operators[{i}].counters[{j}]", p) for j, p in enumerate(ob.counters)]
         paths += [(f"operators[{i}].modes[{j}]", p) for j, p in enumerate(ob.modes)]
+        for j, regime in enumerate(ob.regimes):
+            if not isinstance(regime, Regime) or type(regime) is Regime:
+                raise BindingError(f"operators[{i}].regimes[{j}]", "needs a Saturating, Periodic or Unread regime "
+                                   f"(cadence_fx.guards), got {regime!r}")
+            paths.append((f"operators[{i}].regimes[{j}]", regime.path))
         if ob.flush is not None:
             flush = operators[ob.operator].flush
             if not isinstance(ob.units, int) or len(flush) != 1:

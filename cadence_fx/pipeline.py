@@ -69,6 +69,8 @@ from .capture import without_stack_traces
 from .catalog import Catalog, CatalogClass
 from .contract import DTYPES, Contract, PromptPlusHistory, RingCache
 from .determinism import RngState
+from .guards import ModuleSettings, Regime, guard_key, host_values
+from .program import OpTrace, first_difference
 from .passes.carry import RetentionSite, shared_memo
 from .passes.hoist import HostConstantHoist
 from .passes.state import Resize
@@ -118,6 +120,11 @@ class _Class:
     refused: str | None = None
     capture_ms: float = 0.0
     calls: int = 0  # calls this class ran through its rewritten graph (verified, eager or replayed)
+    exported: torch.fx.GraphModule | None = None  # the step as exported, before the retention rewrite
+    hosts: dict[str, Any] = field(default_factory=dict)  # the guarded host values at capture, by path
+    spanning: tuple[str, ...] = ()  # counters whose regime maps more than one value to this class
+    seen: set = field(default_factory=set)  # the spanning counters' values verified so far
+    inputs: tuple = ()  # the input tensors' shapes at capture (an int `units` is checked against them)
 
 
 class _Step(torch.nn.Module):
@@ -221,6 +228,12 @@ def _structure(out: Any, roots: dict[str, Any]) -> tuple[list, tuple]:
     return leaves, (spec, others)
 
 
+def _input_shapes(inputs: dict[str, Any]) -> tuple:
+    """The input tensors' shapes, by path."""
+    return tuple((pytree.keystr(path), tuple(leaf.shape)) for path, leaf in pytree.tree_flatten_with_path(inputs)[0]
+                 if isinstance(leaf, torch.Tensor))
+
+
 def _writes_in_place(node: torch.fx.Node) -> bool:
     """Whether `node` calls an in-place (mutable-schema) op, which writes its first argument."""
     schema = getattr(node.target, "_schema", None)
@@ -232,33 +245,6 @@ def class_name(operator: str, units: int, extent: int, flush: bool = False, mode
     binding's modes, the values it was captured at)."""
     return (f"{operator}[n={units},L={extent}]" + ("(flush)" if flush else "")
             + (f"{{{', '.join(f'{p}={v!r}' for p, v in modes.items())}}}" if modes else ""))
-
-
-def _host_values(roots: dict[str, Any]) -> dict[str, Any]:
-    """Every host scalar (bool, int, float, str) in the state objects the call takes (not the model), by path."""
-    found, seen = {}, set()
-
-    def walk(value, path, depth):
-        if isinstance(value, (bool, int, float, str)):
-            found[path] = value
-            return
-        if id(value) in seen or depth > 8 or isinstance(value, (torch.Tensor, torch.nn.Module, type)):
-            return
-        seen.add(id(value))
-        if isinstance(value, dict):
-            children = value
-        elif isinstance(value, (list, tuple)):
-            children = dict(enumerate(value))
-        elif hasattr(value, "__dict__"):
-            children = vars(value)
-        else:
-            return
-        for key, child in children.items():
-            walk(child, f"{path}.{key}", depth + 1)
-
-    for name, root in _arguments(roots).items():
-        walk(root, name, 0)
-    return found
 
 
 def _undeclared_state(program, roots: dict[str, Any], sites: list[Site]) -> list[str]:
@@ -341,17 +327,36 @@ def _staged(inputs: dict[str, Any]) -> dict[str, Any]:
             for name, value in inputs.items()}
 
 
-def _equal(a: Any, b: Any) -> str | None:
-    """None when every tensor leaf of `a` equals `b`'s bit for bit (same shape and dtype), else where not."""
-    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
-    ta = [x for x in la if isinstance(x, torch.Tensor)]
+def _equal(a: Any, b: Any, names: tuple[str, ...] = ()) -> str | None:
+    """None when every tensor leaf of `a` equals `b`'s bit for bit (same shape and dtype), else
+    where not: the leaf's path (under `names`, one per top-level part) and by how much."""
+    la, lb = pytree.tree_flatten_with_path(a)[0], pytree.tree_leaves(b)
+    ta = [(path, x) for path, x in la if isinstance(x, torch.Tensor)]
     tb = [x for x in lb if isinstance(x, torch.Tensor)]
     if len(ta) != len(tb):
         return f"{len(ta)} tensors against the stock call's {len(tb)}"
-    for i, (x, y) in enumerate(zip(ta, tb)):
+    for (path, x), y in zip(ta, tb):
         if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x, y):
-            return f"tensor {i}: {tuple(x.shape)} {x.dtype} differs from the stock call's {tuple(y.shape)} {y.dtype}"
+            where = pytree.keystr(path)
+            if names and path and isinstance(path[0], pytree.SequenceKey) and path[0].idx < len(names):
+                where = names[path[0].idx] + pytree.keystr(path[1:])
+            how = ""
+            if x.shape == y.shape and x.dtype == y.dtype and x.is_floating_point():
+                diff = (x.double() - y.double()).abs()
+                how = f", {int((x != y).sum())} element(s) differ, by up to {diff.max().item():.3g}"
+            return f"{where}: {tuple(x.shape)} {x.dtype}, the stock call's {tuple(y.shape)} {y.dtype}{how}"
     return None
+
+
+def _program_hint(cls: "_Class", hosts: dict[str, Any], counters: list[str]) -> str:
+    """What to change when the programs differ."""
+    moving = [p for p in counters if p in hosts and hosts[p] != cls.hosts.get(p)]
+    if moving:
+        return (f"the class was captured at {', '.join(f'{p}={cls.hosts[p]!r}' for p in moving)} and this call has "
+                f"{', '.join(f'{p}={hosts[p]!r}' for p in moving)}: the computation reads the counter beyond its "
+                "declared regime; declare a regime that keeps these values apart, or pass the value as a tensor")
+    return ("the export took another code path than the stock call (a model that branches on whether it is being "
+            "traced); an attention implementation that does not (`eager`) or the stock path's own inputs avoid it")
 
 
 class BoundOperator:
@@ -389,9 +394,12 @@ class BoundOperator:
         self._holder = torch.nn.Module()  # owns the carries, so the replay engine rewinds their buffers
         self._replay_wanted = replay
         self.replay: ExactShapeReplay | None = None
-        self._names: dict[tuple, str] = {}
+        self._by_name: dict[str, _Class] = {}
         self._current: _Class | None = None
-        self._unbounded: set[tuple[int, int]] = set()  # catalog classes past VARIANTS signatures
+        self._unbounded: set[tuple[int, int, str]] = set()  # (units, extent, guard path) said once
+        self._settings = ModuleSettings(model) if isinstance(model, torch.nn.Module) else None
+        self._regime_paths: set[str] | None = None
+        self._regime_of: dict[str, Regime] = {}
 
     def __deepcopy__(self, memo: dict) -> BoundOperator:
         """Itself: a handle on graphs and carries that a state object may hold (a vendor's step
@@ -421,6 +429,9 @@ class BoundOperator:
             raise TypeError(f"{self.ob.operator}: the call passes no {sorted(missing)}, where the binding keeps its state")
         inputs = {k: v for k, v in arguments.items() if k not in self.roots}
         modes = self._modes(arguments)
+        if any(roots[name] is None for name in roots if name != SELF):
+            # No state yet (the stock call makes it), whether or not a stream ran before.
+            return self._stock(roots, inputs, "no_state_yet")
         if not self.carries:
             if any(not sites(rb, roots) for rb in self.regions):
                 # A wildcard met None (no state yet, the stock call makes it): the sites cannot be counted
@@ -436,37 +447,42 @@ class BoundOperator:
         state = [self._carry_view(place, site, value) for place, site, value in zip(places, self.sites, values)]
         staged = _staged(inputs)
         try:
-            # The inputs' key only: the state's layouts follow from its shapes (carry views, held
-            # counters), and the replay engine keys the whole call again, refusing what differs.
+            # The inputs' key: shapes, layouts and every non-tensor input.
             signature = Signature.of(staged)
         except TypeError:
             return self._stock(roots, inputs, "unkeyable")
-        # The state's shapes are bounded by the catalogs (another region's extent varies by its
-        # own); only what the inputs bring (host values, layouts) makes variants of one class.
-        shapes = tuple(None if v is None else tuple(v.shape) for v in state)
+        # The state's layouts (carry views, held counters, or the stock's own tensors).
+        shapes = tuple(None if v is None else (tuple(v.shape), v.stride(), v.dtype, v.device, v.layout) for v in state)
         # A mode by its type and repr: values equal to Python (True and 1, 0.0 and -0.0) are not the same program.
         mode_key = tuple((path, type(value).__name__, repr(value)) for path, value in modes.items())
-        key = (units, extent, shapes, mode_key, signature.catalog_key)
+        hosts = self._guarded(roots)
+        regimes = self._regimes(hosts, roots)
+        key = (units, extent, shapes, mode_key, signature.catalog_key, guard_key(hosts, regimes))
         cls = self.classes.get(key)
         if cls is None:
-            variants = [k for k in self.classes if k[:3] == key[:3]]
+            variants = [c for k, c in self.classes.items() if k[:2] == key[:2]]
+            mismatch = self._units_mismatch(variants, staged)
+            if mismatch is not None:
+                return self._stock(roots, inputs, "units", mismatch)
             if len(variants) >= VARIANTS:
-                # A host value (an int position, say, or a mode) that changes every call would make
-                # every call a new graph: fail closed, once said, instead of exporting without end.
-                if (units, extent) not in self._unbounded:
-                    self._unbounded.add((units, extent))
+                # A host value that changes every call would make every call a new graph: fail
+                # closed, counted by the value that differs, instead of exporting without end.
+                path, why = self._nearest_guard(variants, hosts, regimes, signature, modes)
+                if (units, extent, path) not in self._unbounded:
+                    self._unbounded.add((units, extent, path))
                     self.report.stamps.append(
-                        f"{class_name(self.ob.operator, units, extent)}: the calls' host values, modes or layouts differ ({VARIANTS} "
-                        f"variants captured, now {signature.describe()}): runs the stock code from here; pass a value "
-                        "that changes every call as a tensor, or bind it as a counter")
-                return self._stock(roots, inputs, "variants")
-            cls = self.classes[key] = self._capture(roots, staged, state, call, modes)
+                        f"{class_name(self.ob.operator, units, extent)}: {VARIANTS} variants captured and this call differs "
+                        f"from each ({why}): runs the stock code from here; pass a value that changes every call as a "
+                        "tensor, or declare the counter's regime in the binding (`OperatorBinding.regimes`)")
+                return self._stock(roots, inputs, f"guard:{path}")
+            cls = self.classes[key] = self._capture(roots, staged, state, call, modes, hosts, regimes, len(variants))
         if cls.refused is not None:
             return self._stock(roots, inputs, "refused")
-        if cls.verify_left > 0:
-            return self._verify(cls, roots, inputs, staged, state)
+        if cls.verify_left > 0 or self._unseen(cls, hosts):
+            return self._verify(cls, roots, inputs, staged, state, hosts)
         self._current = cls
-        outputs, new_state = (self.replay(staged, state, modes) if self.replay is not None else cls.graph(staged, state))
+        # The class's name keys the engine's call: each class its own graphs, whatever its signature.
+        outputs, new_state = (self.replay(staged, state, modes, cls.name) if self.replay is not None else cls.graph(staged, state))
         self.counters.graph_calls += 1
         cls.calls += 1
         self._commit(places, new_state, state)
@@ -631,6 +647,10 @@ class BoundOperator:
             # The stock code retained more than the contract's bound (a model that does not trim as
             # declared): no class of the catalog has this extent, so the state stays the stock's own.
             return value
+        if value.untyped_storage().data_ptr() == carry.buffer.untyped_storage().data_ptr() and not carry.holds(value):
+            # The stock code kept a view of the carry at another offset (a stock fallback cuts its
+            # input): copied out first, as the carry's own writes may overlap it.
+            value = value.clone()
         view = carry.adopt(value)
         if site.out is None:  # a returned state is the caller's to thread: their object stays as it is
             place.set(view)
@@ -701,6 +721,73 @@ class BoundOperator:
         defaults = {name: p.default for name, p in self.signature.parameters.items() if p.default is not inspect.Parameter.empty}
         return {**defaults, **arguments}
 
+    # -- guards ------------------------------------------------------------------------------
+
+    def _guarded(self, roots: dict[str, Any]) -> dict[str, Any]:
+        """Every host value the call's program may depend on: those in its state arguments and in
+        the model's modules (`cadence_fx.guards`), by path."""
+        hosts = host_values(_arguments(roots))
+        if self._settings is not None:
+            hosts.update(self._settings.read())
+        return hosts
+
+    def _regimes(self, hosts: dict[str, Any], roots: dict[str, Any]) -> dict[str, Regime]:
+        """The binding's regimes by the concrete paths they reach among `hosts` (resolved again only
+        when the set of paths changes: a cache's layers made at its first call)."""
+        if not self.ob.regimes:
+            return {}
+        if self._regime_paths != hosts.keys():
+            self._regime_paths = set(hosts)
+            self._regime_of = {}
+            everything = {SELF: self.model, **roots}
+            for j, regime in enumerate(self.ob.regimes):
+                root = regime.path.split(".")[0]
+                try:
+                    found = {concrete for _, concrete, _ in resolve(everything[root], regime.path)}
+                except (AttributeError, KeyError, IndexError, TypeError) as error:
+                    field = f"operators[{self.binding.operators.index(self.ob)}].regimes[{j}]"
+                    raise BindingError(field, f"{regime.path!r} does not resolve on this call's arguments: {error}") from None
+                # A regime covers its path and every value under it (a list of names, a state object).
+                prefixes = tuple(f"{concrete}." for concrete in found)
+                self._regime_of.update({path: regime for path in hosts if path in found or path.startswith(prefixes)})
+        return self._regime_of
+
+    def _unseen(self, cls: _Class, hosts: dict[str, Any]) -> bool:
+        """A class whose regime spans several values of a counter is verified at two of them: this
+        call brings one not verified yet, while fewer than two have been."""
+        if not cls.spanning or len(cls.seen) >= 2:
+            return False
+        return tuple(hosts.get(p) for p in cls.spanning) not in cls.seen
+
+    def _units_mismatch(self, variants: list[_Class], staged: dict[str, Any]) -> str | None:
+        """An int `units` says every call brings as many units: a call whose input tensors have other
+        shapes than the class's first capture (a 12-frame prefill met as a 4-frame step) is not it."""
+        if not isinstance(self.ob.units, int) or not variants:
+            return None
+        shapes = _input_shapes(staged)
+        first = variants[0].inputs
+        if shapes == first:
+            return None
+        differing = [f"{path} {a} (the class was captured at {b})" for (path, a), (_, b) in zip(shapes, first) if a != b]
+        return (f"{self.ob.operator}: the binding's units={self.ob.units} says every call brings {self.ob.units} units, "
+                f"but this call's inputs differ: {', '.join(differing) or shapes}; bind units as (argument, axis)")
+
+    def _nearest_guard(self, variants: list[_Class], hosts: dict[str, Any], regimes: dict[str, Regime], signature,
+                       modes: dict[str, Any]) -> tuple[str, str]:
+        """The path by which this call differs from the captured variant nearest to it, and how."""
+        best = None
+        for cls in variants:
+            differing = [p for p in hosts.keys() | cls.hosts.keys()
+                         if guard_key({p: hosts.get(p)}, regimes) != guard_key({p: cls.hosts.get(p)}, regimes)]
+            if best is None or len(differing) < len(best[1]):
+                best = (cls, sorted(differing))
+        cls, differing = best
+        if not differing:
+            return "signature", f"its inputs, layouts or modes ({signature.describe()})"
+        path = differing[0]
+        return path, f"{path} is {hosts.get(path)!r}, {cls.name} was captured at {cls.hosts.get(path)!r}" + (
+            f", and {len(differing) - 1} more value(s)" if len(differing) > 1 else "")
+
     def _catalog_class(self, units: int, extent: int | None) -> CatalogClass | None:
         for call in self.op_catalog.classes:
             if call.call == units and call.extent == extent:
@@ -709,12 +796,17 @@ class BoundOperator:
 
     # -- capture, verification, fallback -----------------------------------------------------
 
-    def _capture(self, roots, inputs, state, call: CatalogClass, modes: dict[str, Any]) -> _Class:
-        name = class_name(self.ob.operator, call.call, call.extent, call.flush, modes)
-        cls = _Class(name, call, verify_left=self.binding.verify)
+    def _capture(self, roots, inputs, state, call: CatalogClass, modes: dict[str, Any], hosts: dict[str, Any],
+                 regimes: dict[str, Regime], variant: int) -> _Class:
+        # Unique per program: a second program of one class (other host values) is named apart.
+        name = class_name(self.ob.operator, call.call, call.extent, call.flush, modes) + (f"#{variant + 1}" if variant else "")
+        spanning = tuple(p for p, r in regimes.items() if r.spans(r.component(hosts[p])))
+        cls = _Class(name, call, verify_left=self.binding.verify, hosts=dict(hosts), spanning=spanning,
+                     inputs=_input_shapes(inputs))
+        self._by_name[name] = cls
         started = time.perf_counter()
         example = list(state)  # the export traces fake copies of them: the carries are not written
-        key = self._export_key(inputs, example, modes)
+        key = self._export_key(inputs, example, modes, guard_key(hosts, regimes))
         gm = _reused_export(key, self.model)
         if gm is not None:
             self.report.stamps.append(f"{name}: the export of a model of the same structure reused, rebound to this model's tensors")
@@ -747,7 +839,7 @@ class BoundOperator:
         _keep_export(key, gm)
         return self._rewrite(cls, gm, inputs, example, modes, call, name, started)
 
-    def _export_key(self, inputs, example, modes) -> tuple | None:
+    def _export_key(self, inputs, example, modes, guards: tuple) -> tuple | None:
         """What an export of this operator's step depends on: the model's structure (its class, every
         weight's and buffer's name, shape, dtype and device, every module's other attributes), the
         method, the sites and their trims, and the class's signature (shapes, layouts, host values,
@@ -768,8 +860,9 @@ class BoundOperator:
         except TypeError:
             return None
         mode_key = tuple((path, type(value).__name__, repr(value)) for path, value in modes.items())
+        # The guards: the host values frozen into the export (a cache's length), by regime.
         return ((type(self.model), tensors, settings), self.ob.method, tuple(self.sites), tuple(sorted(self.trims.items())),
-                signature, mode_key)
+                signature, mode_key, guards)
 
     def _rewrite(self, cls: _Class, gm: torch.fx.GraphModule, inputs, example, modes: dict[str, Any], call: CatalogClass,
                  name: str, started: float) -> _Class:
@@ -818,11 +911,11 @@ class BoundOperator:
             return cls
         found = rings + found
         cls.graph = after
+        cls.exported = gm
         cls.capture_ms = (time.perf_counter() - started) * 1e3
         self.report.sites.extend(found)
         self.report.graphs[name] = (gm, after)
         self.report.stamps.append(f"{stamp}; capture and rewrite of {name} took {cls.capture_ms:.0f} ms")
-        self._names[Signature.of(inputs, example, modes).catalog_key] = name
         return cls
 
     def _pinned(self, windows: list[Window]) -> None:
@@ -843,22 +936,30 @@ class BoundOperator:
         with torch.no_grad():
             return self.method(**inputs, **_arguments(roots))
 
-    def _verify(self, cls: _Class, roots, inputs, staged, state) -> Any:
-        """The stock call (on the caller's inputs, on clones of the state) beside the rewritten graph
-        (on the staged inputs, on the carries)."""
+    def _verify(self, cls: _Class, roots, inputs, staged, state, hosts: dict[str, Any]) -> Any:
+        """The program first, then the values. The exported step and the stock call run under
+        `OpTrace`, on the caller's inputs and on clones of the same state, the RNG rewound between
+        them: they must run the same ATen program (`cadence_fx.program`), and, being the same
+        program on the same inputs, give the same bits (else the stock call does not repeat
+        itself). Then the rewritten graph runs (on the staged inputs, on the carries) and must give
+        the stock call's outputs, retained state and host values bit for bit."""
         counters_before = {p: get_path(roots, p) for p in self._host_counter_paths(roots)}
-        hosts_before = _host_values(roots)
+        hosts_before = host_values(_arguments(roots))
         originals = [get_path(roots, s.path) for s in self.sites]
         rng = RngState.capture()
+        with OpTrace() as graph_trace:
+            exported = cls.exported(inputs, [self._clone(site, value) for site, value in zip(self.sites, state)])
+        rng.restore()
         for site, value in zip(self.sites, state):
-            set_path(roots, site.path, value if value is None or self._uncopied(site) else value.clone())
-        expected = _caller_trimmed(self._stock_call(roots, inputs), self.sites, self.trims)
+            set_path(roots, site.path, self._clone(site, value))
+        with OpTrace() as stock_trace:
+            expected = _caller_trimmed(self._stock_call(roots, inputs), self.sites, self.trims)
         if cls.outputs is None:
             cls.outputs = _structure(expected, roots)[1]
         expected_state = _new_state(self.sites, roots, expected)
         # A host value the stock call moves that the binding leaves out (a cache's `is_initialized`)
         # is one no graph call would move: a later stock call would then read a stale value.
-        hosts_after, declared = _host_values(roots), tuple(self._counter_paths(roots))
+        hosts_after, declared = host_values(_arguments(roots)), tuple(self._counter_paths(roots))
         moved = [f"{p} ({hosts_before.get(p)!r} -> {hosts_after.get(p)!r})" for p in sorted(hosts_before.keys() | hosts_after.keys())
                  if hosts_before.get(p) != hosts_after.get(p) and not any(p == d or p.startswith(d + ".") for d in declared)]
         effects = {}
@@ -878,7 +979,21 @@ class BoundOperator:
         for path, value in counters_after.items():
             set_path(roots, path, value)
         actual = self._rebuild(cls, outputs, roots)
-        why = _equal((actual, new_state), (expected, expected_state))
+        stock_leaves = [x for x in _structure(expected, roots)[0] if isinstance(x, torch.Tensor)]
+        why = None
+        program = first_difference(stock_trace.records, graph_trace.records)
+        if program is not None:
+            why = (f"program: the exported step is not the program the stock call runs: {program}; "
+                   + _program_hint(cls, hosts, self._host_counter_paths(roots)))
+        if why is None:
+            repeat = _equal(exported, (stock_leaves, expected_state), ("output", "state"))
+            if repeat is not None:
+                why = (f"the stock call does not repeat itself: the same program on the same inputs gave other bits "
+                       f"({repeat}); pin deterministic kernels (cadence_fx.determinism.pin_deterministic)")
+        if why is None:
+            why = _equal((outputs, new_state), (stock_leaves, expected_state), ("output", "state"))
+            if why is not None:
+                why = f"the rewritten graph differs from the stock call: {why}"
         returned = _structure(expected, roots)[1]
         if why is None and returned != cls.outputs:
             why = (f"the call returned host values {returned[1]}, an earlier call of the class returned "
@@ -896,36 +1011,40 @@ class BoundOperator:
                     where = place(roots, site.path)
                     where.set(value)
                     self._carry_view(where, site, value)
+            for path, value in counters_after.items():
+                set_path(roots, path, value)
             self.counters.fallback("verification")
             return expected
         cls.effects = effects
         nested = any(inner.startswith(outer + ".") for outer in effects for inner in effects)
         cls.effect_places = None if nested else Places(list(effects))
-        cls.verify_left -= 1
+        cls.verify_left = max(cls.verify_left - 1, 0)
         cls.verified += 1
-        if cls.verify_left == 0 and cls.verified == 1 and any(kind == "add" and delta for kind, delta in effects.values()):
-            # A host counter this class moves is frozen into its graph wherever the computation
-            # reads it (a model deriving positions from its cache's length): one more verified
-            # call, at another value of the counter, shows whether the outputs depend on it.
-            cls.verify_left = 1
+        if cls.spanning:
+            cls.seen.add(tuple(hosts.get(p) for p in cls.spanning))
         self.counters.verified += 1
         return actual
+
+    def _clone(self, site: Site, value: Any) -> Any:
+        """A copy of a site's state for a stock or traced call; a region written before it is read is
+        never copied (every call writes what it reads first)."""
+        return value if value is None or self._uncopied(site) else value.clone()
 
     def _uncopied(self, site: Site) -> bool:
         """A site of a region the binding says is written before it is read: never copied."""
         return site.region is not None and self.binding.region(site.region).write_before_read
 
-    def _stock(self, roots, inputs, reason: str) -> Any:
-        """Fail closed: the stock call, its retained state then taken into the carries."""
-        for site in self.sites:
-            value = get_path(roots, site.path)
-            if value is not None and not self._uncopied(site):
-                set_path(roots, site.path, value.clone())
+    def _stock(self, roots, inputs, reason: str, detail: str | None = None) -> Any:
+        """Fail closed: the stock call on the state as it is (nothing copied), its retained state
+        then taken into the carries. `detail` is said once in the report."""
+        if detail is not None and reason not in self.counters.stock_by_reason:
+            self.report.stamps.append(f"{self.ob.operator}: runs the stock code ({reason}): {detail}")
         out = self._stock_call(roots, inputs)
-        for site, where in zip(self.sites, self._site_places().at(roots)):
-            value = where.get()
-            if site.out is None and value is not None and (site.region is None or self._site_shape_error(site, value) is None):
-                self._carry_view(where, site, value)
+        if self.sites and all(roots[name] is not None for name in roots):
+            for site, where in zip(self.sites, self._site_places().at(roots)):
+                value = where.get()
+                if site.out is None and value is not None and (site.region is None or self._site_shape_error(site, value) is None):
+                    self._carry_view(where, site, value)
         self.counters.fallback(reason)
         return out
 
@@ -942,12 +1061,15 @@ class BoundOperator:
 
     # -- replay ------------------------------------------------------------------------------
 
-    def _run(self, inputs, state, modes):
-        """What the replay engine captures: the class's graph (`modes` only key the engine's call)."""
-        return self._current.graph(inputs, state)
+    def _run(self, inputs, state, modes, name):
+        """What the replay engine captures: the graph of class `name` (`modes` and `name` key the
+        engine's call, so each class has graphs of its own)."""
+        return self._by_name[name].graph(inputs, state)
 
     def _admit(self, signature: Signature):
-        return self._names.get(signature.catalog_key)
+        """The engine's class for a call: the pipeline's class, by the name the call carries."""
+        name = signature.leaves[-1]
+        return name[2] if name[0] == "S" and name[2] in self._by_name else None
 
     def explain(self) -> str:
         lines = [f"{self.ob.operator}: {self.counters.as_dict()}"]

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from cadence_fx.binding import Binding, OperatorBinding, RegionBinding
+from cadence_fx.guards import Unread
 from cadence_fx.contract import (
     Admission,
     Clock,
@@ -54,6 +55,13 @@ _MASK = "exec_mask"
 #: What `LMGen.depformer_step` reads of `LMGen` to choose how it samples each codebook.
 _SAMPLING = ("self.use_sampling", "self.temp", "self.top_k", "self.cfg_coef")
 
+#: Host values of the LM that neither step's computation reads: the main transformer's host
+#: offsets (read only by per-step weights, which the main transformer has none of; the depformer
+#: enters its own streaming state, at 0, every call) and the vendor's table of the depformer's
+#: module names. Verified at two values of each per class (the programs compared).
+_LM_UNREAD = tuple(Unread(path) for path in (f"{_TRANSFORMER}.layers.*._streaming_state.offset_cpu", f"{_ATTENTION}.offset_cpu",
+                                             "self.lm_model.depformer._cached_children"))
+
 
 def _lm_binding(masked: bool) -> Binding:
     masks = (f"{_ATTENTION}.{_MASK}", f"{_TRANSFORMER}._streaming_state.{_MASK}",
@@ -72,9 +80,9 @@ def _lm_binding(masked: bool) -> Binding:
                 f"{_TRANSFORMER}._streaming_state.offsets",
                 f"{_TRANSFORMER}.layers.*._streaming_state.offset_cpu",
                 *masks,
-            )),
+            ), regimes=_LM_UNREAD),
             # The sampling switch and its parameters choose the program: each value its own graphs.
-            OperatorBinding("depformer_step", method="depformer_step", units=1, modes=_SAMPLING),
+            OperatorBinding("depformer_step", method="depformer_step", units=1, modes=_SAMPLING, regimes=_LM_UNREAD),
         ),
     )
 
@@ -88,6 +96,15 @@ def _mimi_counters(*parts: str, masked: bool) -> tuple[str, ...]:
     return tuple(f"self.{part}.**._streaming_state.{name}" for part in parts for name in state)
 
 
+def _mimi_unread(own: str, other: str) -> tuple[Unread, ...]:
+    """What one of Mimi's stages never reads: the other stage's transformer (whose host values its
+    calls move) and its own transformer's host offsets (read only by per-step weights, which Mimi
+    has none of). Verified at two values of each per class (the programs compared)."""
+    layers = f"self.{own}_transformer.transformer.layers.*"
+    return (Unread(f"self.{other}_transformer"), Unread(f"{layers}._streaming_state.offset_cpu"),
+            Unread(f"{layers}.self_attn._streaming_state.offset_cpu"))
+
+
 def _mimi_binding(masked: bool) -> Binding:
     return Binding(
         regions=(
@@ -98,9 +115,11 @@ def _mimi_binding(masked: bool) -> Binding:
         ),
         operators=(
             OperatorBinding("mimi_encode", method="encode", units=2,
-                            counters=_mimi_counters("encoder", "downsample", "encoder_transformer", masked=masked)),
+                            counters=_mimi_counters("encoder", "downsample", "encoder_transformer", masked=masked),
+                            regimes=_mimi_unread("encoder", "decoder")),
             OperatorBinding("mimi_decode", method="decode", units=2,
-                            counters=_mimi_counters("decoder", "upsample", "decoder_transformer", masked=masked)),
+                            counters=_mimi_counters("decoder", "upsample", "decoder_transformer", masked=masked),
+                            regimes=_mimi_unread("decoder", "encoder")),
         ),
     )
 
