@@ -37,16 +37,26 @@ class OpRecord:
 
 def _describe(arg: Any) -> str:
     if isinstance(arg, tuple) and arg and arg[0] == "tensor":
-        _, shape, stride, dtype, device = arg
-        return f"tensor{list(shape)} {str(dtype).removeprefix('torch.')} stride {list(stride)} {device}"
+        _, shape, stride, dtype, device, offset, *values = arg
+        at = f" offset {offset}" if offset else ""
+        held = f" holding {list(values[0])}" if values else ""
+        return f"tensor{list(shape)} {str(dtype).removeprefix('torch.')} stride {list(stride)}{at} {device}{held}"
     if isinstance(arg, tuple) and len(arg) == 2 and isinstance(arg[0], str) and not arg[0].startswith("tensor"):
         return f"{arg[0]}={_describe(arg[1])}"
     return repr(arg)
 
 
+#: A CPU tensor this small is described by its values too: a host value the code turned into a
+#: tensor (`torch.tensor(n)`), which export freezes as a constant, shows in no op's arguments.
+_SMALL = 8
+
+
 def _leaf(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return ("tensor", tuple(x.shape), tuple(x.stride()), x.dtype, str(x.device))
+        described = ("tensor", tuple(x.shape), tuple(x.stride()), x.dtype, str(x.device), x.storage_offset())
+        if x.device.type == "cpu" and x.numel() <= _SMALL and x.layout == torch.strided:
+            described += (tuple(x.reshape(-1).tolist()),)
+        return described
     if isinstance(x, enum.Enum):
         return repr(x)
     if isinstance(x, float):
