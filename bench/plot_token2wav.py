@@ -1,6 +1,6 @@
 """Figures and a README table from a Token2Wav benchmark record (bench/token2wav.py's JSON).
 
-    python bench/plot_token2wav.py bench/results/token2wav.json bench/results/token2wav_encoder_replay.json \
+    python bench/plot_token2wav.py bench/results/token2wav.json bench/results/history/token2wav_encoder_replay.json \
         bench/results/token2wav_fp16.json bench/results/token2wav_capacity.json \
         --png bench/results/token2wav.png --readme README.md
 

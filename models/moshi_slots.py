@@ -83,7 +83,7 @@ def warm_up_ticks(device: torch.device) -> int:
     """`MoshiSlots`' warm-up: its bindings' verified visits of each stage's one class, and on a GPU
     one tick more, whose call captures each stage. Without it the first tick under load captured
     the four stages (at B = 64, full size, the replies that began then found 16 frames queued:
-    `serve_load_moshi_full_64_pipeline_016184d.json`)."""
+    `bench/results/history/serve_load_moshi_full_64_pipeline_016184d.json`)."""
     return max(MIMI_SLOTS_BINDING.verify, MOSHI_LM_SLOTS_BINDING.verify) + (device.type == "cuda")
 
 

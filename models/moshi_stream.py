@@ -307,7 +307,7 @@ def _tiny_mimi() -> dict[str, Any]:
 
 # The duplex service's embedded default (`moshi-tiny` in serve/plugins/moshi.py), cut down for
 # 8 sessions on 2 CPU cores, where a frame is bound by per-operator overhead (what 8 sessions
-# measured: bench/results/serve_load_moshi.json). SMALL with one layer in each transformer (Mimi's
+# measured: bench/results/history/serve_load_moshi.json). SMALL with one layer in each transformer (Mimi's
 # encoder and decoder transformers, the LM, the depformer), widths of 32 (Mimi's latent and
 # transformers, the LM, the depformer; feed-forwards of 64), 8-dimensional codebook vectors, 4
 # SEANet base filters and no residual units in SEANet. Widths went from 64 to 32 (and SEANet's
