@@ -7,9 +7,12 @@ A session's memory is bounded in bytes, in three parts (README, "Limits and the 
   audio of committed turns. A data command that would exceed it gets ``input_backpressure``; the
   audio of the oldest turns is dropped first to make room (their items stay).
 * ``outbound_bytes``: events queued for one socket and not yet written. A client that falls this
-  far behind is disconnected with 4008; a duplex client resumes and loses nothing, because
-* ``journal_bytes`` (at least ``outbound_bytes``): the newest events of a duplex session, kept for
-  a resume, hold whatever the socket's queue can hold.
+  far behind is disconnected with 4008: the queue and the event that did not fit are dropped. A
+  duplex client resumes and loses none of them, because
+* ``journal_bytes`` (at least ``outbound_bytes`` plus the largest event): the newest events of a
+  duplex session, kept for a resume, hold whatever the socket's queue can hold and the event that
+  overflowed it. (A journal of only ``outbound_bytes`` lost the older of two 9 MB retrieve answers,
+  one queued and one overflowing, at such a close: issue 41.)
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ class Limits:
     max_pending_commands: int = 1024  # commands queued per session: ``input_backpressure``
     input_bytes: int = 8 << 20  # per session: queued data commands + uncommitted audio + kept history
     outbound_bytes: int = 12 << 20  # per socket: events not yet written; beyond: close 4008
-    journal_bytes: int = 16 << 20  # per duplex session: the newest events, kept for a resume
+    journal_bytes: int = 24 << 20  # per duplex session: the newest events, kept for a resume
     idle_ttl_s: float = 300.0  # no client frame and no response for this long: session expires
     grace_s: float = 30.0  # disconnected duplex session waits this long for a resume
     max_session_s: float = 3600.0
@@ -53,10 +56,12 @@ class Limits:
                 f"send, {self.largest_event_bytes} bytes: a retrieved turn of input_bytes of audio in base64, "
                 "or a client's largest frame echoed back"
             )
-        if self.journal_bytes < self.outbound_bytes:
+        if self.journal_bytes < self.min_journal_bytes:
             raise ValueError(
                 f"Limits.journal_bytes ({self.journal_bytes}) must be at least Limits.outbound_bytes "
-                f"({self.outbound_bytes}): the journal must hold every event the socket's queue can hold"
+                f"({self.outbound_bytes}) plus the largest event ({self.largest_event_bytes} bytes), "
+                f"{self.min_journal_bytes}: at a 4008 close the socket's queue and the event that did not fit "
+                "are dropped, and the journal must still hold all of them for the resume"
             )
 
     @property
@@ -66,3 +71,11 @@ class Limits:
         envelope. The history's item ids in ``session.resync_required`` fit the same bound, since
         every id is part of an item counted in ``input_bytes``."""
         return 4 * -(-self.input_bytes // 3) + self.max_frame_bytes + EVENT_ENVELOPE_BYTES
+
+    @property
+    def min_journal_bytes(self) -> int:
+        """What a 4008 close drops, at most: a full outbound queue (``outbound_bytes``; a duplex
+        session's events are the journal's own texts) and the event that did not fit. The event
+        the socket's writer is sending, and those in the network's buffers, are not dropped: they
+        reach a client that reads again."""
+        return self.outbound_bytes + self.largest_event_bytes

@@ -28,8 +28,9 @@ class _Close:
 class Transport:
     """Events waiting for one socket, at most ``max_bytes`` of them (replays aside), drained in
     order by ``pump``; never blocks the session. A client that lets more pile up is disconnected
-    with 4008 at once: what was queued is dropped (a duplex client gets it back from the journal
-    when it resumes, since ``Limits.journal_bytes >= Limits.outbound_bytes``)."""
+    with 4008 at once: what was queued is dropped, and so is the event that did not fit (a duplex
+    client gets them back from the journal when it resumes, since ``Limits.journal_bytes`` is at
+    least ``Limits.outbound_bytes`` plus the largest event, ``Limits.min_journal_bytes``)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes

@@ -8,18 +8,19 @@ import json
 
 import pytest
 import websockets
-from servekit import check_event, run, running, silence
+from servekit import COMMIT, check_event, run, running, silence, types_of
 
 from cadence_fx.serve.protocol import audio as wire_audio
 from cadence_fx.serve.session import Limits
 
-# 100,000 input bytes; events up to 4/3 of that (a retrieved turn) must fit the outbound queue.
+# 100,000 input bytes; events up to 4/3 of that (a retrieved turn) must fit the outbound queue,
+# and the journal must hold that queue and one more of them (166,104 bytes).
 SMALL = Limits(
     max_sessions_per_client=64,
     input_bytes=100_000,
     max_frame_bytes=16_384,
     outbound_bytes=200_000,
-    journal_bytes=200_000,
+    journal_bytes=400_000,
 )
 
 
@@ -204,9 +205,72 @@ def test_a_client_detached_across_thousands_of_events_gets_every_one_on_resume()
     assert {e["type"] for e in replayed} == {"error"}
 
 
-def test_limits_keep_the_journal_able_to_hold_the_outbound_queue():
-    with pytest.raises(ValueError, match=r"Limits.journal_bytes \(1000000\) must be at least Limits.outbound_bytes"):
-        Limits(input_bytes=1000, max_frame_bytes=1000, outbound_bytes=2_000_000, journal_bytes=1_000_000)
+def test_limits_keep_the_journal_able_to_hold_the_outbound_queue_and_the_largest_event():
+    # 1,000 input bytes: the largest event is 4 * 334 + 1,000 + 16,384 = 18,720 bytes.
+    with pytest.raises(
+        ValueError,
+        match=r"^Limits.journal_bytes \(2000000\) must be at least Limits.outbound_bytes \(2000000\) plus the "
+        r"largest event \(18720 bytes\), 2018720: at a 4008 close the socket's queue and the event that did not "
+        r"fit are dropped, and the journal must still hold all of them for the resume$",
+    ):
+        Limits(input_bytes=1000, max_frame_bytes=1000, outbound_bytes=2_000_000, journal_bytes=2_000_000)
+    assert Limits(input_bytes=1000, max_frame_bytes=1000, outbound_bytes=2_000_000, journal_bytes=2_018_720)
     with pytest.raises(ValueError, match=r"Limits.outbound_bytes \(100000\) must hold the largest event .* 150720"):
-        Limits(input_bytes=100_000, max_frame_bytes=1000, outbound_bytes=100_000, journal_bytes=100_000)
-    assert Limits().largest_event_bytes == 4 * 2_796_203 + (1 << 20) + (16 << 10) <= Limits().outbound_bytes
+        Limits(input_bytes=100_000, max_frame_bytes=1000, outbound_bytes=100_000, journal_bytes=300_000)
+    defaults = Limits()
+    assert defaults.largest_event_bytes == 4 * 2_796_203 + (1 << 20) + (16 << 10) <= defaults.outbound_bytes
+    assert defaults.journal_bytes == 24 << 20 >= defaults.outbound_bytes + defaults.largest_event_bytes
+
+
+def test_a_slow_consumer_closed_behind_two_of_the_largest_events_resumes_without_a_loss():
+    """Issue 41: the default budgets, and retrieve answers of about 9 MB each (a 6.75 MB turn in
+    base64). At the 4008 close the queue held one of them and the one that did not fit was
+    dropped with it: 18 MB that the journal must still hold, and a journal of only the outbound
+    budget (16 MiB then) kept the newer one alone (resync_required: oldest 17, asked 15)."""
+    turn = bytes(6_750_000)  # 140.6 s of 24 kHz PCM16; its retrieve answer is 9,000,000 characters of base64
+
+    async def scenario(server):
+        sock = await server.connect("/v1/duplex", stalls=True)
+        await sock.no_vad()
+        session = server.session(sock.session_id)
+        for i in range(0, len(turn), 700_000):  # each append under max_frame_bytes and max_pending_input_bytes
+            await sock.send(_append(turn[i : i + 700_000], f"a{i // 700_000}"))
+            assert server.eventually(lambda: session.pending_input_bytes == 0, timeout=10)
+        await sock.send({"type": "input_audio_buffer.commit"})
+        assert server.eventually(lambda: session.journal.last_seq == 4)  # session.updated and the commit's three
+        item_id = session.history[0]["id"]
+        # One retrieve at a time, each handled before the next is sent; the client reads nothing
+        # meanwhile (these waits block its loop), until the server closes it for reading too slowly.
+        asked = 0
+        while server.on_loop(lambda: session.transport) is not None and asked < 12:
+            asked += 1
+            await sock.send({"type": "conversation.item.retrieve", "item_id": item_id})
+            assert server.eventually(lambda: session.journal.last_seq == 4 + asked, timeout=10)
+        before = []
+        with contextlib.suppress(websockets.ConnectionClosed):
+            while True:
+                before.append(await sock.recv(timeout=20))
+        back = await server.connect(f"/v1/duplex?session_id={sock.session_id}", created=False)
+        await back.send(
+            {
+                "type": "session.resume",
+                "session_id": sock.session_id,
+                "resume_token": sock.resume_token,
+                "last_server_event_seq": before[-1]["server_event_seq"],
+            }
+        )
+        resumed = await back.recv()
+        after = [await back.recv(timeout=20) for _ in range(resumed["replayed"])]
+        await back.close()
+        return asked, sock.received, before, (sock.ws.close_code, sock.ws.close_reason), resumed, after
+
+    with running() as server:
+        asked, received, before, closed, resumed, after = run(scenario(server))
+    assert closed == (4008, "slow consumer")
+    assert resumed["type"] == "session.resumed" and resumed["last_server_event_seq"] == 4 + asked
+    # The queued answer and the one that did not fit, at least: both replayed, nothing lost.
+    assert resumed["replayed"] >= 2
+    events = [e for e in received if "server_event_seq" in e] + after
+    assert [e["server_event_seq"] for e in events] == list(range(1, 5 + asked))
+    assert types_of(events) == ["session.updated", *COMMIT] + ["conversation.item.retrieved"] * asked
+    assert {len(e["item"]["content"][0]["audio"]) for e in events[4:]} == {9_000_000}

@@ -34,7 +34,11 @@ async def _start_reply(server, question_pcm, deltas_before: int = 5, input_forma
         await sock.append(question_pcm)
     else:
         await sock.update({"audio": {"input": {"format": input_format, "turn_detection": None}}})
-        await sock.append(question_pcm, chunk_bytes=1600)
+        # One append at a time: only the audio, never a queue of frames, takes the input budget.
+        session = server.session(sock.session_id)
+        for i in range(0, len(question_pcm), 1600):
+            await sock.append(question_pcm[i : i + 1600])
+            assert server.eventually(lambda: session.pending_input_bytes == 0)
     await sock.send({"type": "input_audio_buffer.commit"})
     await sock.send({"type": "response.create"})
     seen = []
@@ -79,12 +83,14 @@ def test_disconnect_mid_response_then_resume_delivers_every_event_exactly_once(q
 
 
 def test_journal_overflow_yields_resync_required(question_pcm):
-    # The question as 8 kHz mu-law (35,443 bytes) fits a 64,000-byte input budget; its 56-chunk
-    # reply (24 kHz PCM, about 157 KB of events) outgrows a journal of 110,000 bytes.
+    # The question as 8 kHz mu-law (35,443 bytes) fits a 38,000-byte input budget, appended a
+    # frame at a time; its 56-chunk reply (24 kHz PCM, about 157 KB of events) outgrows a journal
+    # of 144,000 bytes, about the least these budgets allow (72,000 outbound plus the largest
+    # event, 71,148).
     pcmu = wire_audio.encode_samples(
         StreamResampler(24_000, 8_000).process(wire_audio.decode_samples(question_pcm, PCM24K)), PCMU
     )
-    limits = Limits(**QUICK, input_bytes=64_000, max_frame_bytes=4096, outbound_bytes=110_000, journal_bytes=110_000)
+    limits = Limits(**QUICK, input_bytes=38_000, max_frame_bytes=4096, outbound_bytes=72_000, journal_bytes=144_000)
 
     async def scenario(server):
         sock, before = await _start_reply(server, pcmu, deltas_before=1, input_format={"type": "audio/pcmu"})
@@ -107,7 +113,7 @@ def test_journal_overflow_yields_resync_required(question_pcm):
     assert (resync["requested_seq"], resync["oldest_available_seq"]) == (before[-1]["server_event_seq"], oldest)
     # Nothing was acknowledged: every event before the oldest kept was dropped for room, and the
     # newest ones kept fill the journal's bytes.
-    assert evicted == oldest - 1 > before[-1]["server_event_seq"] and 110_000 - 3_000 < kept_bytes <= 110_000
+    assert evicted == oldest - 1 > before[-1]["server_event_seq"] and 144_000 - 3_000 < kept_bytes <= 144_000
     assert resync["active_response_id"] is None and len(resync["item_ids"]) == 2
     assert last == 1 + 3 + 4 + 56 + 5  # session.updated, the commit, the reply
     assert alive["server_event_seq"] == last + 1
