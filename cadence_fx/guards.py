@@ -24,8 +24,9 @@ programs the stock code runs at both (`cadence_fx.program`).
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -113,11 +114,11 @@ def _integral(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _children(value: Any) -> dict | None:
-    if isinstance(value, dict):
+def _children(value: Any) -> Any:
+    """The live container of `value`'s children (a dict, a list or tuple, an object's `__dict__`),
+    or None for what holds no state."""
+    if isinstance(value, (dict, list, tuple)):
         return value
-    if isinstance(value, (list, tuple)):
-        return dict(enumerate(value))
     if getattr(value, "_guard_opaque", False) or isinstance(value, type) or callable(value):
         return None  # a bound operator (a handle on graphs), a class, a function: not state
     if hasattr(value, "__dict__"):
@@ -125,7 +126,13 @@ def _children(value: Any) -> dict | None:
     return None
 
 
-def _walk(value: Any, path: str, depth: int, found: dict[str, Any], seen: set[int]) -> None:
+def _items(children: Any):
+    return children.items() if isinstance(children, dict) else enumerate(children)
+
+
+def _walk(value: Any, path: str, depth: int, found: dict[str, Any], seen: set[int], skip: frozenset[str]) -> None:
+    if path in skip:
+        return
     if isinstance(value, HOST_SCALARS):
         found[path] = value
         return
@@ -134,17 +141,17 @@ def _walk(value: Any, path: str, depth: int, found: dict[str, Any], seen: set[in
     seen.add(id(value))
     children = _children(value)
     if children:
-        for key, child in list(children.items()):
-            _walk(child, f"{path}.{key}", depth + 1, found, seen)
+        for key, child in list(_items(children)):
+            _walk(child, f"{path}.{key}", depth + 1, found, seen, skip)
 
 
-def host_values(roots: dict[str, Any]) -> dict[str, Any]:
+def host_values(roots: dict[str, Any], skip: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Every host scalar in the state objects `roots` (not a model: its modules are
-    `ModuleSettings`'), by path."""
+    `ModuleSettings`'), by path; nothing at or under a path in `skip`."""
     found: dict[str, Any] = {}
     seen: set[int] = set()
     for name, root in roots.items():
-        _walk(root, name, 0, found, seen)
+        _walk(root, name, 0, found, seen, skip)
     return found
 
 
@@ -159,26 +166,93 @@ _MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules", "_non_persist
 
 class ModuleSettings:
     """The host scalars of a model's modules (their attributes, and the state objects they hold),
-    by path from `self`: read on every call, each module's dict looked at directly."""
+    by path from `self`, read on every call.
 
-    def __init__(self, model: torch.nn.Module, root: str = "self") -> None:
+    A model has thousands of them (a 7B LM: about 2,800), so the walk is planned once: every
+    container it passed through (a module's `__dict__`, a state object's, a list), each one's
+    length, and each leaf's (container, key). A call reads the leaves through that plan in C
+    (`map(getitem)`), after checking, also in C, that every container is still the one the plan
+    walked and has the same length; anything else (a state object replaced, an attribute added,
+    an empty buffer filled) walks again. `version` changes only when the paths do.
+    """
+
+    def __init__(self, model: torch.nn.Module, unread: Callable[[], frozenset[str]] = frozenset, root: str = "self") -> None:
         self.modules = [(f"{root}.{name}" if name else root, module) for name, module in model.named_modules(remove_duplicate=True)]
+        self._unread = unread  # the paths (and all under them) an Unread regime covers, found afresh at each walk
+        self.paths: tuple[str, ...] = ()
+        self.version = 0
+        self._edges: tuple[list, list, list] = ([], [], [])  # (parent containers, keys, children) walked into
+        self._sized: tuple[list, list] = ([], [])  # (containers, lengths)
+        self._leaves: tuple[list, list] = ([], [])  # (containers, keys)
+        self._types: list[type] = []  # each leaf's type when planned: a leaf that became an object is walked
 
-    def read(self) -> dict[str, Any]:
-        found: dict[str, Any] = {}
+    def read(self) -> list:
+        """The leaves' values, aligned with `paths` (walked again first when the plan is stale)."""
+        parents, keys, children = self._edges
+        if (not self._sized[0] or not all(map(operator.is_, map(operator.getitem, parents, keys), children))
+                or list(map(len, self._sized[0])) != self._sized[1]):
+            self._plan()
+        values = list(map(operator.getitem, *self._leaves))
+        if list(map(type, values)) != self._types:
+            self._plan()
+            values = list(map(operator.getitem, *self._leaves))
+        return values
+
+    def _plan(self) -> None:
+        skip = self._unread()
+        edges: tuple[list, list, list] = ([], [], [])
+        sized: tuple[list, list] = ([], [])
+        leaves: tuple[list, list] = ([], [])
+        paths: list[str] = []
         seen: set[int] = set()
+
+        def walk(container: Any, key: Any, value: Any, path: str, depth: int) -> None:
+            if path in skip:
+                return
+            if isinstance(value, HOST_SCALARS):
+                leaves[0].append(container)
+                leaves[1].append(key)
+                paths.append(path)
+                return
+            if depth > _DEPTH or isinstance(value, (torch.Tensor, torch.nn.Module)) or id(value) in seen:
+                return
+            seen.add(id(value))
+            inner = _children(value)
+            if inner is None:
+                return
+            edges[0].append(container)
+            edges[1].append(key)
+            edges[2].append(value)
+            sized[0].append(inner)
+            sized[1].append(len(inner))
+            for k, child in list(_items(inner)):
+                walk(inner, k, child, f"{path}.{k}", depth + 1)
+
+        under = tuple(f"{p}." for p in skip)
         for prefix, module in self.modules:
-            for key, value in module._buffers.items():
-                if value is None:  # a buffer registered empty, filled lazily (a codebook's cached table)
-                    found[f"{prefix}.{key}"] = None
-            for key, value in module.__dict__.items():
-                if key in _MODULE_TABLES:
-                    continue
-                if isinstance(value, HOST_SCALARS):
-                    found[f"{prefix}.{key}"] = value
-                elif not isinstance(value, (torch.Tensor, torch.nn.Module)):
-                    _walk(value, f"{prefix}.{key}", 1, found, seen)
-        return found
+            if prefix in skip or prefix.startswith(under):
+                continue
+            # A buffer registered empty and filled lazily (a codebook's cached table): its filling
+            # changes the program (the cache read instead of computed), so it is a guarded None.
+            buffers = module._buffers
+            sized[0].append(buffers)
+            sized[1].append(len(buffers))
+            for key, value in buffers.items():
+                if value is None and f"{prefix}.{key}" not in skip:
+                    leaves[0].append(buffers)
+                    leaves[1].append(key)
+                    paths.append(f"{prefix}.{key}")
+            table = module.__dict__
+            sized[0].append(table)
+            sized[1].append(len(table))
+            for key, value in list(table.items()):
+                if key not in _MODULE_TABLES and not isinstance(value, (torch.Tensor, torch.nn.Module)):
+                    walk(table, key, value, f"{prefix}.{key}", 1)
+        self._edges, self._sized, self._leaves = edges, sized, leaves
+        self._types = [type(v) for v in map(operator.getitem, *leaves)]
+        if tuple(paths) != self.paths:
+            self.paths = tuple(paths)
+            self.version += 1
 
 
 def guard_key(values: dict[str, Any], regimes: dict[str, Regime]) -> tuple:

@@ -69,7 +69,7 @@ from .capture import without_stack_traces
 from .catalog import Catalog, CatalogClass
 from .contract import DTYPES, Contract, PromptPlusHistory, RingCache
 from .determinism import RngState
-from .guards import ModuleSettings, Regime, guard_key, host_values
+from .guards import HOST_SCALARS, ModuleSettings, Regime, Unread, guard_key, host_values
 from .program import OpTrace, first_difference
 from .passes.carry import RetentionSite, shared_memo
 from .passes.hoist import HostConstantHoist
@@ -125,6 +125,22 @@ class _Class:
     spanning: tuple[str, ...] = ()  # counters whose regime maps more than one value to this class
     seen: set = field(default_factory=set)  # the spanning counters' values verified so far
     inputs: tuple = ()  # the input tensors' shapes at capture (an int `units` is checked against them)
+
+
+class _Hosts:
+    """The guarded host values of one call: its arguments' by path, and the model's as a list
+    aligned with its settings' paths (thousands, read on every call); `as_dict()` joins them
+    when they are needed by path (a capture, a verification, a message)."""
+
+    __slots__ = ("arguments", "paths", "values", "_joined")
+
+    def __init__(self, arguments: dict[str, Any], paths: tuple[str, ...], values: list) -> None:
+        self.arguments, self.paths, self.values, self._joined = arguments, paths, values, None
+
+    def as_dict(self) -> dict[str, Any]:
+        if self._joined is None:
+            self._joined = {**self.arguments, **dict(zip(self.paths, self.values))}
+        return self._joined
 
 
 class _Step(torch.nn.Module):
@@ -397,7 +413,9 @@ class BoundOperator:
         self._by_name: dict[str, _Class] = {}
         self._current: _Class | None = None
         self._unbounded: set[tuple[int, int, str]] = set()  # (units, extent, guard path) said once
-        self._settings = ModuleSettings(model) if isinstance(model, torch.nn.Module) else None
+        self._settings = ModuleSettings(model, self._unread) if isinstance(model, torch.nn.Module) else None
+        self._settings_version = 0
+        self._settings_regimes: list[tuple[int, Regime]] = []  # (leaf index, regime) of the settings' counters
         self._regime_paths: set[str] | None = None
         self._regime_of: dict[str, Regime] = {}
 
@@ -455,9 +473,8 @@ class BoundOperator:
         shapes = tuple(None if v is None else (tuple(v.shape), v.stride(), v.dtype, v.device, v.layout) for v in state)
         # A mode by its type and repr: values equal to Python (True and 1, 0.0 and -0.0) are not the same program.
         mode_key = tuple((path, type(value).__name__, repr(value)) for path, value in modes.items())
-        hosts = self._guarded(roots)
-        regimes = self._regimes(hosts, roots)
-        key = (units, extent, shapes, mode_key, signature.catalog_key, guard_key(hosts, regimes))
+        hosts, guards = self._guarded(roots)
+        key = (units, extent, shapes, mode_key, signature.catalog_key, guards)
         cls = self.classes.get(key)
         if cls is None:
             variants = [c for k, c in self.classes.items() if k[:2] == key[:2]]
@@ -467,7 +484,7 @@ class BoundOperator:
             if len(variants) >= VARIANTS:
                 # A host value that changes every call would make every call a new graph: fail
                 # closed, counted by the value that differs, instead of exporting without end.
-                path, why = self._nearest_guard(variants, hosts, regimes, signature, modes)
+                path, why = self._nearest_guard(variants, hosts.as_dict(), self._regimes(), signature)
                 if (units, extent, path) not in self._unbounded:
                     self._unbounded.add((units, extent, path))
                     self.report.stamps.append(
@@ -475,11 +492,11 @@ class BoundOperator:
                         f"from each ({why}): runs the stock code from here; pass a value that changes every call as a "
                         "tensor, or declare the counter's regime in the binding (`OperatorBinding.regimes`)")
                 return self._stock(roots, inputs, f"guard:{path}")
-            cls = self.classes[key] = self._capture(roots, staged, state, call, modes, hosts, regimes, len(variants))
+            cls = self.classes[key] = self._capture(roots, staged, state, call, modes, hosts.as_dict(), guards, len(variants))
         if cls.refused is not None:
             return self._stock(roots, inputs, "refused")
-        if cls.verify_left > 0 or self._unseen(cls, hosts):
-            return self._verify(cls, roots, inputs, staged, state, hosts)
+        if cls.verify_left > 0 or self._unseen(cls, hosts, roots):
+            return self._verify(cls, roots, inputs, staged, state, hosts.as_dict())
         self._current = cls
         # The class's name keys the engine's call: each class its own graphs, whatever its signature.
         outputs, new_state = (self.replay(staged, state, modes, cls.name) if self.replay is not None else cls.graph(staged, state))
@@ -723,41 +740,74 @@ class BoundOperator:
 
     # -- guards ------------------------------------------------------------------------------
 
-    def _guarded(self, roots: dict[str, Any]) -> dict[str, Any]:
-        """Every host value the call's program may depend on: those in its state arguments and in
-        the model's modules (`cadence_fx.guards`), by path."""
-        hosts = host_values(_arguments(roots))
-        if self._settings is not None:
-            hosts.update(self._settings.read())
-        return hosts
+    def _guarded(self, roots: dict[str, Any]) -> tuple[_Hosts, tuple]:
+        """Every host value the call's program may depend on, those in its state arguments and in the
+        model's modules (`cadence_fx.guards`), by path; and the class key they make, each value
+        by its regime (none: itself, with its type: True and 1 are not the same program)."""
+        arguments = host_values(_arguments(roots))
+        regimes = self._argument_regimes(arguments, roots)
+        key = guard_key(arguments, regimes)
+        if self._settings is None:
+            return _Hosts(arguments, (), []), (key,)
+        values = self._settings.read()
+        if self._settings_version != self._settings.version:
+            self._settings_version = self._settings.version
+            everything = {SELF: self.model}
+            found = {concrete: regime for regime in self.ob.regimes if not isinstance(regime, Unread)
+                     and regime.path.split(".")[0] == SELF for concrete in self._resolved(everything, regime)}
+            self._settings_regimes = [(i, found[p]) for i, p in enumerate(self._settings.paths) if p in found]
+        components = list(values)
+        for i, regime in self._settings_regimes:
+            components[i] = regime.component(values[i])
+        return (_Hosts(arguments, self._settings.paths, values),
+                (key, self._settings_version, tuple(components), tuple(map(type, values))))
 
-    def _regimes(self, hosts: dict[str, Any], roots: dict[str, Any]) -> dict[str, Regime]:
-        """The binding's regimes by the concrete paths they reach among `hosts` (resolved again only
-        when the set of paths changes: a cache's layers made at its first call)."""
+    def _resolved(self, roots: dict[str, Any], regime: Regime) -> set[str]:
+        """The concrete paths `regime` reaches on `roots` now (none where its path does not resolve:
+        a streaming state not entered yet)."""
+        try:
+            return {concrete for _, concrete, _ in resolve(roots[regime.path.split(".")[0]], regime.path)}
+        except (AttributeError, KeyError, IndexError, TypeError):
+            return set()
+
+    def _unread(self) -> frozenset[str]:
+        """The model's paths an `Unread` regime covers (the settings walk skips them and what is under them)."""
+        return frozenset(p for regime in self.ob.regimes if isinstance(regime, Unread) and regime.path.split(".")[0] == SELF
+                         for p in self._resolved({SELF: self.model}, regime))
+
+    def _argument_regimes(self, hosts: dict[str, Any], roots: dict[str, Any]) -> dict[str, Regime]:
+        """The binding's regimes by the concrete paths they reach among the arguments' host values
+        (resolved again only when their paths change: a cache's layers made at its first call)."""
         if not self.ob.regimes:
             return {}
         if self._regime_paths != hosts.keys():
             self._regime_paths = set(hosts)
             self._regime_of = {}
-            everything = {SELF: self.model, **roots}
-            for j, regime in enumerate(self.ob.regimes):
-                root = regime.path.split(".")[0]
-                try:
-                    found = {concrete for _, concrete, _ in resolve(everything[root], regime.path)}
-                except (AttributeError, KeyError, IndexError, TypeError) as error:
-                    field = f"operators[{self.binding.operators.index(self.ob)}].regimes[{j}]"
-                    raise BindingError(field, f"{regime.path!r} does not resolve on this call's arguments: {error}") from None
+            for regime in self.ob.regimes:
+                if regime.path.split(".")[0] == SELF:
+                    continue
                 # A regime covers its path and every value under it (a list of names, a state object).
+                found = self._resolved(roots, regime)
                 prefixes = tuple(f"{concrete}." for concrete in found)
                 self._regime_of.update({path: regime for path in hosts if path in found or path.startswith(prefixes)})
         return self._regime_of
 
-    def _unseen(self, cls: _Class, hosts: dict[str, Any]) -> bool:
+    def _regimes(self) -> dict[str, Regime]:
+        """Every regime by the concrete path it covers now, in the arguments and the model."""
+        return {**self._regime_of, **{self._settings.paths[i]: r for i, r in self._settings_regimes}} if self._settings else dict(self._regime_of)
+
+    def _unseen(self, cls: _Class, hosts: _Hosts, roots: dict[str, Any]) -> bool:
         """A class whose regime spans several values of a counter is verified at two of them: this
         call brings one not verified yet, while fewer than two have been."""
         if not cls.spanning or len(cls.seen) >= 2:
             return False
-        return tuple(hosts.get(p) for p in cls.spanning) not in cls.seen
+        return self._spanned(cls, hosts.as_dict(), roots) not in cls.seen
+
+    def _spanned(self, cls: _Class, hosts: dict[str, Any], roots: dict[str, Any]) -> tuple:
+        """The values of the counters `cls` spans (an `Unread` one read where it is: no guard holds it)."""
+        everything = {SELF: self.model, **roots}
+        values = (hosts[p] if p in hosts else get_path(everything, p) for p in cls.spanning)
+        return tuple(v if isinstance(v, HOST_SCALARS) else type(v).__name__ for v in values)
 
     def _units_mismatch(self, variants: list[_Class], staged: dict[str, Any]) -> str | None:
         """An int `units` says every call brings as many units: a call whose input tensors have other
@@ -772,8 +822,8 @@ class BoundOperator:
         return (f"{self.ob.operator}: the binding's units={self.ob.units} says every call brings {self.ob.units} units, "
                 f"but this call's inputs differ: {', '.join(differing) or shapes}; bind units as (argument, axis)")
 
-    def _nearest_guard(self, variants: list[_Class], hosts: dict[str, Any], regimes: dict[str, Regime], signature,
-                       modes: dict[str, Any]) -> tuple[str, str]:
+    def _nearest_guard(self, variants: list[_Class], hosts: dict[str, Any], regimes: dict[str, Regime],
+                       signature) -> tuple[str, str]:
         """The path by which this call differs from the captured variant nearest to it, and how."""
         best = None
         for cls in variants:
@@ -797,16 +847,19 @@ class BoundOperator:
     # -- capture, verification, fallback -----------------------------------------------------
 
     def _capture(self, roots, inputs, state, call: CatalogClass, modes: dict[str, Any], hosts: dict[str, Any],
-                 regimes: dict[str, Regime], variant: int) -> _Class:
+                 guards: tuple, variant: int) -> _Class:
         # Unique per program: a second program of one class (other host values) is named apart.
         name = class_name(self.ob.operator, call.call, call.extent, call.flush, modes) + (f"#{variant + 1}" if variant else "")
-        spanning = tuple(p for p, r in regimes.items() if r.spans(r.component(hosts[p])))
+        regimes = self._regimes()
+        spanning = tuple(p for p, r in regimes.items() if p in hosts and r.spans(r.component(hosts[p])))
+        everything = {SELF: self.model, **roots}
+        spanning += tuple(sorted(p for p in self._unread() if isinstance(get_path(everything, p), HOST_SCALARS)))
         cls = _Class(name, call, verify_left=self.binding.verify, hosts=dict(hosts), spanning=spanning,
                      inputs=_input_shapes(inputs))
         self._by_name[name] = cls
         started = time.perf_counter()
         example = list(state)  # the export traces fake copies of them: the carries are not written
-        key = self._export_key(inputs, example, modes, guard_key(hosts, regimes))
+        key = self._export_key(inputs, example, modes, guards)
         gm = _reused_export(key, self.model)
         if gm is not None:
             self.report.stamps.append(f"{name}: the export of a model of the same structure reused, rebound to this model's tensors")
@@ -945,6 +998,7 @@ class BoundOperator:
         the stock call's outputs, retained state and host values bit for bit."""
         counters_before = {p: get_path(roots, p) for p in self._host_counter_paths(roots)}
         hosts_before = host_values(_arguments(roots))
+        spanned = self._spanned(cls, hosts, roots)
         originals = [get_path(roots, s.path) for s in self.sites]
         rng = RngState.capture()
         with OpTrace() as graph_trace:
@@ -1021,7 +1075,7 @@ class BoundOperator:
         cls.verify_left = max(cls.verify_left - 1, 0)
         cls.verified += 1
         if cls.spanning:
-            cls.seen.add(tuple(hosts.get(p) for p in cls.spanning))
+            cls.seen.add(spanned)
         self.counters.verified += 1
         return actual
 
