@@ -2,6 +2,12 @@
 
 ``decode_command`` is total: any text either becomes a well-typed ``ClientCommand`` or raises a
 ``ProtocolError`` naming the code and the offending field, never anything else.
+
+A command with a lone UTF-16 surrogate in any string (a ``\\udXXX`` escape without its pair, or
+one encoded in a binary frame's UTF-8) is refused (``invalid_value``, naming the field): the
+string is valid JSON but not valid Unicode, and kept, it would be echoed back (an item, the
+instructions) as an escape that strict JSON parsers refuse. Refused at the door, no event the
+server sends can carry one.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import types
 import typing
 from typing import Any
@@ -20,6 +27,9 @@ from .events import COMMANDS, EVENTS, ClientCommand, ServerEvent
 # Ids a client names: longer ones are refused, so no id a session keeps or echoes is unbounded.
 MAX_ID_CHARS = 256
 _ID_FIELDS = {"event_id", "session_id", "item_id", "previous_item_id", "response_id", "resume_token"}
+# A surrogate code point in a Python string decoded from JSON: a pair of escapes decodes to the one
+# character it encodes, so any left is a lone one.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @functools.cache
@@ -69,12 +79,89 @@ def _parse_object(text: str | bytes) -> dict[str, Any]:
     return obj
 
 
+def _surrogate_in(text: str) -> re.Match | None:
+    # An ASCII string (base64 audio, ids) holds none, and Python knows it is ASCII without a scan.
+    return None if text.isascii() else _SURROGATE.search(text)
+
+
+def _may_hold_surrogate(text: str | bytes, obj: dict[str, Any]) -> bool:
+    """False when ``obj`` (decoded from ``text``) surely holds no lone surrogate, cheaply: only an
+    escape (a backslash) or a character beyond ASCII can bring one, and most frames (audio
+    appends, in base64) have neither; of those that do, only one that UTF-8 cannot encode back
+    holds one (a check at C speed, where the walk that names the string costs a microsecond for
+    each object and list in the frame)."""
+    escaped = "\\" in text if isinstance(text, str) else b"\\" in text
+    if not escaped and text.isascii():
+        return False
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _lone_surrogate(obj: dict[str, Any]) -> ProtocolError | None:
+    """The error naming a string of ``obj`` (a key or a value) that holds a lone surrogate, or
+    None; an object's or list's own strings are looked at before those nested deeper. Iterative,
+    as a frame may nest as deep as ``json`` allows; a place is kept as (its parent's place, its
+    key or index), spelled out only for the error."""
+    pending: list[tuple[dict | list, tuple | None]] = [(obj, None)]
+    while pending:
+        value, at = pending.pop()
+        if isinstance(value, dict):
+            found = next((f for f in map(_surrogate_in, value) if f is not None), None)
+            if found is not None:
+                return _surrogate_error(found, at, key=True)
+            entries: Any = value.items()
+        else:
+            entries = enumerate(value)
+        nested = []
+        for step, item in entries:
+            if isinstance(item, str):
+                found = _surrogate_in(item)
+                if found is not None:
+                    return _surrogate_error(found, (at, step))
+            elif isinstance(item, (dict, list)):
+                nested.append((item, (at, step)))
+        pending += reversed(nested)
+    return None
+
+
+def _surrogate_error(found: re.Match, at: tuple | None, key: bool = False) -> ProtocolError:
+    path = _spelled(at)
+    where = f"a key of {path or 'the frame'}" if key else path
+    return ProtocolError(
+        "invalid_value",
+        f"{where} holds a lone UTF-16 surrogate (U+{ord(found.group()):04X} at character {found.start()}): "
+        "strings must be valid Unicode, since strict JSON parsers refuse an unpaired surrogate "
+        "(RFC 8259, section 8.2); send the text as UTF-8, or pair the surrogates",
+        path or None,
+    )
+
+
+def _spelled(at: tuple | None) -> str:
+    """A place of ``_lone_surrogate`` as a dotted path: ``item.content[1].text``."""
+    parts: list[str] = []
+    while at is not None:
+        at, step = at
+        parts.append(f"[{step}]" if isinstance(step, int) else f".{step}")
+    return "".join(reversed(parts)).removeprefix(".")
+
+
 def decode_command(text: str | bytes) -> ClientCommand:
     obj = _parse_object(text)
     event_id = obj.get("event_id")
     # Errors echo the client's event_id, unless it is the very thing that is wrong with the frame.
-    client_event_id = event_id if isinstance(event_id, str) and len(event_id) <= MAX_ID_CHARS else None
+    client_event_id = (
+        event_id
+        if isinstance(event_id, str) and len(event_id) <= MAX_ID_CHARS and not _surrogate_in(event_id)
+        else None
+    )
     try:
+        if _may_hold_surrogate(text, obj):
+            lone = _lone_surrogate(obj)
+            if lone is not None:
+                raise lone
         kind = obj.get("type")
         if kind is None:
             raise ProtocolError("missing_field", "missing required field 'type'", "type")

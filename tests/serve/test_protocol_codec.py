@@ -99,6 +99,45 @@ def test_error_carries_the_client_event_id():
     assert info.value.event_id == "client-9"
 
 
+_USER_TEXT = '{"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [%s]}}'
+
+
+@pytest.mark.parametrize(
+    ("frame", "param", "lone", "event_id"),
+    [
+        ('{"type": "session.update", "event_id": "u1", "session": {"instructions": "a\\ud800b"}}',
+         "session.instructions", "U+D800 at character 1", "u1"),
+        (_USER_TEXT % '{"type": "input_text", "text": "ok"}, {"type": "input_text", "text": "\\udfff"}',
+         "item.content[1].text", "U+DFFF at character 0", None),
+        ('{"type": "session.update", "session": {"\\udc00": 1}}', "session", "U+DC00 at character 0", None),
+        # The error never echoes an event_id that holds one.
+        ('{"type": "input_audio_buffer.clear", "event_id": "x\\ud83d"}', "event_id", "U+D83D at character 1", None),
+        # A binary frame's UTF-8 may encode a surrogate itself (json.loads decodes bytes with surrogatepass).
+        (b'{"type": "session.update", "session": {"instructions": "\xed\xa0\x80"}}', "session.instructions",
+         "U+D800 at character 0", None),
+    ],
+)
+def test_a_lone_surrogate_anywhere_in_a_command_is_refused_by_name(frame, param, lone, event_id):
+    """Issue 41: a lone UTF-16 surrogate decodes to a Python string that JSON can only write back
+    as a ``\\udXXX`` escape, which strict parsers refuse: it is refused on the way in."""
+    with pytest.raises(ProtocolError) as info:
+        decode_command(frame)
+    where = "a key of session" if param == "session" else param
+    assert (info.value.code, info.value.param, info.value.event_id, info.value.message) == (
+        "invalid_value",
+        param,
+        event_id,
+        f"{where} holds a lone UTF-16 surrogate ({lone}): strings must be valid Unicode, since strict JSON "
+        "parsers refuse an unpaired surrogate (RFC 8259, section 8.2); send the text as UTF-8, or pair the "
+        "surrogates",
+    )
+
+
+def test_a_paired_surrogate_escape_is_the_character_it_encodes():
+    command = decode_command('{"type": "session.update", "event_id": "e\\ud83d\\ude00", "session": {"instructions": "\\ud83d\\ude00"}}')
+    assert (command.event_id, command.session["instructions"]) == ("e\U0001f600", "\U0001f600")
+
+
 def _delta(**extra) -> ev.ResponseOutputAudioDelta:
     return ev.ResponseOutputAudioDelta(
         event_id="event_1",

@@ -346,3 +346,38 @@ def test_errors_quote_client_strings_cut_short_and_refuse_overlong_ids(strict_se
         None,
     )
     assert long_format["message"] == f"unsupported audio format '{'f' * 63}... (50002 characters)"
+
+
+def test_a_lone_surrogate_is_refused_and_never_echoed(strict_server):
+    """Issue 41: an item whose text holds a lone surrogate (valid JSON, not valid Unicode) used to
+    be kept and echoed back as ``\\ud800``, which strict JSON parsers refuse. Now it is refused with
+    a typed error naming the field, the session goes on, and nothing was added to its history."""
+    item = '{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi \\ud800"}]}'
+
+    async def scenario():
+        sock = await strict_server.connect("/v1/duplex")
+        await sock.send('{"type": "conversation.item.create", "event_id": "c1", "item": ' + item + "}")
+        raw = await sock.ws.recv()
+        await sock.send({"type": "session.update", "session": {"type": "realtime", "instructions": "still here"}})
+        alive = await sock.recv()
+        history = strict_server.on_loop(lambda: list(strict_server.session(sock.session_id).history))
+        await sock.close()
+        return raw, alive, history
+
+    raw, alive, history = run(scenario())
+    assert json.loads(raw) == {
+        "type": "error",
+        "event_id": json.loads(raw)["event_id"],
+        "server_event_seq": 1,
+        "error": {
+            "type": "invalid_request_error",
+            "code": "invalid_value",
+            "message": "item.content[0].text holds a lone UTF-16 surrogate (U+D800 at character 3): strings must "
+            "be valid Unicode, since strict JSON parsers refuse an unpaired surrogate (RFC 8259, section 8.2); "
+            "send the text as UTF-8, or pair the surrogates",
+            "param": "item.content[0].text",
+            "event_id": "c1",
+        },
+    }
+    assert "\\ud" not in raw.lower()  # nothing of the client's text came back
+    assert (alive["type"], alive["server_event_seq"], history) == ("session.updated", 2, [])
