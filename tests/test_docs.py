@@ -15,7 +15,7 @@ from cadence_fx.cli import build_parser
 from cadence_fx.docs import DOCS, generated
 
 ROOT = DOCS.parent
-PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]  # docs/families/ too
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)|\b(?:src|href)=\"([^\"]+)\"")
 
