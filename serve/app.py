@@ -2,8 +2,9 @@
 
 Routes: ``/v1/realtime`` (WebSocket; Tier 1 only, or the duplex extensions with ``?duplex=1``),
 ``/v1/duplex`` (WebSocket, always duplex), ``/v1/models``, ``/health``, and the browser page at
-``/`` (its files under ``/static``, shipped in the package). Every route but ``/health`` asks for
-the API key when the server has one (``access.py``).
+``/`` (its files under ``/static``, shipped in the package). Every route answers only to the
+server's own host names, and every route but ``/health`` and the page asks for the API key when
+the server has one (``access.py``).
 """
 
 from __future__ import annotations
@@ -196,7 +197,10 @@ def uvicorn_config(
 ) -> uvicorn.Config:
     """The one uvicorn configuration of every server this package starts (``run_server``,
     ``cadence-fx serve``, ``background_server``). ``forwarded_allow_ips``: the peers whose
-    ``X-Forwarded-For`` names the client (uvicorn's default, None, trusts 127.0.0.1 only)."""
+    ``X-Forwarded-For`` names the client, as uvicorn reads it (``Access.forwarded_allow_ips``);
+    None: no peer's, and the header is not read at all. (uvicorn's own default trusts 127.0.0.1,
+    so any local process, or a proxy on the host that passes the header through, could name a
+    new client on each connection, past the per-client session limit: issue 41.)"""
     return uvicorn.Config(
         app,
         host=host,
@@ -211,6 +215,7 @@ def uvicorn_config(
         lifespan="on",
         ssl_keyfile=None if tls is None else tls.keyfile,
         ssl_certfile=None if tls is None else tls.certfile,
+        proxy_headers=forwarded_allow_ips is not None,
         forwarded_allow_ips=forwarded_allow_ips,
     )
 
@@ -238,12 +243,12 @@ def run_server(
 ) -> None:
     """Serve until interrupted (``cadence-fx serve``); SIGTERM and SIGINT drain the sessions first.
     ``on_ready(base_url, health)`` is called once the model is loaded and ``/health`` answers."""
-    limits, access = limits or Limits(), access or Access()
+    limits, access = limits or Limits(), (access or Access()).serving(host)
     notice = access.open_notice(host, port)
     if notice is not None:
         print(f"cadence-fx serve: {notice}", file=sys.stderr, flush=True)
     app = create_app(lambda: load_plugin(plugin_name, **(plugin_options or {})), limits, access, settle_heap=True)
-    server = Server(uvicorn_config(app, host, port, limits, tls))
+    server = Server(uvicorn_config(app, host, port, limits, tls, access.forwarded_allow_ips))
     if on_ready is not None:
         base = f"{'https' if tls else 'http'}://{f'[{host}]' if ':' in host else host}:{port}"
         threading.Thread(target=_announce, args=(server, base, on_ready, access), name="ready", daemon=True).start()
@@ -350,10 +355,12 @@ def background_server(
 ) -> Iterator[BackgroundServer]:
     """``start_timeout_s`` covers the plugin's startup (its ``reserve``), which a model may take a
     while over. ``port``: a free one unless given. ``session_prefix``, ``settle_heap`` and
-    ``forwarded_allow_ips``: as in ``create_app`` and ``uvicorn_config``."""
-    limits = limits or Limits()
+    ``forwarded_allow_ips`` (by default ``access``'s): as in ``create_app`` and ``uvicorn_config``."""
+    limits, access = limits or Limits(), (access or Access()).serving(host)
     port = port or free_port(host)
     app = create_app(plugin_factory, limits, access, session_prefix, settle_heap)
+    if forwarded_allow_ips is None:
+        forwarded_allow_ips = access.forwarded_allow_ips
     server = Server(uvicorn_config(app, host, port, limits, tls, forwarded_allow_ips))
     thread = threading.Thread(target=server.run, name=f"uvicorn:{port}", daemon=True)
     thread.start()

@@ -24,6 +24,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.replicas is not None and not args.ray:
         raise ValueError("--replicas goes with --ray (without it, one server process serves every session)")
+    if args.trusted_proxy and args.ray:
+        raise ValueError(
+            "--trusted-proxy does not go with --ray: there Ray Serve's HTTP proxy takes the client's address, "
+            "and the replicas trust only the ingress's word for it"
+        )
     options = dict(args.plugin_option)
     for flag, value, accepts, what in (("--weights", args.weights, loads_weights, "loads no checkpoint"),
                                        ("--prompt", args.prompt, takes_prompt, "takes no speaker prompt"),
@@ -55,7 +60,13 @@ def _serve(args: argparse.Namespace) -> int:
         reply_lead_s=args.reply_lead,
     )
     api_key = args.api_key if args.api_key is not None else os.environ.get("CADENCE_FX_API_KEY")
-    access = Access(api_key=api_key, allowed_origins=tuple(args.allow_origin), docs=args.docs)
+    access = Access(
+        api_key=api_key,
+        allowed_origins=tuple(args.allow_origin),
+        docs=args.docs,
+        allowed_hosts=tuple(args.allowed_host),
+        trusted_proxies=tuple(args.trusted_proxy),
+    )
     weights = f" with the weights of {args.weights}" if args.weights else ""
     print(f"loading {args.model}{weights}...", file=sys.stderr, flush=True)
 
@@ -167,6 +178,24 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         help="a browser origin (scheme://host:port) allowed besides the server's own; repeatable; '*' allows any",
+    )
+    serve.add_argument(
+        "--allowed-host",
+        metavar="NAME",
+        action="append",
+        default=[],
+        help="a host name (or address) clients reach the server by, besides its own address and localhost, "
+        "127.0.0.1, ::1: a request whose Host names anything else is refused (421), so no other site's page "
+        "whose DNS name was rebound to this address can use it; repeatable; '*' allows any",
+    )
+    serve.add_argument(
+        "--trusted-proxy",
+        metavar="ADDRESS",
+        action="append",
+        default=[],
+        help="a reverse proxy (an IP address, or a network such as 10.0.0.0/8) whose X-Forwarded-For names the "
+        "client, as the per-client session limit counts it; repeatable; '*' trusts any peer (default: none, "
+        "and the header is ignored)",
     )
     serve.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json")
     serve.add_argument(

@@ -480,6 +480,7 @@ def run_ray(
     notice = spec.access.open_notice(host, port)
     if notice is not None:
         print(f"cadence-fx serve: {notice}", file=sys.stderr, flush=True)
+    spec = replace(spec, access=spec.access.serving(host))  # the ingress answers to the name it was started on
     ray.init(include_dashboard=False)  # on this thread: Ray's local processes die with the thread that started them
     try:
         spec = sized(spec, replicas)

@@ -62,6 +62,10 @@ def test_ready_line_over_tls(tmp_path):
         (["--ssl-keyfile", "nokey.pem", "--ssl-certfile", "nocert.pem"],
          "no such file 'nokey.pem' (expected a PEM key or certificate)"),
         (["--replicas", "2"], "--replicas goes with --ray (without it, one server process serves every session)"),
+        (["--ray", "--trusted-proxy", "10.0.0.1"], "--trusted-proxy does not go with --ray: there Ray Serve's HTTP "
+         "proxy takes the client's address, and the replicas trust only the ingress's word for it"),
+        (["--allowed-host", "https://voice.example"], "allowed host 'https://voice.example' must be a host name or "
+         "address, without a scheme, port or path (voice.example, 10.0.0.5, ::1), or '*'"),
     ],
 )
 def test_bad_tls_options_are_one_sentence(options, sentence, capsys):
