@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import socket
@@ -34,6 +35,7 @@ from cadence_fx.memory import DeviceMemory
 
 from .access import Access, AccessMiddleware
 from .plugins import ModelPlugin, load_plugin
+from .request_timeout import RequestTimeoutProtocol
 from .runtime.heap import PAUSES, settle
 from .session import Connection, Limits, SessionManager, Transport
 
@@ -205,6 +207,8 @@ def uvicorn_config(
         app,
         host=host,
         port=port,
+        # uvicorn's HTTP protocol, with a deadline for each request to arrive whole (Limits.request_timeout_s).
+        http=functools.partial(RequestTimeoutProtocol, request_timeout_s=limits.request_timeout_s),
         ws="websockets-sansio",
         ws_max_size=frame_ceiling(limits),
         # No permessage-deflate: the events are mostly base64 audio, which deflates by a quarter at

@@ -43,6 +43,7 @@ class Limits:
     heartbeat_s: float = 0.0  # 0: no session.heartbeat events
     workers: int = 4  # threads for decode and resampling (model calls get one thread per session slot)
     reply_lead_s: float = 0.0  # 0: a reply is computed as fast as the model goes; above: at most this far ahead of playback
+    request_timeout_s: float = 10.0  # an HTTP request (a WebSocket handshake too) must arrive whole within this: 408, closed
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -50,6 +51,11 @@ class Limits:
                 raise ValueError(f"Limits.{name} must not be negative, got {value}")
         if self.max_sessions_per_client < 1:
             raise ValueError("Limits.max_sessions_per_client must be at least 1")
+        if self.request_timeout_s <= 0:
+            raise ValueError(
+                f"Limits.request_timeout_s must be above 0 (seconds a request may take to arrive whole), "
+                f"got {self.request_timeout_s}"
+            )
         if self.outbound_bytes < self.largest_event_bytes:
             raise ValueError(
                 f"Limits.outbound_bytes ({self.outbound_bytes}) must hold the largest event a session can "

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import socket
 
+import httpx
 import pytest
 import websockets.sync.client
 from cadence_fx.serve.app import frame_ceiling
@@ -381,3 +384,61 @@ def test_a_lone_surrogate_is_refused_and_never_echoed(strict_server):
     }
     assert "\\ud" not in raw.lower()  # nothing of the client's text came back
     assert (alive["type"], alive["server_event_seq"], history) == ("session.updated", 2, [])
+
+
+def _until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends on ``sock`` until it closes it (at most 10 s)."""
+    sock.settimeout(10)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_a_request_that_never_arrives_whole_gets_408_and_is_closed():
+    """Issue 41: half-sent requests held their sockets forever, and 300 of them used up the
+    process's open files (/health failed). Now a request must arrive whole within
+    request_timeout_s of its socket's opening; a WebSocket, once open, is not timed."""
+    limits = Limits(max_sessions=64, max_sessions_per_client=64, request_timeout_s=0.5)
+    with running(limits) as server:
+        address = ("127.0.0.1", server.handle.port)
+        half_head, half_line, silent, half_body = (socket.create_connection(address) for _ in range(4))
+        half_head.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # the head's blank line never comes
+        half_line.sendall(b"GET /hea")
+        half_body.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\nab")
+        half_head.settimeout(0.2)
+        with pytest.raises(socket.timeout):  # not before the timeout
+            half_head.recv(1)
+        answers = [_until_closed(sock) for sock in (half_head, half_line, silent, half_body)]
+        for sock in (half_head, half_line, silent, half_body):
+            sock.close()
+
+        async def session_outlives_the_timeout():
+            sock = await server.connect("/v1/duplex")
+            await asyncio.sleep(1.0)
+            alive = await sock.update({"instructions": "still here"})
+            await sock.close()
+            return alive
+
+        alive = run(session_outlives_the_timeout())
+        health = httpx.get(server.handle.http_url + "/health").status_code
+    body = b"the request did not arrive whole within request_timeout_s=0.5 s: send its line, headers and body at once"
+    timed_out = {
+        "status": b"HTTP/1.1 408 Request Timeout",
+        "content-type": b"text/plain; charset=utf-8",
+        "content-length": str(len(body)).encode(),
+        "connection": b"close",
+        "body": body,
+    }
+    assert [_response(a) for a in answers[:3]] == [timed_out] * 3
+    # The body never came whole, but /health answered without reading it: the socket is closed, no 408 after a 200.
+    assert _response(answers[3])["status"] == b"HTTP/1.1 200 OK" and answers[3].count(b"HTTP/1.1") == 1
+    assert (alive["session"]["instructions"], health) == ("still here", 200)
+
+
+def _response(raw: bytes) -> dict:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status, *lines = head.split(b"\r\n")
+    headers = dict(line.split(b": ", 1) for line in lines)
+    kept = {name.decode(): headers[name] for name in (b"content-type", b"content-length", b"connection") if name in headers}
+    return {"status": status, **kept, "body": body}

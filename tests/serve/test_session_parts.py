@@ -110,3 +110,9 @@ def test_ledger_invariants_hold_and_catch_a_lost_sample():
 def test_limits_refuse_negative_bounds():
     with pytest.raises(ValueError, match="Limits.grace_s must not be negative"):
         Limits(grace_s=-1)
+
+
+def test_limits_refuse_a_request_timeout_of_zero():
+    with pytest.raises(ValueError) as info:
+        Limits(request_timeout_s=0)
+    assert str(info.value) == "Limits.request_timeout_s must be above 0 (seconds a request may take to arrive whole), got 0"
