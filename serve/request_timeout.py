@@ -12,8 +12,9 @@ or from the end of the previous response, to the request's end (its line, header
 for a WebSocket handshake, its headers, after which the socket belongs to the WebSocket protocol and
 no deadline applies). Missed, a request whose headers had not all come is answered ``408 Request
 Timeout`` (``Connection: close``); one whose headers had come may have been answered already, and
-its socket is closed without another answer. A response being computed is never timed: the deadline
-stops once the request is whole, and restarts when its response is done.
+its socket is closed without another answer. A response being computed is never timed nor cut: the
+deadline stops once the request is whole, waits while a response is under way, and restarts when it
+is done.
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ class RequestTimeoutProtocol(HttpToolsProtocol):
     def _expired(self) -> None:
         self._deadline = None
         if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A whole request is being answered (a later one, pipelined, is still coming): neither
+            # a 408 nor a close may cut into its response. The deadline restarts when it is done.
             return
         if not self._headers_complete:
             body = (
