@@ -402,15 +402,16 @@ def test_a_request_that_never_arrives_whole_gets_408_and_is_closed():
     limits = Limits(max_sessions=64, max_sessions_per_client=64, request_timeout_s=0.5)
     with running(limits) as server:
         address = ("127.0.0.1", server.handle.port)
-        half_head, half_line, silent, half_body = (socket.create_connection(address) for _ in range(4))
+        half_head, half_line, silent, half_body, pipelined = (socket.create_connection(address) for _ in range(5))
         half_head.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # the head's blank line never comes
         half_line.sendall(b"GET /hea")
         half_body.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\nab")
+        pipelined.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\nGET /hea")  # one whole, one half
         half_head.settimeout(0.2)
         with pytest.raises(socket.timeout):  # not before the timeout
             half_head.recv(1)
-        answers = [_until_closed(sock) for sock in (half_head, half_line, silent, half_body)]
-        for sock in (half_head, half_line, silent, half_body):
+        answers = [_until_closed(sock) for sock in (half_head, half_line, silent, half_body, pipelined)]
+        for sock in (half_head, half_line, silent, half_body, pipelined):
             sock.close()
 
         async def session_outlives_the_timeout():
@@ -433,6 +434,9 @@ def test_a_request_that_never_arrives_whole_gets_408_and_is_closed():
     assert [_response(a) for a in answers[:3]] == [timed_out] * 3
     # The body never came whole, but /health answered without reading it: the socket is closed, no 408 after a 200.
     assert _response(answers[3])["status"] == b"HTTP/1.1 200 OK" and answers[3].count(b"HTTP/1.1") == 1
+    # The whole request is answered, then the half one after it gets its 408.
+    first, second = answers[4].split(b"HTTP/1.1 408", 1)
+    assert _response(first)["status"] == b"HTTP/1.1 200 OK" and _response(b"HTTP/1.1 408" + second) == timed_out
     assert (alive["session"]["instructions"], health) == ("still here", 200)
 
 
