@@ -95,6 +95,7 @@ class OperatorCounters:
     verified: int = 0  # calls run beside the stock call and found bit-identical
     stock: int = 0  # calls that ran the stock code
     adopted: int = 0  # sites whose tensor was not the carry's and was copied into it
+    evicted: int = 0  # sites copied out of the carries to another stream's state object before this stream's call
     stock_by_reason: dict[str, int] = field(default_factory=dict)
 
     def fallback(self, reason: str) -> None:
@@ -397,6 +398,9 @@ class BoundOperator:
         # in the model's own tensors: `region_tensors`).
         self.shared = shared
         self.roots = {p.split(".")[0] for rb in self.regions for p in rb.at} | {p.split(".")[0] for p in ob.counters}
+        # The arguments the binding's paths go through (a state object, not a site itself).
+        self._through = {p.split(".")[0] for rb in self.regions for p in rb.at if "." in p} | {
+            p.split(".")[0] for p in ob.counters if "." in p} - {SELF}
         self.counters = OperatorCounters()
         self.classes: dict[tuple, _Class] = {}
         self.carries: dict[str, WindowCarry] = {}
@@ -411,6 +415,7 @@ class BoundOperator:
         self._replay_wanted = replay
         self.replay: ExactShapeReplay | None = None
         self._by_name: dict[str, _Class] = {}
+        self._owner: tuple | None = None  # (identity, roots) of the state objects of the last call
         self._current: _Class | None = None
         self._unbounded: set[tuple[int, int, str]] = set()  # (units, extent, guard path) said once
         self._settings = ModuleSettings(model, self._unread) if isinstance(model, torch.nn.Module) else None
@@ -445,10 +450,12 @@ class BoundOperator:
         missing = self.roots - set(roots)
         if missing:
             raise TypeError(f"{self.ob.operator}: the call passes no {sorted(missing)}, where the binding keeps its state")
+        self._switch(roots)
         inputs = {k: v for k, v in arguments.items() if k not in self.roots}
         modes = self._modes(arguments)
-        if any(roots[name] is None for name in roots if name != SELF):
-            # No state yet (the stock call makes it), whether or not a stream ran before.
+        if any(roots[name] is None for name in self._through if name in roots):
+            # No state object yet (the stock call makes it), whether or not a stream ran before; an
+            # argument that is itself a site is its state, None while nothing is retained (L = 0).
             return self._stock(roots, inputs, "no_state_yet")
         if not self.carries:
             if any(not sites(rb, roots) for rb in self.regions):
@@ -473,12 +480,14 @@ class BoundOperator:
         shapes = tuple(None if v is None else (tuple(v.shape), v.stride(), v.dtype, v.device, v.layout) for v in state)
         # A mode by its type and repr: values equal to Python (True and 1, 0.0 and -0.0) are not the same program.
         mode_key = tuple((path, type(value).__name__, repr(value)) for path, value in modes.items())
-        hosts, guards = self._guarded(roots)
-        key = (units, extent, shapes, mode_key, signature.catalog_key, guards)
+        hosts, counted, guards = self._guarded(roots)
+        key = (units, extent, counted, shapes, mode_key, signature.catalog_key, guards)
         cls = self.classes.get(key)
         if cls is None:
-            variants = [c for k, c in self.classes.items() if k[:2] == key[:2]]
-            mismatch = self._units_mismatch(variants, staged)
+            # A class is its catalog class and its regimes' components; its variants are the
+            # programs the other values make (at most VARIANTS).
+            variants = [c for k, c in self.classes.items() if k[:3] == key[:3]]
+            mismatch = self._units_mismatch([c for k, c in self.classes.items() if k[0] == units], staged)
             if mismatch is not None:
                 return self._stock(roots, inputs, "units", mismatch)
             if len(variants) >= VARIANTS:
@@ -491,8 +500,9 @@ class BoundOperator:
                         f"{class_name(self.ob.operator, units, extent)}: {VARIANTS} variants captured and this call differs "
                         f"from each ({why}): runs the stock code from here; pass a value that changes every call as a "
                         "tensor, or declare the counter's regime in the binding (`OperatorBinding.regimes`)")
-                return self._stock(roots, inputs, f"guard:{path}")
-            cls = self.classes[key] = self._capture(roots, staged, state, call, modes, hosts.as_dict(), guards, len(variants))
+                return self._stock(roots, inputs, "variants" if path == "signature" else f"guard:{path}")
+            cls = self.classes[key] = self._capture(roots, staged, state, call, modes, hosts.as_dict(), counted, guards,
+                                                    len(variants))
         if cls.refused is not None:
             return self._stock(roots, inputs, "refused")
         if cls.verify_left > 0 or self._unseen(cls, hosts, roots):
@@ -511,6 +521,33 @@ class BoundOperator:
             # each call its own copy of a value set, never one object shared by every stream
             where.set(where.get() + value if kind == "add" else copy.deepcopy(value))
         return self._rebuild(cls, outputs, roots)
+
+    def _switch(self, roots: dict[str, Any]) -> None:
+        """Another stream's state objects than the last call's: the last stream's state that is the
+        carries' (its objects hold their views) is copied out to it first, so the carries can take
+        this stream's without overwriting the other's (two caches interleaved on one model, no
+        session states swapped). State a call returns (`out`) is the caller's to keep apart."""
+        owner = tuple((name, id(value)) for name, value in roots.items() if name != SELF)
+        last = self._owner
+        self._owner = (owner, roots)
+        if last is None or last[0] == owner or not self.carries:
+            return
+        previous = last[1]
+        if any(previous[name] is None for name in previous if name != SELF):
+            return
+        for site in self.sites:
+            if site.out is not None or site.path.split(".")[0] == SELF:
+                continue
+            try:
+                where = place(previous, site.path)
+                value = where.get()
+            except (AttributeError, KeyError, IndexError, TypeError):
+                continue  # the other stream's object no longer has the site: nothing of ours in it
+            held = self.held.get(site.path) if site.region is None else None
+            if isinstance(value, torch.Tensor) and ((held is not None and value is held)
+                                                    or (site.region is not None and self.carries[site.path].holds(value))):
+                where.set(value.clone())
+                self.counters.evicted += 1
 
     def _arguments(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The call's arguments by name, extra keywords (a method's ``**kwargs``) flattened in."""
@@ -740,15 +777,18 @@ class BoundOperator:
 
     # -- guards ------------------------------------------------------------------------------
 
-    def _guarded(self, roots: dict[str, Any]) -> tuple[_Hosts, tuple]:
+    def _guarded(self, roots: dict[str, Any]) -> tuple[_Hosts, tuple, tuple]:
         """Every host value the call's program may depend on, those in its state arguments and in the
-        model's modules (`cadence_fx.guards`), by path; and the class key they make, each value
-        by its regime (none: itself, with its type: True and 1 are not the same program)."""
+        model's modules (`cadence_fx.guards`), by path; the components of those a regime keys (the
+        class is theirs, as it is its catalog class's); and the key the others make, each by its
+        value and type (True and 1 are not the same program)."""
         arguments = host_values(_arguments(roots))
         regimes = self._argument_regimes(arguments, roots)
-        key = guard_key(arguments, regimes)
+        counted = tuple((p, regimes[p].component(arguments[p])) for p in regimes if p in arguments
+                        and not isinstance(regimes[p], Unread))
+        key = guard_key({p: v for p, v in arguments.items() if p not in regimes}, regimes)
         if self._settings is None:
-            return _Hosts(arguments, (), []), (key,)
+            return _Hosts(arguments, (), []), counted, (key,)
         values = self._settings.read()
         if self._settings_version != self._settings.version:
             self._settings_version = self._settings.version
@@ -758,8 +798,9 @@ class BoundOperator:
             self._settings_regimes = [(i, found[p]) for i, p in enumerate(self._settings.paths) if p in found]
         components = list(values)
         for i, regime in self._settings_regimes:
-            components[i] = regime.component(values[i])
-        return (_Hosts(arguments, self._settings.paths, values),
+            components[i] = None  # keyed by its regime, in `counted`
+            counted += ((self._settings.paths[i], regime.component(values[i])),)
+        return (_Hosts(arguments, self._settings.paths, values), counted,
                 (key, self._settings_version, tuple(components), tuple(map(type, values))))
 
     def _resolved(self, roots: dict[str, Any], regime: Regime) -> set[str]:
@@ -809,13 +850,14 @@ class BoundOperator:
         values = (hosts[p] if p in hosts else get_path(everything, p) for p in cls.spanning)
         return tuple(v if isinstance(v, HOST_SCALARS) else type(v).__name__ for v in values)
 
-    def _units_mismatch(self, variants: list[_Class], staged: dict[str, Any]) -> str | None:
+    def _units_mismatch(self, classes: list[_Class], staged: dict[str, Any]) -> str | None:
         """An int `units` says every call brings as many units: a call whose input tensors have other
-        shapes than the class's first capture (a 12-frame prefill met as a 4-frame step) is not it."""
-        if not isinstance(self.ob.units, int) or not variants:
+        shapes than the first class of those units captured (a 12-frame prefill met as a 4-frame
+        step) is not one of them."""
+        if not isinstance(self.ob.units, int) or not classes:
             return None
         shapes = _input_shapes(staged)
-        first = variants[0].inputs
+        first = classes[0].inputs
         if shapes == first:
             return None
         differing = [f"{path} {a} (the class was captured at {b})" for (path, a), (_, b) in zip(shapes, first) if a != b]
@@ -847,9 +889,11 @@ class BoundOperator:
     # -- capture, verification, fallback -----------------------------------------------------
 
     def _capture(self, roots, inputs, state, call: CatalogClass, modes: dict[str, Any], hosts: dict[str, Any],
-                 guards: tuple, variant: int) -> _Class:
-        # Unique per program: a second program of one class (other host values) is named apart.
-        name = class_name(self.ob.operator, call.call, call.extent, call.flush, modes) + (f"#{variant + 1}" if variant else "")
+                 counted: tuple, guards: tuple, variant: int) -> _Class:
+        # Unique per program: a class by its regimes' components, a second program of one class
+        # (other host values) by its number.
+        name = (class_name(self.ob.operator, call.call, call.extent, call.flush, modes)
+                + "".join(f"<{path}~{component!r}>" for path, component in counted) + (f"#{variant + 1}" if variant else ""))
         regimes = self._regimes()
         spanning = tuple(p for p, r in regimes.items() if p in hosts and r.spans(r.component(hosts[p])))
         everything = {SELF: self.model, **roots}
@@ -859,7 +903,7 @@ class BoundOperator:
         self._by_name[name] = cls
         started = time.perf_counter()
         example = list(state)  # the export traces fake copies of them: the carries are not written
-        key = self._export_key(inputs, example, modes, guards)
+        key = self._export_key(inputs, example, modes, (counted, guards))
         gm = _reused_export(key, self.model)
         if gm is not None:
             self.report.stamps.append(f"{name}: the export of a model of the same structure reused, rebound to this model's tensors")
@@ -949,7 +993,9 @@ class BoundOperator:
                 site=site.path, region=site.region, output=out_leaves[i],
                 input=None if example[i] is None else positions.get(f"[0][1][{i}]"),
                 axis=self.carries[site.path].axis, keep=keep,
-                live=retained + call.call,
+                # Each region advances by its own units: the operator's call on its own region,
+                # another region's stride on that one (a downsampled path beside the main one).
+                live=retained + (call.call if site.region == self.op.region else region.stride),
                 held=region.holds_call,
                 head=region.retention.prompt if isinstance(region.retention, PromptPlusHistory) else 0,
                 copy=site.out is not None,
@@ -1253,6 +1299,11 @@ class BoundModel(Transformed):
         return list({id(c): c for c in carries}.values())  # operators binding one region share its carries
 
     def resident(self) -> tuple[list[torch.Tensor], list[int]]:
+        """The carries and held counters (read by `session_state`, `swap_in` and `swap_out`): the
+        caller swapping streams' states decides what the carries hold from here, so no operator
+        copies a stream's state out of them on its own when the next call's objects differ."""
+        for op in self.operators.values():
+            op._owner = None
         carries = self._carries()
         buffers = [t for op in self.operators.values() for rb in op.regions for t in op.region_tensors[rb.region]]
         buffers += [t for op in self.operators.values() for t in op.held.values()]

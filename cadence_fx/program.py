@@ -89,10 +89,33 @@ class OpTrace(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not _ignored(func):
-            described = tuple(pytree.tree_map(_leaf, list(args)))
-            described += tuple((name, pytree.tree_map(_leaf, value)) for name, value in sorted(kwargs.items()))
-            self.records.append(OpRecord(str(func), _freeze(described)))
+            self.records.append(OpRecord(str(func), _freeze(tuple(pytree.tree_map(_leaf, _normalised(func, args, kwargs))))))
         return func(*args, **kwargs)
+
+
+#: Arguments an op's kernels never read, which export sets otherwise than a stock call: the
+#: functional `layer_norm` and `group_norm` pass `torch.backends.cudnn.enabled`, export passes
+#: False, and both ops run their native kernel whatever it says.
+_UNREAD_ARGUMENTS = {"aten.layer_norm.default": "cudnn_enable", "aten.group_norm.default": "cudnn_enabled"}
+
+
+def _normalised(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list:
+    """Every argument of the op's schema, positional or keyword, a default left out filled in:
+    export spells out what the stock call leaves at its default (`layer_norm`'s `eps`)."""
+    values = []
+    unread = _UNREAD_ARGUMENTS.get(str(func))
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.name == unread:
+            continue
+        if i < len(args):
+            values.append(args[i])
+        elif argument.name in kwargs:
+            values.append(kwargs[argument.name])
+        elif argument.has_default_value():
+            values.append(argument.default_value)
+        else:
+            values.append(None)
+    return values
 
 
 def _freeze(value: Any) -> Any:
