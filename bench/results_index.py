@@ -6,8 +6,9 @@
 A current record is a JSON file directly in bench/results/: one per benchmark, model, size and arm
 set, the newest commit of them. Older runs and run variants are kept in bench/results/history/ and
 are not indexed. For each record the page lists its headline figures (read from the record, never
-typed in), the command that wrote it, its commit, the device and the commit's date (from git: the
-records carry no date of their own). tests/test_results_index.py regenerates the page and fails
+typed in), the command that wrote it, its commit, the device and the commit's date (the record's
+`date`, the date of its commit, written into each current record so a shallow clone indexes it
+too; from git for a record without one). tests/test_results_index.py regenerates the page and fails
 when the committed one differs, so a record added or moved without running this script fails CI.
 
 Every record must carry "commit", "command" and "device" (bench/soak.py names the device
@@ -247,7 +248,8 @@ def provenance(name: str, record: dict) -> dict[str, str | None]:
 
 
 def commit_date(name: str, commit: str, root: Path = ROOT) -> str:
-    """The date (YYYY-MM-DD) of a record's commit, from git."""
+    """The date (YYYY-MM-DD) of a record's commit, from git (for a record that does not carry its
+    own `date`)."""
     done = subprocess.run(["git", "show", "-s", "--format=%cs", f"{commit}^{{commit}}"], cwd=root,
                           capture_output=True, text=True)
     if done.returncode != 0 or not done.stdout.strip():
@@ -280,7 +282,7 @@ def entries(results: Path = RESULTS, root: Path = ROOT) -> list[dict]:
         except (KeyError, TypeError) as exc:
             raise RecordError(f"bench/results/{path.name}: its {bench} figures lack {exc}") from exc
         found.append({"name": path.name, "benchmark": bench, **prov,
-                      "date": commit_date(path.name, prov["commit"], root), "figures": figures})
+                      "date": record.get("date") or commit_date(path.name, prov["commit"], root), "figures": figures})
     return sorted(found, key=lambda e: (e["benchmark"], e["name"]))
 
 
