@@ -2,7 +2,7 @@
 
     python bench/plot_token2wav.py bench/results/token2wav.json bench/results/history/token2wav_encoder_replay.json \
         bench/results/token2wav_fp16.json bench/results/token2wav_capacity.json \
-        --png bench/results/token2wav.png --readme README.md
+        --png bench/results/token2wav.png --readme docs/families/token2wav.md
 
 The PNG is drawn from the first record; the table covers every record given.
 """

@@ -7,7 +7,7 @@ random weights from a fixed seed, nothing downloaded, real codebook counts, dela
 and ring capacities; or, with ``weights``, a published checkpoint of that size (``moshi-full``
 with ``kyutai/moshiko-pytorch-bf16`` or ``kyutai/moshika-pytorch-bf16``: the real Moshi). TINY
 is SMALL cut down for 8 sessions on 2 CPU cores (one layer per transformer, widths of 32, 8-dimensional codebook vectors, 4 SEANet filters and no residual
-units; what it keeps is listed at its definition); ``bench/results/serve_load_moshi.json`` is
+units; what it keeps is listed at its definition); ``bench/results/history/serve_load_moshi.json`` is
 what 8 sessions of it measured. FULL is Moshi 7B as shipped (the 7.7B-parameter LM in bfloat16
 and Mimi), on CUDA. Every size runs full duplex on its native clock, its sessions as the
 **slots** of one batch per place (``models/moshi_slots.py``: one Mimi and one ``LMGen`` at batch
@@ -88,8 +88,8 @@ costs about the same at any fill).
   replayed tick is a few CUDA graphs launched between the vendor's eager glue, and that glue
   competes for the interpreter with the server's event loop when both share a process: measured
   at 64 sessions on the H200, the device's span of a tick was 59.4 ms in the server process and
-  51.2 ms in a worker (``bench/results/serve_load_moshi_full_64_ahead.json``,
-  ``serve_load_moshi_full_64_worker.json``). A second worker would need a second copy of FULL's
+  51.2 ms in a worker (``bench/results/history/serve_load_moshi_full_64_ahead.json``,
+  ``history/serve_load_moshi_full_64_worker.json``). A second worker would need a second copy of FULL's
   15 GB of weights. ``processes=0`` ticks on one thread of the server process instead (the thread
   sets no process-wide torch option but the vendor's no-compile flag, held while the plugin is
   open, and on a GPU deterministic kernels for the life of the process); the CPU tests use it.

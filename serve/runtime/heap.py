@@ -6,7 +6,7 @@ long as the process, and its sessions' short-lived objects, promoted into genera
 full collection come every few seconds. Traced by hand at 64 ``moshi-tiny`` sessions with each
 tick a 57.5 ms sleep (2 CPU cores): full collections took 155 to 246 ms, every tick that took
 over 100 ms had one inside it, and the replies that stalled most each had one such gap between two deltas
-(``bench/results/serve_load_moshi_tiny_tick_double_64_e902e0c.json``: stall p95 130 ms).
+(``bench/results/history/serve_load_moshi_tiny_tick_double_64_e902e0c.json``: stall p95 130 ms).
 
 ``settle()``, once the process has loaded what it keeps for its life (the server after the
 plugin's ``reserve``, a model worker after its batch), collects once and moves every object left

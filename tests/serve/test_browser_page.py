@@ -1,7 +1,7 @@
 """The browser page at ``/``: served from the package, and used for real in headless Chromium
 (Debian's chromium and chromedriver, driven by selenium) with a fake microphone that plays a WAV.
 
-Set CADENCE_FX_SCREENSHOT=bench/results/browser_page.png to keep the screenshot the README shows."""
+Set CADENCE_FX_SCREENSHOT=bench/results/browser_page.png to keep the screenshot docs/serving.md shows."""
 
 from __future__ import annotations
 
