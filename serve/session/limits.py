@@ -1,6 +1,6 @@
 """Every bound the service enforces, in one frozen record passed to the app factory.
 
-A session's memory is bounded in bytes, in three parts (docs/serving.md, "Limits and the delivery guarantee"):
+A session's memory is bounded in bytes, in three parts (docs/serving.md, "The service's limits, delivery guarantee and access"):
 
 * ``input_bytes``: commands that carry data (appends, item and session updates, response requests)
   while queued, the uncommitted input audio, and the kept history: conversation items and the
