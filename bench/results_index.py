@@ -182,6 +182,14 @@ def _binding_wide(r: dict) -> list[str]:
             f"calls took {streams} (stock {r['stock_stream_seconds']:.2f} s); all bit-identical: {_yes(exact)}"]
 
 
+def _fuzz(r: dict) -> list[str]:
+    subjects = r["subjects"]
+    calls = sum(s["calls"] for s in subjects.values())
+    graphs = {name: s["guard_us_per_call"] for name, s in subjects.items()}
+    return [f"{calls} calls over {len(subjects)} models ({r['seeds']} schedules of {r['steps']} steps each): "
+            f"{r['wrong']} wrong outputs; guard check per call (us): {graphs}"]
+
+
 def _pipeline_host(r: dict) -> list[str]:
     host = [run["host_ms"]["p50"] for run in r["runs"]]
     return [f"host time a frame, p50 over {len(host)} runs: {min(host):.2f} to {max(host):.2f} ms ({r['config']})"]
@@ -200,6 +208,7 @@ def _symbolic_export(r: dict) -> list[str]:
 
 HEADLINES: dict[str, Callable[[dict], list[str]]] = {
     "binding_wide": _binding_wide,
+    "fuzz": _fuzz,
     "gpu_tests": _gpu_tests,
     "interop": _interop,
     "moshi": _moshi,

@@ -126,6 +126,18 @@ def _children(value: Any) -> Any:
     return None
 
 
+def _seen(value: Any, seen: set[int]) -> bool:
+    """Whether the walk met this object already (a cycle, a state object two paths share); a
+    tuple is walked wherever it is met: constant tuples are shared by unrelated paths, and a
+    tuple alone makes no cycle."""
+    if isinstance(value, tuple):
+        return False
+    if id(value) in seen:
+        return True
+    seen.add(id(value))
+    return False
+
+
 def _items(children: Any):
     return children.items() if isinstance(children, dict) else enumerate(children)
 
@@ -136,9 +148,8 @@ def _walk(value: Any, path: str, depth: int, found: dict[str, Any], seen: set[in
     if isinstance(value, HOST_SCALARS):
         found[path] = value
         return
-    if depth > _DEPTH or isinstance(value, (torch.Tensor, torch.nn.Module)) or id(value) in seen:
+    if depth > _DEPTH or isinstance(value, (torch.Tensor, torch.nn.Module)) or _seen(value, seen):
         return
-    seen.add(id(value))
     children = _children(value)
     if children:
         for key, child in list(_items(children)):
@@ -173,7 +184,7 @@ class ModuleSettings:
     length, and each leaf's (container, key). A call reads the leaves through that plan in C
     (`map(getitem)`), after checking, also in C, that every container is still the one the plan
     walked and has the same length; anything else (a state object replaced, an attribute added,
-    an empty buffer filled) walks again. `version` changes only when the paths do.
+    an empty buffer filled) walks again. `version` names the set of paths.
     """
 
     def __init__(self, model: torch.nn.Module, unread: Callable[[], frozenset[str]] = frozenset, root: str = "self") -> None:
@@ -181,6 +192,7 @@ class ModuleSettings:
         self._unread = unread  # the paths (and all under them) an Unread regime covers, found afresh at each walk
         self.paths: tuple[str, ...] = ()
         self.version = 0
+        self._versions: dict[tuple[str, ...], int] = {}
         self._edges: tuple[list, list, list] = ([], [], [])  # (parent containers, keys, children) walked into
         self._sized: tuple[list, list] = ([], [])  # (containers, lengths)
         self._leaves: tuple[list, list] = ([], [])  # (containers, keys)
@@ -214,9 +226,8 @@ class ModuleSettings:
                 leaves[1].append(key)
                 paths.append(path)
                 return
-            if depth > _DEPTH or isinstance(value, (torch.Tensor, torch.nn.Module)) or id(value) in seen:
+            if depth > _DEPTH or isinstance(value, (torch.Tensor, torch.nn.Module)) or _seen(value, seen):
                 return
-            seen.add(id(value))
             inner = _children(value)
             if inner is None:
                 return
@@ -251,8 +262,10 @@ class ModuleSettings:
         self._edges, self._sized, self._leaves = edges, sized, leaves
         self._types = [type(v) for v in map(operator.getitem, *leaves)]
         if tuple(paths) != self.paths:
+            # One version per distinct set of paths, the same again when a set comes back (a
+            # stream's reset making a state None, its first call filling it).
             self.paths = tuple(paths)
-            self.version += 1
+            self.version = self._versions.setdefault(self.paths, len(self._versions) + 1)
 
 
 def guard_key(values: dict[str, Any], regimes: dict[str, Regime]) -> tuple:

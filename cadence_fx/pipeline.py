@@ -41,8 +41,9 @@ import itertools
 import math
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -103,7 +104,10 @@ class OperatorCounters:
         self.stock_by_reason[reason] = self.stock_by_reason.get(reason, 0) + 1
 
     def as_dict(self) -> dict[str, Any]:
-        return {**{k: v for k, v in vars(self).items() if k != "stock_by_reason"}, "stock_by_reason": dict(self.stock_by_reason)}
+        """The counters; `evicted` only where a stream's state was ever copied out (streams interleaved
+        without session states, which most users never do)."""
+        counts = {k: v for k, v in vars(self).items() if k != "stock_by_reason" and (k != "evicted" or v)}
+        return {**counts, "stock_by_reason": dict(self.stock_by_reason)}
 
 
 @dataclass
@@ -243,6 +247,15 @@ def _structure(out: Any, roots: dict[str, Any]) -> tuple[list, tuple]:
                                    "dataclass) or return a tuple, list or dict")
             others[i] = ("root", root) if root is not None else ("value", leaf)
     return leaves, (spec, others)
+
+
+def _reference(value: Any) -> Callable[[], Any]:
+    """A weak reference to a stream's state object where it takes one (a stream that is over lets
+    it go), else a strong one (a list or tuple of tensors)."""
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return lambda: value
 
 
 def _input_shapes(inputs: dict[str, Any]) -> tuple:
@@ -484,9 +497,9 @@ class BoundOperator:
         key = (units, extent, counted, shapes, mode_key, signature.catalog_key, guards)
         cls = self.classes.get(key)
         if cls is None:
-            # A class is its catalog class and its regimes' components; its variants are the
-            # programs the other values make (at most VARIANTS).
-            variants = [c for k, c in self.classes.items() if k[:3] == key[:3]]
+            # A class is its catalog class, its regimes' components and its modes (all in its name);
+            # its variants are the programs the other values make (at most VARIANTS).
+            variants = [c for k, c in self.classes.items() if k[:3] == key[:3] and k[4] == mode_key]
             mismatch = self._units_mismatch([c for k, c in self.classes.items() if k[0] == units], staged)
             if mismatch is not None:
                 return self._stock(roots, inputs, "units", mismatch)
@@ -529,12 +542,12 @@ class BoundOperator:
         session states swapped). State a call returns (`out`) is the caller's to keep apart."""
         owner = tuple((name, id(value)) for name, value in roots.items() if name != SELF)
         last = self._owner
-        self._owner = (owner, roots)
+        self._owner = (owner, {name: _reference(value) for name, value in roots.items() if name != SELF})
         if last is None or last[0] == owner or not self.carries:
             return
-        previous = last[1]
-        if any(previous[name] is None for name in previous if name != SELF):
-            return
+        previous = {name: ref() for name, ref in last[1].items()}
+        if any(value is None for value in previous.values()):
+            return  # the other stream's state is gone (or was None): nothing to keep for it
         for site in self.sites:
             if site.out is not None or site.path.split(".")[0] == SELF:
                 continue
@@ -701,7 +714,7 @@ class BoundOperator:
             # The stock code retained more than the contract's bound (a model that does not trim as
             # declared): no class of the catalog has this extent, so the state stays the stock's own.
             return value
-        if value.untyped_storage().data_ptr() == carry.buffer.untyped_storage().data_ptr() and not carry.holds(value):
+        if value.untyped_storage().data_ptr() == carry.buffer.untyped_storage().data_ptr() and not carry._aliases(value):
             # The stock code kept a view of the carry at another offset (a stock fallback cuts its
             # input): copied out first, as the carry's own writes may overlap it.
             value = value.clone()

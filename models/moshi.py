@@ -58,9 +58,10 @@ _SAMPLING = ("self.use_sampling", "self.temp", "self.top_k", "self.cfg_coef")
 #: Host values of the LM that neither step's computation reads: the main transformer's host
 #: offsets (read only by per-step weights, which the main transformer has none of; the depformer
 #: enters its own streaming state, at 0, every call) and the vendor's table of the depformer's
-#: module names. Verified at two values of each per class (the programs compared).
+#: module names, and `LMGen`'s own host frame count (read by its glue, `LMGen.step`, not by either
+#: step). Verified at two values of each per class (the programs compared).
 _LM_UNREAD = tuple(Unread(path) for path in (f"{_TRANSFORMER}.layers.*._streaming_state.offset_cpu", f"{_ATTENTION}.offset_cpu",
-                                             "self.lm_model.depformer._cached_children"))
+                                             "self.lm_model.depformer._cached_children", "self._streaming_state.offset_cpu"))
 
 
 def _lm_binding(masked: bool) -> Binding:
@@ -80,7 +81,8 @@ def _lm_binding(masked: bool) -> Binding:
                 f"{_TRANSFORMER}._streaming_state.offsets",
                 f"{_TRANSFORMER}.layers.*._streaming_state.offset_cpu",
                 *masks,
-            ), regimes=_LM_UNREAD),
+            # The main step reads none of the depformer's sampling settings.
+            ), regimes=_LM_UNREAD + tuple(Unread(path) for path in _SAMPLING)),
             # The sampling switch and its parameters choose the program: each value its own graphs.
             OperatorBinding("depformer_step", method="depformer_step", units=1, modes=_SAMPLING, regimes=_LM_UNREAD),
         ),

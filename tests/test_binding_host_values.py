@@ -94,24 +94,30 @@ def test_a_position_passed_as_an_int_stops_capturing_after_a_few_variants_and_sa
     assert all(same(a, e) for a, e in zip(actual, expected, strict=True))
     op = report.operators["smooth"]
     # Calls 0 and 1 fill the window (classes L=0 and L=2, one signature each); from call 2 on
-    # every call is the steady class with a new position: VARIANTS of them are captured, the rest
-    # run the stock code.
+    # every call is the steady class with a new position (and a new count of calls, a counter
+    # guarded by its value): VARIANTS of them are captured, the rest run the stock code, counted
+    # by the value that differs.
     assert len(op.classes) == 2 + VARIANTS
-    assert op.counters.stock_by_reason == {"variants": CALLS - 2 - VARIANTS}
+    assert op.counters.stock_by_reason == {"guard:cache.calls": CALLS - 2 - VARIANTS}
     (stamp,) = [s for s in report.stamps if "variants captured" in s]
-    assert stamp.startswith(f"smooth[n={STEP},L={WINDOW}]: the calls' host values, modes or layouts differ ({VARIANTS} variants captured, now ")
-    assert stamp.endswith("pass a value that changes every call as a tensor, or bind it as a counter")
+    assert stamp.startswith(f"smooth[n={STEP},L={WINDOW}]: {VARIANTS} variants captured and this call differs from each "
+                            f"(cache.calls is 6, smooth[n={STEP},L={WINDOW}] was captured at 2")
+    assert stamp.endswith("pass a value that changes every call as a tensor, or declare the counter's regime in the "
+                          "binding (`OperatorBinding.regimes`)")
 
 
-def test_a_host_value_the_call_returns_that_changes_is_refused_by_verification():
+def test_a_host_value_the_call_returns_is_right_in_every_class():
+    """The call returns its count of calls, a host value a graph returns as it was captured: the
+    count is a guarded counter, so each value is a class of its own whose graph returns it (it was
+    refused at the steady class's second visit before, or worse, returned stale past it)."""
     frames = torch.randn(1, CALLS * STEP, DIM, generator=torch.Generator().manual_seed(2))
     model = Smoother(returns_count=True).eval()
     bound, report = transform(model, contract(), BINDING)
     actual, expected = stream(bound, frames, positions=False), stream(model, frames, positions=False)
     assert all(same(a, e) for a, e in zip(actual, expected, strict=True))
-    steady = next(cls for cls in report.operators["smooth"].classes.values() if cls.call.extent == WINDOW)
-    assert steady.refused == ("verification: the call returned host values {1: ('value', 4)}, an earlier call of the "
-                              "class returned {1: ('value', 3)}: a graph would return the first ones every call")
+    op = report.operators["smooth"]
+    assert all(cls.refused is None for cls in op.classes.values())
+    assert op.counters.stock_by_reason == {"guard:cache.calls": CALLS - 2 - VARIANTS}
 
 
 class FlaggedCache:

@@ -99,18 +99,20 @@ def test_a_stream_that_flips_its_mode_is_the_stock_stream_bit_for_bit():
     assert (counters.calls, counters.graph_calls, counters.stock) == (CALLS, CALLS, 0)
 
 
-def test_undeclared_the_flag_is_frozen_at_its_captured_value():
-    """Why modes exist: verified at the first visits only, a class's graph keeps the flag it was
-    captured with; here the steady class is captured and verified summing, then runs it for a max."""
+def test_undeclared_the_flag_is_still_guarded_each_value_its_own_program():
+    """A flag the binding does not declare as a mode is a module setting, guarded like every host
+    value (it was frozen at its captured value before): each value is a variant of the class,
+    captured and verified apart, and the stream stays exact."""
     switches = [True] * 6 + [False] * 3
     stock, model = Switched(), Switched()
     frames = torch.randn(1, CALLS * STEP, DIM, generator=torch.Generator().manual_seed(1))
     expected = stream(stock, stock, frames, switches)
-    bound, _ = transform(model, contract(), binding(()))
+    bound, report = transform(model, contract(), binding(()))
     actual = stream(bound, model, frames, switches)
-    assert [torch.equal(a, e) for a, e in zip(actual, expected, strict=True)] == [True] * 6 + [False] * 3
-    declared, _ = transform(Switched(), contract(), binding(("self.summing",)))
-    assert all(torch.equal(a, e) for a, e in zip(stream(declared, declared.model, frames, switches), expected, strict=True))
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
+    steady = [cls for cls in report.operators["smooth"].classes.values() if cls.call.extent == WINDOW]
+    assert [(cls.name, cls.hosts["self.summing"]) for cls in steady] == [("smooth[n=2,L=4]", True), ("smooth[n=2,L=4]#2", False)]
+    assert report.operators["smooth"].counters.stock == 0
 
 
 def test_a_mode_path_must_start_at_an_argument_or_the_model():
