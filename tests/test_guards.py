@@ -25,6 +25,7 @@ from cadence_fx import (
     Region,
     RegionBinding,
     RingCache,
+    SlidingWindow,
     transform,
 )
 from cadence_fx.guards import Periodic, Saturating
@@ -203,3 +204,56 @@ def test_a_regime_must_be_one_of_the_kinds():
         transform(model, contract(), binding("cache.seen"))
     with pytest.raises(ValueError, match=r"Saturating\('cache.seen'\).at must be an int >= 0, got -1"):
         Saturating("cache.seen", at=-1)
+
+
+class TwoRates(nn.Module):
+    """Two windows under one call: the frames (2 a call, keeps 4) and their pooled summary (1 a
+    call, keeps 3), each concatenated then trimmed."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, cache: dict) -> torch.Tensor:
+        y = self.proj(x)
+        frames = y if cache["frames"] is None else torch.cat([cache["frames"], y], dim=1)
+        pooled = y.mean(1, keepdim=True)
+        summary = pooled if cache["summary"] is None else torch.cat([cache["summary"], pooled], dim=1)
+        cache["frames"], cache["summary"] = frames[:, -4:], summary[:, -3:]
+        return frames.sum(1, keepdim=True) + summary.sum(1, keepdim=True)
+
+
+def test_two_regions_advancing_at_their_own_strides_under_one_operator_are_rewritten():
+    """The second region's live extent is its own stride past what it retains (it was the
+    operator's units, and every class was refused: "operand cat_1 has extent 2 ... declares 1")."""
+    contract = Contract(
+        family="two_rates",
+        clocks=(Clock("frame", ClockKind.FRAMES), Clock("pool", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
+        rates=(Rate("frame", "call", 2, name="frames_per_call"), Rate("pool", "call", 1, name="pools_per_call")),
+        quantities={"dim": DIM},
+        regions=(Region("frames", dims=(1, "frame", "dim"), axis=1, clock="frame", stride=2, dtype="float32",
+                        lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=4)),
+                 Region("summary", dims=(1, "pool", "dim"), axis=1, clock="pool", stride=1, dtype="float32",
+                        lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=3))),
+        operators=(Operator("step", "frames", steady=2),),
+        admission=Admission("frame", max_per_call=2),
+        interactivity=Interactivity(stages=("two_rates",)),
+    )
+    binding = Binding(regions=(RegionBinding("frames", at=("cache.frames",)), RegionBinding("summary", at=("cache.summary",))),
+                      operators=(OperatorBinding("step", units=("x", 1)),))
+    model = TwoRates().eval()
+    bound, report = transform(model, contract, binding)
+    x = frames(16, 4)
+    with torch.no_grad():
+        for _ in range(2):
+            cache, stock_cache = {"frames": None, "summary": None}, {"frames": None, "summary": None}
+            for t in range(0, 16, 2):
+                assert torch.equal(bound(x[:, t:t + 2], cache), model(x[:, t:t + 2], stock_cache))
+    op = report.operators["step"]
+    # The frames' extents 0, 2, 4; at 4 the summary holds 2 pooled frames on the third call and 3
+    # from the fourth on: two programs of that class, each verified.
+    assert [(cls.name, cls.refused) for cls in op.classes.values()] == [
+        ("step[n=2,L=0]", None), ("step[n=2,L=2]", None), ("step[n=2,L=4]", None), ("step[n=2,L=4]#2", None)]
+    assert op.counters.as_dict() == {"calls": 16, "graph_calls": 16, "verified": 8, "stock": 0, "adopted": 0, "evicted": 2,
+                                     "stock_by_reason": {}}
