@@ -152,7 +152,9 @@ def run_mimi(device: str, streams: int):
 def test_mimi_streams_bit_identically_through_the_pipeline_from_its_binding():
     report = run_mimi("cpu", streams=2)
     encode, decode = report.operators["mimi_encode"], report.operators["mimi_decode"]
-    assert [cls.name for cls in encode.classes.values()] == ["mimi_encode[n=2,L=250]"]
+    # The first encode ever computes each codebook's table and keeps it in a buffer registered empty
+    # (a guarded value): that call is a program of its own, every later one reads the table.
+    assert [cls.name for cls in encode.classes.values()] == ["mimi_encode[n=2,L=250]", "mimi_encode[n=2,L=250]#2"]
     assert [cls.name for cls in decode.classes.values()] == ["mimi_decode[n=2,L=250]"]
     # `**` found every piece of state at this depth: the encoder's 7 streaming convolutions (buffer
     # and first-call flag each), its transformer's offsets and ring end, and the ring itself (the
@@ -168,9 +170,9 @@ def test_mimi_streams_bit_identically_through_the_pipeline_from_its_binding():
         "encoder_transformer.transformer._streaming_state.offsets",
         "encoder_transformer.transformer.layers.0.self_attn._streaming_state.kv_cache.end_offset",
     ]
-    for op in (encode, decode):
+    for op, verified in ((encode, 3), (decode, 2)):
         assert op.counters.graph_calls == op.counters.calls == 2 * FRAMES and op.counters.stock == 0
-        assert op.counters.verified == 2
+        assert op.counters.verified == verified
     assert all(not s.rewritten for s in report.sites)
 
 
@@ -178,9 +180,11 @@ def test_mimi_streams_bit_identically_through_the_pipeline_from_its_binding():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_mimi_replays_every_steady_frame():
     report = run_mimi("cuda", streams=3)
-    for name in ("mimi_encode", "mimi_decode"):
-        assert report.replays[name].counters.as_dict() == {"calls": 3 * FRAMES - 2, "captures": 1,
-                                                           "replays": 3 * FRAMES - 2, "eager": 0,
+    # encode: its first call ever (the codebooks' tables not computed yet) is a class of its own,
+    # verified only; the steady class is verified twice, then replays
+    for name, verified in (("mimi_encode", 3), ("mimi_decode", 2)):
+        assert report.replays[name].counters.as_dict() == {"calls": 3 * FRAMES - verified, "captures": 1,
+                                                           "replays": 3 * FRAMES - verified, "eager": 0,
                                                            "invalidations": 0, "fallbacks": {}}
 
 

@@ -92,11 +92,12 @@ def test_diff_of_your_own_model_takes_a_factory_and_shows_what_it_saves(capsys, 
                  "--html", str(page)]) == 0
     out = capsys.readouterr().out
     assert "=== decoder_step[n=2,L=0] ===" in out and "=== decoder_step[n=2,L=4] ===" in out
-    assert "decoder_step: {'calls': 4, 'graph_calls': 4, 'verified': 4, 'stock': 0" in out
+    # the first call's program differs from the stock call's (refused, its stock result kept)
+    assert "decoder_step: {'calls': 4, 'graph_calls': 4, 'verified': 3, 'stock': 1" in out
     assert "host launches per call" in out and "memory per region" in out
     text = page.read_text()
     assert "<title>cadence-fx diff: byom_example:diff_example</title>" in text
-    assert text.count('data-launches="decoder_step[n=2,') == 3
+    assert text.count('data-launches="decoder_step[n=2,') == 4  # the steady class's two programs among them
 
 
 def test_diff_defaults_to_the_cpu_without_cuda_and_refuses_cuda_there(capsys, monkeypatch):

@@ -178,7 +178,9 @@ def test_a_captured_class_launches_its_segments_cuts_and_copies_instead_of_every
 # A user's own model and binding: tests/byom_example.py's Mistral decoder with a sliding window
 
 CALLS = 4
-BOUND = [f"decoder_step[n={TOKENS_PER_CALL},L={extent}]" for extent in (0, 2, 4)]
+# The catalog's three classes; the steady one's second call is another program (the cache's length,
+# which transformers derives positions from, is guarded): its graph is its own.
+BOUND = [f"decoder_step[n={TOKENS_PER_CALL},L={extent}]" for extent in (0, 2, 4)] + [f"decoder_step[n={TOKENS_PER_CALL},L=4]#2"]
 
 
 @pytest.fixture(scope="module")
@@ -204,18 +206,20 @@ def test_the_page_of_a_bound_model_lists_its_region_classes_graphs_and_sites(own
     assert page.values("data-graph") == BOUND
     # each class's graph keeps (first call) or appends to (later calls) every layer's keys and values
     assert page.values("data-site") == [f"{graph}:slice_{i}" for graph in BOUND for i in (5, 6, 11, 12)]
-    assert [s.kind for s in report.sites] == ["keep"] * 4 + ["append"] * 8
+    assert [s.kind for s in report.sites] == ["keep"] * 4 + ["append"] * 12
 
 
 def test_the_page_of_a_bound_model_shows_its_counters_launches_and_memory(own):
     page, _ = own
     assert page.values("data-bound") == ["decoder_step"]
-    assert ("bound operator: calls 4, rewritten-graph calls 4, verified against the stock call 4, stock calls 0 "
-            "(by reason: none), states adopted into a carry 0") in page.text
-    # 4 calls: the first two classes met once, the steady one twice: all still verifying, none in the engine yet
-    assert page.values("data-launches") == [f"{BOUND[0]}:207:-:-", f"{BOUND[1]}:191:-:-", f"{BOUND[2]}:191:-:-"]
-    assert page.text.count("being verified against the stock call: replays after 1 more visit(s)") == 2
-    assert page.text.count("verified; not called since") == 1
+    # The first call's export builds the mask another way than the stock call: refused, its stock
+    # result kept (its state then adopted into the carries).
+    assert ("bound operator: calls 4, rewritten-graph calls 4, verified against the stock call 3, stock calls 1 "
+            "(by reason: verification 1), states adopted into a carry 4") in page.text
+    # 4 calls, each the first of its class: all still verifying, none in the engine yet
+    assert page.values("data-launches") == [f"{BOUND[0]}:207:-:-"] + [f"{graph}:191:-:-" for graph in BOUND[1:]]
+    assert page.text.count("being verified against the stock call: replays after 1 more visit(s)") == 3
+    assert page.text.count("verified; not called since") == 0
     # The stock state the transform replaced: each layer's retained slice pins its call's whole
     # concat (4 + 2 tokens), as large as the carry: 2 layers x keys and values x 2 heads x 6 x 8 fp32.
     assert page.values("data-memory") == ["kv:1536:1536:0"]
@@ -224,7 +228,8 @@ def test_the_page_of_a_bound_model_shows_its_counters_launches_and_memory(own):
 def test_the_terminal_shows_the_same_figures(own):
     _, report = own
     text = render_savings(report, report.catalog)
-    assert f"{BOUND[2]}  191    -       -      verified; not called since" in text
+    assert f"{BOUND[3]}  191    -       -      being verified against the stock call: replays after 1 more visit(s)" in text
+    assert f"{BOUND[0]}    207    -       -      refused: verification: program: the exported step is not the program" in text
     assert "kv      1.50 KiB  the stock state the transform replaced  1.50 KiB  0 B" in text
 
 
