@@ -1049,12 +1049,13 @@ class BoundOperator:
             return self.method(**inputs, **_arguments(roots))
 
     def _verify(self, cls: _Class, roots, inputs, staged, state, hosts: dict[str, Any]) -> Any:
-        """The program first, then the values. The exported step and the stock call run under
-        `OpTrace`, on the caller's inputs and on clones of the same state, the RNG rewound between
-        them: they must run the same ATen program (`cadence_fx.program`), and, being the same
-        program on the same inputs, give the same bits (else the stock call does not repeat
-        itself). Then the rewritten graph runs (on the staged inputs, on the carries) and must give
-        the stock call's outputs, retained state and host values bit for bit."""
+        """The program first, then the values. The exported step and the stock call (on a private
+        copy of the state objects) run under `OpTrace`, on the caller's inputs and on clones of
+        the same state, the RNG rewound between them: they must run the same ATen program
+        (`cadence_fx.program`), and, being the same program on the same inputs, give the same
+        bits (else the stock call does not repeat itself). Then the stock call runs untraced on
+        the stream's own state objects, and the rewritten graph (on the staged inputs, on the
+        carries) must give its outputs, retained state and host values bit for bit."""
         counters_before = {p: get_path(roots, p) for p in self._host_counter_paths(roots)}
         hosts_before = host_values(_arguments(roots))
         spanned = self._spanned(cls, hosts, roots)
@@ -1063,10 +1064,23 @@ class BoundOperator:
         with OpTrace() as graph_trace:
             exported = cls.exported(inputs, [self._clone(site, value) for site, value in zip(self.sites, state)])
         rng.restore()
+        # The stock call's program, traced on a private copy of the state objects (its host values
+        # move there, not on the stream's): a dispatch mode may change which kernel an op picks
+        # (SDPA's backend on CUDA), so the values are the untraced stock call's, below.
+        at_sites = [get_path(roots, site.path) for site in self.sites]
+        private = _private(roots, [v for v in (*state, *at_sites) if isinstance(v, torch.Tensor)])
+        for site, value in zip(self.sites, state):
+            set_path(private, site.path, self._clone(site, value))
+        method = method_of(private[SELF], self.ob.method) if SELF in private else self.method
+        with torch.no_grad(), OpTrace() as stock_trace:
+            traced = _caller_trimmed(method(**inputs, **_arguments(private)), self.sites, self.trims)
+        traced = ([x for x in _structure(traced, private)[0] if isinstance(x, torch.Tensor)],
+                  _new_state(self.sites, private, traced))
+        del private
+        rng.restore()
         for site, value in zip(self.sites, state):
             set_path(roots, site.path, self._clone(site, value))
-        with OpTrace() as stock_trace:
-            expected = _caller_trimmed(self._stock_call(roots, inputs), self.sites, self.trims)
+        expected = _caller_trimmed(self._stock_call(roots, inputs), self.sites, self.trims)
         if cls.outputs is None:
             cls.outputs = _structure(expected, roots)[1]
         expected_state = _new_state(self.sites, roots, expected)
@@ -1099,7 +1113,7 @@ class BoundOperator:
             why = (f"program: the exported step is not the program the stock call runs: {program}; "
                    + _program_hint(cls, hosts, self._host_counter_paths(roots)))
         if why is None:
-            repeat = _equal(exported, (stock_leaves, expected_state), ("output", "state"))
+            repeat = _equal(exported, traced, ("output", "state"))
             if repeat is not None:
                 why = (f"the stock call does not repeat itself: the same program on the same inputs gave other bits "
                        f"({repeat}); pin deterministic kernels (cadence_fx.determinism.pin_deterministic)")
