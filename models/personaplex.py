@@ -29,9 +29,9 @@ wrappers (`graphed_main`, `graphed_depth`). `TINY` builds `LMModel` and `MimiMod
 
 What the pipeline does not do yet for Mimi's None-until-first-call state (tests/test_personaplex.py):
 a counter is taken as a tensor (state at one address) or a host value once, at the operator's first
-call, so `transform_personaplex` primes Mimi first (`_prime_mimi`); and the module settings' guard
-keys a class by a version that grows whenever the settings' paths change, which a reset's Nones do,
-so after 4 such variants decode runs the stock code (exact, counted `variants`).
+call, so `transform_personaplex` primes Mimi first (`_prime_mimi`). A reset's Nones change the
+module settings' paths; each set of paths keeps its version, so each stage has three programs (the
+priming frame, a reset's first frame, the steady frame) and every frame runs its graph.
 """
 
 from __future__ import annotations

@@ -237,7 +237,7 @@ def test_a_slow_consumer_closed_behind_two_of_the_largest_events_resumes_without
             await sock.send(_append(turn[i : i + 700_000], f"a{i // 700_000}"))
             assert server.eventually(lambda: session.pending_input_bytes == 0, timeout=10)
         await sock.send({"type": "input_audio_buffer.commit"})
-        assert server.eventually(lambda: session.journal.last_seq == 4)  # session.updated and the commit's three
+        assert server.eventually(lambda: session.journal.last_seq == 4, timeout=60)  # session.updated and the commit's three
         item_id = session.history[0]["id"]
         # One retrieve at a time, each handled before the next is sent; the client reads nothing
         # meanwhile (these waits block its loop), until the server closes it for reading too slowly.
