@@ -1,10 +1,13 @@
 """The one pipeline behind `transform(model, contract, binding)`, for models cadence-fx has never seen.
 
-For each bound operator, per catalog class, at the class's first visit:
+For each bound operator, per class (a catalog class, its regimes' components and its modes), at
+the class's first visit:
 
-1. **check**: the call's state sites (found by the binding's paths) have the contract's shapes, and
-   the call (its new units against its retained extent) is a class of the catalog; anything else
-   runs the stock call, counted by reason (fail closed);
+1. **check and guard**: the call's state sites (found by the binding's paths) have the contract's
+   shapes, and the call (its new units against its retained extent) is a class of the catalog;
+   every host value the program may depend on (`cadence_fx.guards`) keys the class, so other
+   values are another program (a variant, at most `VARIANTS`); anything else runs the stock
+   call, counted by reason (fail closed);
 2. **capture**: the call as an explicit-state step ``step(inputs, sites) -> (outputs, sites)`` is
    exported with `torch.export` (non-strict) on a copy of the state objects, so the model's own
    state never holds a traced value;
@@ -15,9 +18,11 @@ For each bound operator, per catalog class, at the class's first visit:
    (`RingCache`: preallocated, written in place) needs no rewrite: the carry is the ring. State
    the step writes in place that the binding does not declare is refused by path (a graph would
    freeze it as a constant);
-4. **verify**: the first `binding.verify` visits of the class also run the stock call (on clones of
-   the state, the RNG rewound between the two) and compare every output and every retained tensor
-   with `torch.equal`; a difference refuses the class for good (the stock result is kept);
+4. **verify**: the first `binding.verify` visits of the class (and a second value of a counter a
+   regime spans) also run the stock call (on clones of the state, the RNG rewound between runs):
+   the exported step and the stock call must run the same ATen program (`cadence_fx.program`),
+   then the rewritten graph must give every output and every retained tensor bit for bit; a
+   difference refuses the class for good (the stock result is kept);
 5. **replay**: verified classes run through one `ExactShapeReplay` per operator, the sites
    aliased (one address for the life of the stream), the copied inputs staged; without CUDA the
    engine runs the rewritten graph eager and counts why (`no_cuda`).
@@ -428,7 +433,7 @@ class BoundOperator:
         self._replay_wanted = replay
         self.replay: ExactShapeReplay | None = None
         self._by_name: dict[str, _Class] = {}
-        self._owner: tuple | None = None  # (identity, roots) of the state objects of the last call
+        self._owner: tuple | None = None  # (identity, references) of the last call's state objects
         self._current: _Class | None = None
         self._unbounded: set[tuple[int, int, str]] = set()  # (units, extent, guard path) said once
         self._settings = ModuleSettings(model, self._unread) if isinstance(model, torch.nn.Module) else None
