@@ -547,8 +547,11 @@ class BoundOperator:
         session states swapped). State a call returns (`out`) is the caller's to keep apart."""
         owner = tuple((name, id(value)) for name, value in roots.items() if name != SELF)
         last = self._owner
+        if last is not None and last[0] == owner and all(last[1][name]() is value for name, value in roots.items()
+                                                         if name != SELF):
+            return  # the same objects as the last call's (every steady call; an id reused is not)
         self._owner = (owner, {name: _reference(value) for name, value in roots.items() if name != SELF})
-        if last is None or last[0] == owner or not self.carries:
+        if last is None or not self.carries:
             return
         previous = {name: ref() for name, ref in last[1].items()}
         if any(value is None for value in previous.values()):
