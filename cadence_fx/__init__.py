@@ -22,6 +22,7 @@ from .contract import (
     PromptPlusHistory,
     Rate,
     Region,
+    InPlace,
     RingCache,
     SlidingWindow,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "Rate",
     "Region",
     "RegionDerivation",
+    "InPlace",
     "RingCache",
     "SlidingWindow",
     "derive",

@@ -47,7 +47,7 @@ from typing import Any, Iterator
 import torch
 
 from .guards import Regime
-from .contract import Contract, PromptPlusHistory, RingCache, SlidingWindow
+from .contract import Contract, InPlace, PromptPlusHistory, RingCache, SlidingWindow, fixed_extent
 
 __all__ = ["Binding", "BindingError", "OperatorBinding", "RegionBinding", "Site", "check_binding", "resolve"]
 
@@ -382,18 +382,19 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
             if rb.at or rb.out:
                 raise BindingError(f"regions[{i}]", f"region {rb.region!r} is per_call (allocated inside each call): "
                                                     f"it has no paths to keep, got at={rb.at!r} out={rb.out!r}")
-            if not isinstance(regions[rb.region].retention, RingCache):
+            if not fixed_extent(regions[rb.region].retention):
                 raise BindingError(f"regions[{i}].per_call", f"region {rb.region!r} retains by "
                                                              f"{type(regions[rb.region].retention).__name__}: only a "
-                                                             "RingCache (a fixed extent) can be allocated afresh each call")
+                                                             "RingCache or InPlace region (a fixed extent) can be "
+                                                             "allocated afresh each call")
             continue
         if rb.caller_trims and (not rb.out or not isinstance(regions[rb.region].retention, (SlidingWindow, PromptPlusHistory))):
             raise BindingError(f"regions[{i}].caller_trims", f"region {rb.region!r}: a caller trims a state the call returns "
                                f"(`out`) to a SlidingWindow or PromptPlusHistory retention; got out={rb.out!r}, retention "
                                f"{type(regions[rb.region].retention).__name__}")
-        if rb.write_before_read and (rb.out or not isinstance(regions[rb.region].retention, RingCache)):
+        if rb.write_before_read and (rb.out or not fixed_extent(regions[rb.region].retention)):
             raise BindingError(f"regions[{i}].write_before_read", f"region {rb.region!r}: only a region written in place "
-                               f"at a fixed extent (a RingCache, no `out`) is written before it is read; it retains by "
+                               f"at a fixed extent (a RingCache or InPlace, no `out`) is written before it is read; it retains by "
                                f"{type(regions[rb.region].retention).__name__}" + (f" and is returned ({rb.out!r})" if rb.out else ""))
         if not rb.at or not all(isinstance(p, str) and p and all(_segments(p)) for p in rb.at):
             raise BindingError(f"regions[{i}].at", f"needs one or more paths 'argument' or 'argument.attribute...', got {rb.at!r}")
@@ -406,10 +407,10 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
             raise BindingError(f"regions[{i}].out", f"needs one path per `at` path, rooted at {RETURN!r} and with as many "
                                                     f"wildcards or slices as it, got {rb.out!r} for {rb.at!r}")
         retention = regions[rb.region].retention
-        if not isinstance(retention, (SlidingWindow, PromptPlusHistory, RingCache)):
+        if not isinstance(retention, (SlidingWindow, PromptPlusHistory, RingCache, InPlace)):
             raise BindingError(f"regions[{i}]", f"region {rb.region!r} retains by {type(retention).__name__}: the "
-                                                "binding pipeline takes SlidingWindow, PromptPlusHistory and RingCache "
-                                                "retention (a region whose extent is bounded)")
+                                                "binding pipeline takes SlidingWindow, PromptPlusHistory, RingCache "
+                                                "and InPlace retention (a region whose extent is bounded)")
     bound = {rb.region for rb in binding.regions}
     operators = {op.name: op for op in contract.operators}
     named = {ob.operator for ob in binding.operators}

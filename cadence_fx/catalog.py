@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import sympy
 
-from .contract import DTYPES, Contract, Operator, PromptPlusHistory, Region, RingCache, SlidingWindow, rate_between
+from .contract import (DTYPES, Contract, InPlace, Operator, PromptPlusHistory, Region, RingCache, SlidingWindow,
+                       fixed_extent, rate_between)
 
 __all__ = [
     "Catalog",
@@ -37,9 +38,12 @@ T = sympy.Symbol("t", integer=True, nonnegative=True)
 
 
 def retained_extent(region: Region) -> sympy.Expr:
-    """r(t): the units the region retains between calls after t calls."""
+    """r(t): the units the region retains between calls after t calls. An `InPlace` region's is
+    its last dim, which never changes (a symbol of the contract, or a number)."""
     s = region.stride
     retention = region.retention
+    if isinstance(retention, InPlace):
+        return sympy.sympify(region.dims[-1])
     if retention is None:
         return s * T
     if isinstance(retention, RingCache):
@@ -63,7 +67,7 @@ def call_units(contract: Contract, region: Region) -> int:
 
 def live_extent(contract: Contract, region: Region) -> sympy.Expr:
     """The extent the region holds during call t: retained plus the call's own units."""
-    if isinstance(region.retention, RingCache) or not region.holds_call:
+    if fixed_extent(region.retention) or not region.holds_call:
         return retained_extent(region)
     return retained_extent(region) + call_units(contract, region)
 
@@ -167,13 +171,15 @@ def _sup(expr: sympy.Expr) -> int | None:
 
 def _shape(contract: Contract, dims, clock: str, extent: int) -> tuple[int, ...]:
     values = {sympy.Symbol(k): v for k, v in contract.symbols().items()}
-    values[sympy.Symbol(clock)] = extent
+    if clock is not None:  # an InPlace region's dims name no clock
+        values[sympy.Symbol(clock)] = extent
     return tuple(int(sympy.sympify(d).subs(values)) for d in dims)
 
 
 def derive_region(contract: Contract, region: Region) -> RegionDerivation:
-    retained = retained_extent(region)
-    live = live_extent(contract, region)
+    symbols = {sympy.Symbol(k): v for k, v in contract.symbols().items()}
+    retained = retained_extent(region).subs(symbols)
+    live = live_extent(contract, region).subs(symbols)
     lower = int(retained.subs(T, 0))
     bound = _sup(live)
     top = _sup(retained)
@@ -205,7 +211,8 @@ def derive_operator(op: Operator, region: RegionDerivation, budget: int) -> Oper
         return OperatorCatalog(
             op.name, op.region, None, None, (), False, f"outside lossless scope: region {region.name!r} is unbounded"
         )
-    width = int(sympy.ceiling(sympy.Rational(region.window, region.stride))) + 1
+    # A region of one fixed extent (an in-place buffer: no stride) is one class.
+    width = 1 if region.window == 0 else int(sympy.ceiling(sympy.Rational(region.window, region.stride))) + 1
     if width > budget:
         return OperatorCatalog(
             op.name,

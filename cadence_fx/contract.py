@@ -9,7 +9,7 @@ static checks, so an unfit declaration never exists as an object. A violation ra
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from fractions import Fraction
 from typing import Mapping, Union
 
@@ -25,6 +25,7 @@ __all__ = [
     "ContractError",
     "DeviceConstant",
     "Effect",
+    "InPlace",
     "Interactivity",
     "Lifetime",
     "Operator",
@@ -35,6 +36,8 @@ __all__ = [
     "RingCache",
     "SlidingWindow",
     "DTYPES",
+    "carry_axis",
+    "fixed_extent",
 ]
 
 
@@ -127,7 +130,15 @@ class PromptPlusHistory:
     history: int
 
 
-Retention = Union[SlidingWindow, RingCache, PromptPlusHistory]
+@dataclass(frozen=True)
+class InPlace:
+    """A buffer of one fixed shape (`dims`) that every call overwrites in place (``copy_``, an
+    indexed write): a convolution's padding cache, a recurrent scan state. It advances along no
+    clock, so its region declares none (no `clock`, `axis` or `stride`), and an operator whose
+    region it is counts its units in the admission's clock."""
+
+
+Retention = Union[SlidingWindow, RingCache, PromptPlusHistory, InPlace]
 
 
 @dataclass(frozen=True)
@@ -141,17 +152,19 @@ class Region:
     also holds the call's new units while the call runs (concat-then-trim retention, as in an
     attention K/V cache); a convolution's left context holds only what it retains. `stock_dims`
     is the shape the stock code provisions, when the adapter declares it: it gives the
-    over-reservation ratio.
+    over-reservation ratio. An `InPlace` region has one fixed shape and no clock, axis or stride.
+    Every field after `dims` is passed by keyword.
     """
 
     name: str
     dims: tuple[Union[str, int], ...]
-    axis: int
-    clock: str
-    stride: int
+    _: KW_ONLY
     dtype: str
     lifetime: Lifetime
     retention: Retention | None
+    axis: int | None = None
+    clock: str | None = None
+    stride: int = 0
     address_stable: bool = True
     holds_call: bool = True
     stock_dims: tuple[int, ...] | None = None
@@ -236,6 +249,18 @@ class Contract:
         return values
 
 
+def fixed_extent(retention: Retention | None) -> bool:
+    """Whether a region's shape never changes: a ring or an in-place buffer, written in place
+    (nothing to rewrite: its carry is the state itself)."""
+    return isinstance(retention, (RingCache, InPlace))
+
+
+def carry_axis(region: Region) -> int:
+    """The axis a region's carry measures its extent along: the retention axis, or for an
+    `InPlace` region (no axis) its last dim, which never changes."""
+    return len(region.dims) - 1 if isinstance(region.retention, InPlace) else region.axis
+
+
 def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -278,6 +303,7 @@ def _check_retention(path: str, region: Region) -> None:
         SlidingWindow: ("window", "initial"),
         RingCache: ("capacity",),
         PromptPlusHistory: ("prompt", "history"),
+        InPlace: (),
     }.get(type(retention))
     if bounds is None:
         raise ContractError(f"{path}.retention", "C2", f"unknown retention policy {type(retention).__name__}")
@@ -308,17 +334,20 @@ def _check_regions(contract: Contract, clocks: set[str]) -> None:
         if region.name in seen:
             raise ContractError(f"{path}.name", "declaration", f"region {region.name!r} declared twice")
         seen.add(region.name)
-        if region.clock not in clocks:
-            raise ContractError(f"{path}.clock", "C1", f"undeclared clock {region.clock!r}; declared: {sorted(clocks)}")
         if region.dtype not in DTYPES:
             raise ContractError(f"{path}.dtype", "declaration", f"unknown dtype {region.dtype!r}; known: {sorted(DTYPES)}")
         if not isinstance(region.lifetime, Lifetime):
             raise ContractError(f"{path}.lifetime", "declaration", f"{region.lifetime!r} is not a Lifetime")
+        if isinstance(region.retention, InPlace):
+            _check_in_place(path, region, symbols)
+            continue
+        if region.clock not in clocks:
+            raise ContractError(f"{path}.clock", "C1", f"undeclared clock {region.clock!r}; declared: {sorted(clocks)}")
         if not _is_count(region.stride):
             raise ContractError(f"{path}.stride", "C2", f"must be an integer, got {region.stride!r}")
         if region.stride <= 0:
             raise ContractError(f"{path}.stride", "C2", f"must be positive, got {region.stride}")
-        if not 0 <= region.axis < len(region.dims):
+        if not _is_count(region.axis) or not 0 <= region.axis < len(region.dims):
             raise ContractError(f"{path}.axis", "declaration", f"axis {region.axis} outside dims of rank {len(region.dims)}")
         for j, dim in enumerate(region.dims):
             names = {str(s) for s in sympy.sympify(dim).free_symbols}
@@ -343,6 +372,26 @@ def _check_regions(contract: Contract, clocks: set[str]) -> None:
         )
 
 
+def _check_in_place(path: str, region: Region, symbols: Mapping[str, int]) -> None:
+    """An `InPlace` region: one fixed shape over the contract's quantities, no clock to advance."""
+    for attr, none in (("clock", None), ("axis", None), ("stride", 0)):
+        if getattr(region, attr) != none:
+            raise ContractError(f"{path}.{attr}", "declaration",
+                                f"an InPlace region has one fixed shape and advances along no clock: leave `{attr}` "
+                                f"unset, got {getattr(region, attr)!r} (a buffer that grows or rolls along a clock "
+                                "retains by SlidingWindow or RingCache)")
+    if not region.dims:
+        raise ContractError(f"{path}.dims", "declaration", "an InPlace region needs at least one dim")
+    for j, dim in enumerate(region.dims):
+        unknown = {str(s) for s in sympy.sympify(dim).free_symbols} - set(symbols)
+        if unknown:
+            raise ContractError(f"{path}.dims[{j}]", "declaration",
+                                f"an InPlace region's dims are fixed: {sorted(unknown)} is not a quantity or named "
+                                f"rate of the contract; usable: {sorted(symbols)}")
+    if region.stock_dims is not None and len(region.stock_dims) != len(region.dims):
+        raise ContractError(f"{path}.stock_dims", "declaration", "rank differs from dims")
+
+
 def _check_operators(contract: Contract) -> None:
     names = {region.name for region in contract.regions}
     admission = contract.admission
@@ -353,14 +402,18 @@ def _check_operators(contract: Contract) -> None:
         if not isinstance(op.effect, Effect):
             raise ContractError(f"{path}.effect", "declaration", f"{op.effect!r} is not an Effect")
         region = contract.region(op.region)
-        if op.steady != region.stride:
+        # An operator's units are counted in its region's clock; an InPlace region has none, so
+        # in the admission's.
+        in_place = isinstance(region.retention, InPlace)
+        clock = admission.clock if in_place else region.clock
+        if not in_place and op.steady != region.stride:
             raise ContractError(f"{path}.steady", "C2", f"steady call of {op.steady} differs from the region stride {region.stride}")
         for j, units in enumerate((op.steady, *op.flush)):
             field_path = f"{path}.steady" if j == 0 else f"{path}.flush[{j - 1}]"
             if not _is_count(units):
                 raise ContractError(field_path, "declaration", f"must be an int, got {units!r}")
             try:
-                in_admission_clock = rate_between(contract, region.clock, admission.clock, path=field_path) * units
+                in_admission_clock = rate_between(contract, clock, admission.clock, path=field_path) * units
             except ContractError:
                 raise ContractError(field_path, "C1", f"no declared rate converts {region.clock!r} into {admission.clock!r}: "
                                                       f"the call is counted in the clock of the operator's region "
@@ -370,10 +423,10 @@ def _check_operators(contract: Contract) -> None:
                 raise ContractError(
                     field_path,
                     "declaration",
-                    f"{units} {region.clock} per call is {in_admission_clock} {admission.clock}, outside the admission "
+                    f"{units} {clock} per call is {in_admission_clock} {admission.clock}, outside the admission "
                     f"predicate 0 < n <= {admission.max_per_call}",
                 )
-        if len(op.flush) > region.stride:
+        if not in_place and len(op.flush) > region.stride:
             raise ContractError(f"{path}.flush", "C2", f"{len(op.flush)} flush sizes exceed the stride bound {region.stride}")
 
 

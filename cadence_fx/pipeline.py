@@ -14,10 +14,10 @@ the class's first visit:
 3. **retention rewrite**: the window pass (`passes/window.py`) finds each site's concat-then-trim on
    the exported graph (a sliding window's tail, or a prompt-plus-history's head and tail) and
    rewrites it into in-place writes into the site's carry, a view of its
-   region's buffer allocated once at the derived bound (the state rule). A ring region
-   (`RingCache`: preallocated, written in place) needs no rewrite: the carry is the ring. State
-   the step writes in place that the binding does not declare is refused by path (a graph would
-   freeze it as a constant);
+   region's buffer allocated once at the derived bound (the state rule). A region of one fixed
+   extent (`RingCache`, `InPlace`: preallocated, written in place) needs no rewrite: the carry is
+   the state. State the step writes in place that the binding does not declare is refused by path
+   (a graph would freeze it as a constant);
 4. **verify**: the first `binding.verify` visits of the class (and a second value of a counter a
    regime spans) also run the stock call (on clones of the state, the RNG rewound between runs):
    the exported step and the stock call must run the same ATen program (`cadence_fx.program`),
@@ -73,7 +73,7 @@ from .binding import (
 )
 from .capture import without_stack_traces
 from .catalog import Catalog, CatalogClass
-from .contract import DTYPES, Contract, PromptPlusHistory, RingCache
+from .contract import DTYPES, Contract, PromptPlusHistory, carry_axis, fixed_extent
 from .determinism import RngState
 from .guards import HOST_SCALARS, ModuleSettings, Regime, Unread, guard_key, host_values
 from .program import OpTrace, first_difference
@@ -605,8 +605,9 @@ class BoundOperator:
                 raise ValueError(f"region {rb.region!r}: the binding's paths {rb.at} reach {len(found)} tensors "
                                  f"({[s.path for s in found][:4]}...), the contract's leading dims "
                                  f"{leading} ask for {math.prod(leading)}")
-            if region.axis < lead:
-                raise ValueError(f"region {rb.region!r}: its retention axis {region.axis} is one of the {lead} "
+            axis = carry_axis(region)
+            if axis < lead:
+                raise ValueError(f"region {rb.region!r}: its retention axis {axis} is one of the {lead} "
                                  "leading dims the binding's paths index; bind the tensors that hold the axis")
             allocated = rb.region in self.report.carries or any(key[0] == rb.region for key in self.shared)
             values = [get_path(roots, site.path) for site in found]
@@ -619,7 +620,7 @@ class BoundOperator:
                 # the carry is written in place outside it too (a turn reset, a swap).
                 with torch.inference_mode(False):
                     buffer = torch.zeros(derived.shape, dtype=DTYPES[region.dtype], device=device)
-                self.report.carries[rb.region] = WindowCarry(rb.region, rb.region, buffer, region.axis)
+                self.report.carries[rb.region] = WindowCarry(rb.region, rb.region, buffer, axis)
             for site, value in zip(found, values):
                 key = (rb.region, site.index)
                 if key not in self.shared:
@@ -627,7 +628,7 @@ class BoundOperator:
                     # Named by its path; by its region too where the binding names the region's operators
                     # (two methods' arguments of one name, such as two vendor modules' `att_cache`).
                     name = f"{rb.region}:{site.path}" if rb.operators else site.path
-                    self.shared[key] = WindowCarry(name, rb.region, home, region.axis - lead, auditor=self.report.auditor)
+                    self.shared[key] = WindowCarry(name, rb.region, home, axis - lead, auditor=self.report.auditor)
                 carry = self.carries[site.path] = self.shared[key]
                 self._holder.add_module(f"carry{len(self.sites)}", carry)
                 if rb.caller_trims:
@@ -1001,7 +1002,7 @@ class BoundOperator:
             if error is not None:
                 raise ValueError(f"{self.ob.operator}: after the call {error}")
             region, derived = self.contract.region(site.region), self.catalog.region(site.region)
-            if isinstance(region.retention, RingCache):
+            if fixed_extent(region.retention):
                 rings.append(_ring_site(gm, name, site, self.carries[site.path].axis, out_leaves[i],
                                         positions.get(f"[0][1][{i}]")))
                 continue
@@ -1048,7 +1049,7 @@ class BoundOperator:
             if rb.region in done or len(live) != 1:
                 continue
             region, derived = self.contract.region(rb.region), self.catalog.region(rb.region)
-            stock = tuple(live.pop() if i == region.axis else d for i, d in enumerate(derived.shape))
+            stock = tuple(live.pop() if i == carry_axis(region) else d for i, d in enumerate(derived.shape))
             self.report.resizes.append(Resize(" + ".join(rb.at), rb.region, stock, DTYPES[region.dtype].itemsize * math.prod(stock),
                                               derived.shape, derived.bytes))
 

@@ -105,7 +105,7 @@ def test_a_binding_that_does_not_fit_is_refused_naming_the_field(model_and_token
     with pytest.raises(BindingError, match=r"binding.operators\[0\].operator: the contract declares no operator 'decode'"):
         transform(model, contract(), dataclasses.replace(binding(), operators=(OperatorBinding("decode"),)))
     with pytest.raises(BindingError, match=r"binding.regions\[0\].per_call: region 'kv' retains by SlidingWindow: only "
-                                           r"a RingCache \(a fixed extent\) can be allocated afresh each call"):
+                                           r"a RingCache or InPlace region \(a fixed extent\) can be allocated afresh each call"):
         transform(model, contract(), dataclasses.replace(binding(), regions=(RegionBinding("kv", per_call=True),)))
 
 

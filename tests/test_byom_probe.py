@@ -34,7 +34,7 @@ from transformers.models.rwkv import modeling_rwkv
 from transformers.modeling_outputs import BaseModelOutput
 
 from cadence_fx import (Admission, Binding, BindingError, Clock, ClockKind, Contract, ContractError, Interactivity,
-                        Lifetime, Operator, OperatorBinding, Rate, Region, RegionBinding, RingCache, SlidingWindow, transform)
+                        InPlace, Lifetime, Operator, OperatorBinding, Rate, Region, RegionBinding, RingCache, SlidingWindow, transform)
 from cadence_fx.binding import get_path, resolve, set_path
 
 STEP = 2  # tokens (or frames) a call
@@ -668,9 +668,9 @@ def mamba_streams(device: str, streams: int):
     """A recurrent model: each layer keeps a causal convolution's last MAMBA_KERNEL inputs and a
     selective-scan state of fixed size, both allocated at the first call and written in place
     (`copy_`) by every later one (transformers' `LinearAttentionLayer`, keyed by state index 0).
-    Both are RingCache regions: the shape never changes, the carry is the state itself. The scan
-    state has no time axis, so its contract names a clock of its own for its state dimension
-    (`state`, stride 1): the contract has no retention for state that is not along a clock."""
+    The convolution's window is a RingCache along the tokens; the scan state has no time axis, so
+    it is an InPlace region (one fixed shape, no clock). Neither shape ever changes: the carry is
+    the state itself."""
     torch.manual_seed(0)
     config = MambaConfig(vocab_size=64, hidden_size=32, state_size=MAMBA_STATE, num_hidden_layers=2, expand=2,
                          conv_kernel=MAMBA_KERNEL)
@@ -688,13 +688,13 @@ def mamba_streams(device: str, streams: int):
 
     contract = Contract(
         family="mamba",
-        clocks=(Clock("token", ClockKind.TOKENS), Clock("state", ClockKind.TOKENS), Clock("call", ClockKind.CALLS)),
+        clocks=(Clock("token", ClockKind.TOKENS), Clock("call", ClockKind.CALLS)),
         rates=(Rate("token", "call", STEP, name="tokens_per_call"),),
-        quantities={"layers": 2, "inner": MAMBA_INNER},
+        quantities={"layers": 2, "inner": MAMBA_INNER, "state": MAMBA_STATE},
         regions=(Region("conv", dims=("layers", 1, "inner", "token"), axis=3, clock="token", stride=STEP, dtype="float32",
                         lifetime=Lifetime.PER_STREAM, retention=RingCache(MAMBA_KERNEL)),
-                 Region("scan", dims=("layers", 1, "inner", "state"), axis=3, clock="state", stride=1, dtype="float32",
-                        lifetime=Lifetime.PER_STREAM, retention=RingCache(MAMBA_STATE))),
+                 Region("scan", dims=("layers", 1, "inner", "state"), dtype="float32", lifetime=Lifetime.PER_STREAM,
+                        retention=InPlace())),
         operators=(Operator("decoder_step", "conv", steady=STEP),),
         admission=Admission("token", max_per_call=STEP),
         interactivity=Interactivity(stages=("decoder",)),
