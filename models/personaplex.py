@@ -62,7 +62,7 @@ from cadence_fx.guards import Unread
 
 __all__ = ["FULL", "LM_BINDING", "MIMI_BINDING", "TINY", "BoundPersonaPlex", "PersonaPlexConfig", "PersonaPlexModels",
            "StreamOutput", "build_models", "check_models", "contract_for", "lm_gen", "personaplex_contract", "stream_reference",
-           "transform_personaplex", "used_codebooks", "vendor_loop"]
+           "transform_personaplex", "used_codebooks", "user_phase", "vendor_loop"]
 
 #: The vendor's package under the import name `.ci/install` gives it.
 VENDOR = "personaplex_moshi"
@@ -405,24 +405,27 @@ def lm_gen(lm: Any, *, sampling: bool) -> Any:
 
 @torch.no_grad()
 def vendor_loop(mimi: Any, gen: Any, pcm: torch.Tensor, *, seed: int, text_prompt_tokens: Sequence[int],
-                voice_prompt: str | None = None) -> StreamOutput:
+                voice_prompt: str | None = None, voice_prompt_embeddings: str | None = None) -> StreamOutput:
     """The vendor's session (`offline.py` `run_inference`, steps 6 to 9), on streaming `mimi` and
-    `gen`, unchanged: the voice prompt loaded (`load_voice_prompt`, a wav file) where given, the
-    text prompt tokens set, every streaming state reset, the system prompts stepped
-    (`step_system_prompts`: the voice prompt's frames Mimi-encoded and stepped, half a second of
-    silence, the text prompt token by token, half a second of silence), Mimi reset, then per
-    1920-sample frame of `pcm` (the user's audio): `mimi.encode` -> `LMGen.step` -> `mimi.decode`
-    of the agent's 8 codebooks. The default generators are seeded with `seed` before the prompts.
-    The vendor's warm-up (4 frames of zeros, then the same resets) only primes its CUDA graphs and
-    is left out."""
-    if voice_prompt is not None:
-        gen.load_voice_prompt(voice_prompt)
-    gen.text_prompt_tokens = list(text_prompt_tokens)
+    `gen`, unchanged: the default generators seeded with `seed`, then `personaplex_prompt.prime`
+    (the voice prompt loaded where given, from a wav file or from saved embeddings, the text prompt
+    tokens set, every streaming state reset, the system prompts stepped (`step_system_prompts`: the
+    voice prompt's frames Mimi-encoded and stepped, half a second of silence, the text prompt token
+    by token, half a second of silence), Mimi reset), then `user_phase`. Loading a voice prompt
+    and the resets draw nothing, so seeding first is seeding where `offline.py` does. The vendor's
+    warm-up (4 frames of zeros, then the same resets) only primes its CUDA graphs and is left out."""
+    from .personaplex_prompt import prime
+
     torch.manual_seed(seed)
-    mimi.reset_streaming()
-    gen.reset_streaming()
-    gen.step_system_prompts(mimi)
-    mimi.reset_streaming()
+    prime(mimi, gen, text_prompt_tokens=text_prompt_tokens, voice_prompt=voice_prompt,
+          voice_prompt_embeddings=voice_prompt_embeddings)
+    return user_phase(mimi, gen, pcm)
+
+
+@torch.no_grad()
+def user_phase(mimi: Any, gen: Any, pcm: torch.Tensor) -> StreamOutput:
+    """The user's phase of the vendor's session, on a primed `gen`: per 1920-sample frame of `pcm`
+    (the user's audio), `mimi.encode` -> `LMGen.step` -> `mimi.decode` of the agent's 8 codebooks."""
     tokens, out = [], []
     for frame in pcm.split(FRAME_SIZE, dim=-1):
         codes = mimi.encode(frame)
@@ -465,13 +468,42 @@ class BoundPersonaPlex:
         compile_ = _vendor("utils.compile")
         gen = self.lm_gen
         gen.use_sampling = sampling
-        # As a fresh `LMGen` has them: no voice prompt unless this session loads one.
-        gen.voice_prompt = gen.voice_prompt_audio = gen.voice_prompt_cache = gen.voice_prompt_embeddings = None
         # The vendor's own CUDA-graph wrappers off (its flag, read on every call): the bound operators
         # replay instead, the glue between them runs eagerly, as the vendor's does.
         with compile_.no_compile(), compile_.no_cuda_graph():
             return vendor_loop(self.bound["mimi"], gen, pcm, seed=seed, text_prompt_tokens=text_prompt_tokens,
                                voice_prompt=voice_prompt)
+
+    def prompt_state(self, *, voice: str, text_prompt_tokens: Sequence[int], voice_prompt: str | None = None,
+                     voice_prompt_embeddings: str | None = None) -> Any:
+        """The vendor's priming stepped once on the bound operators (`personaplex_prompt.prime`),
+        its state captured (`personaplex_prompt.capture`, keyed by `voice` and the role's tokens).
+        The caller's generators are left as they were (priming draws, and throws its draws away)."""
+        from .personaplex_prompt import capture, prime
+
+        compile_ = _vendor("utils.compile")
+        device = self.models.lm.device
+        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []), \
+                compile_.no_compile(), compile_.no_cuda_graph():
+            prime(self.bound["mimi"], self.lm_gen, text_prompt_tokens=text_prompt_tokens, voice_prompt=voice_prompt,
+                  voice_prompt_embeddings=voice_prompt_embeddings)
+        return capture(self.lm_gen, voice=voice, role=text_prompt_tokens)
+
+    def stream_primed(self, state: Any, pcm: torch.Tensor, *, sampling: bool, generator: torch.Tensor) -> StreamOutput:
+        """A session that starts from a prompt state instead of stepping its prompts: Mimi reset,
+        `state` copied into the `LMGen` (`personaplex_prompt.restore`), the device's generator set to
+        `generator` (the session's draws start there), then `user_phase` on the bound operators."""
+        from cadence_fx.transformed import rng_set
+
+        from .personaplex_prompt import restore
+
+        compile_ = _vendor("utils.compile")
+        self.lm_gen.use_sampling = sampling
+        with compile_.no_compile(), compile_.no_cuda_graph(), torch.no_grad():
+            self.bound["mimi"].reset_streaming()
+            restore(self.lm_gen, state)
+            rng_set(self.models.lm.device, generator)
+            return user_phase(self.bound["mimi"], self.lm_gen, pcm)
 
     @property
     def report(self) -> Any:

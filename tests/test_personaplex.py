@@ -10,60 +10,25 @@ the 16 depformer codebooks) and the agent's PCM. Each session steps the vendor's
 frame), half a second of silence, the text role prompt `<system> ... <system>` token by token, half
 a second of silence; then the user's frames.
 
-The text prompt is wrapped by the vendor's `wrap_with_system_tags` and tokenized by a SentencePiece
-model trained here on that text: the vendor's tokenizer (`tokenizer_spm_32k_3.model`) is on the gated
-hub with the weights, and the steps only need ids below the text card. The audio is synthetic
-(a voiced tone with a syllable-rate envelope over noise), so the test reads nothing from shared/.
+The role prompt and the audio come from `personaplex_kit.py`.
 """
 
 from __future__ import annotations
 
-import io
-import math
-
 import pytest
 import torch
+from personaplex_kit import ROLE, SILENCE_FRAMES, VOICE_FRAMES, VOICE_SECONDS, role_prompt_tokens, speechlike
 
 from cadence_fx.models import personaplex
 from cadence_fx.models.personaplex import FRAME_SIZE, SAMPLE_RATE
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-ROLE = ("You work for a bicycle repair shop and your name is Ada. Information: the shop opens at nine, "
-        "a tune-up costs forty dollars and takes two days.")
 USER_FRAMES = 6
-VOICE_SECONDS = 1.0
-VOICE_FRAMES = math.ceil(VOICE_SECONDS * SAMPLE_RATE / FRAME_SIZE)  # the vendor pads the last frame: 13
-SILENCE_FRAMES = 6  # `audio_silence_frame_cnt`, int(0.5 * 12.5), after each prompt
 #: (sampling, voice prompt): a sampled session, a greedy one (the depformer's other mode), one with a
 #: voice prompt, and a sampled one again (the graphs serving a session like the first).
 SESSIONS = ((True, False), (False, False), (True, True), (True, False))
 DEPFORMER = "depformer_step[n=1,L=16]{{self.use_sampling={}, self.temp=0.8, self.top_k=250}}"
-
-
-def speechlike(seconds: float, seed: int) -> torch.Tensor:
-    """`(1, samples)` float32: a 140 Hz voiced tone with five harmonics, a 4 Hz syllable envelope, and noise."""
-    generator = torch.Generator().manual_seed(seed)
-    t = torch.arange(int(seconds * SAMPLE_RATE), dtype=torch.float64) / SAMPLE_RATE
-    voiced = sum(torch.sin(2 * math.pi * 140 * k * t + k) / k for k in range(1, 6))
-    envelope = 0.5 * (1 - torch.cos(2 * math.pi * 4 * t))
-    noise = 0.02 * torch.randn(t.shape, generator=generator, dtype=torch.float64)
-    return (0.1 * envelope * voiced + noise).to(torch.float32)[None]
-
-
-def role_prompt_tokens() -> tuple[list[int], str]:
-    """The role prompt as `offline.py` makes it, wrapped in `<system>` tags, then tokenized; and the
-    tokens decoded back."""
-    import sentencepiece
-    from personaplex_moshi.offline import wrap_with_system_tags
-
-    text = wrap_with_system_tags(ROLE)
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter([text]), model_writer=model, vocab_size=200,
-                                             model_type="bpe", hard_vocab_limit=False, minloglevel=2)
-    processor = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
-    tokens = processor.encode(text)
-    return tokens, processor.decode(tokens)
 
 
 @pytest.fixture(scope="module")
