@@ -46,6 +46,9 @@ STATIC = Path(__file__).resolve().parent / "static"
 # the handshake must echo "realtime". The key entry ("openai-insecure-api-key.<key>") is checked by
 # the access layer (access.py), never echoed.
 REALTIME_SUBPROTOCOL = "realtime"
+# ``?autostart=`` values that defer a duplex connection's session to its first command (vLLM-Omni's
+# client sends autostart=0 on every connection).
+_FALSE = ("0", "false", "no", "off")
 
 def create_app(
     plugin_factory: Callable[[], ModelPlugin],
@@ -86,7 +89,7 @@ def create_app(
     app = FastAPI(title="cadence-fx duplex service", lifespan=lifespan, **docs)
     app.add_middleware(AccessMiddleware, access=access)
 
-    async def serve_socket(ws: WebSocket, duplex: bool, session_id: str | None) -> None:
+    async def serve_socket(ws: WebSocket, duplex: bool, session_id: str | None, autostart: str = "1") -> None:
         manager: SessionManager = state["manager"]  # type: ignore[assignment]
         offered = ws.scope.get("subprotocols", [])
         await ws.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in offered else None)
@@ -94,7 +97,7 @@ def create_app(
         writer = asyncio.create_task(transport.pump(ws.send_text, ws.close))
         connection = Connection(manager, transport, duplex, ws.client.host if ws.client else "unknown")
         try:
-            if connection.open(resume=session_id is not None):
+            if connection.open(resume=session_id is not None, autostart=autostart.lower() not in _FALSE):
                 while True:
                     message = await ws.receive()
                     if message["type"] == "websocket.disconnect":
@@ -110,12 +113,12 @@ def create_app(
                 await asyncio.wait_for(writer, timeout=5.0)
 
     @app.websocket("/v1/realtime")
-    async def realtime(ws: WebSocket, duplex: str = "0", session_id: str | None = None) -> None:
-        await serve_socket(ws, duplex.lower() in ("1", "true", "yes", "on"), session_id)
+    async def realtime(ws: WebSocket, duplex: str = "0", session_id: str | None = None, autostart: str = "1") -> None:
+        await serve_socket(ws, duplex.lower() in ("1", "true", "yes", "on"), session_id, autostart)
 
     @app.websocket("/v1/duplex")
-    async def duplex_alias(ws: WebSocket, session_id: str | None = None) -> None:
-        await serve_socket(ws, True, session_id)
+    async def duplex_alias(ws: WebSocket, session_id: str | None = None, autostart: str = "1") -> None:
+        await serve_socket(ws, True, session_id, autostart)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -2,8 +2,11 @@
 
 Wire formats: GA ``audio/pcm`` (16-bit little-endian mono, 24 kHz only), ``audio/pcmu`` and
 ``audio/pcma`` (G.711 at 8 kHz); on input the beta spellings ``pcm16``, ``g711_ulaw`` and
-``g711_alaw`` are accepted too and normalised to GA.  Inside the service audio is float32 in
-[-1, 1).  Everything here is pure numpy/scipy and safe to run in a worker thread.
+``g711_alaw`` are accepted too and normalised to GA.  A duplex connection also takes vLLM-Omni's
+``pcm_f32le`` (32-bit float little-endian mono) and 16-bit or float PCM at any of
+``DUPLEX_PCM_RATES`` (``serve/protocol/duplex.py`` reads those fields); a rate outside them is
+refused, never read as another.  Inside the service audio is float32 in [-1, 1).  Everything here
+is pure numpy/scipy and safe to run in a worker thread.
 """
 
 from __future__ import annotations
@@ -19,12 +22,18 @@ from scipy import signal
 
 from .errors import ProtocolError, quoted
 
-Encoding = Literal["pcm16", "pcmu", "pcma"]
+Encoding = Literal["pcm16", "pcmu", "pcma", "f32le"]
 
-_GA_TYPE = {"pcm16": "audio/pcm", "pcmu": "audio/pcmu", "pcma": "audio/pcma"}
+_GA_TYPE = {"pcm16": "audio/pcm", "pcmu": "audio/pcmu", "pcma": "audio/pcma", "f32le": "audio/pcm_f32le"}
 _BETA_TYPE = {"pcm16": "pcm16", "g711_ulaw": "pcmu", "g711_alaw": "pcma"}
+# The beta-style names of each encoding, as vLLM-Omni's duplex fields spell them.
+BETA_NAME = {"pcm16": "pcm16", "pcmu": "g711_ulaw", "pcma": "g711_alaw", "f32le": "pcm_f32le"}
+_BYTES = {"pcm16": 2, "pcmu": 1, "pcma": 1, "f32le": 4}
 _G711_RATE = 8000
 PCM_RATE = 24000
+# The PCM rates a duplex connection may declare (vLLM-Omni's clients send 16 and 24 kHz); every
+# one is resampled to and from the model's own rate.
+DUPLEX_PCM_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
 
 
 @dataclass(frozen=True)
@@ -36,13 +45,16 @@ class AudioFormat:
 
     @property
     def bytes_per_sample(self) -> int:
-        return 2 if self.encoding == "pcm16" else 1
+        return _BYTES[self.encoding]
 
     def to_wire(self) -> dict[str, Any]:
         """The GA JSON spelling (``{"type": "audio/pcm", "rate": 24000}``)."""
-        if self.encoding == "pcm16":
-            return {"type": "audio/pcm", "rate": self.rate}
+        if self.encoding in ("pcm16", "f32le"):
+            return {"type": _GA_TYPE[self.encoding], "rate": self.rate}
         return {"type": _GA_TYPE[self.encoding]}
+
+    def duration_ms(self, n_bytes: int) -> float:
+        return n_bytes * 1000.0 / (self.rate * self.bytes_per_sample)
 
     def samples(self, n_bytes: int) -> int:
         return n_bytes // self.bytes_per_sample
@@ -56,8 +68,42 @@ PCMU = AudioFormat("pcmu", _G711_RATE)
 PCMA = AudioFormat("pcma", _G711_RATE)
 
 
-def parse_format(value: object, param: str) -> AudioFormat:
-    """A GA format object or a beta format string, else ``unsupported_audio_format``."""
+def duplex_format(encoding_name: object, rate: object, param: str) -> AudioFormat:
+    """vLLM-Omni's spelling of a format (``pcm16`` or ``pcm_f32le`` with ``sample_rate_hz``; the
+    G.711 names at 8 kHz), else ``unsupported_audio_format`` naming what is served."""
+    names = {"pcm16": "pcm16", "pcm_s16le": "pcm16", "s16le": "pcm16", "pcm_f32le": "f32le", "f32le": "f32le",
+             "g711_ulaw": "pcmu", "g711_alaw": "pcma"}
+    encoding = names.get(encoding_name) if isinstance(encoding_name, str) else None
+    if encoding is None:
+        raise ProtocolError(
+            "unsupported_audio_format",
+            f"unsupported audio format {quoted(encoding_name)}; served: pcm16, pcm_f32le, g711_ulaw, g711_alaw",
+            param,
+        )
+    if encoding in ("pcmu", "pcma"):
+        if rate not in (None, _G711_RATE):
+            raise ProtocolError("unsupported_audio_format", f"G.711 is 8000 Hz only, got {quoted(rate)}", param)
+        return AudioFormat(encoding, _G711_RATE)  # type: ignore[arg-type]
+    if rate is None:
+        rate = PCM_RATE
+    if isinstance(rate, bool) or not isinstance(rate, int) or rate not in DUPLEX_PCM_RATES:
+        raise ProtocolError(
+            "unsupported_audio_format",
+            f"sample rate {quoted(rate)} Hz is not served; served rates: {', '.join(map(str, DUPLEX_PCM_RATES))}",
+            param,
+        )
+    return AudioFormat(encoding, rate)  # type: ignore[arg-type]
+
+
+def parse_format(value: object, param: str, duplex: bool = False) -> AudioFormat:
+    """A GA format object or a beta format string, else ``unsupported_audio_format``. ``duplex``: a
+    duplex connection's, where ``audio/pcm`` may have any of ``DUPLEX_PCM_RATES`` and
+    ``audio/pcm_f32le`` and ``pcm_f32le`` are served too (vLLM-Omni's extension)."""
+    if duplex and isinstance(value, str) and value != "pcm16":
+        return duplex_format(value, None, param)
+    if duplex and isinstance(value, dict) and value.get("type") in ("audio/pcm", "audio/pcm_f32le"):
+        encoding = "pcm16" if value["type"] == "audio/pcm" else "pcm_f32le"
+        return duplex_format(encoding, value.get("rate", PCM_RATE), f"{param}.rate")
     if isinstance(value, str):
         encoding = _BETA_TYPE.get(value)
         if encoding is None:
@@ -135,7 +181,24 @@ _ALAW_ENCODE, _ALAW_DECODE = _build_alaw_encode(), _build_alaw_decode()
 
 
 def decode_samples(data: bytes, fmt: AudioFormat, param: str = "audio") -> np.ndarray:
-    """Wire bytes to float32 samples in [-1, 1)."""
+    """Wire bytes to float32 samples: in [-1, 1) from the integer formats; float input is taken as
+    it is, and must be finite and within [-1, 1] (a value outside is not audio in this format:
+    int16 bytes read as floats, say)."""
+    if fmt.encoding == "f32le":
+        if len(data) % 4:
+            raise ProtocolError(
+                "invalid_audio_length", f"pcm_f32le needs whole 32-bit samples, got {len(data)} bytes", param
+            )
+        x = np.frombuffer(data, dtype="<f4").astype(np.float32)
+        bad = ~(np.abs(x) <= 1.0)  # NaN fails the comparison too
+        if bad.any():
+            index = int(np.argmax(bad))
+            raise ProtocolError(
+                "invalid_value",
+                f"pcm_f32le sample {index} is {float(x[index])!r}: samples must be finite and within [-1, 1]",
+                param,
+            )
+        return x
     if fmt.encoding == "pcm16":
         if len(data) % 2:
             raise ProtocolError(
@@ -150,6 +213,8 @@ def decode_samples(data: bytes, fmt: AudioFormat, param: str = "audio") -> np.nd
 
 def encode_samples(samples: np.ndarray, fmt: AudioFormat) -> bytes:
     """float32 samples to wire bytes; int16-representable values round-trip exactly."""
+    if fmt.encoding == "f32le":
+        return np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0).astype("<f4").tobytes()
     pcm = np.clip(np.rint(np.asarray(samples, dtype=np.float64) * 32768.0), -32768, 32767).astype(np.int16)
     if fmt.encoding == "pcm16":
         return pcm.astype("<i2").tobytes()

@@ -58,7 +58,7 @@ def _check(value: Any, kinds: tuple[type, ...], optional: bool, param: str) -> N
         raise ProtocolError("invalid_value", f"{param} must be of type {kinds[0].__name__}", param)
     if isinstance(value, int) and not isinstance(value, bool) and value < 0:
         raise ProtocolError("invalid_value", f"{param} must not be negative", param)
-    if param in _ID_FIELDS:
+    if param.rsplit(".", 1)[-1] in _ID_FIELDS:
         _check_id(value, param)
 
 
@@ -162,28 +162,52 @@ def decode_command(text: str | bytes) -> ClientCommand:
             lone = _lone_surrogate(obj)
             if lone is not None:
                 raise lone
-        kind = obj.get("type")
-        if kind is None:
-            raise ProtocolError("missing_field", "missing required field 'type'", "type")
-        if not isinstance(kind, str):
-            raise ProtocolError("invalid_value", "type must be a string", "type")
-        cls = COMMANDS.get(kind)
-        if cls is None:
-            raise ProtocolError("unknown_event_type", f"unknown event type {quoted(kind)}", "type")
-        values = {}
-        for name, kinds, optional, required in _field_specs(cls):
-            if name not in obj:
-                if required:
-                    raise ProtocolError("missing_field", f"{kind} requires field {name!r}", name)
-                continue
-            _check(obj[name], kinds, optional, name)
-            values[name] = obj[name]
-        if cls.TYPE == "conversation.item.create":
-            _check_item(values["item"])
-        return cls(**values)
+        return command_from_object(obj)
     except ProtocolError as err:
         err.event_id = client_event_id
         raise
+
+
+def command_from_object(obj: dict[str, Any], at: str = "") -> ClientCommand:
+    """A decoded JSON object as a typed command (its strings already checked); ``at``: where the
+    object sits in its frame (``payload.`` for a ``turn.signal``'s), for the errors' ``param``."""
+    kind = obj.get("type")
+    if kind is None:
+        raise ProtocolError("missing_field", "missing required field 'type'", f"{at}type")
+    if not isinstance(kind, str):
+        raise ProtocolError("invalid_value", "type must be a string", f"{at}type")
+    cls = COMMANDS.get(kind)
+    if cls is None:
+        raise ProtocolError("unknown_event_type", f"unknown event type {quoted(kind)}", f"{at}type")
+    values = {}
+    for name, kinds, optional, required in _field_specs(cls):
+        if name not in obj:
+            if required:
+                raise ProtocolError("missing_field", f"{kind} requires field {name!r}", f"{at}{name}")
+            continue
+        _check(obj[name], kinds, optional, f"{at}{name}")
+        values[name] = obj[name]
+    if cls.TYPE == "conversation.item.create":
+        _check_item(values["item"])
+    for first, second in _ONE_OF.get(cls.TYPE, ()):
+        _one_of(kind, values, first, second, at)
+    return cls(**values)
+
+
+# Commands that take a number under either of two names (ours, vLLM-Omni's): one is required, and
+# both must agree.
+_ONE_OF = {
+    "session.resume": (("last_server_event_seq", "last_received_server_event_seq"),),
+    "playback.ack": (("audio_end_ms", "played_ms"),),
+}
+
+
+def _one_of(kind: str, values: dict[str, Any], first: str, second: str, at: str) -> None:
+    a, b = values.get(first), values.get(second)
+    if a is None and b is None:
+        raise ProtocolError("missing_field", f"{kind} requires field {first!r} (or {second!r})", f"{at}{first}")
+    if a is not None and b is not None and a != b:
+        raise ProtocolError("invalid_value", f"{first} {a!r} and {second} {b!r} disagree", f"{at}{second}")
 
 
 # GA item shapes: per item type, its own fields (beyond id, type, object, status) and which of them

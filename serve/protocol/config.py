@@ -125,8 +125,10 @@ class SessionConfig:
             wire["parallel_tool_calls"] = self.parallel_tool_calls
         return wire
 
-    def apply(self, patch: dict[str, Any]) -> SessionConfig:
-        """This config with a session.update ``session`` object applied; raises ProtocolError."""
+    def apply(self, patch: dict[str, Any], duplex: bool = False) -> SessionConfig:
+        """This config with a session.update ``session`` object applied; raises ProtocolError.
+        ``duplex``: formats as a duplex connection takes them (``audio.parse_format``); its other
+        extension fields are ``duplex.apply_duplex``'s, which calls this without them."""
         known(patch, _SESSION_FIELDS, "session")
         patch = given(patch)
         changes: dict[str, Any] = {}
@@ -171,13 +173,13 @@ class SessionConfig:
         known(audio_in, _AUDIO_INPUT_FIELDS, "session.audio.input")
         known(audio_out, _AUDIO_OUTPUT_FIELDS, "session.audio.output")
         if "format" in audio_in:
-            changes["input_format"] = parse_format(audio_in["format"], "session.audio.input.format")
+            changes["input_format"] = parse_format(audio_in["format"], "session.audio.input.format", duplex)
         elif "input_audio_format" in patch:
-            changes["input_format"] = parse_format(patch["input_audio_format"], "session.input_audio_format")
+            changes["input_format"] = parse_format(patch["input_audio_format"], "session.input_audio_format", duplex)
         if "format" in audio_out:
-            changes["output_format"] = parse_format(audio_out["format"], "session.audio.output.format")
+            changes["output_format"] = parse_format(audio_out["format"], "session.audio.output.format", duplex)
         elif "output_audio_format" in patch:
-            changes["output_format"] = parse_format(patch["output_audio_format"], "session.output_audio_format")
+            changes["output_format"] = parse_format(patch["output_audio_format"], "session.output_audio_format", duplex)
         if "voice" in audio_out or "voice" in patch:
             voice = audio_out.get("voice", patch.get("voice"))
             changes["voice"] = typed(voice, str, "session.audio.output.voice")
@@ -207,7 +209,7 @@ class ResponseParams:
     metadata: dict | None = None
 
     @classmethod
-    def parse(cls, value: dict[str, Any] | None, session: SessionConfig) -> ResponseParams:
+    def parse(cls, value: dict[str, Any] | None, session: SessionConfig, duplex: bool = False) -> ResponseParams:
         base = cls(output_format=session.output_format, voice=session.voice)
         if value is None:
             return base
@@ -219,7 +221,7 @@ class ResponseParams:
         audio_out = given(typed(audio.get("output", {}), dict, "response.audio.output"))
         known(audio_out, {"format", "voice"}, "response.audio.output")
         if "format" in audio_out:
-            changes["output_format"] = parse_format(audio_out["format"], "response.audio.output.format")
+            changes["output_format"] = parse_format(audio_out["format"], "response.audio.output.format", duplex)
         if "voice" in audio_out:
             changes["voice"] = typed(audio_out["voice"], str, "response.audio.output.voice")
         conversation = value.get("conversation", "auto")

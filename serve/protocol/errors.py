@@ -37,6 +37,8 @@ ERROR_CODES = frozenset(
         "item_delete_invalid_item_id",
         "item_create_duplicate_item_id",
         "server_error",
+        # a duplex extension field or command this server does not serve, refused by name
+        "unsupported_feature",
     }
 )
 

@@ -37,13 +37,31 @@ class SessionUpdate(ClientCommand):
 
 @dataclass(frozen=True, kw_only=True)
 class InputAudioBufferAppend(ClientCommand):
+    """Tier 2 (vLLM-Omni's): the append's own ``format`` and ``sample_rate_hz`` (it is read in
+    them), its ``duration_ms`` (checked against its bytes), ``audio_end_ms`` and ``is_speech``
+    (read, not used: the server keeps its own count and runs its own VAD), ``video_frames``
+    (refused unless empty: the models hear audio only)."""
+
     TYPE = "input_audio_buffer.append"
     audio: str
+    format: str | None = _t2()
+    sample_rate_hz: int | None = _t2()
+    duration_ms: int | None = _t2()
+    audio_end_ms: int | None = _t2()
+    is_speech: bool | None = _t2()
+    video_frames: list | None = _t2()
 
 
 @dataclass(frozen=True, kw_only=True)
 class InputAudioBufferCommit(ClientCommand):
+    """Tier 2 (vLLM-Omni's): ``final`` (default true: the turn is over, its partial frame is
+    zero-padded; false: more of the turn follows, the partial frame goes on), ``response_create``
+    (ask for a response after the commit; without it, a final commit asks for one when the
+    session's ``extra_body.auto_response`` is on)."""
+
     TYPE = "input_audio_buffer.commit"
+    final: bool | None = _t2()
+    response_create: bool | None = _t2()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,8 +121,17 @@ class SessionResume(ClientCommand):
     TIER = 3
     session_id: str = field()  # required here; a bare annotation would inherit the base's None
     resume_token: str
-    last_server_event_seq: int
+    # One of the two is required (``seen``): ours, or vLLM-Omni's name for the same number.
+    last_server_event_seq: int | None = None
+    last_received_server_event_seq: int | None = None
     generation: int | None = None
+
+    @property
+    def seen(self) -> int:
+        """The last ``server_event_seq`` the client holds, under either name."""
+        ours, theirs = self.last_server_event_seq, self.last_received_server_event_seq
+        assert ours is not None or theirs is not None, "the codec requires one of them"
+        return ours if ours is not None else theirs  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,18 +145,63 @@ class SessionEventAck(ClientCommand):
 
 @dataclass(frozen=True, kw_only=True)
 class PlaybackAck(ClientCommand):
-    """The client has played ``audio_end_ms`` of a response's audio."""
+    """The client has played ``audio_end_ms`` (vLLM-Omni: ``played_ms``) of a response's audio;
+    without ``response_id``, of the active response, else of the latest. ``committed_ms``
+    (vLLM-Omni's: how much of it the client counts as heard) is at most the played time;
+    ``item_id``, if given, must name the response's item."""
 
     TYPE = "playback.ack"
     TIER = 3
-    response_id: str
-    audio_end_ms: int
+    response_id: str | None = None
+    audio_end_ms: int | None = None
+    played_ms: int | float | None = None
+    committed_ms: int | float | None = None
+    item_id: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class SessionHeartbeat(ClientCommand):
     TYPE = "session.heartbeat"
     TIER = 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputTextAppend(ClientCommand):
+    """vLLM-Omni's text input: refused by name (``unsupported_feature``), the models hear audio only."""
+
+    TYPE = "input.text.append"
+    TIER = 3
+    text: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputCancel(ClientCommand):
+    """vLLM-Omni's: drop the user's uncommitted input (as ``input_audio_buffer.clear``)."""
+
+    TYPE = "input.cancel"
+    TIER = 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class BargeInCommand(ClientCommand):
+    """vLLM-Omni's client barge-in: the user talks over the reply, which is cancelled at once. The
+    server announces it with the ``barge_in`` event, as it does when its VAD hears the speech:
+    one name, one idea (a barge-in happened), whoever noticed it."""
+
+    TYPE = "barge_in"
+    TIER = 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnSignal(ClientCommand):
+    """vLLM-Omni's envelope for a command by name: ``event`` (``barge_in``, ``input.cancel``,
+    ``response.cancel``, ``session.update``, ``conversation.item.*``) with its fields in
+    ``payload``; it is handled as that command. Any other ``event`` is refused by name."""
+
+    TYPE = "turn.signal"
+    TIER = 3
+    event: str
+    payload: dict | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,6 +309,7 @@ class ConversationItemDeleted(ServerEvent):
 class ResponseCreated(ServerEvent):
     TYPE = "response.created"
     response: dict
+    response_id: str | None = _t2()  # vLLM-Omni's: the id at the top level too
     epoch: int | None = _t2()
     turn_id: int | None = _t2()
     # The response's own instructions (response.create), which GA's response object has no field for.
@@ -247,6 +320,7 @@ class ResponseCreated(ServerEvent):
 class ResponseDone(ServerEvent):
     TYPE = "response.done"
     response: dict
+    response_id: str | None = _t2()
     epoch: int | None = _t2()
     turn_id: int | None = _t2()
     playback: dict | None = _t2()
@@ -300,6 +374,31 @@ class ResponseOutputAudioDelta(ServerEvent):
     turn_id: int | None = _t2()
     # Position of this delta's first sample in the response, in output-format samples.
     audio_offset: int | None = _t2()
+    # vLLM-Omni's: the delta's own format and rate (what its client decodes and times it by).
+    format: str | None = _t2()
+    sample_rate_hz: int | None = _t2()
+
+
+@dataclass(kw_only=True)
+class ResponseOutputAudioTranscriptDelta(ServerEvent):
+    """Text the model produced with its audio (Moshi's text tokens, detokenized)."""
+
+    TYPE = "response.output_audio_transcript.delta"
+    response_id: str
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+@dataclass(kw_only=True)
+class ResponseOutputAudioTranscriptDone(ServerEvent):
+    TYPE = "response.output_audio_transcript.done"
+    response_id: str
+    item_id: str
+    output_index: int
+    content_index: int
+    transcript: str
 
 
 @dataclass(kw_only=True)
@@ -342,6 +441,7 @@ class SessionResumed(ServerEvent):
     generation: int
     last_server_event_seq: int
     replayed: int
+    session: dict | None = None
 
 
 @dataclass(kw_only=True)
@@ -406,6 +506,37 @@ class BargeIn(ServerEvent):
     epoch: int
 
 
+@dataclass(kw_only=True)
+class SessionHeartbeatAck(ServerEvent):
+    """The answer to a client's ``session.heartbeat`` (vLLM-Omni's)."""
+
+    TYPE = "session.heartbeat_ack"
+    TIER = 3
+    JOURNALED = False
+    session_id: str
+
+
+@dataclass(kw_only=True)
+class ResponseSpeak(ServerEvent):
+    """vLLM-Omni's decision event: the response speaks (sent once, before its first audio)."""
+
+    TYPE = "response.speak"
+    TIER = 3
+    response_id: str
+    item_id: str
+
+
+@dataclass(kw_only=True)
+class ResponseListen(ServerEvent):
+    """vLLM-Omni's decision event: the response ended without a sample of audio (the model
+    listened); sent before its terminal events."""
+
+    TYPE = "response.listen"
+    TIER = 3
+    response_id: str
+    response: dict
+
+
 COMMANDS: dict[str, type[ClientCommand]] = {
     c.TYPE: c
     for c in (
@@ -425,6 +556,10 @@ COMMANDS: dict[str, type[ClientCommand]] = {
         PlaybackAck,
         SessionHeartbeat,
         SessionClose,
+        InputTextAppend,
+        InputCancel,
+        BargeInCommand,
+        TurnSignal,
     )
 }
 
@@ -449,6 +584,8 @@ EVENTS: dict[str, type[ServerEvent]] = {
         ResponseContentPartAdded,
         ResponseContentPartDone,
         ResponseOutputAudioDelta,
+        ResponseOutputAudioTranscriptDelta,
+        ResponseOutputAudioTranscriptDone,
         ResponseOutputAudioDone,
         OutputAudioBufferCleared,
         RateLimitsUpdated,
@@ -459,6 +596,9 @@ EVENTS: dict[str, type[ServerEvent]] = {
         SessionExpired,
         SessionClosed,
         SessionHeartbeatEvent,
+        SessionHeartbeatAck,
+        ResponseSpeak,
+        ResponseListen,
         BargeIn,
     )
 }

@@ -3,7 +3,10 @@
 A connection normally opens by creating a session. A duplex connection opened with a
 ``session_id`` creates none (so a client at the admission limit can still come back): it is
 unbound until its ``session.resume`` succeeds, and is closed (4001) if that has not happened
-within ``Limits.bind_timeout_s``. A connection whose resumes fail ``Limits.max_resume_failures``
+within ``Limits.bind_timeout_s``. A duplex connection opened with ``autostart=0`` (vLLM-Omni's
+client opens every connection so, and reconnects the same way to resume) creates its session at
+its first command, unless that command is a ``session.resume``; it too is closed (4001) if no
+command has come within ``Limits.bind_timeout_s``. A connection whose resumes fail ``Limits.max_resume_failures``
 times (a wrong token, an unknown session) is closed (1008).
 """
 
@@ -31,14 +34,20 @@ class Connection:
         self._errors = 0
         self._resume_failures = 0
         self._bind_timer: asyncio.TimerHandle | None = None
+        self._deferred = False  # autostart=0: the session is created at the first command
         manager.connections.add(self)
 
-    def open(self, resume: bool = False) -> bool:
-        """Create this connection's session (unless resuming); False if admission refused it."""
-        if resume and self.duplex:
+    def open(self, resume: bool = False, autostart: bool = True) -> bool:
+        """Create this connection's session (unless resuming, or deferred by ``autostart=0`` on a
+        duplex connection); False if admission refused it."""
+        if self.duplex and (resume or not autostart):
+            self._deferred = not resume
             timeout = self.manager.limits.bind_timeout_s
             self._bind_timer = asyncio.get_running_loop().call_later(timeout, self._bind_expired, timeout)
             return True
+        return self._create()
+
+    def _create(self) -> bool:
         try:
             self.session = self.manager.create(self.transport, self.duplex, self.client)
         except ProtocolError as err:
@@ -79,6 +88,12 @@ class Connection:
         if isinstance(command, ev.SessionResume):
             await self._resume(command)
             return
+        if self.session is None and self._deferred:
+            self._deferred = False
+            if self._bind_timer is not None:
+                self._bind_timer.cancel()
+            if not self._create():
+                return
         if self.session is None:
             raise ProtocolError("session_not_bound", "send session.resume first", "type")
         if command.session_id is not None and command.session_id != self.session.id:
@@ -103,13 +118,15 @@ class Connection:
             return
         if self._bind_timer is not None:
             self._bind_timer.cancel()
+        self._deferred = False
         if self.session is not None and self.session is not target:
             self.session.release(self.transport)
         self.session = target
 
     def _bind_expired(self, timeout: float) -> None:
         if self.session is None:
-            self.transport.close(CLOSE_EXPIRED, f"no session.resume within {timeout:g} s")
+            what = "command" if self._deferred else "session.resume"
+            self.transport.close(CLOSE_EXPIRED, f"no {what} within {timeout:g} s")
 
     def _fail(self, err: ProtocolError) -> None:
         if self.session is None:

@@ -34,8 +34,11 @@ import numpy as np
 
 from ..plugins import ModelPlugin, ModelStream
 from ..protocol import ProtocolError, ResponseParams, SessionConfig, StreamResampler, encode_event, quoted
+from ..protocol.codec import command_from_object
 from ..protocol import audio as wire_audio
 from ..protocol import events as ev
+from ..protocol.duplex import DuplexSettings, apply_duplex, capabilities, duplex_session_fields
+from .input_path import InputPath
 from .journal import Journal
 from .ledger import Ledgers
 from .lease import Lease
@@ -147,7 +150,11 @@ class _Lost:
 
 
 # Commands that bring data the session keeps or holds while they wait: the input budget covers them.
-_DATA_COMMANDS = (ev.InputAudioBufferAppend, ev.ConversationItemCreate, ev.SessionUpdate, ev.ResponseCreate)
+_DATA_COMMANDS = (ev.InputAudioBufferAppend, ev.ConversationItemCreate, ev.SessionUpdate, ev.ResponseCreate,
+                  ev.TurnSignal)
+# What a turn.signal may name: the commands it is an envelope for (vLLM-Omni's list, less its text input).
+_SIGNALLED = (ev.BargeInCommand, ev.InputCancel, ev.ResponseCancel, ev.SessionUpdate, ev.ConversationItemCreate,
+              ev.ConversationItemDelete, ev.ConversationItemTruncate, ev.ConversationItemRetrieve)
 
 
 @dataclass
@@ -160,6 +167,7 @@ class _Response:
     previous_item_id: str | None
     out_samples: int = 0  # delivered, in output-format samples
     acked_ms: int = 0
+    spoke: bool = False  # response.speak sent (duplex)
 
     @property
     def output_format(self) -> wire_audio.AudioFormat:
@@ -185,6 +193,9 @@ class Session:
         self.executor = executor
         self.duplex = duplex
         self.config = SessionConfig(model=plugin.info.name)
+        self.settings = DuplexSettings()  # vLLM-Omni's session fields (duplex connections)
+        info = plugin.info
+        self.capabilities = capabilities(info.frame_samples, info.input_rate, info.output_rate)
         self.conversation_id = "conv_" + session_id.removeprefix("sess_")
         self.stream = plugin.open_stream()
         self.port = ModelPort(manager.model_executor, self.stream)
@@ -209,8 +220,7 @@ class Session:
         self._user_audio: dict[str, bytes] = {}
         self._user_audio_bytes = 0
         self._buffer = bytearray()  # uncommitted input, in the input format
-        self._frame = np.zeros(0, dtype=np.float32)  # partial model frame
-        self._resampler = StreamResampler(self.config.input_format.rate, plugin.info.input_rate)
+        self.input = InputPath(self.config.input_format, plugin.info.input_rate, plugin.info.frame_samples)
         self._vad = self._new_vad(0)
         self._vad_item_id: str | None = None
         self.pending_input_bytes = 0
@@ -502,10 +512,13 @@ class Session:
     # ------------------------------------------------------------ commands
 
     async def _session_update(self, cmd: ev.SessionUpdate) -> None:
-        config, old = self.config.apply(cmd.session), self.config
-        self.config = config
-        if config.input_format != old.input_format:
-            self._resampler = StreamResampler(config.input_format.rate, self.plugin.info.input_rate)
+        old = self.config
+        if self.duplex:
+            self.config, self.settings = apply_duplex(cmd.session, old, self.settings, self.plugin.info.name)
+        else:
+            self.config = old.apply(cmd.session)
+        config = self.config
+        self.input.set_format(config.input_format)
         # The VAD is rebuilt only when what it runs on changed: an update of anything else (a
         # client's tracing update, say) must not restart a turn mid-speech.
         if config.turn_detection != old.turn_detection or config.input_format.rate != old.input_format.rate:
@@ -516,7 +529,15 @@ class Session:
     async def _append(self, cmd: ev.InputAudioBufferAppend) -> None:
         loop = asyncio.get_running_loop()
         try:
-            data, frames, edges, resampled = await loop.run_in_executor(self.executor, self._ingest, cmd.audio)
+            if cmd.video_frames:
+                raise ProtocolError(
+                    "unsupported_feature", f"video_frames are not served: {self.plugin.info.name} hears audio only",
+                    "video_frames",
+                )
+            fmt = self.input.declared(cmd)
+            data, frames, edges, resampled = await loop.run_in_executor(
+                self.executor, self.input.ingest, cmd, fmt, self._vad
+            )
         except ProtocolError as err:
             self.ledgers.input.rejected_appends += 1
             self.ledgers.input.rejected_bytes += getattr(err, "audio_bytes", 0)
@@ -535,7 +556,7 @@ class Session:
             fed = at_frame
             await self._on_vad_edge(edge, after=len(data) - at_byte)
         await self._feed(frames[fed:])
-        led.pending_samples = len(self._frame)
+        led.pending_samples = len(self.input.frame)
 
     async def _feed(self, frames: list[np.ndarray]) -> None:
         if frames and self.active is not None:  # one call each: the reply's frames go in between
@@ -548,43 +569,16 @@ class Session:
             await self.port.call(self.stream.feed_frames, frames)
         self.ledgers.input.fed_samples += len(frames) * self.plugin.info.frame_samples
 
-    def _ingest(self, text: str) -> tuple[bytes, list[np.ndarray], list[tuple[Any, int, int]], int]:
-        """Worker thread: decode, run VAD, resample and cut into native frames. Each VAD edge comes
-        with where it falls: how many of the bytes, and how many of the frames, lie before it."""
-        data = wire_audio.b64decode(text)
-        fmt = self.config.input_format
-        try:
-            x = wire_audio.decode_samples(data, fmt)
-        except ProtocolError as err:
-            err.audio_bytes = len(data)  # type: ignore[attr-defined]
-            raise
-        start = self._vad.received if self._vad is not None else 0
-        edges = self._vad.process(x) if self._vad is not None else []
-        y = self._resampler.process(x)
-        pending = np.concatenate([self._frame, y])
-        size = self.plugin.info.frame_samples
-        n = len(pending) // size
-        frames = [pending[i * size : (i + 1) * size] for i in range(n)]
-        placed = []
-        for edge in edges:
-            into_x = min(len(x), max(0, edge.ms * fmt.rate // 1000 - start))
-            into_y = into_x * len(y) // max(len(x), 1)
-            placed.append((edge, into_x * fmt.bytes_per_sample, min(n, (len(self._frame) + into_y) // size)))
-        self._frame = pending[n * size :]
-        return data, frames, placed, len(y)
-
     async def _flush_frame(self) -> None:
         """Close the turn on a whole native frame: zero-pad the partial one and feed it."""
-        if len(self._frame) == 0:
+        padded = self.input.take_padded()
+        if padded is None:
             return
-        size = self.plugin.info.frame_samples
-        pad = size - len(self._frame)
-        frame = np.concatenate([self._frame, np.zeros(pad, dtype=np.float32)])
-        self._frame = np.zeros(0, dtype=np.float32)
+        frame, pad = padded
         await self.port.call(self.stream.feed, frame)
         led = self.ledgers.input
         led.padded_samples += pad
-        led.fed_samples += size
+        led.fed_samples += len(frame)
         led.pending_samples = 0
 
     async def _commit(self, cmd: ev.InputAudioBufferCommit | None = None, *, flush: bool = True, after: int = 0) -> str:
@@ -623,14 +617,27 @@ class Session:
         self._add_item(item, previous)
         return item_id
 
-    async def _clear(self, cmd: ev.InputAudioBufferClear) -> None:
+    async def _client_commit(self, cmd: ev.InputAudioBufferCommit) -> None:
+        """The client's commit. ``final`` (the default) closes the turn on a whole frame; a non-final
+        one leaves the partial frame for the rest of the turn. A response follows when
+        ``response_create`` asks for one, or, without it, after a final commit in a session with
+        ``extra_body.auto_response`` on (unless one is in progress: an asked-for one is then refused)."""
+        final = cmd.final is not False
+        respond = cmd.response_create if cmd.response_create is not None else final and self.settings.auto_response
+        await self._commit(cmd, flush=final)
+        if not respond:
+            return
+        if self.active is not None and cmd.response_create is None:
+            return
+        await self._response_create(flush=False)
+
+    async def _clear(self, cmd: ev.InputAudioBufferClear | ev.InputCancel) -> None:
         cleared = len(self._buffer)
         self._buffer.clear()
         led = self.ledgers.input
         led.cleared_bytes += cleared
-        led.discarded_samples += len(self._frame)
+        led.discarded_samples += self.input.discard()
         led.pending_samples = 0
-        self._frame = np.zeros(0, dtype=np.float32)
         await self.port.call(self.stream.clear_input)
         if self._vad is not None:
             self._vad = self._new_vad(self._vad.samples)
@@ -685,7 +692,7 @@ class Session:
         self.emit(ev.ConversationItemDeleted(item_id=cmd.item_id))
 
     async def _response_create(self, cmd: ev.ResponseCreate | None = None, *, flush: bool = True) -> None:
-        params = ResponseParams.parse(None if cmd is None else cmd.response, self.config)
+        params = ResponseParams.parse(None if cmd is None else cmd.response, self.config, self.duplex)
         if self.active is not None:
             raise ProtocolError(
                 "conversation_already_has_active_response",
@@ -695,10 +702,11 @@ class Session:
         if flush:
             await self._flush_frame()
         await self.port.call(self.stream.begin_response)
-        item_id = _new_id("item")
+        response_id = _new_id("resp")
+        item_id = f"item_{response_id}"  # the reply's item, named as vLLM-Omni's clients expect
         previous = self.history[-1]["id"] if self.history else None
         resp = _Response(
-            id=_new_id("resp"),
+            id=response_id,
             item_id=item_id,
             epoch=self.epoch,
             turn_id=self.turn_id,
@@ -712,6 +720,7 @@ class Session:
         self.emit(
             ev.ResponseCreated(
                 response=self._response_wire(resp, "in_progress", []),
+                response_id=resp.id,
                 epoch=resp.epoch,
                 turn_id=resp.turn_id,
                 instructions=params.instructions,
@@ -753,16 +762,60 @@ class Session:
         self.journal.ack(cmd.server_event_seq)
 
     async def _playback_ack(self, cmd: ev.PlaybackAck) -> None:
-        response = self.responses.get(cmd.response_id)
+        response_id = cmd.response_id or (self.active.id if self.active is not None else self.last_response_id)
+        response = self.responses.get(response_id) if response_id is not None else None
         if response is None:
-            raise ProtocolError("invalid_value", f"no response {quoted(cmd.response_id)}", "response_id")
-        played = min(cmd.audio_end_ms, response.output_format.ms(response.out_samples))
+            why = f"no response {quoted(cmd.response_id)}" if cmd.response_id else "no response has been created"
+            raise ProtocolError("invalid_value", why, "response_id")
+        if cmd.item_id is not None and cmd.item_id != response.item_id:
+            raise ProtocolError(
+                "invalid_value", f"item {quoted(cmd.item_id)} is not response {quoted(response.id)}'s "
+                f"({response.item_id!r})", "item_id",
+            )
+        played_ms = cmd.audio_end_ms if cmd.audio_end_ms is not None else cmd.played_ms
+        for name, value in (("played_ms", played_ms), ("committed_ms", cmd.committed_ms)):
+            if value is not None and not 0 <= value < float("inf"):
+                raise ProtocolError("invalid_value", f"{name} must be a finite number of ms, at least 0", name)
+        if cmd.committed_ms is not None and cmd.committed_ms > played_ms:  # type: ignore[operator]
+            raise ProtocolError(
+                "invalid_value", f"committed_ms {cmd.committed_ms!r} is past played_ms {played_ms!r}", "committed_ms"
+            )
+        played = min(int(played_ms), response.output_format.ms(response.out_samples))  # type: ignore[arg-type]
         if played > response.acked_ms:
             self.ledgers.playback.acked_ms += played - response.acked_ms
             response.acked_ms = played
 
     async def _heartbeat(self, cmd: ev.SessionHeartbeat) -> None:
-        """A client heartbeat only renews the lease (``submit`` already touched it)."""
+        """A client heartbeat renews the lease (``submit`` already touched it), and is answered
+        with ``session.heartbeat_ack`` (not journaled: it says the connection is alive now)."""
+        self._deliver_direct(ev.SessionHeartbeatAck(session_id=self.id))
+
+    async def _input_text(self, cmd: ev.InputTextAppend) -> None:
+        raise ProtocolError(
+            "unsupported_feature", f"text input is not served: {self.plugin.info.name} hears audio only", "type"
+        )
+
+    async def _barge_in(self, cmd: ev.BargeInCommand) -> None:
+        """The client's barge-in: as the VAD's, the reply is cancelled and ``barge_in`` announces it,
+        at the input received so far."""
+        if self.active is None:
+            raise ProtocolError("response_cancel_not_active", "Barge-in failed: no active response found", "type")
+        received = self.ledgers.input.received_bytes // self.config.input_format.bytes_per_sample
+        self.emit(ev.BargeIn(response_id=self.active.id, audio_start_ms=self.config.input_format.ms(received),
+                             epoch=self.epoch + 1))
+        await self._cancel("client_barge_in")
+
+    async def _turn_signal(self, cmd: ev.TurnSignal) -> None:
+        """The command ``cmd.event`` names, with the fields in its ``payload``."""
+        inner = command_from_object({**(cmd.payload or {}), "type": cmd.event}, at="payload.")
+        if not isinstance(inner, _SIGNALLED):
+            raise ProtocolError(
+                "unsupported_feature",
+                f"turn.signal does not carry {quoted(cmd.event)}; it carries "
+                f"{', '.join(c.TYPE for c in _SIGNALLED)}",
+                "event",
+            )
+        await self._HANDLERS[type(inner)](self, inner)
 
     async def _close(self, cmd: ev.SessionClose) -> None:
         await self._shutdown(
@@ -772,7 +825,7 @@ class Session:
     _HANDLERS: dict[type, Callable[..., Any]] = {
         ev.SessionUpdate: _session_update,
         ev.InputAudioBufferAppend: _append,
-        ev.InputAudioBufferCommit: _commit,
+        ev.InputAudioBufferCommit: _client_commit,
         ev.InputAudioBufferClear: _clear,
         ev.ConversationItemCreate: _item_create,
         ev.ConversationItemRetrieve: _item_retrieve,
@@ -785,6 +838,10 @@ class Session:
         ev.PlaybackAck: _playback_ack,
         ev.SessionHeartbeat: _heartbeat,
         ev.SessionClose: _close,
+        ev.InputTextAppend: _input_text,
+        ev.InputCancel: _clear,
+        ev.BargeInCommand: _barge_in,
+        ev.TurnSignal: _turn_signal,
     }
 
     # ------------------------------------------------------------ VAD
@@ -801,7 +858,8 @@ class Session:
         if edge.kind == "started":
             self._vad_item_id = _new_id("item")
             self.emit(ev.InputAudioBufferSpeechStarted(audio_start_ms=edge.ms, item_id=self._vad_item_id))
-            if self.active is not None and td.interrupt_response:
+            listen_only = self.settings.overlap_policy == "listen_only"
+            if self.active is not None and td.interrupt_response and not listen_only:
                 if self.duplex:
                     self.emit(ev.BargeIn(response_id=self.active.id, audio_start_ms=edge.ms, epoch=self.epoch + 1))
                 await self._cancel("turn_detected")
@@ -870,6 +928,9 @@ class Session:
             return
         playback.delivered_samples += msg.model_samples
         playback.delivered_bytes += len(msg.data)
+        if self.duplex and not resp.spoke:
+            resp.spoke = True
+            self.emit(ev.ResponseSpeak(response_id=resp.id, item_id=resp.item_id))
         offset = resp.out_samples
         resp.out_samples += resp.output_format.samples(len(msg.data))
         self.emit(
@@ -882,6 +943,8 @@ class Session:
                 epoch=resp.epoch,
                 turn_id=resp.turn_id,
                 audio_offset=offset,
+                format=wire_audio.BETA_NAME[resp.output_format.encoding],
+                sample_rate_hz=resp.output_format.rate,
             )
         )
 
@@ -918,6 +981,9 @@ class Session:
             stored.update(item)
             self._measure(stored)
         common = {"response_id": resp.id, "item_id": resp.item_id, "output_index": 0, "content_index": 0}
+        if self.duplex and not resp.spoke:  # not a sample of audio: the model listened
+            listening = {"object": "realtime.response", "id": resp.id, "status": "listening", "metadata": None}
+            self.emit(ev.ResponseListen(response_id=resp.id, response=listening))
         self.emit(ev.ResponseOutputAudioDone(**common, epoch=resp.epoch))
         self.emit(ev.ResponseContentPartDone(**common, part={"type": "audio", "transcript": ""}))
         self.emit(ev.ResponseOutputItemDone(response_id=resp.id, output_index=0, item=item))
@@ -931,6 +997,7 @@ class Session:
         self.emit(
             ev.ResponseDone(
                 response=self._response_wire(resp, status, [item], details),
+                response_id=resp.id,
                 epoch=resp.epoch,
                 turn_id=resp.turn_id,
                 playback=playback,
@@ -963,7 +1030,7 @@ class Session:
         self.transport = transport
         self.lease.attach(time.monotonic())
         token = self.lease.issue_token()
-        replay = self.journal.since(cmd.last_server_event_seq)
+        replay = self.journal.since(cmd.seen)
         self._deliver_direct(
             ev.SessionResumed(
                 session_id=self.id,
@@ -971,13 +1038,14 @@ class Session:
                 generation=self.lease.generation,
                 last_server_event_seq=self.journal.last_seq,
                 replayed=0 if replay is None else len(replay),
+                session=self._session_wire(),
             )
         )
         if replay is None:
             self._deliver_direct(
                 ev.SessionResyncRequired(
                     session_id=self.id,
-                    requested_seq=cmd.last_server_event_seq,
+                    requested_seq=cmd.seen,
                     oldest_available_seq=self.journal.oldest_seq,
                     last_server_event_seq=self.journal.last_seq,
                     session=self._session_wire(),
@@ -1019,7 +1087,12 @@ class Session:
     # ------------------------------------------------------------ wire helpers
 
     def _session_wire(self) -> dict:
-        return self.config.to_wire(self.id, self.expires_at)
+        wire = self.config.to_wire(self.id, self.expires_at)
+        if self.duplex:
+            wire.update(duplex_session_fields(self.config, self.settings, self.capabilities))
+            wire["audio"]["input"]["sample_rate_hz"] = self.config.input_format.rate
+            wire["audio"]["output"]["sample_rate_hz"] = self.config.output_format.rate
+        return wire
 
     def _response_wire(self, resp: _Response, status: str, output: list, details: dict | None = None) -> dict:
         return {

@@ -171,8 +171,13 @@ RESPONSE_TAIL = [
 COMMIT = ["input_audio_buffer.committed", "conversation.item.added", "conversation.item.done"]
 
 
+# What ``types_of`` leaves out unless asked: the audio deltas, and on a duplex connection the
+# response.speak that comes once before the first of them (test_server_flow asserts where).
+DELTA_TYPES = ("response.output_audio.delta", "response.speak")
+
+
 def types_of(events: list[dict], skip_deltas: bool = True) -> list[str]:
-    return [e["type"] for e in events if not (skip_deltas and e["type"] == "response.output_audio.delta")]
+    return [e["type"] for e in events if not (skip_deltas and e["type"] in DELTA_TYPES)]
 
 
 def drain(stream) -> list[np.ndarray]:

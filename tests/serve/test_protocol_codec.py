@@ -227,13 +227,19 @@ _SAMPLES = [
     ev.ConversationItemRetrieved(item=_ITEM),
     ev.ConversationItemTruncated(item_id="item_1", content_index=0, audio_end_ms=10),
     ev.ConversationItemDeleted(item_id="item_1"),
-    ev.ResponseCreated(response={**_RESPONSE, "status": "in_progress", "output": []}, epoch=0, turn_id=1),
-    ev.ResponseDone(response=_RESPONSE, epoch=0, turn_id=1, playback={"audio_samples": 960}),
+    ev.ResponseCreated(
+        response={**_RESPONSE, "status": "in_progress", "output": []}, response_id="resp_1", epoch=0, turn_id=1
+    ),
+    ev.ResponseDone(response=_RESPONSE, response_id="resp_1", epoch=0, turn_id=1, playback={"audio_samples": 960}),
     ev.ResponseOutputItemAdded(response_id="resp_1", output_index=0, item=_ITEM),
     ev.ResponseOutputItemDone(response_id="resp_1", output_index=0, item=_ITEM),
     ev.ResponseContentPartAdded(**_PART, part={"type": "audio", "transcript": ""}),
     ev.ResponseContentPartDone(**_PART, part={"type": "audio", "transcript": ""}),
-    ev.ResponseOutputAudioDelta(**_PART, delta="AAA=", epoch=0, turn_id=1, audio_offset=0),
+    ev.ResponseOutputAudioDelta(
+        **_PART, delta="AAA=", epoch=0, turn_id=1, audio_offset=0, format="pcm16", sample_rate_hz=24000
+    ),
+    ev.ResponseOutputAudioTranscriptDelta(**_PART, delta="hel"),
+    ev.ResponseOutputAudioTranscriptDone(**_PART, transcript="hello"),
     ev.ResponseOutputAudioDone(**_PART, epoch=0),
     ev.OutputAudioBufferCleared(response_id="resp_1"),
     ev.RateLimitsUpdated(rate_limits=[{"name": "requests", "limit": 16, "remaining": 15}]),

@@ -348,7 +348,9 @@ def test_errors_quote_client_strings_cut_short_and_refuse_overlong_ids(strict_se
         "event_id is 50000 characters long, at most 256 are accepted",
         None,
     )
-    assert long_format["message"] == f"unsupported audio format '{'f' * 63}... (50002 characters)"
+    assert long_format["message"] == (
+        f"unsupported audio format '{'f' * 63}... (50002 characters); served: pcm16, pcm_f32le, g711_ulaw, g711_alaw"
+    )
 
 
 def test_a_lone_surrogate_is_refused_and_never_echoed(strict_server):

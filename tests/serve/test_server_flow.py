@@ -46,8 +46,10 @@ def test_manual_turn_gives_the_exact_ga_event_sequence(server, question_pcm):
         return updated, events, session
 
     updated, events, ledgers = run(scenario())
+    # A duplex connection hears the decision (vLLM-Omni's response.speak) once, before the first audio.
     assert types_of(events, skip_deltas=False) == (
-        COMMIT + RESPONSE_HEAD + ["response.output_audio.delta"] * QUESTION_REPLY_CHUNKS + RESPONSE_TAIL
+        COMMIT + RESPONSE_HEAD + ["response.speak"] + ["response.output_audio.delta"] * QUESTION_REPLY_CHUNKS
+        + RESPONSE_TAIL
     )
     assert [e["server_event_seq"] for e in [updated, *events]] == list(range(1, len(events) + 2))
     assert events[0]["audio_bytes"] == QUESTION_BYTES and events[0]["turn_id"] == 1
@@ -412,7 +414,8 @@ def test_a_paced_reply_is_the_same_audio_handed_out_no_further_ahead_of_playback
     with running(Limits(max_sessions=4, reply_lead_s=0.2)) as server:
         events, arrivals = run(scenario(server))
     assert types_of(events, skip_deltas=False) == (
-        COMMIT + RESPONSE_HEAD + ["response.output_audio.delta"] * QUESTION_REPLY_CHUNKS + RESPONSE_TAIL
+        COMMIT + RESPONSE_HEAD + ["response.speak"] + ["response.output_audio.delta"] * QUESTION_REPLY_CHUNKS
+        + RESPONSE_TAIL
     )
     assert deltas_of(events) == tone_reply_pcm(QUESTION_REPLY_CHUNKS)
     delivered = [at for at, e in zip(arrivals, events) if e["type"] == "response.output_audio.delta"]

@@ -71,7 +71,7 @@ def test_disconnect_mid_response_then_resume_delivers_every_event_exactly_once(q
     assert [e["server_event_seq"] for e in events] == list(range(1, len(events) + 1))
     assert (
         types_of(events[1:], skip_deltas=False)
-        == COMMIT + RESPONSE_HEAD + ["response.output_audio.delta"] * 56 + RESPONSE_TAIL
+        == COMMIT + RESPONSE_HEAD + ["response.speak"] + ["response.output_audio.delta"] * 56 + RESPONSE_TAIL
     )
     assert deltas_of(events) == tone_reply_pcm(56)
     assert resumed["type"] == "session.resumed" and resumed["generation"] == 2
@@ -115,7 +115,7 @@ def test_journal_overflow_yields_resync_required(question_pcm):
     # newest ones kept fill the journal's bytes.
     assert evicted == oldest - 1 > before[-1]["server_event_seq"] and 144_000 - 3_000 < kept_bytes <= 144_000
     assert resync["active_response_id"] is None and len(resync["item_ids"]) == 2
-    assert last == 1 + 3 + 4 + 56 + 5  # session.updated, the commit, the reply
+    assert last == 1 + 3 + 4 + 1 + 56 + 5  # session.updated, the commit, the reply (its speak, its audio)
     assert alive["server_event_seq"] == last + 1
 
 

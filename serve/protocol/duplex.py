@@ -1,0 +1,201 @@
+"""vLLM-Omni's duplex extension of the session object, on duplex connections only.
+
+vLLM-Omni's ``DuplexClient`` (0.30.0) and its presets send, beside the GA fields, the top-level
+``sample_rate_hz`` (the input rate), ``audio.input.sample_rate_hz``, ``audio.output.sample_rate_hz``,
+``extra_body``, and, as set, ``ref_audio``, ``overlap_policy``, ``playback_commit_policy``,
+``temperature`` and ``idle_timeout_s``; the formats as beta strings (``pcm16``, ``pcm_f32le``).
+``apply_duplex`` takes them out of the patch, applies or refuses each by name, and hands the rest
+to ``SessionConfig.apply``. A plain Realtime connection never gets here: there a field GA does not
+define stays ``unknown_parameter``.
+
+The session object a duplex connection is sent reports them back (``duplex_session_fields``),
+with ``capabilities``: what this server does for the client (``chunk_period_ms``, the model's
+native frame, is what vLLM-Omni's client paces its input units by).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .audio import BETA_NAME, AudioFormat, duplex_format
+from .config import SessionConfig, typed
+from .errors import ProtocolError, quoted
+
+OVERLAP_POLICIES = ("barge_in_on_speech", "listen_only")
+PLAYBACK_COMMIT_POLICIES = ("commit_all_on_done", "ack_only")
+_TOP_LEVEL = ("sample_rate_hz", "extra_body", "ref_audio", "overlap_policy", "playback_commit_policy",
+              "temperature", "idle_timeout_s")
+_EXTRA_BODY = frozenset({"auto_response", "force_listen_count"})
+
+
+@dataclass(frozen=True)
+class DuplexSettings:
+    """What the duplex fields set beyond the GA config.
+
+    ``auto_response``: a final commit without ``response_create`` asks for a response (vLLM-Omni's
+    default flow: append, commit, read the response). ``overlap_policy``: ``listen_only`` keeps a
+    reply playing when the server VAD hears speech over it (no barge-in);
+    ``barge_in_on_speech`` lets the VAD's ``interrupt_response`` cut it. ``playback_commit_policy``
+    is echoed: the models keep what they said in their own state, so what the history holds of a
+    reply changes nothing they hear."""
+
+    auto_response: bool = False
+    overlap_policy: str = "barge_in_on_speech"
+    playback_commit_policy: str = "commit_all_on_done"
+    force_listen_count: int | None = None
+
+
+def apply_duplex(
+    patch: dict[str, Any], config: SessionConfig, settings: DuplexSettings, model_name: str
+) -> tuple[SessionConfig, DuplexSettings]:
+    """``patch`` (a duplex connection's ``session.update`` ``session``) applied to both; raises
+    ProtocolError naming the field."""
+    patch = dict(patch)
+    own = {key: patch.pop(key) for key in _TOP_LEVEL if key in patch}
+    audio = patch.get("audio")
+    rates: dict[str, Any] = {}
+    if isinstance(audio, dict):
+        audio = dict(audio)
+        for side in ("input", "output"):
+            block = audio.get(side)
+            if isinstance(block, dict) and "sample_rate_hz" in block:
+                block = dict(block)
+                rates[side] = block.pop("sample_rate_hz")
+                audio[side] = block
+        patch["audio"] = audio
+    input_rate = _agreed(own.get("sample_rate_hz"), rates.get("input"))
+    _format_with_rate(patch, "input", input_rate, config.input_format)
+    _format_with_rate(patch, "output", rates.get("output"), config.output_format)
+    config = config.apply(patch, duplex=True)
+    changes: dict[str, Any] = {}
+    for name, allowed in (("overlap_policy", OVERLAP_POLICIES), ("playback_commit_policy", PLAYBACK_COMMIT_POLICIES)):
+        value = own.get(name)
+        if value is not None:
+            if value not in allowed:
+                raise ProtocolError("invalid_value", f"{name} must be one of {list(allowed)}, got {quoted(value)}",
+                                    f"session.{name}")
+            changes[name] = value
+    if own.get("ref_audio") is not None:
+        raise ProtocolError(
+            "unsupported_feature",
+            f"ref_audio is not served: {model_name} has no voice cloning (session.audio.output.voice names a voice)",
+            "session.ref_audio",
+        )
+    if own.get("temperature") is not None:
+        raise ProtocolError(
+            "unsupported_feature",
+            f"temperature is not served: {model_name} samples with the settings it was started with",
+            "session.temperature",
+        )
+    if own.get("idle_timeout_s") is not None:
+        raise ProtocolError(
+            "unsupported_feature",
+            "idle_timeout_s is not served: a session's idle limit is the server's (Limits.idle_ttl_s)",
+            "session.idle_timeout_s",
+        )
+    extra = own.get("extra_body")
+    if extra is not None:
+        changes.update(_extra_body(typed(extra, dict, "session.extra_body")))
+    return config, dataclasses.replace(settings, **changes)
+
+
+def _agreed(top: Any, nested: Any) -> Any:
+    if top is not None and nested is not None and top != nested:
+        raise ProtocolError(
+            "invalid_value",
+            f"sample_rate_hz {quoted(top)} and audio.input.sample_rate_hz {quoted(nested)} disagree",
+            "session.audio.input.sample_rate_hz",
+        )
+    return nested if nested is not None else top
+
+
+def _format_with_rate(patch: dict[str, Any], side: str, rate: Any, current: AudioFormat) -> None:
+    """Fold a declared rate and a beta format name into the GA format object ``SessionConfig.apply``
+    reads (``audio.input.format``: ``{"type": "audio/pcm", "rate": 16000}``). A name without a rate
+    keeps the current rate if it names the current encoding, else takes the name's default."""
+    audio = patch.get("audio", {})
+    block = audio.get(side, {}) if isinstance(audio, dict) else None
+    if not isinstance(block, dict):
+        return  # not an object: SessionConfig.apply names it
+    beta = f"{side}_audio_format"
+    fmt = block.get("format")
+    if fmt is None and rate is None and not isinstance(patch.get(beta), str):
+        return  # nothing of the extension's: GA's own reading
+    if fmt is None:
+        fmt = patch.pop(beta, None) or BETA_NAME[current.encoding]
+        if rate is None and fmt == BETA_NAME[current.encoding]:
+            rate = current.rate
+    param = f"session.audio.{side}.format"
+    if isinstance(fmt, dict):
+        if rate is not None and fmt.get("rate", rate) != rate:
+            raise ProtocolError(
+                "invalid_value",
+                f"audio.{side}.format.rate {quoted(fmt.get('rate'))} and sample_rate_hz {quoted(rate)} disagree",
+                f"session.audio.{side}.sample_rate_hz",
+            )
+        wire = fmt if rate is None else {**fmt, "rate": rate}
+    else:
+        wire = duplex_format(fmt, rate, param).to_wire()
+    patch["audio"] = {**audio, side: {**block, "format": wire}}
+
+
+def _extra_body(extra: dict[str, Any]) -> dict[str, Any]:
+    changes: dict[str, Any] = {}
+    for key, value in extra.items():
+        if key not in _EXTRA_BODY:
+            raise ProtocolError(
+                "unknown_parameter",
+                f"Unknown parameter: 'session.extra_body.{key}'. Served: {sorted(_EXTRA_BODY)}.",
+                f"session.extra_body.{key}",
+            )
+    if "auto_response" in extra:
+        changes["auto_response"] = typed(extra["auto_response"], bool, "session.extra_body.auto_response")
+    if "force_listen_count" in extra:
+        count = extra["force_listen_count"]
+        if count != 0 or isinstance(count, bool):
+            raise ProtocolError(
+                "unsupported_feature",
+                f"force_listen_count {quoted(count)} is not served: the models here take no forced listen "
+                "units (0, the MiniCPM-o preset's, is accepted)",
+                "session.extra_body.force_listen_count",
+            )
+        changes["force_listen_count"] = 0
+    return changes
+
+
+def duplex_session_fields(
+    config: SessionConfig, settings: DuplexSettings, capabilities: dict[str, Any]
+) -> dict[str, Any]:
+    """The extension fields of a duplex connection's session object (beside the GA ones)."""
+    extra: dict[str, Any] = {"auto_response": settings.auto_response}
+    if settings.force_listen_count is not None:
+        extra["force_listen_count"] = settings.force_listen_count
+    return {
+        "input_audio_format": BETA_NAME[config.input_format.encoding],
+        "output_audio_format": BETA_NAME[config.output_format.encoding],
+        "sample_rate_hz": config.input_format.rate,
+        "overlap_policy": settings.overlap_policy,
+        "playback_commit_policy": settings.playback_commit_policy,
+        "extra_body": extra,
+        "capabilities": capabilities,
+    }
+
+
+def capabilities(frame_samples: int, input_rate: int, output_rate: int) -> dict[str, Any]:
+    """What the server does for a duplex client, in vLLM-Omni's names; each one true here."""
+    return {
+        "chunk_period_ms": frame_samples * 1000 // input_rate,
+        "model_input_sample_rate_hz": input_rate,
+        "model_output_sample_rate_hz": output_rate,
+        "supports_client_commit": True,
+        "supports_barge_in": True,
+        "supports_playback_ack": True,
+        "supports_session_resume": True,
+        "supports_external_turn_signal": True,
+        "supports_text_only_turn": False,
+        "supports_image_input": False,
+        "required_input_modalities": ["audio"],
+        "optional_input_modalities": [],
+    }
