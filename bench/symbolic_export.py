@@ -31,7 +31,9 @@ sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != Path(__f
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 
-import cadence_fx.pipeline as pipeline  # noqa: E402
+import cadence_fx.pipeline.export  # noqa: E402
+import cadence_fx.pipeline.operator  # noqa: E402
+from cadence_fx import pipeline  # noqa: E402
 from cadence_fx import transform  # noqa: E402
 from cadence_fx.report import measured_commit  # noqa: E402
 
@@ -74,12 +76,12 @@ class Probe:
     def capture(self, capture):
         probe = self
 
-        def wrapped(op, roots, inputs, state, call, modes):
+        def wrapped(op, roots, inputs, state, call, *rest):
             probe.axes = {s.path: op.carries[s.path].axis for s in op.sites if s.region is not None and s.path in op.carries}
             probe.row = {"operator": op.ob.operator, "units": call.call, "extent": call.extent, "flush": call.flush}
             print(f"{op.ob.operator} units={call.call} extent={call.extent}", file=sys.stderr, flush=True)
             try:
-                return capture(op, roots, inputs, state, call, modes)
+                return capture(op, roots, inputs, state, call, *rest)
             finally:
                 if "class_export_seconds" in probe.row:  # not a reused export
                     probe.rows.append(probe.row)
@@ -114,13 +116,13 @@ def main() -> None:
     for name, run in (("token2wav_reduced", token2wav), ("mistral_window250", lambda: wide(args.wide_calls))):
         probe = Probe()
         torch.export.export = probe.export
-        capture = pipeline.BoundOperator._capture
-        pipeline.BoundOperator._capture = probe.capture(capture)
-        pipeline._EXPORTS.clear()
+        capture = pipeline.operator.capture_class
+        pipeline.operator.capture_class = probe.capture(capture)
+        pipeline.export.EXPORTS.clear()
         try:
             run()
         finally:
-            torch.export.export, pipeline.BoundOperator._capture = _export, capture
+            torch.export.export, pipeline.operator.capture_class = _export, capture
         models[name] = probe.rows
     record = {
         "benchmark": "symbolic_export",

@@ -3,7 +3,7 @@
 The service builds one transformed flow per replay lane (`serve/plugins/token2wav.py`), each from
 the same stock flow. The first lane exports each class's whole CFM loop; every later lane is a
 model of the same structure, so it takes those exports rebound to its own tensors
-(`cadence_fx/pipeline.py`, `_EXPORTS`). This builds `--lanes` transformed flows one after another,
+(`cadence_fx/pipeline/export.py`, `EXPORTS`). This builds `--lanes` transformed flows one after another,
 records each one's wall time and how many of its classes were exported or reused, then streams one
 turn through the last lane beside the stock flow and says whether every chunk's mel was
 bit-identical.

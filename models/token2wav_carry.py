@@ -15,7 +15,7 @@ Where the regions live in the vendor flow (minicpmo-utils 1.0.6), as `FLOW_BINDI
 What the hook adds (`transform_flow`) is what no binding can say: the vendor provisions its
 scratch buffers as stock envelopes (16 steps x 16 blocks x 1000 frames); the state rule
 (`passes/state.py`) sizes them to demand on the transformed copy (`ENVELOPES`). Another lane's
-transform, or another flow of the same structure, reuses its exports (`cadence_fx.pipeline._EXPORTS`).
+transform, or another flow of the same structure, reuses its exports (`cadence_fx.pipeline.export.EXPORTS`).
 Warm-up turns at construction allocate the carries and verify every class (`WARM_UP_TURNS`). HiFT retains nothing itself (its caches are its caller's inputs), so it runs
 through one exact-shape replay of its call, with its own catalog (`hift_classes`).
 

@@ -32,7 +32,7 @@ from cadence_fx import (
     RegionBinding,
     transform,
 )
-from cadence_fx.pipeline import _EXPORTS
+from cadence_fx.pipeline.export import EXPORTS
 
 DIM, PROMPT, HISTORY, STEP, LAST = 4, 6, 4, 2, 3
 CHUNKS = 7  # the caller's trim evicts from the third chunk on: at least 3 windows of history
@@ -171,7 +171,7 @@ def test_a_model_of_the_same_structure_reuses_the_exports_on_its_own_tensors_and
         assert graph.get_buffer("model.scratch").data_ptr() == model.scratch.data_ptr()
         assert graph.get_parameter("model.dec.weight") is model.dec.weight
     # kept with their model's tensors stripped to meta
-    assert all(t.device.type == "meta" for gm in _EXPORTS.values() for t in (*gm.parameters(), *gm.buffers()))
+    assert all(t.device.type == "meta" for gm in EXPORTS.values() for t in (*gm.parameters(), *gm.buffers()))
 
 
 def test_an_array_that_differs_only_where_its_repr_elides_is_another_structure(data):

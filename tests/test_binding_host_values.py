@@ -144,7 +144,7 @@ class Starter(nn.Module):
 
 
 def test_a_counter_the_call_sets_is_each_stream_s_own_value_not_the_verified_call_s_object():
-    """Bug (fixed in pipeline.py `_verify` and `_call`): a counter that is no int (a dict of flags)
+    """Bug (fixed in pipeline/verify.py and pipeline/operator.py): a counter that is no int (a dict of flags)
     was moved by handing every graph call the very object the verified stock call left, so every
     later stream's cache shared the first stream's dict: resetting one stream's flags reset all."""
     frames = torch.randn(1, CALLS * STEP, DIM, generator=torch.Generator().manual_seed(3))

@@ -115,7 +115,8 @@ def test_the_contract_reference_names_every_field_of_every_contract_class():
         (cls.__name__, f.name)
         for cls in (contract_module.SlidingWindow, contract_module.RingCache, contract_module.PromptPlusHistory)
         for f in dataclasses.fields(cls)
-    ]
+    ] + [("InPlace", "")]  # a policy with no field: one row, its field column "(none)"
+    assert dataclasses.fields(contract_module.InPlace) == ()
     assert "## Binding reference" in text
 
 
