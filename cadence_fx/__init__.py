@@ -2,7 +2,8 @@
 
 Public API: declare a model's `Contract` and its `Binding` (where each region lives, which methods
 are hot), derive its `Catalog` before any traffic, `transform(model, contract, binding)` (state
-rule, carry, shadow audit, exact-shape replay), and read the report it returns.
+rule, carry, shadow audit, exact-shape replay), and read the report it returns. A `transformers`
+model's contract and binding can be derived instead (`derive_transformers`, or `transform(model)`).
 """
 
 from .audit import AuditMismatch, ShadowAuditor
@@ -26,6 +27,7 @@ from .contract import (
     RingCache,
     SlidingWindow,
 )
+from .hf import DeriveError, derive_transformers
 from .replay import Certificate, ExactShapeReplay, ShapeClass, Signature
 from .transform import TransformReport, transform
 
@@ -63,4 +65,6 @@ __all__ = [
     "RingCache",
     "SlidingWindow",
     "derive",
+    "DeriveError",
+    "derive_transformers",
 ]

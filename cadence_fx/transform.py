@@ -18,6 +18,7 @@ from .binding import Binding
 from .catalog import DEFAULT_BUDGET, Catalog, derive
 from .contract import Contract
 from .families import families, load
+from .hf import derive_transformers, is_transformers_model
 from .pipeline import transform_bound
 from .report import format_bytes, format_table
 
@@ -114,13 +115,14 @@ class TransformReport:
 
 def transform(
     model: Any,
-    contract: Contract,
+    contract: Contract | None = None,
     binding: Binding | None = None,
     *,
     audit: bool = False,
     capture: bool = True,
     replay: bool = True,
     budget: int = DEFAULT_BUDGET,
+    **derive_options: Any,
 ):
     """Transform `model` under `contract`: returns (transformed model, TransformReport).
 
@@ -134,7 +136,20 @@ def transform(
     `capture=False` skips exporting the hot operators (their sites and graphs are then not in the
     report), which saves the export time when only the rewritten model is wanted. `replay=False`
     leaves the hot operators eager (the state rule alone: the ablation's S arm).
+
+    Without a contract, a `transformers` model's contract and binding are derived from its config
+    and the cache it builds (`cadence_fx.hf.derive_transformers`, which takes the keywords in
+    `derive_options`: `tokens_per_call`, `max_tokens`, ...); any other model needs its contract.
     """
+    if contract is None:
+        if binding is not None:
+            raise TypeError("a binding was given without its contract: pass transform(model, contract, binding)")
+        if not is_transformers_model(model):
+            raise TypeError(f"no contract given, and {type(model).__name__} is no transformers model whose contract "
+                            "cadence-fx derives: pass transform(model, contract, binding) (README: Bring your own model)")
+        contract, binding = derive_transformers(model, **derive_options)
+    elif derive_options:
+        raise TypeError(f"transform() got {sorted(derive_options)}: keywords of a derived contract, but a contract was given")
     if not isinstance(contract, Contract):
         raise TypeError(f"contract must be a cadence_fx.Contract, got {type(contract).__name__}")
     catalog = derive(contract, budget=budget)
