@@ -35,9 +35,25 @@ def check_event(event: dict, duplex: bool) -> None:
         assert duplex, f"Tier 3 event on a Realtime connection: {event['type']}"
         decode_event(json.dumps(event))
         return
-    model = GA_SCHEMA.validate_python(event)
+    model = GA_SCHEMA.validate_python(_as_ga_formats(event) if duplex else event)
     if not duplex:
         assert not model.model_extra, f"{event['type']} has non-GA fields {sorted(model.model_extra)}"
+
+
+def _as_ga_formats(event: dict) -> dict:
+    """A duplex event with the formats a vLLM-Omni client may ask for (``audio/pcm`` at another
+    rate, ``audio/pcm_f32le``; serve/protocol/duplex.py) in its session object read as GA's
+    24 kHz ``audio/pcm``: the one value GA's schema has no room for; every other field is checked."""
+    session = event.get("session")
+    if not isinstance(session, dict) or not isinstance(session.get("audio"), dict):
+        return event
+    audio = {}
+    for side, block in session["audio"].items():
+        fmt = block.get("format") if isinstance(block, dict) else None
+        if isinstance(fmt, dict) and fmt.get("type") in ("audio/pcm", "audio/pcm_f32le"):
+            block = {**block, "format": PCM24K.to_wire()}
+        audio[side] = block
+    return {**event, "session": {**session, "audio": audio}}
 
 
 class CheckedSocket(RealtimeSocket):
