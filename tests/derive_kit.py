@@ -1,23 +1,19 @@
 """Helpers of the derived-contract tests (`test_derive_transformers*.py`): the hand-written contract
 and binding of each `transformers` model in `tests/test_byom_probe.py` (and the static cache and
-README examples), taken with the very model they were written for; what differs between two
-contract-and-binding pairs; and a fuzzer `Subject` (tests/fuzzkit.py) for a model transformed
-with no contract at all."""
+README examples), taken with the very model they were written for, and what differs between two
+contract-and-binding pairs."""
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from transformers import DynamicCache, EncoderDecoderCache, StaticCache
-from transformers.modeling_outputs import BaseModelOutput
+from transformers import DynamicCache
 
 import test_byom_probe as probe
 import test_binding_static_cache as static_cache
-from cadence_fx import Binding, Contract, derive, transform
-from fuzzkit import Positioned, Subject
+from cadence_fx import Binding, Contract, derive
 
 
 class _Captured(Exception):
@@ -89,7 +85,6 @@ class Case:
 
 
 STEP = probe.STEP
-LIMIT = 24  # units a fuzzed stream may reach before it starts afresh: inside every tiny config's positions
 CASES: dict[str, Case] = {
     "mistral": Case(_mistral, dict(tokens_per_call=2), positions=None),
     "qwen3": Case(lambda: hand_written(probe.qwen3_streams, "cpu", 2), dict(tokens_per_call=STEP, max_tokens=12)),
@@ -191,55 +186,3 @@ def differences(hand: dict[str, Any], derived: dict[str, Any]) -> list[str]:
         if hand[key] != derived[key]:
             lines.append(f"{key}: {hand[key]!r} -> {derived[key]!r}")
     return lines
-
-
-# -- the fuzzer's subjects, transformed with no contract ------------------------------------------
-
-
-def subject(name: str, case: Case) -> Subject:
-    """The fuzzer's subject: the probe's model transformed from its config alone (`transform(model,
-    **case.derive)`) beside a stock copy of it, streamed as its probe streams it (the positions
-    passed where the probe passes them), a stream started afresh before it passes LIMIT units."""
-    model, _, _ = case.build()
-    config = model.config
-    stock = copy.deepcopy(model)
-    bound, report = transform(model, **case.derive)
-    step = case.derive["tokens_per_call"]
-
-    def ids(units: int, generator: torch.Generator) -> torch.Tensor:
-        return torch.randint(0, case.vocab, (1, units, *case.codebooks), generator=generator)
-
-    if case.stream == "encoder_decoder":
-        frames = case.derive.get("encoder_frames", getattr(config, "max_source_positions", None))
-        encoded = BaseModelOutput(last_hidden_state=torch.randn(1, frames, config.d_model,
-                                                                generator=torch.Generator().manual_seed(2)))
-
-        def new_cache():
-            return EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
-    elif case.stream == "static":
-        def new_cache():
-            return StaticCache(config=config, max_cache_len=case.derive["max_tokens"])
-    else:
-        def new_cache():
-            return DynamicCache(config=config)
-
-    def call(m, state, units, generator):
-        at = 0 if state is None else state.seen
-        positions = torch.arange(at, at + units)
-        keywords = {}
-        if case.positions:
-            keywords[case.positions] = positions[None]
-        if case.stream == "static":
-            keywords["cache_position"] = positions
-        inputs = "decoder_input_ids" if case.stream == "encoder_decoder" else "input_ids"
-        if case.stream == "encoder_decoder":
-            keywords["encoder_outputs"] = encoded
-        out = m(**{inputs: ids(units, generator)}, cache=None if state is None else state.cache, use_cache=True, **keywords)
-        if state is not None:
-            state.seen += units
-        return out.logits
-
-    odd = (3, 1) if step == 2 else (2,)
-    limit = case.derive.get("max_tokens", LIMIT) if case.stream == "static" else LIMIT
-    return Subject(name, stock, bound, report, lambda m: Positioned(new_cache()), call, lambda s: s.cache, units=step,
-                   odd=odd, takes_none=case.stream != "static", limit=limit)
