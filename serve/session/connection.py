@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ..protocol import ProtocolError, decode_command, encode_event
+from ..protocol import ProtocolError, decode_command
 from ..protocol import events as ev
 from .manager import SessionManager
 from .session import CLOSE_EXPIRED, CLOSE_POLICY, CLOSE_TRY_AGAIN, Session, _error_event
@@ -56,6 +56,15 @@ class Connection:
             return False
         return True
 
+    async def submit(self, command: ev.ClientCommand, frame_bytes: int) -> None:
+        """A command already decoded (an in-process handle's, ``serve/inprocess.py``), its frame
+        counted as ``frame_bytes``: routed as ``receive`` routes a frame's."""
+        try:
+            await self._route(command, frame_bytes)
+        except ProtocolError as err:
+            err.event_id = err.event_id or command.event_id
+            self._fail(err)
+
     async def receive(self, frame: str | bytes) -> None:
         size = len(frame.encode()) if isinstance(frame, str) else len(frame)  # UTF-8 bytes, as on the wire
         limit = self.manager.limits.max_frame_bytes
@@ -67,11 +76,7 @@ class Connection:
         except ProtocolError as err:
             self._fail(err)
             return
-        try:
-            await self._route(command, size)
-        except ProtocolError as err:
-            err.event_id = err.event_id or command.event_id
-            self._fail(err)
+        await self.submit(command, size)
 
     def closed(self) -> None:
         self.manager.connections.discard(self)
@@ -138,4 +143,4 @@ class Connection:
         self._errors += 1
         event = _error_event(err)
         event.event_id = f"event_unbound{self._errors:06d}"
-        self.transport.deliver(encode_event(event, duplex=self.duplex))
+        self.transport.send(event, None, self.duplex)

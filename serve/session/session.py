@@ -434,22 +434,22 @@ class Session:
 
     def emit(self, event: ev.ServerEvent) -> None:
         self._stamp(event)
+        text = None
         if self.journal is not None and event.JOURNALED:
             event.server_event_seq = self.journal.next_seq()
             text = encode_event(event, duplex=True)
             self.journal.append(event.server_event_seq, text)
-        else:
-            text = encode_event(event, duplex=self.duplex)
         if self.transport is not None:
-            self._send(self.transport, text)
+            self._send(self.transport, event, text)
 
     def _deliver_direct(self, event: ev.ServerEvent, transport: Transport | None = None) -> None:
         """A connection-level event: not journaled, only to this transport."""
         self._stamp(event)
-        self._send(transport or self.transport, encode_event(event, duplex=self.duplex))  # type: ignore[arg-type]
+        self._send(transport or self.transport, event)  # type: ignore[arg-type]
 
-    def _send(self, transport: Transport, text: str) -> None:
-        transport.deliver(text)
+    def _send(self, transport: Transport, event: ev.ServerEvent, text: str | None = None) -> None:
+        """``text``: the event's encoding, when the journal already made it."""
+        transport.send(event, text, self.duplex)
         if transport.closed and transport is self.transport:
             self._lose_transport()
 
@@ -512,12 +512,18 @@ class Session:
     # ------------------------------------------------------------ commands
 
     async def _session_update(self, cmd: ev.SessionUpdate) -> None:
-        old = self.config
+        old, old_settings = self.config, self.settings
         if self.duplex:
             self.config, self.settings = apply_duplex(cmd.session, old, self.settings, self.plugin.info.name)
         else:
             self.config = old.apply(cmd.session)
         config = self.config
+        if (config.instructions, config.voice) != (old.instructions, old.voice):
+            try:  # the model's persona, ready when this returns (a model without one ignores it)
+                await self.port.call(self.stream.configure, config.instructions, config.voice)
+            except ProtocolError:
+                self.config, self.settings = old, old_settings
+                raise
         self.input.set_format(config.input_format)
         # The VAD is rebuilt only when what it runs on changed: an update of anything else (a
         # client's tracing update, say) must not restart a turn mid-speech.

@@ -8,6 +8,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from ..protocol import encode_event
+from ..protocol import events as ev
+
 log = logging.getLogger("cadence_fx.serve")
 
 CLOSE_SLOW_CONSUMER = 4008
@@ -43,6 +46,12 @@ class Transport:
     def closed(self) -> bool:
         """Closing or closed: nothing delivered from now on is sent."""
         return self._closing
+
+    def send(self, event: ev.ServerEvent, text: str | None, duplex: bool) -> None:
+        """Queue ``event``; ``text`` is its encoding when the session already made it (for the
+        journal). A socket sends text; an in-process handle (``serve/inprocess.py``) takes the
+        event itself."""
+        self.deliver(text if text is not None else encode_event(event, duplex=duplex))
 
     def deliver(self, text: str) -> None:
         """Queue one encoded event, in order. A client too slow to take it is disconnected
