@@ -47,9 +47,9 @@ class Connection:
             return True
         return self._create()
 
-    def _create(self) -> bool:
+    def _create(self, opening: ev.SessionUpdate | None = None) -> bool:
         try:
-            self.session = self.manager.create(self.transport, self.duplex, self.client)
+            self.session = self.manager.create(self.transport, self.duplex, self.client, opening)
         except ProtocolError as err:
             self._send_unbound(err)
             self.transport.close(CLOSE_TRY_AGAIN, "resource exhausted")
@@ -97,7 +97,10 @@ class Connection:
             self._deferred = False
             if self._bind_timer is not None:
                 self._bind_timer.cancel()
-            if not self._create():
+            # A session.update opens the session with it (Session.start); another command is
+            # handled once the session is there.
+            opening = command if isinstance(command, ev.SessionUpdate) else None
+            if not self._create(opening) or opening is not None:
                 return
         if self.session is None:
             raise ProtocolError("session_not_bound", "send session.resume first", "type")

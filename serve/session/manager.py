@@ -82,9 +82,11 @@ class SessionManager:
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.model_executor.shutdown(wait=False, cancel_futures=True)
 
-    def create(self, transport: Transport, duplex: bool, client: str) -> Session:
+    def create(
+        self, transport: Transport, duplex: bool, client: str, opening: ev.SessionUpdate | None = None
+    ) -> Session:
         """A new session with a server-allocated, unguessable id (``session_prefix`` and 18 random
-        bytes), or ``resource_exhausted``."""
+        bytes), or ``resource_exhausted``; ``opening``: its first command (``Session.start``)."""
         limits = self.limits
         if self.draining:
             raise ProtocolError("resource_exhausted", "the server is shutting down")
@@ -109,7 +111,7 @@ class SessionManager:
         except SlotsFull as full:
             raise ProtocolError("resource_exhausted", f"{full}") from None
         self.sessions[session_id] = session
-        session.start(transport)
+        session.start(transport, opening)
         self._admission_changed(besides=session)
         return session
 

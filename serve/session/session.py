@@ -38,6 +38,7 @@ from ..protocol.codec import command_from_object
 from ..protocol import audio as wire_audio
 from ..protocol import events as ev
 from ..protocol.duplex import DuplexSettings, apply_duplex, capabilities, duplex_session_fields
+from ..runtime.text import text_of
 from .input_path import InputPath
 from .journal import Journal
 from .ledger import Ledgers
@@ -108,6 +109,7 @@ class _Chunk:  # not a mailbox message: the reply's task hands it to ``_on_chunk
     response_id: str
     model_samples: int
     data: bytes
+    text: str = ""  # what the model said with this chunk (a stream with ``take_text``)
 
 
 @dataclass
@@ -140,6 +142,11 @@ class _Tick:
 
 
 @dataclass
+class _Open:
+    command: ev.SessionUpdate
+
+
+@dataclass
 class _Stop:
     reason: str
 
@@ -168,6 +175,7 @@ class _Response:
     out_samples: int = 0  # delivered, in output-format samples
     acked_ms: int = 0
     spoke: bool = False  # response.speak sent (duplex)
+    transcript: str = ""  # the text the model produced with the reply so far
 
     @property
     def output_format(self) -> wire_audio.AudioFormat:
@@ -198,6 +206,7 @@ class Session:
         self.capabilities = capabilities(info.frame_samples, info.input_rate, info.output_rate)
         self.conversation_id = "conv_" + session_id.removeprefix("sess_")
         self.stream = plugin.open_stream()
+        self._take_text = text_of(self.stream)  # None: the model produces no text
         self.port = ModelPort(manager.model_executor, self.stream)
         self.mailbox: asyncio.Queue[Any] = asyncio.Queue()
         self.journal = Journal(limits.journal_bytes) if duplex else None
@@ -236,9 +245,20 @@ class Session:
 
     # ------------------------------------------------------------ lifecycle
 
-    def start(self, transport: Transport) -> None:
+    def start(self, transport: Transport, opening: ev.SessionUpdate | None = None) -> None:
+        """Announce the session (``session.created``, ``rate_limits.updated``) and start its owner.
+        ``opening``: the connection's first command, a ``session.update`` (``autostart=0``): it is
+        applied first, so ``session.created`` already carries it (vLLM-Omni's client keeps the
+        session object of ``session.created``), and answered with ``session.updated`` after."""
         self.transport = transport
         self.lease.attach(time.monotonic())
+        if opening is None:
+            self._announce()
+        else:
+            self.mailbox.put_nowait(_Open(opening))
+        self._task = asyncio.get_running_loop().create_task(self._own(), name=f"session {self.id}")
+
+    def _announce(self) -> None:
         token = self.lease.issue_token() if self.duplex else None
         self.emit(
             ev.SessionCreated(
@@ -248,7 +268,16 @@ class Session:
             )
         )
         self.report_rate_limits()
-        self._task = asyncio.get_running_loop().create_task(self._own(), name=f"session {self.id}")
+
+    async def _open(self, msg: _Open) -> None:
+        try:
+            await self._apply_session(msg.command.session)
+        except ProtocolError as err:  # the session opens as it was; the error follows its announcement
+            self._announce()
+            err.event_id = err.event_id or msg.command.event_id
+            raise
+        self._announce()
+        self.emit(ev.SessionUpdated(session=self._session_wire()))
 
     async def _own(self) -> None:
         try:
@@ -505,6 +534,8 @@ class Session:
             await self._stop(msg.reason)
         elif isinstance(msg, _Lost):
             await self._shutdown(None, "socket lost", CLOSE_NORMAL)
+        elif isinstance(msg, _Open):
+            await self._open(msg)
         elif isinstance(msg, _Tick):
             self._tick_queued = False
             await self._on_tick()
@@ -512,11 +543,15 @@ class Session:
     # ------------------------------------------------------------ commands
 
     async def _session_update(self, cmd: ev.SessionUpdate) -> None:
+        await self._apply_session(cmd.session)
+        self.emit(ev.SessionUpdated(session=self._session_wire()))
+
+    async def _apply_session(self, patch: dict) -> None:
         old, old_settings = self.config, self.settings
         if self.duplex:
-            self.config, self.settings = apply_duplex(cmd.session, old, self.settings, self.plugin.info.name)
+            self.config, self.settings = apply_duplex(patch, old, self.settings, self.plugin.info.name)
         else:
-            self.config = old.apply(cmd.session)
+            self.config = old.apply(patch)
         config = self.config
         if (config.instructions, config.voice) != (old.instructions, old.voice):
             try:  # the model's persona, ready when this returns (a model without one ignores it)
@@ -530,7 +565,6 @@ class Session:
         if config.turn_detection != old.turn_detection or config.input_format.rate != old.input_format.rate:
             self._vad = self._new_vad(self._vad.samples if self._vad is not None else 0)
             self._vad_item_id = None
-        self.emit(ev.SessionUpdated(session=self._session_wire()))
 
     async def _append(self, cmd: ev.InputAudioBufferAppend) -> None:
         loop = asyncio.get_running_loop()
@@ -918,12 +952,13 @@ class Session:
             log.exception("model failed in response %s", resp.id)
             self.mailbox.put_nowait(_ReplyEnd(resp.epoch, resp.id, f"{type(exc).__name__}: {exc}"))
 
-    def _render(self, resampler: StreamResampler, fmt: wire_audio.AudioFormat) -> tuple[int, bytes] | None:
-        """Worker thread: one native chunk, converted to the output format."""
+    def _render(self, resampler: StreamResampler, fmt: wire_audio.AudioFormat) -> tuple[int, bytes, str] | None:
+        """Worker thread: one native chunk, converted to the output format, and its text."""
         chunk = self.stream.step()
         if chunk is None:
             return None
-        return len(chunk), wire_audio.encode_samples(resampler.process(chunk), fmt)
+        text = self._take_text() if self._take_text is not None else ""
+        return len(chunk), wire_audio.encode_samples(resampler.process(chunk), fmt), text
 
     def _on_chunk(self, msg: _Chunk) -> None:
         playback = self.ledgers.playback
@@ -953,6 +988,11 @@ class Session:
                 sample_rate_hz=resp.output_format.rate,
             )
         )
+        if msg.text:
+            resp.transcript += msg.text
+            self.emit(ev.ResponseOutputAudioTranscriptDelta(
+                response_id=resp.id, item_id=resp.item_id, output_index=0, content_index=0, delta=msg.text
+            ))
 
     def _on_reply_end(self, msg: _ReplyEnd) -> None:
         resp = self.active
@@ -981,7 +1021,7 @@ class Session:
         counts = self.ledgers.responses
         setattr(counts, status, getattr(counts, status) + 1)
         item_status = "completed" if status == "completed" else "incomplete"
-        item = _assistant_item(resp.item_id, item_status, [{"type": "output_audio", "transcript": ""}])
+        item = _assistant_item(resp.item_id, item_status, [{"type": "output_audio", "transcript": resp.transcript}])
         stored = self._find(resp.item_id)
         if stored is not None:
             stored.update(item)
@@ -991,7 +1031,9 @@ class Session:
             listening = {"object": "realtime.response", "id": resp.id, "status": "listening", "metadata": None}
             self.emit(ev.ResponseListen(response_id=resp.id, response=listening))
         self.emit(ev.ResponseOutputAudioDone(**common, epoch=resp.epoch))
-        self.emit(ev.ResponseContentPartDone(**common, part={"type": "audio", "transcript": ""}))
+        if self._take_text is not None:
+            self.emit(ev.ResponseOutputAudioTranscriptDone(**common, transcript=resp.transcript))
+        self.emit(ev.ResponseContentPartDone(**common, part={"type": "audio", "transcript": resp.transcript}))
         self.emit(ev.ResponseOutputItemDone(response_id=resp.id, output_index=0, item=item))
         if resp.params.in_conversation:
             self.emit(ev.ConversationItemDone(item=item, previous_item_id=resp.previous_item_id))

@@ -269,3 +269,20 @@ def two_streams_are_their_slots_rows(plugin, models, turns: list[list[np.ndarray
 
 def silence(ms: int, rate: int = 24_000) -> bytes:
     return np.zeros(rate * ms // 1000, dtype="<i2").tobytes()
+
+
+class TalkingTone(ToneModel):
+    """The tone model with a text source: each chunk says its number (serve/runtime/text.py)."""
+
+    def open_stream(self):
+        stream = super().open_stream()
+        step, said = stream.step, []
+
+        def counted_step():
+            chunk = step()
+            said.append(f" w{len(said)}" if chunk is not None else "")
+            return chunk
+
+        stream.step = counted_step
+        stream.take_text = lambda: said[-1]
+        return stream

@@ -5,7 +5,7 @@ was. test_vllm_omni_interop.py runs vLLM-Omni's own client over the same fields.
 from __future__ import annotations
 
 import numpy as np
-from servekit import COMMIT, RESPONSE_HEAD, RESPONSE_TAIL, Server, run, running, silence, types_of, wav_pcm
+from servekit import COMMIT, RESPONSE_HEAD, RESPONSE_TAIL, Server, TalkingTone, run, running, silence, types_of, wav_pcm
 
 from cadence_fx.serve.app import background_server
 from cadence_fx.serve.plugins import ToneModel
@@ -282,6 +282,8 @@ def test_autostart_0_creates_the_session_at_the_first_command_and_none_for_a_res
     await_nothing, opened, resumed, count, after = run(scenario())
     assert await_nothing == []
     assert [e["type"] for e in opened] == ["session.created", "rate_limits.updated", "session.updated"]
+    # The opening update is applied before the session is announced: session.created carries it.
+    assert opened[0]["session"] == opened[2]["session"] and opened[0]["session"]["instructions"] == "hi"
     assert (resumed["type"], resumed["replayed"], resumed["session"]["instructions"]) == ("session.resumed", 0, "hi")
     assert after == count
 
@@ -315,3 +317,26 @@ def test_playback_ack_in_either_shape(server, question_pcm):
         ("missing_field", "playback.ack requires field 'audio_end_ms' (or 'played_ms')", "audio_end_ms"),
     ]
     assert acked == 2_240  # capped at the response's audio
+
+
+def test_text_a_stream_produces_is_sent_as_its_transcript(question_pcm):
+    async def scenario(server, path):
+        sock = await server.connect(path)
+        events = await sock.reply_to(question_pcm, timeout=20)
+        await sock.close()
+        return events
+
+    with background_server(TalkingTone, Limits(max_sessions=2)) as handle:
+        duplex = run(scenario(Server(handle), "/v1/duplex"))
+        plain = run(scenario(Server(handle), "/v1/realtime"))
+    said = "".join(f" w{i}" for i in range(56))
+    for events in (duplex, plain):
+        kinds = [e["type"] for e in events if e["type"] != "response.speak"]
+        reply = kinds[kinds.index("response.content_part.added") + 1 : kinds.index("response.output_audio.done")]
+        assert reply == ["response.output_audio.delta", "response.output_audio_transcript.delta"] * 56
+        assert "".join(e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta") == said
+        assert types_of(events)[-len(RESPONSE_TAIL) - 1 :] == [
+            "response.output_audio.done", "response.output_audio_transcript.done", *RESPONSE_TAIL[1:]
+        ]
+        done = next(e for e in events if e["type"] == "response.output_audio_transcript.done")
+        assert done["transcript"] == events[-1]["response"]["output"][0]["content"][0]["transcript"] == said

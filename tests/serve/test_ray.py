@@ -238,7 +238,7 @@ def test_a_resume_through_the_ingress_lands_on_the_owner_and_loses_nothing(ingre
     assert [e["server_event_seq"] for e in events] == list(range(1, len(events) + 1))
     assert (
         types_of(events[1:], skip_deltas=False)
-        == COMMIT + RESPONSE_HEAD + ["response.output_audio.delta"] * 56 + RESPONSE_TAIL
+        == COMMIT + RESPONSE_HEAD + ["response.speak"] + ["response.output_audio.delta"] * 56 + RESPONSE_TAIL
     )
     assert (resumed["type"], resumed["session_id"], resumed["generation"]) == ("session.resumed", sock.session_id, 2)
     reply = tone_reply_pcm(56)

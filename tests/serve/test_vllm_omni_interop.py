@@ -20,6 +20,7 @@ from servekit import (
     RESPONSE_HEAD,
     RESPONSE_TAIL,
     Server,
+    TalkingTone,
     running,
     tone_reply_pcm,
     types_of,
@@ -312,3 +313,19 @@ def test_default_client_against_moshi_tiny_with_a_dropped_connection():
     assert [types_of(turn) for turn in turns(events)] == [COMMIT + RESPONSE_HEAD + RESPONSE_TAIL]
     seqs = [e["server_event_seq"] for e in events if "server_event_seq" in e]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+
+
+def test_the_client_reads_the_transcript_of_a_model_that_speaks_text():
+    async def scenario(server: Server):
+        async with vo.duplex.DuplexClient(server.handle.ws_url, model="tone") as client:
+            await client.stream_pcm(QUESTION_16K, realtime=False)
+            await client.commit()
+            handle = await next_response(client)
+            audio = await play(client, handle)
+            await client.close()
+        return audio, handle.transcript
+
+    with background_server(TalkingTone, Limits(max_sessions=2)) as handle:
+        audio, transcript = asyncio.run(asyncio.wait_for(scenario(Server(handle)), 60))
+    assert audio == tone_reply_pcm(REPLY_CHUNKS)
+    assert transcript == "".join(f" w{i}" for i in range(REPLY_CHUNKS))
