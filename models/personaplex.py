@@ -61,7 +61,7 @@ from cadence_fx.contract import (
 from cadence_fx.guards import Unread
 
 __all__ = ["FULL", "LM_BINDING", "MIMI_BINDING", "TINY", "BoundPersonaPlex", "PersonaPlexConfig", "PersonaPlexModels",
-           "StreamOutput", "build_models", "check_models", "contract_for", "lm_gen", "personaplex_contract", "stream_reference",
+           "StreamOutput", "build_models", "role_prompt", "check_models", "contract_for", "lm_gen", "personaplex_contract", "stream_reference",
            "transform_personaplex", "used_codebooks", "user_phase", "vendor_loop"]
 
 #: The vendor's package under the import name `.ci/install` gives it.
@@ -393,6 +393,12 @@ class StreamOutput:
 
     tokens: torch.Tensor
     pcm: torch.Tensor
+
+
+def role_prompt(text: str) -> str:
+    """A role prompt as the vendor's `offline.py` gives it to its tokenizer: wrapped in
+    `<system>` tags (`wrap_with_system_tags`) unless it already is."""
+    return _vendor("offline").wrap_with_system_tags(text)
 
 
 def lm_gen(lm: Any, *, sampling: bool) -> Any:

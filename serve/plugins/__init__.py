@@ -8,7 +8,9 @@ weights when given ``weights`` (``loads_weights``). ``token2wav-full`` is MiniCP
 size on an NVIDIA GPU as a reply voice on stand-in speech tokens (``token2wav.py``), ``token2wav``
 the same at reduced depth on the CPU; both load a published checkpoint too, take a speaker
 prompt as ``prompt`` (``takes_prompt``) and run their sessions on replay lanes, as many as
-``lanes`` (``has_lanes``). ``tone`` is a test double used by the service's tests, not
+``lanes`` (``has_lanes``). ``personaplex-tiny`` (CPU) and ``personaplex-full`` (an NVIDIA GPU) are
+PersonaPlex's sessions as the slots of one batch, each with its own voice and role
+(``personaplex.py``; its batch size and voices are plugin options). ``tone`` is a test double used by the service's tests, not
 a model.
 """
 
@@ -18,7 +20,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from .base import ModelPlugin, ModelStream, PluginInfo, SlotsFull
+from .base import ConfigRefused, ModelPlugin, ModelStream, PluginInfo, SlotsFull
 from .tone import ToneModel
 
 PluginFactory = Callable[..., ModelPlugin]
@@ -45,6 +47,16 @@ def _moshi(size: str) -> PluginFactory:
     return build
 
 
+def _personaplex(size: str) -> PluginFactory:
+    def build(**options: Any) -> ModelPlugin:
+        from .personaplex import PersonaPlexPlugin
+
+        _known_options(PersonaPlexPlugin, "size", options)
+        return PersonaPlexPlugin(size=size, **options)
+
+    return build
+
+
 def _token2wav(depth: str) -> PluginFactory:
     def build(**options: Any) -> ModelPlugin:
         from .token2wav import Token2WavPlugin
@@ -60,6 +72,8 @@ _REGISTRY: dict[str, PluginFactory] = {
     "moshi-tiny": _moshi("tiny"),
     "moshi-small": _moshi("small"),
     "moshi-full": _moshi("full"),
+    "personaplex-tiny": _personaplex("tiny"),
+    "personaplex-full": _personaplex("full"),
     "token2wav": _token2wav("reduced"),
     "token2wav-full": _token2wav("full"),
 }
@@ -116,6 +130,7 @@ def load_plugin(name: str, **options: Any) -> ModelPlugin:
 
 
 __all__ = [
+    "ConfigRefused",
     "DEFAULT_PLUGIN",
     "ModelPlugin",
     "ModelStream",

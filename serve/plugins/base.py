@@ -21,6 +21,16 @@ import numpy as np
 from ..runtime import SlotsFull  # what ``open_stream`` raises when a plugin with slots has none free
 
 
+class ConfigRefused(ValueError):
+    """What ``ModelStream.configure`` raises for a value it refuses: the message names what is wrong
+    and what was expected, ``param`` the session field (a dotted path). The session answers it as
+    an ``invalid_value`` error and keeps its configuration as it was."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class PluginInfo:
     name: str
@@ -63,6 +73,11 @@ class ModelStream(ABC):
     @abstractmethod
     def cancel(self) -> None:
         """Drop the reply in progress; the next ``step`` returns None. Fed input is kept."""
+
+    def configure(self, instructions: str, voice: str) -> None:
+        """The session's ``instructions`` and ``voice`` changed (``session.update``): a model with a
+        persona (a role prompt, a voice prompt) takes them, ready when this returns, or raises
+        ``ConfigRefused`` naming what it refuses. The others have none and ignore them."""
 
     def close(self) -> None:
         """Release per-session state."""

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..plugins import ModelPlugin, ModelStream
+from ..plugins import ConfigRefused, ModelPlugin, ModelStream
 from ..protocol import ProtocolError, ResponseParams, SessionConfig, StreamResampler, encode_event, quoted
 from ..protocol.codec import command_from_object
 from ..protocol import audio as wire_audio
@@ -556,9 +556,9 @@ class Session:
         if (config.instructions, config.voice) != (old.instructions, old.voice):
             try:  # the model's persona, ready when this returns (a model without one ignores it)
                 await self.port.call(self.stream.configure, config.instructions, config.voice)
-            except ProtocolError:
+            except ConfigRefused as refused:
                 self.config, self.settings = old, old_settings
-                raise
+                raise ProtocolError("invalid_value", str(refused), refused.param) from None
         self.input.set_format(config.input_format)
         # The VAD is rebuilt only when what it runs on changed: an update of anything else (a
         # client's tracing update, say) must not restart a turn mid-speech.

@@ -1,0 +1,234 @@
+"""``personaplex-tiny`` (on a CPU) and ``personaplex-full`` (on an NVIDIA GPU): PersonaPlex's
+sessions as the slots of one batch, each with its own voice and role.
+
+The batch is ``models/personaplex_slots.py``'s masked loop (eager; its reference is stated in
+docs/families/personaplex.md), random weights from ``seed`` at the size's configuration, ticked on
+the slot scheduler's thread in the server process (``serve/runtime/slots.py``): every slot with a
+frame waiting runs it, in one batched LM call, the others masked. A session is a
+``PersonaPlexStream``: Moshi's stream (``serve/plugins/moshi.py``), so turns, replies, barge-in
+(``cancel``), cleared input and resume behave exactly as they do for Moshi, plus ``configure``:
+
+- ``session.update`` ``instructions`` -> the role prompt, ``voice`` -> the voice prompt
+  (``personaplex_prompts.py``: the operator's named voices, a client's own WAV, ``"default"`` for
+  none). ``configure`` returns once the (voice, role)'s prompt state exists: primed once on a thread
+  of its own while the batch ticks, then found in the cache by every later session. So a session
+  is ready for its persona when its ``session.updated`` arrives.
+- A session's first tick joins its slot with its prompt state, copied in: the slot starts where
+  the vendor's priming leaves a batch-1 session.
+- **A change after the conversation started** (a frame was fed) takes effect at the slot's next
+  tick: the slot joins again with the new prompt state. The conversation so far is dropped (the
+  LM's context is the new prompt, and Mimi starts afresh): PersonaPlex's persona is its context,
+  and a model primed with one persona cannot be turned into another without priming. A reply in
+  progress goes on with the new persona's frames. ``describe()`` counts these ``rejoins``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from contextlib import ExitStack
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..runtime.slots import SlotScheduler, SlotsFull
+from .base import ModelPlugin, PluginInfo
+from .moshi import FRAME_SAMPLES, MoshiStream, _require_cuda
+from .personaplex_prompts import NO_VOICE, PromptBank, VoiceBank, WavLimits, role_tokens
+
+__all__ = ["PersonaPlexPlugin", "PersonaPlexStream"]
+
+SAMPLE_RATE = 24_000
+DEVICES = {"tiny": "cpu", "full": "cuda"}
+MAX_SLOTS = 64
+DEFAULT_SLOTS = 8
+
+
+class _Place:
+    """The one place of the plugin's batch: what ``MoshiStream`` asks of a place."""
+
+    index = 0
+
+    def __init__(self) -> None:
+        self.streams = 0
+        self.scheduler: SlotScheduler | None = None
+
+
+class PersonaPlexStream(MoshiStream):
+    """Moshi's turn bookkeeping on a PersonaPlex slot, plus its persona (``configure``)."""
+
+    def __init__(self, plugin: PersonaPlexPlugin, place: _Place, slot: int, client: str) -> None:
+        super().__init__(plugin, place, slot)
+        self.client = client
+
+    def configure(self, instructions: str, voice: str) -> None:
+        """The session's role prompt and voice, ready when this returns (module docstring)."""
+        self._plugin._configure(self.slot, self.client, instructions, voice)
+
+    def upload_voice(self, name: str, wav: bytes) -> None:
+        """A WAV of this client's, under ``name``, for this client's sessions alone."""
+        self._plugin.voices.upload(self.client, name, wav)
+
+
+class PersonaPlexPlugin(ModelPlugin):
+    """PersonaPlex at ``size`` (``tiny`` or ``full``): see the module docstring."""
+
+    def __init__(self, *, size: str = "tiny", seed: int = 0, sampling: bool = True, slots: int | None = None,
+                 max_reply_frames: int = 125, voices: str | None = None, prompt_rate: int = 4,
+                 record: bool = False) -> None:
+        """``voices``: a folder of the operator's named voices (``<name>.wav`` or ``<name>.pt``).
+        ``slots``: the batch (1 to ``MAX_SLOTS``; None: fixed by ``reserve`` or ``DEFAULT_SLOTS``).
+        ``record`` keeps every tick's frames and joins (``history``)."""
+        if size not in DEVICES:
+            raise ValueError(f"unknown PersonaPlex size {size!r}; expected one of {', '.join(DEVICES)}")
+        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS):
+            raise ValueError(f"slots must be a batch of 1 to {MAX_SLOTS} sessions, got {slots!r}")
+        if max_reply_frames < 1:
+            raise ValueError(f"max_reply_frames must be at least 1, got {max_reply_frames}")
+        self.name, self.size, self.device = f"personaplex-{size}", size, DEVICES[size]
+        if self.device == "cuda":
+            _require_cuda(self.name)
+        from cadence_fx.models import personaplex
+
+        self.seed, self.sampling, self.slots, self.record = seed, sampling, slots, record
+        self.max_reply_frames, self.prompt_rate = max_reply_frames, prompt_rate
+        config = dataclasses.replace(personaplex.TINY if size == "tiny" else personaplex.FULL, seed=seed)
+        self._flags = ExitStack()
+        # The vendor's compile switch is process-wide: held off for as long as the plugin is open,
+        # so the ticking thread and the priming thread never race on entering and leaving it.
+        self._flags.enter_context(personaplex._vendor("utils.compile").no_compile())
+        self.models = personaplex.build_models(config, self.device)
+        self.voices = VoiceBank(voices, WavLimits())
+        self.prompts = PromptBank(self.models)
+        self._place = _Place()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.runtime: Any = None
+        self._wanted: dict[int, Any] = {}  # slot -> the prompt state its stream asks for
+        self._joined: dict[int, Any] = {}  # slot -> the prompt state its rows hold
+        self._fed: set[int] = set()  # slots whose stream has ticked since it joined
+        self.streams = self.listened = self.replied = self.silence = self.rejoins = 0
+        self.queued_at_reply_start: list[int] = []
+        self._default = self.prompts.state(NO_VOICE, ())
+        mimi, lm = (sum(p.numel() for p in m.parameters()) for m in (self.models.mimi, self.models.lm))
+        self.info = PluginInfo(
+            name=self.name, input_rate=SAMPLE_RATE, output_rate=SAMPLE_RATE, frame_samples=FRAME_SAMPLES,
+            description=(f"PersonaPlex {size.upper()} (Mimi {mimi / 1e6:.1f}M + LM {lm / 1e6:.1f}M parameters, random "
+                         f"weights, seed {seed}) on {self.device}, full duplex at 12.5 frames/s, sessions as the slots "
+                         "of one batch (the masked loop, eager), each with its own voice and role prompt"),
+        )
+
+    # -- placement ------------------------------------------------------------------------------
+
+    def _start(self, slots: int) -> None:
+        if self.runtime is not None:
+            return
+        from cadence_fx.models.personaplex_slots import PersonaPlexSlots
+
+        self.slots = slots
+        self.runtime = PersonaPlexSlots(self.models, slots, sampling=self.sampling, seed=self.seed,
+                                        prompt_rate=self.prompt_rate)
+        self._place.scheduler = SlotScheduler(slots, self._tick, name=self.name, record=self.record)
+
+    def reserve(self, sessions: int) -> None:
+        with self._lock:
+            batch = sessions if self.slots is None else self.slots
+            if sessions > batch:
+                raise ValueError(f"{self.name} holds {batch} slots, not {sessions} sessions at once: give it "
+                                 f"slots={sessions} or admit at most {batch}")
+            self._start(min(batch, MAX_SLOTS))
+        self._default.result()
+
+    def open_stream(self, client: str = "") -> PersonaPlexStream:
+        with self._lock:
+            self._start(DEFAULT_SLOTS if self.slots is None else self.slots)
+            if not self._place.scheduler.free:
+                raise SlotsFull(f"{self.name}: all {self.slots} slots are taken; a session needs a free slot")
+            slot = self._place.scheduler.acquire()
+            self._place.streams += 1
+            self.streams += 1
+            self._wanted[slot] = self._default
+            self._fed.discard(slot)
+        return PersonaPlexStream(self, self._place, slot, client)
+
+    def free_slots(self) -> int:
+        with self._lock:
+            return (DEFAULT_SLOTS if self.slots is None else self.slots) if self.runtime is None else self._place.scheduler.free
+
+    def _placed_off(self, place: _Place, slot: int) -> None:
+        with self._lock:
+            place.scheduler.release(slot)
+            place.streams -= 1
+            self._wanted.pop(slot, None)
+
+    def _configure(self, slot: int, client: str, instructions: str, voice: str) -> None:
+        state = self.prompts.state(self.voices.resolve(client, voice), role_tokens(instructions))
+        prompt = state.result()  # primed on the bank's thread while the batch ticks
+        with self._lock:
+            self._wanted[slot] = state
+            if slot in self._fed and self._joined.get(slot) is not prompt:
+                self.rejoins += 1
+
+    # -- ticks ---------------------------------------------------------------------------------
+
+    def _tick(self, frames: dict[int, np.ndarray], joins: tuple[int, ...]) -> dict[int, np.ndarray | None]:
+        """One batched tick (the scheduler's thread): each joining slot, and each whose stream asked
+        for another prompt, joins with its prompt state first."""
+        runtime = self.runtime
+        with self._lock:
+            wanted = {slot: self._wanted[slot].result() for slot in frames}
+        for slot in frames:
+            if slot in joins or self._joined.get(slot) is not wanted[slot]:
+                if runtime.queues[slot] is not None:
+                    runtime.leave(slot)
+                runtime.join(slot, prompt=wanted[slot])
+                self._joined[slot] = wanted[slot]
+        with self._lock:
+            self._fed.update(frames)
+        outputs = runtime.tick({slot: torch.from_numpy(frame) for slot, frame in frames.items()})
+        return {slot: None if out is None else out.pcm.numpy() for slot, out in outputs.items()}
+
+    # -- what MoshiStream counts ------------------------------------------------------------------
+
+    def _count_reply_start(self, queued: int) -> None:
+        with self._lock:
+            self.queued_at_reply_start += [0] * (queued + 1 - len(self.queued_at_reply_start))
+            self.queued_at_reply_start[queued] += 1
+
+    def _count(self, listened: int = 0, replied: int = 0, silence: int = 0) -> None:
+        with self._lock:
+            self.listened += listened
+            self.replied += replied
+            self.silence += silence
+
+    def history(self) -> list[Any]:
+        scheduler = self._place.scheduler
+        if scheduler is None or scheduler.history is None:
+            raise ValueError(f"{self.name} keeps no history: open it with record=True (and tick it)")
+        return list(scheduler.history)
+
+    def describe(self) -> dict[str, Any]:
+        scheduler = self._place.scheduler
+        return {
+            "model": self.name, "size": self.size, "device": self.device, "seed": self.seed, "sampling": self.sampling,
+            "slots": self.slots, "streams": self.streams, "max_reply_frames": self.max_reply_frames,
+            "frames": {"ticks": 0 if scheduler is None else scheduler.frames, "listened": self.listened,
+                       "replied": self.replied, "silence": self.silence,
+                       "queued_at_reply_start": list(self.queued_at_reply_start)},
+            "batched_ticks": 0 if scheduler is None else scheduler.ticks,
+            "lm_calls": 0 if self.runtime is None else self.runtime.calls,
+            "prompt_states": {"primed": self.prompts.primed, "reused": self.prompts.reused},
+            "rejoins": self.rejoins,
+            "voices": ["default", *sorted(self.voices.named)],
+        }
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._place.scheduler is not None:
+            self._place.scheduler.close()
+        self.prompts.close()
+        self.voices.close()
+        self._flags.close()
