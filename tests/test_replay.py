@@ -384,7 +384,7 @@ def test_the_module_state_a_replay_checks_is_each_parameter_and_buffer_place_onc
     root.register_buffer("scale", torch.ones(2))
     root.register_buffer("absent", None)
     engine = ExactShapeReplay(lambda x: root.a(x) * root.scale, [Signature.of(torch.zeros(2))], modules=[root])
-    places = engine._module_state_places()
+    places = engine.state_check.find()
     assert [qualified for _, _, qualified in places] == ["scale", "a.weight", "a.bias"]
     assert [table[name] is tensor for (table, name, _), tensor in zip(places, (root.scale, shared.weight, shared.bias))] == [True] * 3
 
@@ -396,15 +396,15 @@ def test_the_module_state_check_passes_the_same_tensors_and_decides_a_rebound_on
     layer = torch.nn.Linear(2, 2)
     layer.register_buffer("scale", torch.ones(2))
     engine = ExactShapeReplay(lambda x: layer(x) * layer.scale, [Signature.of(torch.zeros(2))], modules=[layer])
-    engine._remember_state()
-    assert engine._state_unmoved()
+    engine.state_check.remember()
+    assert engine.state_check.unmoved()
     weight = layer.weight
     layer.weight = torch.nn.Parameter(weight.data)  # another object over the same storage
-    assert engine._state_unmoved()
-    assert any(t is layer.weight for t in engine._state_tensors) and not any(t is weight for t in engine._state_tensors)
+    assert engine.state_check.unmoved()
+    assert any(t is layer.weight for t in engine.state_check.tensors) and not any(t is weight for t in engine.state_check.tensors)
     layer.weight = torch.nn.Parameter(weight.data.clone())  # another address
-    assert not engine._state_unmoved()
+    assert not engine.state_check.unmoved()
     layer.weight = torch.nn.Parameter(weight.data)
-    assert engine._state_unmoved()
+    assert engine.state_check.unmoved()
     layer.scale = None
-    assert not engine._state_unmoved()
+    assert not engine.state_check.unmoved()

@@ -1,58 +1,41 @@
 """The engine: `ExactShapeReplay`, the admission of every call and the life of each class in three
-visible phases (eager, capture, replay); the package docstring says what each phase checks."""
+visible phases (eager, capture, replay); the package docstring says what each phase checks. The
+dispatcher (`dispatch.py`) maps a call to its class, the runner (`runner.py`) certifies, captures
+and replays it, and `module_state.py` checks the module tensors a graph reads by address."""
 
 from __future__ import annotations
 
 import contextlib
-import enum
-import gc
 import logging
-import operator
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
-from torch.utils import _pytree as pytree
 
-from cadence_fx.determinism import RngState, StateSnapshot
 
 from .capture import (
     _BUSY,
-    _CURRENT,
-    CaptureContext,
     CaptureHook,
-    _GraphStep,
-    _GuardFailure,
-    _HookMode,
-    _Recorder,
-    _Rejected,
 )
-from .certificate import Certificate, CutRecord
+from .certificate import Certificate
 from .counters import ReplayCounters
 from .gate import GATE
 from .signature import (
-    _T,
     Catalog,
     Miss,
     MissReason,
     ShapeClass,
     Signature,
     _context,
-    is_dense,
     _flatten,
     _leaf_key,
-    _leaf_owners,
-    _unflatten,
 )
 
+from .dispatch import ClassState, Dispatcher, Phase
+from .module_state import ModuleState
+from .runner import ReplayError, certify_and_capture, replay
+
 log = logging.getLogger("cadence_fx.replay")
-
-
-class Phase(str, enum.Enum):
-    EAGER = "eager"
-    CAPTURE = "capture"
-    REPLAY = "replay"
 
 
 class HostCounters(Protocol):
@@ -66,49 +49,6 @@ class HostCounters(Protocol):
     def read(self) -> Sequence[int]: ...
 
     def write(self, values: Sequence[int]) -> None: ...
-
-
-class ReplayError(RuntimeError):
-    """A replay could not complete and the call's effects cannot be undone, or the engine was
-    driven in a way it cannot serve (from two threads at once)."""
-
-
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-@dataclass
-class _ClassState:
-    shape_class: ShapeClass
-    names: list[str]
-    aliased: list[int]
-    phase: Phase = Phase.EAGER
-    certificate: Certificate | None = None
-    refused: Miss | None = None
-    capturable: bool = True
-    invalidations: int = 0
-    aliased_ptrs: list[tuple[int, int]] = field(default_factory=list)
-    steps: list = field(default_factory=list)
-    guarded: bool = False
-    copy_in: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    write_back: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    out_leaves: list[Any] = field(default_factory=list)
-    out_clone: list[bool] = field(default_factory=list)
-    out_spec: Any = None
-    host_advance: tuple[int, ...] = ()  # how far one call of this class moves each host counter
-
-    def drop_graphs(self) -> None:
-        self.phase = Phase.EAGER
-        self.steps, self.copy_in, self.write_back, self.out_leaves, self.out_clone = [], [], [], [], []
-
-
-def _shares_module_state(names: list[str], leaves: list[Any], aliased: frozenset[int],
-                         buffers: list[tuple[str, torch.Tensor]]) -> list[str]:
-    """Copied arguments that are views of a module buffer: staging them would feed the graph a
-    snapshot while the callable updates the buffer itself (the stock Token2Wav cache is a view of
-    the CFM's own cache buffer on its first chunks)."""
-    storages = {b.untyped_storage().data_ptr(): n for n, b in buffers if b.untyped_storage().data_ptr()}
-    return [f"{names[i]} ~ {storages[x.untyped_storage().data_ptr()]}" for i, x in enumerate(leaves)
-            if isinstance(x, torch.Tensor) and i not in aliased and x.untyped_storage().data_ptr() in storages]
 
 
 def _modules_of(fn: Any) -> list[torch.nn.Module]:
@@ -184,34 +124,19 @@ class ExactShapeReplay:
         self._inside = threading.RLock()
         self.counters = ReplayCounters()
         self.last_miss: Miss | None = None
-        self._classes: dict[Signature, _ClassState] = {}
-        self._misses: dict[Signature, Miss] = {}
         self._pool: Any = pool
-        self._state_places: list[tuple[dict, str, str]] = []  # ``_module_state_places``, at the first capture
-        self._state_ptrs: list[int] = []
-        self._state_tables: list[dict] = []  # ``_remember_state``: the places, split for C-level passes
-        self._state_names: list[str] = []
-        self._state_tensors: list[torch.Tensor | None] = []
-        self._predicate: Callable[[Signature], Any] | None = None
-        self._catalog: dict[tuple, ShapeClass] = {}
-        if callable(catalog) and not isinstance(catalog, (list, tuple)):
-            self._predicate = catalog
-        else:
-            for i, entry in enumerate(catalog):
-                sc = entry if isinstance(entry, ShapeClass) else ShapeClass(f"class{i}", entry)
-                self._catalog[sc.signature.catalog_key] = sc
-
-    # -- public views ------------------------------------------------------------------------
+        self.dispatcher = Dispatcher(catalog, self.aliased)
+        self.state_check = ModuleState(self.modules)
 
     @property
     def shape_classes(self) -> tuple[ShapeClass, ...]:
         """The catalog's classes, as given; empty for a predicate catalog, whose classes are only
         named as calls arrive (their certificates then say which)."""
-        return tuple(self._catalog.values())
+        return tuple(self.dispatcher.catalog.values())
 
     @property
     def certificates(self) -> dict[str, Certificate]:
-        return {st.shape_class.name: st.certificate for st in self._classes.values() if st.certificate}
+        return {st.shape_class.name: st.certificate for st in self.dispatcher.classes.values() if st.certificate}
 
     @property
     def memory(self) -> dict[str, dict[str, int | None]]:
@@ -223,27 +148,13 @@ class ExactShapeReplay:
 
     @property
     def module_state(self) -> tuple[torch.Tensor, ...]:
-        """The parameters and buffers of `modules` (`_module_state_places`), each tensor once: the
+        """The parameters and buffers of `modules` (`ModuleState.find`), each tensor once: the
         tensors whose addresses every replay checks. The graphs of a binding's classes share the
         model's tensors, so the check does not grow with the number of classes."""
-        return tuple({id(t): t for t in (table[name] for table, name, _ in self._module_state_places())}.values())
-
-    def _module_state_places(self) -> list[tuple[dict, str, str]]:
-        """Where `modules` hold their parameters and buffers: (the owning module's ``_parameters``
-        or ``_buffers``, the name in it, the qualified name), each place once. A replay reads each
-        place again, so a tensor that a module rebinds (``module.buf = torch.zeros(...)``) is
-        drift as much as one whose storage was swapped (``.data =``)."""
-        places: dict[tuple[int, str], tuple[dict, str, str]] = {}
-        for root in self.modules:
-            for prefix, module in root.named_modules(remove_duplicate=False):
-                for table in (module._parameters, module._buffers):
-                    for name, tensor in table.items():
-                        if tensor is not None:
-                            places.setdefault((id(table), name), (table, name, f"{prefix}.{name}" if prefix else name))
-        return list(places.values())
+        return tuple({id(t): t for t in (table[name] for table, name, _ in self.state_check.find())}.values())
 
     def phase(self, shape_class: str) -> Phase:
-        for st in self._classes.values():
+        for st in self.dispatcher.classes.values():
             if st.shape_class.name == shape_class:
                 return st.phase
         return Phase.EAGER
@@ -254,7 +165,7 @@ class ExactShapeReplay:
                  f"{c.eager} eager, {c.invalidations} invalidations"]
         if c.fallbacks:
             lines.append("  eager by reason: " + ", ".join(f"{k}={v}" for k, v in sorted(c.fallbacks.items())))
-        for st in self._classes.values():
+        for st in self.dispatcher.classes.values():
             lines.append(f"  [{st.phase.value}] {st.shape_class.name}")
             if st.certificate:
                 lines.append("    " + st.certificate.explain().replace("\n", "\n    "))
@@ -264,12 +175,7 @@ class ExactShapeReplay:
 
     def reset(self) -> None:
         """Drop every graph and certificate (counters are kept)."""
-        for st in self._classes.values():
-            st.drop_graphs()
-        self._classes.clear()
-        self._misses.clear()
-
-    # -- the call ----------------------------------------------------------------------------
+        self.dispatcher.reset()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._inside.acquire(blocking=False):
@@ -295,15 +201,13 @@ class ExactShapeReplay:
                 return self._eager(Miss(MissReason.UNKEYABLE, (f"cannot key on {type(x).__name__}",)), args, kwargs)
             keys.append(k)
         sig = Signature(tuple(keys), spec, _context())
-        st = self._classes.get(sig)
+        st = self.dispatcher.admit(sig)
         if st is None:
-            st = self._admit(sig)
-            if st is None:
-                return self._eager(self._misses[sig], args, kwargs)
+            return self._eager(self.dispatcher.misses[sig], args, kwargs)
         if st.phase is Phase.REPLAY:
             drift = self._drift(st, leaves)
             if drift is None:
-                return self._replay(st, leaves, args, kwargs)
+                return replay(self, st, leaves, args, kwargs)
             self._invalidate(st, drift)
             return self._eager(Miss(MissReason.POINTER_DRIFT, (drift,)), args, kwargs)
         if st.refused is not None:
@@ -316,97 +220,19 @@ class ExactShapeReplay:
                 return self._eager(Miss(MissReason.POINTER_DRIFT, (drift,)), args, kwargs)
             return self._eager(Miss(MissReason.NO_CUDA), args, kwargs)
         with GATE.exclusive():
-            return self._certify_and_capture(st, sig, leaves, spec, args, kwargs)
+            return certify_and_capture(self, st, sig, leaves, spec, args, kwargs)
 
-    # -- admission ---------------------------------------------------------------------------
-
-    def _admit(self, sig: Signature) -> _ClassState | None:
-        if sig in self._misses:
-            return None
-        sc: ShapeClass | None = None
-        if self._predicate is not None:
-            verdict = self._predicate(sig)
-            if isinstance(verdict, ShapeClass):
-                sc = verdict
-            elif isinstance(verdict, str):
-                sc = ShapeClass(verdict, sig)
-            elif verdict:
-                sc = ShapeClass(f"class{len(self._classes)}", sig)
-            else:
-                self._remember_miss(sig, Miss(MissReason.NOT_IN_CATALOG, ("the catalog predicate refused it",)))
-                return None
-        else:
-            sc = self._catalog.get(sig.catalog_key)
-            if sc is None:
-                self._remember_miss(sig, self._nearest_miss(sig))
-                return None
-        if any(st.shape_class.name == sc.name for st in self._classes.values()):
-            sc = ShapeClass(f"{sc.name}{list(sig.context)}", sc.signature, sc.extents)
-        owners = _leaf_owners(sig.spec)
-        aliased = [i for i, o in enumerate(owners) if o in self.aliased and sig.leaves[i][0] == _T]
-        st = _ClassState(sc, sig.names(), aliased)
-        self._classes[sig] = st
-        return st
-
-    def _remember_miss(self, sig: Signature, miss: Miss) -> None:
-        if len(self._misses) >= 1024:
-            self._misses.clear()
-        self._misses[sig] = miss
-
-    def _nearest_miss(self, sig: Signature) -> Miss:
-        best: tuple[int, MissReason, tuple[str, ...]] | None = None
-        for sc in self._catalog.values():
-            reason, lines = sig.diff(sc.signature)
-            score = 10**6 if reason is MissReason.STRUCTURE else len(lines)
-            if best is None or score < best[0]:
-                best = (score, reason, (f"nearest class {sc.name}",) + lines)
-        if best is None:
-            return Miss(MissReason.NOT_IN_CATALOG, ("empty catalog",))
-        return Miss(best[1], best[2])
-
-    def _drift(self, st: _ClassState, leaves: list[Any]) -> str | None:
+    def _drift(self, st: ClassState, leaves: list[Any]) -> str | None:
         for i, ptr in st.aliased_ptrs:
             now = leaves[i].data_ptr()
             if now != ptr:
                 return f"{st.names[i]}: data_ptr expected {ptr:#x}, got {now:#x}"
-        # Every module tensor, every replayed call, at the address it had at the capture (C-level
-        # passes in `_state_unmoved`; the loop below only to name the first that moved).
-        if self.check_module_state and st.phase is Phase.REPLAY and not self._state_unmoved():
-            for (table, name, qualified), ptr, now in zip(self._state_places, self._state_ptrs, self._state_now()):
-                if now != ptr:
-                    held = table.get(name)
-                    what = "no tensor" if held is None else f"{tuple(held.shape)}"
-                    return f"module state {qualified} {what}: data_ptr expected {ptr:#x}, got {now:#x}"
+        # Every module tensor, every replayed call, at the address it had at the capture.
+        if self.check_module_state and st.phase is Phase.REPLAY:
+            return self.state_check.first_moved()
         return None
 
-    def _state_now(self) -> list[int]:
-        """The address each place of the module state holds now (0 where it holds no tensor)."""
-        return [0 if (t := table.get(name)) is None else t.data_ptr() for table, name, _ in self._state_places]
-
-    def _remember_state(self) -> None:
-        """The module state every replay checks: where it is, the tensors there and their addresses."""
-        self._state_places = self._module_state_places()
-        self._state_ptrs = self._state_now()
-        self._state_tables = [table for table, _, _ in self._state_places]
-        self._state_names = [name for _, name, _ in self._state_places]
-        self._state_tensors = list(map(dict.get, self._state_tables, self._state_names))
-
-    def _state_unmoved(self) -> bool:
-        """Every place of the module state holds a tensor at the address it held at the first
-        capture. It runs on every replayed call over every parameter of the model, so in C-level
-        passes over the tensor objects last seen there. A place that holds another object now (a
-        module that rebinds a buffer) is decided by its address, as the check always was (a tensor
-        rebound at the same address, with other strides, is not caught), and the new objects are
-        remembered so the next call takes the C-level passes again."""
-        now = list(map(dict.get, self._state_tables, self._state_names))
-        if all(map(operator.is_, now, self._state_tensors)):
-            return list(map(torch.Tensor.data_ptr, now)) == self._state_ptrs
-        if self._state_now() != self._state_ptrs:
-            return False
-        self._state_tensors = now
-        return True
-
-    def _invalidate(self, st: _ClassState, detail: str) -> None:
+    def _invalidate(self, st: ClassState, detail: str) -> None:
         self.counters.invalidations += 1
         st.invalidations += 1
         st.drop_graphs()
@@ -422,278 +248,9 @@ class ExactShapeReplay:
             log.warning("%s: eager (%s)", self.name, miss)
         return self.fn(*args, **kwargs)
 
-    # -- certification and capture -----------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _hooked(self, ctx: CaptureContext) -> Iterator[None]:
-        token, busy = _CURRENT.set(ctx), _BUSY.set(True)
-        try:
-            if self.hooks:
-                with _HookMode(ctx, self.hooks):
-                    yield
-            else:
-                yield
-        finally:
-            _BUSY.reset(busy)
-            _CURRENT.reset(token)
-
-    def _capture_device(self, leaves: list[Any]) -> torch.device | None:
-        if not torch.cuda.is_available():
-            return None
-        for x in leaves:
-            if isinstance(x, torch.Tensor) and x.device.type == "cuda":
-                return x.device
-        for m in self.modules:
-            for p in m.parameters():
-                if p.device.type == "cuda":
-                    return p.device
-        return None
-
-    def _certify_and_capture(self, st: _ClassState, sig: Signature, leaves: list[Any], spec: tuple,
-                             args: tuple, kwargs: dict[str, Any]) -> Any:
-        names = st.names
-        device = self._capture_device(leaves)
-        buffers = [(f"buffer {n}", b) for m in self.modules for n, b in m.named_buffers()]
-        snapshot = StateSnapshot.of([(n, x) for n, x in [*((names[i], x) for i, x in enumerate(leaves)
-                                                            if isinstance(x, torch.Tensor)), *buffers]
-                                     if x.untyped_storage().data_ptr() not in self._unsnapshotted])
-        rng = RngState.capture()
-        bindings = [(mod, dict(mod._buffers)) for m in self.modules for mod in m.modules()]
-        host_roots = [x for x in leaves if isinstance(x, torch.Tensor) and x.device.type == "cpu"]
-        checks = ["signature", "host RNG", "device RNG", "writes", "buffer rebinding"]
-        if st.aliased:
-            checks.append("aliased data_ptr")
-        if device is not None:
-            stream = self._side_stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            stream_ctx: Any = torch.cuda.stream(stream)
-        else:
-            stream, stream_ctx = None, contextlib.nullcontext()
-        st.phase = Phase.CAPTURE
-        rejected: _Rejected | None = None
-        counters = self._read_counters()
-        with stream_ctx:
-            probe = CaptureContext("probe", device, host_data=host_roots)
-            try:
-                with self._hooked(probe):
-                    self.fn(*args, **kwargs)
-            except _Rejected as r:
-                rejected = r
-            except BaseException:
-                snapshot.restore()
-                rng.restore()
-                self._write_counters(counters)
-                for mod, saved in bindings:
-                    mod._buffers.update(saved)
-                st.phase = Phase.EAGER
-                raise
-            after = RngState.capture()
-            writes = snapshot.written()
-            rebound = [f"{type(mod).__name__}.{n}" for mod, saved in bindings for n, b in saved.items()
-                       if mod._buffers.get(n) is not b]
-            for mod, saved in bindings:
-                mod._buffers.update(saved)
-            snapshot.restore()
-            rng.restore()
-            self._write_counters(counters)
-        if stream is not None:
-            torch.cuda.current_stream(device).wait_stream(stream)
-        host_rng = rng.host_readers(after)
-        copied = [names[i] for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and i not in st.aliased]
-        base = dict(shape_class=st.shape_class.name, signature=sig, host_rng=host_rng,
-                    thread=threading.current_thread().name,
-                    device_rng_advance=rng.device_advance(after), writes=writes,
-                    aliased=tuple(names[i] for i in st.aliased), copied=tuple(copied),
-                    host_constants=tuple(probe.constants.values()),
-                    cuts=tuple(CutRecord(n, r, c) for n, (r, c) in probe.cuts.items()), checks=tuple(checks))
-        refusal: Miss | None = None
-        if rejected is not None:
-            refusal = Miss(rejected.reason, (rejected.detail,))
-        elif host_rng:
-            refusal = Miss(MissReason.HOST_RNG, (f"reads the host RNG ({', '.join(host_rng)}); "
-                                                 "a graph would freeze the drawn values",))
-        elif rebound:
-            refusal = Miss(MissReason.STATE_REBIND, (f"rebinds buffers {rebound}; a graph cannot",))
-        elif torch.is_grad_enabled() and (
-                any(k[0] == _T and k[5] for k in sig.leaves)
-                or any(p.requires_grad for m in self.modules for p in m.parameters())):
-            refusal = Miss(MissReason.AUTOGRAD, (
-                f"grad mode with tensors that require grad on thread {threading.current_thread().name!r}: "
-                "graphs replay no autograd history (grad mode is per thread: call it under torch.no_grad() "
-                "there, or build the engine with inference=True)",))
-        elif shared := _shares_module_state(names, leaves, st.aliased, buffers):
-            refusal = Miss(MissReason.LAYOUT, (f"{shared} share memory with module state the callable "
-                                               "writes; a staged copy would go stale: declare them aliased",))
-        elif sparse := [f"{names[i]} {tuple(x.shape)} strides {x.stride()}" for i, x in enumerate(leaves)
-                        if isinstance(x, torch.Tensor) and i not in st.aliased and not is_dense(x)]:
-            refusal = Miss(MissReason.LAYOUT, tuple(
-                f"{arg} is not dense (its strides leave gaps or repeat elements): the engine stages only dense "
-                "tensors; declare it aliased or pass a dense tensor" for arg in sparse))
-        if refusal is not None:
-            return self._refuse(st, refusal, base, args, kwargs)
-        st.aliased_ptrs = [(i, leaves[i].data_ptr()) for i in st.aliased]
-        if device is None:
-            st.phase = Phase.EAGER
-            st.capturable = False
-            st.certificate = Certificate(admitted=True, reason="admitted; no CUDA device: runs eager", **base)
-            return self._eager(Miss(MissReason.NO_CUDA), args, kwargs)
-        return self._capture(st, sig, leaves, spec, args, kwargs, device, stream, snapshot, rng, base, writes)
-
-    def _refuse(self, st: _ClassState, refusal: Miss, base: dict[str, Any], args: tuple, kwargs: dict[str, Any]) -> Any:
-        """A class refused for good: certified as such, logged once (with the thread it was met on:
-        a refusal in a worker thread must not pass unseen), and this call runs eagerly."""
-        st.phase = Phase.EAGER
-        st.refused = refusal
-        st.certificate = Certificate(admitted=False, reason=str(refusal), **base)
-        log.warning("%s: class %s refused on thread %r: %s", self.name, st.shape_class.name, base["thread"], refusal)
-        return self._eager(refusal, args, kwargs)
-
     def _read_counters(self) -> tuple[int, ...]:
         return () if self.host_counters is None else tuple(self.host_counters.read())
 
     def _write_counters(self, values: Sequence[int]) -> None:
         if self.host_counters is not None:
             self.host_counters.write(values)
-
-    @staticmethod
-    def _side_stream(device: torch.device) -> torch.cuda.Stream:
-        """One side stream per device for every engine's probes, warm-ups and captures: each new
-        stream costs its own cuBLAS workspace (32 MiB on an H200), held for the process's life."""
-        if device not in _SIDE_STREAMS:
-            _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-        return _SIDE_STREAMS[device]
-
-    def _capture(self, st, sig, leaves, spec, args, kwargs, device, stream, snapshot, rng, base, writes) -> Any:
-        names = st.names
-        counters = self._read_counters()
-        with torch.cuda.stream(stream):
-            for _ in range(self.warmup - 1):
-                with self._hooked(CaptureContext("warmup", device, host_data=[
-                        x for x in leaves if isinstance(x, torch.Tensor) and x.device.type == "cpu"])):
-                    self.fn(*args, **kwargs)
-                snapshot.restore()
-                rng.restore()
-                self._write_counters(counters)
-        torch.cuda.current_stream(device).wait_stream(stream)
-
-        reserved_before = torch.cuda.memory_reserved(device)
-        static: list[Any] = list(leaves)
-        copy_in: list[tuple[int, torch.Tensor]] = []
-        for i, x in enumerate(leaves):
-            if isinstance(x, torch.Tensor) and i not in st.aliased:
-                buf = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
-                with torch.no_grad():
-                    buf.copy_(x)
-                static[i] = buf
-                copy_in.append((i, buf))
-        cap_args, cap_kwargs = _unflatten(static, spec)
-        for hook in self.hooks:
-            prepare = getattr(hook, "before_capture", None)
-            if prepare is not None:
-                prepare()
-        host_roots = [b for _, b in copy_in if b.device.type == "cpu"]
-        if self._pool is None or not (self._shared_pool or any(other.steps for other in self._classes.values())):
-            # A pool of this engine's own whose graphs are all gone cannot be reused: start a new one.
-            self._pool = torch.cuda.graph_pool_handle()
-        staged_bytes = sum(b.numel() * b.element_size() for _, b in copy_in if b.device.type == "cuda")
-        recorder = _Recorder(self._pool)
-        ctx = CaptureContext("capture", device, recorder, host_data=host_roots)
-        torch.cuda.synchronize(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        pool_before = torch.cuda.memory_reserved(device)
-        failure: BaseException | None = None
-        # No collection may run inside a capture (a finaliser's CUDA call would break it), so the
-        # collector is off while capturing, rather than a full gc.collect() before every capture:
-        # with many graphs alive, that cost about 0.5 s a class.
-        collecting = gc.isenabled()
-        gc.disable()
-        with torch.cuda.device(device), torch.cuda.stream(stream):
-            recorder.begin()
-            try:
-                with self._hooked(ctx):
-                    out = self.fn(*cap_args, **cap_kwargs)
-                recorder.end()
-            except BaseException as e:  # noqa: BLE001 - any failure to capture means eager
-                recorder.abort()
-                failure = e
-            finally:
-                if collecting:
-                    gc.enable()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        if failure is not None:
-            torch.cuda.synchronize(device)
-            snapshot.restore()
-            rng.restore()
-            self._write_counters(counters)
-            if isinstance(failure, _Rejected):
-                refusal = Miss(failure.reason, (failure.detail,))
-            else:
-                first = str(failure).strip().splitlines()[0] if str(failure).strip() else ""
-                refusal = Miss(MissReason.UNCAPTURABLE, (f"{type(failure).__name__}: {first}",))
-            return self._refuse(st, refusal, base, args, kwargs)
-
-        # The last segment is captured but not yet run; earlier ones ran at their cuts.
-        recorder.steps[-1].run()
-        torch.cuda.synchronize(device)
-        reserved_after = torch.cuda.memory_reserved(device)
-        st.host_advance = tuple(after - before for before, after in zip(counters, self._read_counters(), strict=True))
-        written = set(writes)
-        st.steps = recorder.steps
-        st.guarded = recorder.has_guards
-        st.copy_in = copy_in
-        st.write_back = [(i, buf) for i, buf in copy_in if names[i] in written]
-        persistent = {leaves[i].untyped_storage().data_ptr() for i in st.aliased}
-        if not self._state_places:
-            self._remember_state()
-        persistent |= {t.untyped_storage().data_ptr() for t in self.module_state}
-        out_leaves, st.out_spec = pytree.tree_flatten(out)
-        st.out_leaves = out_leaves
-        st.out_clone = [isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in persistent
-                        for o in out_leaves]
-        base.update(host_constants=tuple(ctx.constants.values()) or base["host_constants"],
-                    cuts=tuple(CutRecord(n, r, c) for n, (r, c) in ctx.cuts.items()) or base["cuts"])
-        segments = sum(isinstance(s, _GraphStep) for s in st.steps)
-        reason = "admitted; captured" + ("; device RNG via graph-safe philox state"
-                                         if any(base["device_rng_advance"]) else "")
-        st.certificate = Certificate(admitted=True, reason=reason, captured=True, segments=segments,
-                                     written_back=tuple(names[i] for i, _ in st.write_back),
-                                     staged_bytes=staged_bytes, pool_reserved_bytes=reserved_after - pool_before,
-                                     reserved_bytes=reserved_after - reserved_before, **base)
-        st.phase = Phase.REPLAY
-        self.counters.captures += 1
-        self.counters.replays += 1
-        for i, buf in st.write_back:
-            with torch.inference_mode(leaves[i].is_inference()):
-                leaves[i].copy_(buf)
-        return self._outputs(st)
-
-    # -- replay ------------------------------------------------------------------------------
-
-    def _replay(self, st: _ClassState, leaves: list[Any], args: tuple, kwargs: dict[str, Any]) -> Any:
-        with torch.no_grad():
-            for i, buf in st.copy_in:
-                buf.copy_(leaves[i])
-            if st.guarded:
-                before = torch.cuda.get_rng_state()
-            try:
-                for step in st.steps:
-                    step.run()
-            except _GuardFailure as g:
-                if st.certificate is not None and st.certificate.writes:
-                    raise ReplayError(f"{self.name}: class {st.shape_class.name}: cut guard failed after "
-                                      f"in-place writes: {g}") from None
-                torch.cuda.set_rng_state(before)
-                return self._eager(Miss(MissReason.CUT_GUARD, (str(g),)), args, kwargs)
-        for i, buf in st.write_back:
-            with torch.inference_mode(leaves[i].is_inference()):
-                leaves[i].copy_(buf)
-        if st.host_advance:
-            self._write_counters([value + step for value, step in zip(self._read_counters(), st.host_advance, strict=True)])
-        self.counters.replays += 1
-        return self._outputs(st)
-
-    def _outputs(self, st: _ClassState) -> Any:
-        if self.output_rule == "static":
-            return pytree.tree_unflatten(st.out_leaves, st.out_spec)
-        outs = [o.clone() if c else o for o, c in zip(st.out_leaves, st.out_clone)]
-        return pytree.tree_unflatten(outs, st.out_spec)
