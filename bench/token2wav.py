@@ -146,7 +146,7 @@ def build_arm(arm: str, flow, hift, contract):
 
 
 def predicted_delta_bytes(arm: str, contract) -> int | None:
-    """The memory model of DESIGN.md section 2, from the declaration alone: an arm's peak minus
+    """The memory model, from the declaration alone: an arm's peak minus
     eager's = its staging (copied inputs, one set per catalog class) plus its envelopes at
     A-dagger minus the stock envelopes. The state rule sets A-dagger = A (the derived demand) for
     every region it resizes; aliasing stages nothing; Rc stages the stock cache once per class.

@@ -20,14 +20,12 @@ from .contract import (
     Interactivity,
     Lifetime,
     Operator,
-    PromptPlusHistory,
     Rate,
     Region,
-    InPlace,
-    RingCache,
-    SlidingWindow,
+    Retention,
 )
 from .hf import DeriveError, derive_transformers
+from .passes.retention import InPlace, PromptPlusHistory, RingCache, SlidingWindow
 from .replay import Certificate, ExactShapeReplay, ShapeClass, Signature
 from .transform import TransformReport, transform
 
@@ -61,6 +59,7 @@ __all__ = [
     "Rate",
     "Region",
     "RegionDerivation",
+    "Retention",
     "InPlace",
     "RingCache",
     "SlidingWindow",

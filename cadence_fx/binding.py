@@ -47,7 +47,7 @@ from typing import Any, Iterator
 import torch
 
 from .guards import Regime
-from .contract import Contract, InPlace, PromptPlusHistory, RingCache, SlidingWindow, fixed_extent
+from .contract import Contract, fixed_extent, policies
 
 __all__ = ["Binding", "BindingError", "OperatorBinding", "RegionBinding", "Site", "check_binding", "resolve"]
 
@@ -385,16 +385,17 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
             if not fixed_extent(regions[rb.region].retention):
                 raise BindingError(f"regions[{i}].per_call", f"region {rb.region!r} retains by "
                                                              f"{type(regions[rb.region].retention).__name__}: only a "
-                                                             "RingCache or InPlace region (a fixed extent) can be "
-                                                             "allocated afresh each call")
+                                                             f"{policies(lambda p: p.fixed)} region (a fixed extent) can "
+                                                             "be allocated afresh each call")
             continue
-        if rb.caller_trims and (not rb.out or not isinstance(regions[rb.region].retention, (SlidingWindow, PromptPlusHistory))):
+        retention = regions[rb.region].retention
+        if rb.caller_trims and (not rb.out or retention is None or not retention.caller_trims):
             raise BindingError(f"regions[{i}].caller_trims", f"region {rb.region!r}: a caller trims a state the call returns "
-                               f"(`out`) to a SlidingWindow or PromptPlusHistory retention; got out={rb.out!r}, retention "
+                               f"(`out`) to a {policies(lambda p: p.caller_trims)} retention; got out={rb.out!r}, retention "
                                f"{type(regions[rb.region].retention).__name__}")
         if rb.write_before_read and (rb.out or not fixed_extent(regions[rb.region].retention)):
             raise BindingError(f"regions[{i}].write_before_read", f"region {rb.region!r}: only a region written in place "
-                               f"at a fixed extent (a RingCache or InPlace, no `out`) is written before it is read; it retains by "
+                               f"at a fixed extent (a {policies(lambda p: p.fixed)}, no `out`) is written before it is read; it retains by "
                                f"{type(regions[rb.region].retention).__name__}" + (f" and is returned ({rb.out!r})" if rb.out else ""))
         if not rb.at or not all(isinstance(p, str) and p and all(_segments(p)) for p in rb.at):
             raise BindingError(f"regions[{i}].at", f"needs one or more paths 'argument' or 'argument.attribute...', got {rb.at!r}")
@@ -406,11 +407,10 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
                 for p, a in zip(rb.out, rb.at))):
             raise BindingError(f"regions[{i}].out", f"needs one path per `at` path, rooted at {RETURN!r} and with as many "
                                                     f"wildcards or slices as it, got {rb.out!r} for {rb.at!r}")
-        retention = regions[rb.region].retention
-        if not isinstance(retention, (SlidingWindow, PromptPlusHistory, RingCache, InPlace)):
-            raise BindingError(f"regions[{i}]", f"region {rb.region!r} retains by {type(retention).__name__}: the "
-                                                "binding pipeline takes SlidingWindow, PromptPlusHistory, RingCache "
-                                                "and InPlace retention (a region whose extent is bounded)")
+        if retention is None:
+            raise BindingError(f"regions[{i}]", f"region {rb.region!r} has no retention policy (it grows with the "
+                                                f"session): the binding pipeline takes a region whose extent is "
+                                                f"bounded ({policies()})")
     bound = {rb.region for rb in binding.regions}
     operators = {op.name: op for op in contract.operators}
     named = {ob.operator for ob in binding.operators}

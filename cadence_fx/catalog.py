@@ -1,7 +1,7 @@
 """Catalog derivation: pure functions from a contract to every extent, bound, byte count and
 shape class, computed with sympy before any traffic.
 
-Vocabulary (DESIGN.md section 2): after t calls a region retains r(t) units along its clock; a
+Vocabulary (docs/method.md): after t calls a region retains r(t) units along its clock; a
 call that appends f units sees a live extent of r(t) + f (a ring cache is written in place, so
 its live extent is its capacity). The bound A_r = sup_t live(t), the lower extent A_r^- = r(0),
 the window W_r = sup_t r(t) - r(0), and an operator over the region sees K_r = ceil(W_r / s_r) + 1
@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from .contract import (DTYPES, Contract, InPlace, Operator, PromptPlusHistory, Region, RingCache, SlidingWindow,
-                       fixed_extent, rate_between)
+from .contract import DTYPES, Contract, Operator, Region, fixed_extent, rate_between
 
 __all__ = [
     "Catalog",
@@ -38,21 +37,11 @@ T = sympy.Symbol("t", integer=True, nonnegative=True)
 
 
 def retained_extent(region: Region) -> sympy.Expr:
-    """r(t): the units the region retains between calls after t calls. An `InPlace` region's is
-    its last dim, which never changes (a symbol of the contract, or a number)."""
-    s = region.stride
-    retention = region.retention
-    if isinstance(retention, InPlace):
-        return sympy.sympify(region.dims[-1])
-    if retention is None:
-        return s * T
-    if isinstance(retention, RingCache):
-        return sympy.Integer(retention.capacity)
-    if isinstance(retention, SlidingWindow):
-        return sympy.Min(retention.initial + s * T, retention.window)
-    if isinstance(retention, PromptPlusHistory):
-        return retention.prompt + sympy.Min(s * T, retention.history)
-    raise TypeError(f"unknown retention {retention!r}")
+    """r(t): the units the region retains between calls after t calls (its policy's; with no
+    policy, all it was ever given: s*t)."""
+    if region.retention is None:
+        return region.stride * T
+    return region.retention.retained(region)
 
 
 def call_units(contract: Contract, region: Region) -> int:
@@ -171,7 +160,7 @@ def _sup(expr: sympy.Expr) -> int | None:
 
 def _shape(contract: Contract, dims, clock: str, extent: int) -> tuple[int, ...]:
     values = {sympy.Symbol(k): v for k, v in contract.symbols().items()}
-    if clock is not None:  # an InPlace region's dims name no clock
+    if clock is not None:  # a region that advances along no clock (InPlace) names none
         values[sympy.Symbol(clock)] = extent
     return tuple(int(sympy.sympify(d).subs(values)) for d in dims)
 

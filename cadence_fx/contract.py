@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import KW_ONLY, dataclass, field
 from fractions import Fraction
-from typing import Mapping, Union
+from typing import Any, Callable, ClassVar, Mapping, Union
 
 import networkx
 import sympy
@@ -25,19 +25,17 @@ __all__ = [
     "ContractError",
     "DeviceConstant",
     "Effect",
-    "InPlace",
     "Interactivity",
     "Lifetime",
     "Operator",
-    "PromptPlusHistory",
     "Rate",
     "Region",
     "Retention",
-    "RingCache",
-    "SlidingWindow",
+    "RETENTION_POLICIES",
     "DTYPES",
     "carry_axis",
     "fixed_extent",
+    "policies",
 ]
 
 
@@ -107,38 +105,64 @@ class Rate:
     name: str | None = None
 
 
-@dataclass(frozen=True)
-class SlidingWindow:
-    """Keep the newest `window` units. The retained extent starts at `initial`."""
-
-    window: int
-    initial: int = 0
+#: Every retention policy by name, in the order they were defined: each registers itself here by
+#: subclassing `Retention` (one file each, in `passes/retention/`). The core reads a region's
+#: policy through `Retention` alone and never imports one.
+RETENTION_POLICIES: dict[str, type[Retention]] = {}
 
 
-@dataclass(frozen=True)
-class RingCache:
-    """A preallocated ring of `capacity` units written in place: the shape never changes."""
+class Retention:
+    """How a region's extent stays bounded (C2): the base of every retention policy.
 
-    capacity: int
+    A policy is a frozen dataclass subclassing this, one file in `passes/retention/`; defining it
+    registers it in `RETENTION_POLICIES`. What the core asks of it:
+
+    - `counts`: its fields that are counts (non-negative ints), which `check` checks;
+    - `chunk_bound`: the field that must hold at least one whole chunk (the region's stride);
+    - `check(path, region, symbols)`: its rules on its region, raising `ContractError`;
+    - `retained(region)`: r(t), the extent retained after t calls (a sympy expression of
+      `cadence_fx.catalog.T`);
+    - `fixed`: its shape never changes (written in place: its carry is the state, nothing rewritten);
+    - `clocked`: its region advances along a clock (one that does not declares no clock, axis or
+      stride);
+    - `caller_trims`: a caller may cut a returned state to it (the binding's `caller_trims`);
+    - `head`: the units it keeps at the front, rewritten with the tail (a prompt).
+    """
+
+    counts: ClassVar[tuple[str, ...]] = ()
+    chunk_bound: ClassVar[str | None] = None
+    fixed: ClassVar[bool] = False
+    clocked: ClassVar[bool] = True
+    caller_trims: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        RETENTION_POLICIES[cls.__name__] = cls
+
+    @property
+    def head(self) -> int:
+        return 0
+
+    def check(self, path: str, region: Region, symbols: Mapping[str, int]) -> None:
+        for attr in self.counts:
+            value = getattr(self, attr)
+            if not _is_count(value) or value < 0:
+                raise ContractError(f"{path}.retention.{attr}", "C2", f"must be a non-negative int, got {value!r}")
+        # An attention context (a ring, a prompt plus its history) must hold at least one whole chunk.
+        if self.chunk_bound is not None and getattr(self, self.chunk_bound) < region.stride:
+            raise ContractError(
+                f"{path}.retention.{self.chunk_bound}",
+                "C2",
+                f"retention bound {getattr(self, self.chunk_bound)} is below the chunk (stride {region.stride})",
+            )
+
+    def retained(self, region: Region) -> sympy.Expr:
+        raise NotImplementedError(f"{type(self).__name__} declares no retained extent")
 
 
-@dataclass(frozen=True)
-class PromptPlusHistory:
-    """Keep the first `prompt` units plus the newest `history` generated units."""
-
-    prompt: int
-    history: int
-
-
-@dataclass(frozen=True)
-class InPlace:
-    """A buffer of one fixed shape (`dims`) that every call overwrites in place (``copy_``, an
-    indexed write): a convolution's padding cache, a recurrent scan state. It advances along no
-    clock, so its region declares none (no `clock`, `axis` or `stride`), and an operator whose
-    region it is counts its units in the admission's clock."""
-
-
-Retention = Union[SlidingWindow, RingCache, PromptPlusHistory, InPlace]
+def policies(predicate: Callable[[type[Retention]], bool] = lambda policy: True) -> str:
+    """The registered policies that satisfy `predicate`, named for a message ("RingCache or InPlace")."""
+    return " or ".join(name for name, policy in RETENTION_POLICIES.items() if predicate(policy))
 
 
 @dataclass(frozen=True)
@@ -152,7 +176,8 @@ class Region:
     also holds the call's new units while the call runs (concat-then-trim retention, as in an
     attention K/V cache); a convolution's left context holds only what it retains. `stock_dims`
     is the shape the stock code provisions, when the adapter declares it: it gives the
-    over-reservation ratio. An `InPlace` region has one fixed shape and no clock, axis or stride.
+    over-reservation ratio. A region whose policy is not `clocked` (`InPlace`) has one fixed
+    shape and no clock, axis or stride.
     Every field after `dims` is passed by keyword.
     """
 
@@ -252,13 +277,17 @@ class Contract:
 def fixed_extent(retention: Retention | None) -> bool:
     """Whether a region's shape never changes: a ring or an in-place buffer, written in place
     (nothing to rewrite: its carry is the state itself)."""
-    return isinstance(retention, (RingCache, InPlace))
+    return retention is not None and retention.fixed
 
 
 def carry_axis(region: Region) -> int:
     """The axis a region's carry measures its extent along: the retention axis, or for an
     `InPlace` region (no axis) its last dim, which never changes."""
-    return len(region.dims) - 1 if isinstance(region.retention, InPlace) else region.axis
+    return region.axis if _clocked(region) else len(region.dims) - 1
+
+
+def _clocked(region: Region) -> bool:
+    return region.retention is None or region.retention.clocked
 
 
 def _is_count(value) -> bool:
@@ -295,33 +324,14 @@ def _check_clocks(contract: Contract) -> set[str]:
     return set(names)
 
 
-def _check_retention(path: str, region: Region) -> None:
+def _check_retention(path: str, region: Region, symbols: Mapping[str, int]) -> None:
     retention = region.retention
     if retention is None:
         return
-    bounds = {
-        SlidingWindow: ("window", "initial"),
-        RingCache: ("capacity",),
-        PromptPlusHistory: ("prompt", "history"),
-        InPlace: (),
-    }.get(type(retention))
-    if bounds is None:
-        raise ContractError(f"{path}.retention", "C2", f"unknown retention policy {type(retention).__name__}")
-    for attr in bounds:
-        value = getattr(retention, attr)
-        if not _is_count(value) or value < 0:
-            raise ContractError(f"{path}.retention.{attr}", "C2", f"must be a non-negative int, got {value!r}")
-    # An attention context (ring or prompt-plus-history) must hold at least one whole chunk; a
-    # sliding window may keep less (a convolution's left context, a vocoder's overlap).
-    bound_attr = {RingCache: "capacity", PromptPlusHistory: "history"}.get(type(retention))
-    if bound_attr and getattr(retention, bound_attr) < region.stride:
-        raise ContractError(
-            f"{path}.retention.{bound_attr}",
-            "C2",
-            f"retention bound {getattr(retention, bound_attr)} is below the chunk (stride {region.stride})",
-        )
-    if isinstance(retention, SlidingWindow) and retention.initial > retention.window:
-        raise ContractError(f"{path}.retention.initial", "C2", "initial extent exceeds the window")
+    if not isinstance(retention, Retention):
+        raise ContractError(f"{path}.retention", "C2", f"unknown retention policy {type(retention).__name__}; "
+                                                       f"registered: {policies()}")
+    retention.check(path, region, symbols)
 
 
 def _check_regions(contract: Contract, clocks: set[str]) -> None:
@@ -338,8 +348,12 @@ def _check_regions(contract: Contract, clocks: set[str]) -> None:
             raise ContractError(f"{path}.dtype", "declaration", f"unknown dtype {region.dtype!r}; known: {sorted(DTYPES)}")
         if not isinstance(region.lifetime, Lifetime):
             raise ContractError(f"{path}.lifetime", "declaration", f"{region.lifetime!r} is not a Lifetime")
-        if isinstance(region.retention, InPlace):
-            _check_in_place(path, region, symbols)
+        if not isinstance(region.retention, (Retention, type(None))):
+            _check_retention(path, region, symbols)  # refused: not a policy
+        if not _clocked(region):
+            _check_retention(path, region, symbols)
+            if region.stock_dims is not None and len(region.stock_dims) != len(region.dims):
+                raise ContractError(f"{path}.stock_dims", "declaration", "rank differs from dims")
             continue
         if region.clock not in clocks:
             raise ContractError(f"{path}.clock", "C1", f"undeclared clock {region.clock!r}; declared: {sorted(clocks)}")
@@ -365,31 +379,11 @@ def _check_regions(contract: Contract, clocks: set[str]) -> None:
             )
         if region.stock_dims is not None and len(region.stock_dims) != len(region.dims):
             raise ContractError(f"{path}.stock_dims", "declaration", "rank differs from dims")
-        _check_retention(path, region)
+        _check_retention(path, region, symbols)
     if all(region.retention is None for region in contract.regions):
         raise ContractError(
             "regions", "C2", "no region declares a retention policy that bounds its extent independently of session length"
         )
-
-
-def _check_in_place(path: str, region: Region, symbols: Mapping[str, int]) -> None:
-    """An `InPlace` region: one fixed shape over the contract's quantities, no clock to advance."""
-    for attr, none in (("clock", None), ("axis", None), ("stride", 0)):
-        if getattr(region, attr) != none:
-            raise ContractError(f"{path}.{attr}", "declaration",
-                                f"an InPlace region has one fixed shape and advances along no clock: leave `{attr}` "
-                                f"unset, got {getattr(region, attr)!r} (a buffer that grows or rolls along a clock "
-                                "retains by SlidingWindow or RingCache)")
-    if not region.dims:
-        raise ContractError(f"{path}.dims", "declaration", "an InPlace region needs at least one dim")
-    for j, dim in enumerate(region.dims):
-        unknown = {str(s) for s in sympy.sympify(dim).free_symbols} - set(symbols)
-        if unknown:
-            raise ContractError(f"{path}.dims[{j}]", "declaration",
-                                f"an InPlace region's dims are fixed: {sorted(unknown)} is not a quantity or named "
-                                f"rate of the contract; usable: {sorted(symbols)}")
-    if region.stock_dims is not None and len(region.stock_dims) != len(region.dims):
-        raise ContractError(f"{path}.stock_dims", "declaration", "rank differs from dims")
 
 
 def _check_operators(contract: Contract) -> None:
@@ -404,7 +398,7 @@ def _check_operators(contract: Contract) -> None:
         region = contract.region(op.region)
         # An operator's units are counted in its region's clock; an InPlace region has none, so
         # in the admission's.
-        in_place = isinstance(region.retention, InPlace)
+        in_place = not _clocked(region)
         clock = admission.clock if in_place else region.clock
         if not in_place and op.steady != region.stride:
             raise ContractError(f"{path}.steady", "C2", f"steady call of {op.steady} differs from the region stride {region.stride}")

@@ -1,7 +1,7 @@
 """Determinism envelope: bit-exactness is defined against a deterministic eager baseline.
 
-With default cuDNN settings some eager programs are not equal to themselves (DESIGN.md section 4:
-HiFT's convolutions picked a nondeterministic algorithm and two eager runs from one RNG state
+With default cuDNN settings some eager programs are not equal to themselves (the
+Token2Wav HiFT's convolutions picked a nondeterministic algorithm and two eager runs from one RNG state
 differed). So every arm that claims bit-exactness pins deterministic kernels, reports the settings
 it ran under, and first checks eager against itself with `check_repeatable`.
 

@@ -28,8 +28,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .binding import Binding, OperatorBinding, RegionBinding
-from .contract import (Admission, Clock, ClockKind, Contract, InPlace, Interactivity, Lifetime, Operator, Rate, Region,
-                       RingCache, SlidingWindow)
+from .contract import Admission, Clock, ClockKind, Contract, Interactivity, Lifetime, Operator, Rate, Region
+from .passes.retention import InPlace, RingCache, SlidingWindow
 
 __all__ = ["DeriveError", "derive_transformers", "is_transformers_model"]
 

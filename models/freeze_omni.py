@@ -33,8 +33,8 @@ from cadence_fx.contract import (
     Operator,
     Rate,
     Region,
-    SlidingWindow,
 )
+from cadence_fx.passes.retention import SlidingWindow
 
 if TYPE_CHECKING:
     from .freeze_omni_encoder import FreezeOmniEncoder, FreezeOmniEncoderConfig

@@ -47,7 +47,7 @@ positions, 4x subsampling, chunk_size 4 encoder frames: the published `audiollm/
 a public mirror of the release holds it; `FreezeOmniEncoderConfig.released()`), which also lists
 `positionwise-layer-type: linear`, `left_chunks: 16`, `normalize-before: true` and
 `concat-after: false`. The default configuration
-keeps this project's earlier operator choice (DESIGN.md section 4), the conv feed-forward with one
+keeps this project's earlier operator choice, the conv feed-forward with one
 left chunk: the attended extent is then 4 frames on the first call and 8 afterwards, two shape
 classes; with L left chunks it grows by 4 frames a call up to 4 (L + 1), L + 1 classes.
 `freeze_omni_checkpoint.py` loads a released checkpoint into this module.

@@ -16,8 +16,8 @@ from cadence_fx.contract import (
     Operator,
     Rate,
     Region,
-    SlidingWindow,
 )
+from cadence_fx.passes.retention import SlidingWindow
 
 __all__ = ["llm_backbone_contract"]
 

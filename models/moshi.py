@@ -36,8 +36,8 @@ from cadence_fx.contract import (
     Operator,
     Rate,
     Region,
-    RingCache,
 )
+from cadence_fx.passes.retention import RingCache
 
 __all__ = ["MIMI_BINDING", "MIMI_SLOTS_BINDING", "MOSHI_LM_BINDING", "MOSHI_LM_SLOTS_BINDING", "check_models", "contract_for",
            "moshi_contract", "used_codebooks"]

@@ -56,8 +56,8 @@ from cadence_fx.contract import (
     Operator,
     Rate,
     Region,
-    RingCache,
 )
+from cadence_fx.passes.retention import RingCache
 from cadence_fx.guards import Unread
 
 __all__ = ["FULL", "LM_BINDING", "MIMI_BINDING", "TINY", "BoundPersonaPlex", "PersonaPlexConfig", "PersonaPlexModels",

@@ -1,6 +1,6 @@
 """MiniCPM-o 4.5 Token2Wav: the contract of the flow decoder and the HiFT vocoder.
 
-The numbers are the vendor's configuration (DESIGN.md section 4); everything else (extents, K,
+The numbers are the vendor's configuration; everything else (extents, K,
 bytes, the 1.95 GiB envelope against its demand) is derived by `cadence_fx.catalog.derive`.
 """
 
@@ -16,11 +16,10 @@ from cadence_fx.contract import (
     Interactivity,
     Lifetime,
     Operator,
-    PromptPlusHistory,
     Rate,
     Region,
-    SlidingWindow,
 )
+from cadence_fx.passes.retention import PromptPlusHistory, SlidingWindow
 
 __all__ = ["token2wav_contract"]
 

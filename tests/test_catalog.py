@@ -1,4 +1,4 @@
-"""Catalog derivation: the reference numbers of DESIGN.md, derived, and its invariants."""
+"""Catalog derivation: the reference numbers of the families' configurations, derived, and its invariants."""
 
 import math
 

@@ -111,12 +111,13 @@ def test_the_contract_reference_names_every_field_of_every_contract_class():
                 contract_module.Admission, contract_module.Operator, contract_module.DeviceConstant,
                 contract_module.Interactivity):
         assert [name for name, _ in rows[f"`{cls.__name__}`"]] == [f.name for f in dataclasses.fields(cls)], cls
+    # Every registered policy, in the order they are defined; one with no field has one row, its
+    # field column "(none)".
     assert rows["Retention policies"] == [
-        (cls.__name__, f.name)
-        for cls in (contract_module.SlidingWindow, contract_module.RingCache, contract_module.PromptPlusHistory)
-        for f in dataclasses.fields(cls)
-    ] + [("InPlace", "")]  # a policy with no field: one row, its field column "(none)"
-    assert dataclasses.fields(contract_module.InPlace) == ()
+        (name, f.name) if dataclasses.fields(cls) else (name, "")
+        for name, cls in contract_module.RETENTION_POLICIES.items()
+        for f in (dataclasses.fields(cls) or (None,))
+    ]
     assert "## Binding reference" in text
 
 

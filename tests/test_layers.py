@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 ORDER = ["core", "passes", "pipeline", "transform", "models", "serve"]
 PACKAGES = {"passes": "cadence_fx.passes", "pipeline": "cadence_fx.pipeline", "models": "cadence_fx.models",
             "serve": "cadence_fx.serve"}
-#: The core's modules that stand above the pipeline: the transform and what reports on it.
-TRANSFORM = {"cadence_fx.transform", "cadence_fx.diff"}
+#: The core's modules that stand above the pipeline: the transform, what reports on it, and the
+#: derivation of a `transformers` model's contract and binding (it names the retention policies).
+TRANSFORM = {"cadence_fx.transform", "cadence_fx.diff", "cadence_fx.hf"}
 APPLICATIONS = {ROOT / "cadence_fx" / "cli.py", ROOT / "cadence_fx" / "docs.py", ROOT / "cadence_fx" / "__init__.py"}
 
 

@@ -14,7 +14,7 @@ from ..binding import (
     Site,
 )
 from ..catalog import CatalogClass
-from ..contract import DTYPES, PromptPlusHistory, carry_axis, fixed_extent
+from ..contract import DTYPES, carry_axis, fixed_extent
 from ..passes.carry import RetentionSite
 from ..passes.state import Resize
 from ..passes.window import Window, WindowError, rewrite_windows
@@ -92,7 +92,7 @@ def rewrite_class(op: BoundOperator, cls: OperatorClass, gm: torch.fx.GraphModul
             # another region's stride on that one (a downsampled path beside the main one).
             live=retained + (call.call if site.region == op.op.region else region.stride),
             held=region.holds_call,
-            head=region.retention.prompt if isinstance(region.retention, PromptPlusHistory) else 0,
+            head=region.retention.head,
             copy=site.out is not None,
         ))
     if call.extent == max(op.op_catalog.grid) and not call.flush:

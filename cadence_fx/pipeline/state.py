@@ -22,7 +22,7 @@ from ..binding import (
     resolve,
     sites,
 )
-from ..contract import DTYPES, PromptPlusHistory, carry_axis
+from ..contract import DTYPES, carry_axis
 from ..passes.hoist import HostConstantHoist
 from ..passes.window import CarryCounters, WindowCarry
 from ..replay import ExactShapeReplay
@@ -119,7 +119,7 @@ def allocate(op: BoundOperator, roots: dict[str, Any]) -> None:
             op._holder.add_module(f"carry{len(op.sites)}", carry)
             if rb.caller_trims:
                 retention = region.retention
-                head = retention.prompt if isinstance(retention, PromptPlusHistory) else 0
+                head = retention.head
                 op.trims[len(op.sites)] = (carry.axis, derived.lower + derived.window, head)
             op.sites.append(site)
         op.region_tensors[rb.region] = ([op.report.carries[rb.region].buffer] if rb.region in op.report.carries

@@ -1,4 +1,4 @@
-"""Compute rule: exact-shape CUDA-graph replay with fail-closed admission (DESIGN.md section 2.4).
+"""Compute rule: exact-shape CUDA-graph replay with fail-closed admission.
 
 `ExactShapeReplay` wraps a hot callable (an nn.Module, a GraphModule, a function) together with
 its catalog: the finite set of `Signature`s the contract says it will be called with. One CUDA

@@ -63,7 +63,7 @@ class Certificate:
     checks: tuple[str, ...] = ()
     thread: str = ""
     # Memory of a captured class (CUDA only): the static input buffers it stages per call (what the
-    # memory model of DESIGN.md section 2 charges a class: inputs that are not aliased), the growth
+    # memory model charges a class: inputs that are not aliased), the growth
     # of `torch.cuda.memory_reserved` over the capture itself (the graph pool's new segments: the
     # intermediates the model does not price; a piecewise capture's cut statics included), and over
     # the whole capture phase (staging included).
