@@ -90,6 +90,8 @@ def derive_transformers(model: Any, *, tokens_per_call: int = 1, max_tokens: int
     if encoder_decoder and cache == "static":
         raise DeriveError(f"{name}: a static cache is derived for decoder-only models; an encoder-decoder model streams "
                           "with cache='dynamic'")
+    if cache == "static" and max_tokens is None:
+        raise DeriveError(f"{name}: a static cache holds max_cache_len tokens; pass max_tokens, its capacity")
     codebooks = CODEBOOK_INPUTS.get(config.model_type)
     clock = "frame" if codebooks else "token"
     kind = ClockKind.FRAMES if codebooks else ClockKind.TOKENS
@@ -107,11 +109,12 @@ def derive_transformers(model: Any, *, tokens_per_call: int = 1, max_tokens: int
         layout.add_cross(probed.cross_attention_cache, f"{argument}.cross_attention_cache.layers", encoder_frames)
         layout.counters += tuple(f"{argument}.is_updated.{i}" for i in probed.is_updated)
     elif cache == "static":
-        if max_tokens is None:
-            raise DeriveError(f"{name}: a static cache holds max_cache_len tokens; pass max_tokens, its capacity")
-        static = _cache_classes(config, "static", max_tokens)
-        layout.add_cache(probed, f"{argument}.layers", "kv", kinds=[LAYER_KINDS.get(type(layer).__name__) for layer in static.layers],
-                         classes=[type(layer) for layer in static.layers])
+        # The static layers' shapes are the dynamic ones' with max_cache_len tokens: the probe runs
+        # a dynamic cache (a static one reads its length back on the host, which no meta tensor has).
+        from transformers import StaticCache
+
+        static = StaticCache(config=config, max_cache_len=max_tokens).layers  # allocated lazily: nothing runs
+        layout.add_cache(probed, f"{argument}.layers", "kv", classes=[type(layer) for layer in static])
     else:
         layout.add_cache(probed, f"{argument}.layers", "kv")
     contract = Contract(
@@ -130,14 +133,6 @@ def derive_transformers(model: Any, *, tokens_per_call: int = 1, max_tokens: int
         verify=verify,
     )
     return contract, binding
-
-
-def _cache_classes(config: Any, cache: str, max_tokens: int | None = None) -> Any:
-    """The cache `transformers` builds for `config`, built on the CPU and never run (its layers
-    allocate lazily): what its layers are."""
-    from transformers import DynamicCache, StaticCache
-
-    return DynamicCache(config=config) if cache == "dynamic" else StaticCache(config=config, max_cache_len=max_tokens)
 
 
 def _probe(model: Any, argument: str, units: str, step: int, codebooks: int | None, encoder_frames: int | None) -> Any:
@@ -242,11 +237,12 @@ class _Layout:
         if bound is not None:
             self._bounds[name] = bound
 
-    def add_cache(self, cache: Any, prefix: str, name: str, kinds: list | None = None, classes: list | None = None) -> None:
-        """The regions of one cache's layers: layers of one kind and one shape make one region."""
+    def add_cache(self, cache: Any, prefix: str, name: str, classes: list | None = None) -> None:
+        """The regions of one cache's layers: layers of one kind and one shape make one region.
+        `classes`: the layers' classes where they are not the probed cache's (a static cache's)."""
         layers = cache.layers
         classes = classes or [type(layer) for layer in layers]
-        kinds = kinds or [LAYER_KINDS.get(cls.__name__) for cls in classes]
+        kinds = [LAYER_KINDS.get(cls.__name__) for cls in classes]
         for i, (cls, kind) in enumerate(zip(classes, kinds)):
             if kind is None or not cls.__module__.startswith("transformers."):
                 raise DeriveError(f"{self.model}: {prefix}.{i} is a {cls.__module__}.{cls.__name__}; derived are "
