@@ -75,6 +75,7 @@ __all__ = [
     "TINY_DEPTH",
     "ChunkOut",
     "FlowDepth",
+    "REDUCED_HIFT_CHANNELS",
     "Prompt",
     "StockStream",
     "build_flow",
@@ -102,6 +103,8 @@ FULL_DEPTH = FlowDepth()
 REDUCED_DEPTH = FlowDepth(encoder_blocks=1, up_blocks=1, dit_blocks=2)
 #: The demo's: one DiT block, so that the demo's work (four CFM-loop exports) stays under a minute on a CPU.
 TINY_DEPTH = FlowDepth(encoder_blocks=1, up_blocks=1, dit_blocks=1)
+#: HiFT narrowed for CPU tests (`build_hift(base_channels=...)`): its convs cost a sixty-fourth.
+REDUCED_HIFT_CHANNELS = 64
 
 
 def redraw_zero_parameters(module: torch.nn.Module, generator: torch.Generator) -> list[str]:
@@ -180,8 +183,11 @@ def build_flow(
     return flow.to(device).eval()
 
 
-def build_hift(*, seed: int = 0, device: str | torch.device = "cpu") -> torch.nn.Module:
+def build_hift(*, seed: int = 0, device: str | torch.device = "cpu", base_channels: int = 512) -> torch.nn.Module:
     """HiFTGenerator() of minicpmo-utils 1.0.6 at its defaults, which is what Token2wav builds.
+
+    `base_channels` below 512 (`REDUCED_HIFT_CHANNELS`) narrows every conv for CPU tests; the
+    upsampling (480 samples a mel frame) and the sine source stay the vendor's.
 
     24 kHz, 80 mels, base 512, upsample [8, 5, 3] x istft hop 4 (480 samples per mel frame),
     n_fft 16, 8 harmonics (SourceModuleHnNSF2/SineGen2). Weight norm is
@@ -192,7 +198,7 @@ def build_hift(*, seed: int = 0, device: str | torch.device = "cpu") -> torch.nn
     vendor = token2wav_vendor()
     with torch.random.fork_rng(devices=[]):
         torch.random.default_generator.manual_seed(seed)
-        hift = vendor.hift()
+        hift = vendor.hift() if base_channels == 512 else vendor.hift(base_channels=base_channels)
     redraw_zero_parameters(hift, torch.Generator().manual_seed(seed))
     return hift.to(device).eval()
 
