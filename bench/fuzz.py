@@ -1,11 +1,15 @@
-"""The differential fuzzer's longer run, recorded as data: every subject of `tests/fuzzkit.py`,
-many schedules each, every call compared with the stock model's.
+"""The differential fuzzer's longer run, recorded as data: every subject of `tests/fuzz_subjects.py`
+(the counter-branching models, every probe and example the tests bind, the families at their tiny
+depths), many schedules each, every call compared with a stock copy's.
 
-    python bench/fuzz.py --seeds 16 --steps 80 --out bench/results/fuzz_cpu.json
+    python bench/fuzz.py --seeds 16 --steps 80 --model-seeds 3 --model-steps 24 --out bench/results/fuzz_cpu.json
 
+`--seeds`/`--steps` are the counter-branching models' schedules (no export: cheap); every other
+subject exports a graph per class it meets, and runs `--model-seeds` schedules of `--model-steps`.
 The record holds, per subject: calls, wrong outputs (must be 0; the first one's step when not),
-classes, stock calls by reason (guard failures by path among them), refused classes with why,
-and the guard check's cost per call (the operator's `_guarded` timed over the run).
+classes, calls the graphs answered, guard failures by path, the other stock calls by reason,
+refused classes counted by reason and each one's message, and the guard check's cost per call
+(the operator's `_guarded` timed over the run).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from fuzzkit import SUBJECTS, run, schedule  # noqa: E402
+from fuzz_subjects import SUBJECTS  # noqa: E402
+from fuzzkit import TOYS, run, schedule  # noqa: E402
 
 from cadence_fx.pipeline import operator as driver  # noqa: E402
 
@@ -45,10 +50,26 @@ def _timed_guards() -> dict[str, float]:
     return total
 
 
+def _served(subject) -> int:
+    """Calls the bound operators answered from their graphs so far, not the stock code."""
+    return sum(op.counters.calls - op.counters.stock for op in subject.report.operators.values())
+
+
+def _by_reason(refused: dict[str, str]) -> dict[str, int]:
+    """Refused classes counted by the reason's first two parts ("verification: program")."""
+    counts: dict[str, int] = {}
+    for why in refused.values():
+        reason = ":".join(why.split(":")[:2])
+        counts[reason] = counts.get(reason, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, default=16, help="schedules per subject")
-    parser.add_argument("--steps", type=int, default=80, help="steps per schedule")
+    parser.add_argument("--seeds", type=int, default=16, help="schedules per counter-branching model")
+    parser.add_argument("--steps", type=int, default=80, help="steps per schedule of a counter-branching model")
+    parser.add_argument("--model-seeds", type=int, default=3, help="schedules per other subject")
+    parser.add_argument("--model-steps", type=int, default=24, help="steps per schedule of another subject")
     parser.add_argument("--subjects", default=",".join(sorted(SUBJECTS)), help=f"comma-separated, of {sorted(SUBJECTS)}")
     parser.add_argument("--out", type=Path, help="where to write the record (JSON)")
     args = parser.parse_args()
@@ -56,36 +77,44 @@ def main() -> int:
     unknown = sorted(set(names) - set(SUBJECTS))
     if unknown:
         parser.error(f"unknown subject(s) {unknown}; expected some of {sorted(SUBJECTS)}")
-    if args.seeds < 1 or args.steps < 1:
-        parser.error(f"--seeds and --steps must be at least 1, got {args.seeds} and {args.steps}")
+    if min(args.seeds, args.steps, args.model_seeds, args.model_steps) < 1:
+        parser.error(f"--seeds, --steps, --model-seeds and --model-steps must be at least 1, got {args.seeds}, {args.steps}, "
+                     f"{args.model_seeds} and {args.model_steps}")
     guards = _timed_guards()
     subjects = {}
     for name in names:
+        started = time.perf_counter()
         subject = SUBJECTS[name]()
+        seeds, steps = (args.seeds, args.steps) if name in TOYS else (args.model_seeds, args.model_steps)
         before = dict(guards)
+        served = _served(subject)  # a family's warm-up runs some at its transform
         calls = wrong = 0
         first = None
-        started = time.perf_counter()
-        for seed in range(args.seeds):
-            outcome = run(subject, schedule(seed, args.steps, odd=bool(subject.odd), none=subject.takes_none), seed)
+        for seed in range(seeds):
+            outcome = run(subject, schedule(seed, steps, odd=bool(subject.odd), none=subject.takes_none), seed)
             calls, wrong = calls + outcome.calls, wrong + outcome.wrong
             first = first or (outcome.first_wrong and f"seed {seed}, {outcome.first_wrong}")
         checks = guards["calls"] - before["calls"]
+        reasons = outcome.stock_by_reason
         subjects[name] = {
-            **{k: v for k, v in outcome.as_dict().items() if k not in ("calls", "wrong", "first_wrong")},
-            "calls": calls, "wrong": wrong, "first_wrong": first,
+            "seeds": seeds, "steps": steps, "calls": calls, "wrong": wrong, "first_wrong": first,
+            "classes": outcome.classes, "graph_answered": _served(subject) - served,
+            "guard_failures": {k.removeprefix("guard:"): n for k, n in sorted(reasons.items()) if k.startswith("guard:")},
+            "stock_by_reason": {k: n for k, n in sorted(reasons.items()) if not k.startswith("guard:")},
+            "refusals_by_reason": _by_reason(outcome.refused), "refused": outcome.refused,
             "guard_us_per_call": round(1e6 * (guards["seconds"] - before["seconds"]) / max(checks, 1), 1),
             "seconds": round(time.perf_counter() - started, 1),
         }
-        print(f"{name}: {calls} calls, {wrong} wrong, {subjects[name]['classes']} classes, "
-              f"stock {subjects[name]['stock_by_reason']}, guards {subjects[name]['guard_us_per_call']} us a call",
-              flush=True)
+        print(f"{name}: {calls} calls, {wrong} wrong, {outcome.classes} classes, {subjects[name]['graph_answered']} "
+              f"from the graphs, stock {reasons}, refused {subjects[name]['refusals_by_reason']}, guards "
+              f"{subjects[name]['guard_us_per_call']} us a call, {subjects[name]['seconds']} s", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     record = {
         "benchmark": "fuzz", "commit": commit, "date": time.strftime("%Y-%m-%d"),
         "command": "python " + " ".join([str(Path(sys.argv[0]).relative_to(ROOT)) if Path(sys.argv[0]).is_absolute() else sys.argv[0], *sys.argv[1:]]),
         "device": f"cpu ({platform.processor() or platform.machine()}), torch {torch.__version__}",
-        "seeds": args.seeds, "steps": args.steps, "subjects": subjects,
+        "seeds": args.seeds, "steps": args.steps, "model_seeds": args.model_seeds, "model_steps": args.model_steps,
+        "subjects": subjects,
         "wrong": sum(s["wrong"] for s in subjects.values()),
     }
     if args.out:

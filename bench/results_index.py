@@ -185,9 +185,22 @@ def _binding_wide(r: dict) -> list[str]:
 def _fuzz(r: dict) -> list[str]:
     subjects = r["subjects"]
     calls = sum(s["calls"] for s in subjects.values())
-    graphs = {name: s["guard_us_per_call"] for name, s in subjects.items()}
-    return [f"{calls} calls over {len(subjects)} models ({r['seeds']} schedules of {r['steps']} steps each): "
-            f"{r['wrong']} wrong outputs; guard check per call (us): {graphs}"]
+    answered = sum(s.get("graph_answered", 0) for s in subjects.values())
+    guards = sorted(s["guard_us_per_call"] for s in subjects.values())
+    schedules = f"{r['seeds']} schedules of {r['steps']} steps each"
+    if "model_seeds" in r:
+        schedules = f"the counter-branching models {schedules}, the others {r['model_seeds']} of {r['model_steps']}"
+    return [f"{calls} calls over {len(subjects)} models ({schedules}): {r['wrong']} wrong outputs; "
+            f"{answered} answered from the graphs; guard check per call {guards[0]:g} to {guards[-1]:g} us"]
+
+
+def _fallback(r: dict) -> list[str]:
+    out = []
+    for model, cases in r["models"].items():
+        out.append(f"{model}: " + "; ".join(
+            f"{case} {c['bound_cpu_ms_median']:.2f} ms through the bound model, {c['stock_cpu_ms_median']:.2f} ms stock "
+            f"(CPU time, median of {c['calls']})" for case, c in cases.items()))
+    return out
 
 
 def _pipeline_host(r: dict) -> list[str]:
@@ -208,6 +221,7 @@ def _symbolic_export(r: dict) -> list[str]:
 
 HEADLINES: dict[str, Callable[[dict], list[str]]] = {
     "binding_wide": _binding_wide,
+    "fallback": _fallback,
     "fuzz": _fuzz,
     "gpu_tests": _gpu_tests,
     "interop": _interop,

@@ -1,22 +1,29 @@
 """The differential fuzzer: random schedules of calls over bound models, each call's output, every
 retained tensor and every host counter compared with the stock model's, run side by side.
 
-A `Subject` is one bound model and how to stream it: a fresh state, one call of n units, and what
-of the state to compare. A schedule (`schedule(seed, ...)`) mixes, at fixed seeds:
+A `Subject` is one bound model, a stock copy of it, and how to stream both: a fresh state, one
+call of n units, and what of the state to compare (`snapshot`: every tensor and host value the
+state reaches). A schedule (`schedule(seed, ...)`) mixes, at fixed seeds:
 
 - calls of the catalog's units and of units outside it (an odd-length prefill),
 - resets (a fresh state object in mid-process), a `None` state where the model takes one,
-- two streams interleaved on the one bound model,
+- two streams interleaved on the one bound model (one, where the state lives in the model's
+  modules: `Subject.streams`),
 - every order of arrival: short streams and single pings first, or long (primed) streams first,
   and streams that start with the window already full (a prefill outside the catalog first).
 
 `run(subject, steps)` returns what happened: calls, classes, stock calls by reason, and wrong
-outputs (which must be 0). `bench/fuzz.py` runs longer schedules and records them.
+outputs (which must be 0). The subjects: the counter-branching models below, the probes and
+examples (`fuzz_probes.py`), the families (`fuzz_families.py`), all named in `fuzz_subjects.py`;
+`bench/fuzz.py` runs longer schedules and records them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import random
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -46,18 +53,25 @@ DIM, WINDOW, SINKS, PERIOD = 4, 4, 2, 3
 
 @dataclass
 class Subject:
-    """One bound model and how to stream it, stock and transformed alike."""
+    """One bound model and a stock copy, and how to stream them alike. `model` and `bound` are
+    whatever `call` takes (a model, or a namespace of a family's operators)."""
 
     name: str
-    model: Any
+    model: Any  # the stock copy
     bound: Any
     report: Any
-    new_state: Callable[[], Any]
+    new_state: Callable[[Any], Any]  # (model) -> a fresh stream's state on it
     call: Callable[[Any, Any, int, torch.Generator], Any]  # (model, state, units, generator) -> output
-    state_of: Callable[[Any], list]  # what of a state to compare: tensors and host values
+    state_of: Callable[[Any], Any]  # what of a state to compare: its tensors and host values
     units: int  # the catalog's steady units
     odd: tuple[int, ...] = ()  # units outside the catalog that the model takes
     takes_none: bool = False
+    streams: int = 2  # streams held at once: 1 where the state lives in the model's own modules
+    limit: int | None = None  # units a stream may reach (the model's positions): a fresh stream past it
+    around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # the calls' context
+    # A state the step returns may be a view of its carry, which the next call overwrites: a caller
+    # keeping it while another stream's call runs clones it first (docs/contract.md, Paths): how.
+    keep: Callable[[Any], Any] | None = None
 
 
 @dataclass
@@ -77,9 +91,53 @@ class Outcome:
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if hasattr(a, "__dataclass_fields__") and type(a) is type(b):
+        return _same(vars(a), vars(b))
     return type(a) is type(b) and a == b
+
+
+def _differs(actual: dict[str, Any], expected: dict[str, Any]) -> str | None:
+    """The first path of a snapshot where the two differ."""
+    for path in sorted(actual.keys() | expected.keys()):
+        if path not in actual or path not in expected or not _same(actual[path], expected[path]):
+            return path
+    return None
+
+
+_HOST = (bool, int, float, str, torch.dtype, torch.device, enum.Enum)
+_SKIPPED = (nn.Module, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType)
+
+
+def snapshot(value: Any, path: str = "state") -> dict[str, Any]:
+    """Every tensor and host value `value` reaches, by path: through lists, tuples, dicts and the
+    attributes of plain objects and dataclasses; modules, types and functions are not state."""
+    out: dict[str, Any] = {}
+    _walk(value, path, out, set())
+    return out
+
+
+def _walk(value: Any, path: str, out: dict[str, Any], seen: set[int]) -> None:
+    if value is None or isinstance(value, (torch.Tensor, *_HOST)):
+        out[path] = value
+        return
+    if isinstance(value, _SKIPPED) or id(value) in seen:
+        return
+    seen.add(id(value))
+    if isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    elif isinstance(value, dict):
+        items = value.items()
+    elif hasattr(value, "__dict__"):
+        items = ((k, v) for k, v in vars(value).items() if not k.startswith("__"))
+    else:
+        out[path] = f"<{type(value).__name__}>"
+        return
+    for key, item in items:
+        _walk(item, f"{path}.{key}", out, seen)
 
 
 def schedule(seed: int, length: int, *, odd: bool, none: bool) -> list[tuple[str, int]]:
@@ -110,33 +168,47 @@ def schedule(seed: int, length: int, *, odd: bool, none: bool) -> list[tuple[str
 
 
 def run(subject: Subject, steps: list[tuple[str, int]], seed: int = 0) -> Outcome:
-    """Stream the schedule through the stock model and the bound one side by side."""
+    """Stream the schedule through the stock model and the bound one side by side. A stream that
+    would pass the subject's `limit` starts afresh first; after a wrong call both start afresh,
+    so one difference is counted once."""
     outcome = Outcome()
-    stock_states = {0: subject.new_state(), 1: subject.new_state()}
-    bound_states = {0: subject.new_state(), 1: subject.new_state()}
+    states: dict[int, tuple[Any, Any]] = {}
+    seen: dict[int, int] = {}
+
+    def fresh(stream: int) -> None:
+        states[stream] = (subject.new_state(subject.model), subject.new_state(subject.bound))
+        seen[stream] = 0
+
     generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
+    last = 0
+    with torch.no_grad(), subject.around():
+        for stream in range(subject.streams):
+            fresh(stream)
         for i, (kind, stream) in enumerate(steps):
-            stream = int(stream)
+            stream = int(stream) % subject.streams
             if kind == "reset":
-                stock_states[stream], bound_states[stream] = subject.new_state(), subject.new_state()
+                fresh(stream)
                 continue
+            if subject.keep is not None and stream != last:
+                states[last] = tuple(subject.keep(state) for state in states[last])
+            last = stream
             units = subject.units if kind in ("call", "none") else subject.odd[i % len(subject.odd)]
-            stock_state = None if kind == "none" else stock_states[stream]
-            bound_state = None if kind == "none" else bound_states[stream]
-            state = generator.get_state()
+            if kind != "none" and subject.limit is not None and seen[stream] + units > subject.limit:
+                fresh(stream)
+            stock_state, bound_state = (None, None) if kind == "none" else states[stream]
+            rng = generator.get_state()
             expected = subject.call(subject.model, stock_state, units, generator)
-            generator.set_state(state)
+            generator.set_state(rng)
             actual = subject.call(subject.bound, bound_state, units, generator)
             outcome.calls += 1
-            same = _same(actual, expected) and (kind == "none" or _same(subject.state_of(bound_states[stream]),
-                                                                        subject.state_of(stock_states[stream])))
-            if not same:
+            seen[stream] += units if kind != "none" else 0
+            wrong = None if _same(actual, expected) else "output"
+            if wrong is None and kind != "none":
+                wrong = _differs(snapshot(subject.state_of(states[stream][1])), snapshot(subject.state_of(states[stream][0])))
+            if wrong is not None:
                 outcome.wrong += 1
-                outcome.first_wrong = outcome.first_wrong or f"step {i}: {kind} on stream {stream}"
-                # the streams go on from the stock state, so one difference is counted once
-                bound_states[stream] = stock_states[stream] if kind != "none" else bound_states[stream]
-                stock_states[stream] = _copied(stock_states[stream])
+                outcome.first_wrong = outcome.first_wrong or f"step {i}: {kind} of {units} on stream {stream}: {wrong} differs"
+                fresh(stream)
     for op in subject.report.operators.values():
         for reason, n in op.counters.stock_by_reason.items():
             outcome.stock_by_reason[reason] = outcome.stock_by_reason.get(reason, 0) + n
@@ -145,10 +217,31 @@ def run(subject: Subject, steps: list[tuple[str, int]], seed: int = 0) -> Outcom
     return outcome
 
 
-def _copied(state: Any) -> Any:
-    import copy
+class Held:
+    """A state a functional step returns: the caller threads it back in (`value`, None at first or
+    the fresh state the stream starts from)."""
 
-    return copy.deepcopy(state)
+    def __init__(self, value: Any = None):
+        self.value = value
+
+    def kept(self) -> Held:
+        """A copy of the state to keep while another stream's call runs (`Subject.keep`)."""
+        return Held(_cloned(self.value))
+
+
+def _cloned(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cloned(v) for v in value)
+    return value
+
+
+class Positioned:
+    """A cache object and the units its stream has seen (the positions the caller passes)."""
+
+    def __init__(self, cache: Any):
+        self.cache, self.seen = cache, 0
 
 
 # -- models whose code branches on a host counter ------------------------------------------------
@@ -245,7 +338,8 @@ def _buffer_subject(name: str, model: nn.Module, regime) -> Subject:
     def call(m, state, units, generator):
         return m(torch.randn(1, units, DIM, generator=generator), state)
 
-    return Subject(name, model, bound, report, Buffer, call, lambda s: [s.frames, s.seen], units=1, odd=(2, 3),
+    # the model keeps no state of its own: the one module serves as the stock copy
+    return Subject(name, model, bound, report, lambda m: Buffer(), call, lambda s: s, units=1, odd=(2, 3),
                    takes_none=True)
 
 
@@ -261,24 +355,4 @@ def refreshed() -> Subject:
     return _buffer_subject("refreshed", Refreshed().eval(), Periodic("cache.seen", period=PERIOD))
 
 
-def mistral() -> Subject:
-    """The README's example: a `transformers` Mistral decoder with its sliding-window DynamicCache."""
-    from byom_example import TOKENS_PER_CALL, binding, build_model, contract
-    from transformers import DynamicCache
-
-    model, config = build_model()
-    bound, report = transform(model, contract(), binding())
-
-    def call(m, cache, units, generator):
-        tokens = torch.randint(0, config.vocab_size, (1, units), generator=generator)
-        return m(input_ids=tokens, cache=cache, use_cache=True).logits
-
-    def state_of(cache):
-        return [[layer.keys, layer.values, layer.cumulative_length] for layer in cache.layers
-                if getattr(layer, "is_initialized", False)]
-
-    return Subject("mistral", model, bound, report, lambda: DynamicCache(config=config), call, state_of,
-                   units=TOKENS_PER_CALL, odd=(3, 1))
-
-
-SUBJECTS: dict[str, Callable[[], Subject]] = {"rolling": rolling, "sinks": sinks, "refreshed": refreshed, "mistral": mistral}
+TOYS: dict[str, Callable[[], Subject]] = {"rolling": rolling, "sinks": sinks, "refreshed": refreshed}

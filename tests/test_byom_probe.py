@@ -516,7 +516,7 @@ def test_a_digit_segment_names_a_mapping_s_int_key_when_it_has_no_such_string_ke
 
 
 def test_a_stream_past_the_bound_runs_the_stock_code_instead_of_overflowing_the_carry():
-    """Bug (fixed in pipeline.py `_carry_view`): a call outside the catalog runs the stock code, whose
+    """Bug (fixed in pipeline/state.py `carry_view`): a call outside the catalog runs the stock code, whose
     retained state is then taken into the carries; when the stock code retained more than the
     carry's bound (full attention past N, or a prompt longer than the window) the adoption raised
     `CarryError: kv: 12 units exceed the carry's bound 10` and the stream died."""
@@ -570,7 +570,7 @@ def gemma3_streams(device: str, streams: int):
 
 
 def test_gemma3_hybrid_layers_stream_on_the_exported_steps_while_the_sliding_layers_fill():
-    """Bug (fixed in pipeline.py `_capture`): sliding and full layers are two regions; the operator's
+    """Bug (fixed in pipeline/export.py `capture_class`): sliding and full layers are two regions; the operator's
     region (the full layers') decides the class, and the pipeline declared every other region at its
     whole window, so while the sliding layers were still filling (L=0, L=2) the window pass refused
     the class (`cache.layers.0.keys: slice_5 has extent 2, the catalog class declares 4`) and those
@@ -599,7 +599,7 @@ def test_gemma3_hybrid_layers_replay_every_call_after_its_class_is_verified_on_c
 
 
 def test_a_host_flag_the_binding_leaves_out_is_guarded_and_the_stream_stays_exact():
-    """Bug (fixed in pipeline.py `_verify`): a binding without `cache.layers.*.is_initialized`
+    """Bug (fixed in pipeline/verify.py `verify_class`): a binding without `cache.layers.*.is_initialized`
     verified every class, since the verified stock calls set the flag on the caller's cache. A
     later stream then ran its first call through the graph, which sets no flag; its next stock call
     (a 1-token call, no class) found the flag False, re-initialised the layer and dropped the
@@ -630,7 +630,7 @@ def test_a_host_flag_the_binding_leaves_out_is_guarded_and_the_stream_stays_exac
 
 
 def test_a_contract_shape_the_first_call_contradicts_is_an_error_naming_the_site():
-    """Bug (fixed in pipeline.py `_capture`): with no state yet the first call's shapes went
+    """Bug (fixed in pipeline/export.py `capture_class`): with no state yet the first call's shapes went
     unchecked, and a contract declaring 2 heads where GPT-2 keeps 4 failed inside the graph with
     `RuntimeError: The size of tensor a (2) must match the size of tensor b (4) at non-singleton
     dimension 1` (from passes/carry.py). It now fails as a later call's state would: naming the
@@ -644,7 +644,7 @@ def test_a_contract_shape_the_first_call_contradicts_is_an_error_naming_the_site
 
 
 def test_a_counter_path_the_state_does_not_have_is_a_binding_error_naming_the_counter():
-    """Error quality (fixed in pipeline.py `_counter_paths`): the byom example's Mistral counters on
+    """Error quality (fixed in pipeline/state.py `counter_paths`): the byom example's Mistral counters on
     a full-attention cache, whose `DynamicLayer` has no `cumulative_length`, failed at the first
     call with a bare `AttributeError: 'DynamicLayer' object has no attribute 'cumulative_length'`
     from deep in binding.resolve; it now names the binding field and the path."""
@@ -723,10 +723,8 @@ def test_a_mamba_decoder_replays_every_steady_call_after_the_first_on_cuda():
     assert_replay_counters(report, MAMBA_CLASSES, CUDA_STREAMS, "cuda")
 
 
-def test_deepseek_v3_latent_attention_binds_its_two_cache_widths_as_two_regions():
-    """DeepSeek-V3's multi-head latent attention caches one compressed latent (its `keys`, 16 wide)
-    and one rotary key (its `values`, 4 wide) per layer: two regions of their own widths, one
-    operator, the stream bit-identical (a mixture of experts after the first layer, too)."""
+def deepseek_v3():
+    """DeepSeek-V3 (tiny), its contract and binding: (model, config, contract, binding)."""
     torch.manual_seed(0)
     config = transformers.DeepseekV3Config(
         vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
@@ -752,6 +750,14 @@ def test_deepseek_v3_latent_attention_binds_its_two_cache_widths_as_two_regions(
                                RegionBinding("rope_keys", at=("cache.layers.*.values",))),
                       operators=(OperatorBinding("decoder_step", units=("input_ids", 1),
                                                  counters=("cache.layers.*.is_initialized",)),), verify=1)
+    return model, config, contract, binding
+
+
+def test_deepseek_v3_latent_attention_binds_its_two_cache_widths_as_two_regions():
+    """DeepSeek-V3's multi-head latent attention caches one compressed latent (its `keys`, 16 wide)
+    and one rotary key (its `values`, 4 wide) per layer: two regions of their own widths, one
+    operator, the stream bit-identical (a mixture of experts after the first layer, too)."""
+    model, config, contract, binding = deepseek_v3()
     tokens, sizes = random_tokens(12), [STEP] * 6
     _, report = streamed(model, contract, binding, lambda m: stream_dynamic(m, config, tokens, sizes), streams=2)
     # Every class is refused (verification: program): the first, traced, takes another position path;
@@ -772,7 +778,7 @@ JAMBA_COUNTERS = ("cache.layers.[1::2].is_initialized", "cache.layers.[0::2].is_
                   "cache.layers.[0::2].conv_kernel_size")
 
 
-def jamba_streams(counters: tuple[str, ...] = JAMBA_COUNTERS):
+def jamba_streams(counters: tuple[str, ...] = JAMBA_COUNTERS, streams: int = 2):
     """A hybrid decoder: transformers' Jamba, Mamba layers (even) and attention layers (odd) in one
     `DynamicCache`. Three regions in one binding: the attention layers' keys and values a growing
     `SlidingWindow(window=N)` (Qwen3's), the Mamba layers' convolution and scan states `RingCache`s
@@ -821,7 +827,7 @@ def jamba_streams(counters: tuple[str, ...] = JAMBA_COUNTERS):
                                RegionBinding("conv", at=("cache.layers.[0::2].conv_states.0",)),
                                RegionBinding("scan", at=("cache.layers.[0::2].recurrent_states.0",))),
                       operators=(OperatorBinding("decoder_step", units=("input_ids", 1), counters=counters),), verify=1)
-    return streamed(model, contract, binding, stream, streams=2)
+    return streamed(model, contract, binding, stream, streams=streams)
 
 
 JAMBA_COUNTS = {"calls": 12, "graph_calls": 11, "verified": 5, "stock": 2, "adopted": 20, "evicted": 8,
@@ -1075,7 +1081,7 @@ def legacy_streams(device: str, streams: int):
 
 
 def test_a_legacy_tuple_of_tuples_past_key_values_streams_from_none():
-    """Bug (fixed in binding.py `resolve` and pipeline.py `_call`): the first call of a stream passes
+    """Bug (fixed in binding.py `resolve` and pipeline/operator.py `_call`): the first call of a stream passes
     `past_key_values=None`, and the region's paths (`past_key_values.*.0`) could not count their
     sites there: `TypeError: '*' after 'past_key_values' needs a sequence, found NoneType`, the
     stream dead at its first call. A wildcard over None is state not retained yet: until the sites
@@ -1240,7 +1246,7 @@ def test_a_keyword_only_method_returning_a_registered_dataclass_streams_on_its_g
 
 
 def test_a_returned_object_pytree_cannot_flatten_refuses_its_class_saying_how_to_register_it():
-    """Bug (fixed in pipeline.py `_structure`): an unregistered dataclass is one pytree leaf, kept
+    """Bug (fixed in pipeline/step.py `output_structure`): an unregistered dataclass is one pytree leaf, kept
     whole as a host value of the output; every graph call returned the verified call's object,
     its audio and context those of that first call: wrong outputs from the second call on, silently
     (verification saw no tensor to compare). The class is now refused, saying what to do."""
@@ -1427,7 +1433,7 @@ def test_mimi_positions_left_to_the_cache_make_a_variant_of_the_steady_class_at_
     codes may still match: the retained keys do not). The counter, bound without a regime, is
     guarded by its value: the class is captured once at each position (L=4, `#2`, `#3`, `#4`), each
     verified `verify` times at its own position, and both streams stay exact. (Bug, fixed in
-    pipeline.py `_verify`: one class verified once at position 4 had its retained keys go wrong
+    pipeline/verify.py `verify_class`: one class verified once at position 4 had its retained keys go wrong
     from the fourth call on, silently.) Each operator's first call is refused, its export taking
     another position path (verification: program), as when the positions are passed."""
     model, config = mimi()
@@ -1596,6 +1602,23 @@ MOSHI_CLASSES = {"decoder_step[n=2,L=0]": 1, "decoder_step[n=2,L=2]": 1, "decode
                  **{f"decoder_step[n=2,L=4]#{v}": 1 for v in (2, 3, 4)}}
 
 
+def moshi_text():
+    """transformers' MoshiForCausalLM (tiny), its contract and binding: (model, config, contract, binding)."""
+    torch.manual_seed(0)
+    config = MoshiConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=8, ffn_dim=64, sliding_window=MOSHI_WINDOW, max_position_embeddings=64,
+                         audio_vocab_size=16, num_codebooks=2, audio_encoder_config=TINY_CODEC,
+                         attn_implementation="sdpa")
+    model = MoshiForCausalLM(config).eval()
+    contract = kv_contract("moshi_text", 2, 2, tokens=12)
+    contract = replace(contract, regions=(replace(contract.regions[0], retention=SlidingWindow(window=MOSHI_WINDOW - 1)),))
+    binding = Binding(regions=DYNAMIC_CACHE.regions,
+                      operators=(OperatorBinding("decoder_step", units=("input_ids", 1),
+                                                 counters=("cache.layers.*.is_initialized", "cache.layers.*.cumulative_length")),),
+                      verify=1)
+    return model, config, contract, binding
+
+
 def test_moshi_text_transformer_refuses_its_first_call_and_streams_its_sliding_cache_on_the_exported_steps():
     """transformers' MoshiForCausalLM (Moshi's temporal transformer with its text head), STEP tokens a
     call into a DynamicCache of sliding layers, positions passed; the retained keys and values are
@@ -1604,12 +1627,7 @@ def test_moshi_text_transformer_refuses_its_first_call_and_streams_its_sliding_c
     op 1: the stock call ran aten.pow, the graph runs aten.arange"); it runs the stock code in both
     streams, its 4 sites adopted. The other classes (the steady one a variant at each value of the
     guarded `cumulative_length`) run their exported steps, each verified once."""
-    torch.manual_seed(0)
-    config = MoshiConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=8, ffn_dim=64, sliding_window=MOSHI_WINDOW, max_position_embeddings=64,
-                         audio_vocab_size=16, num_codebooks=2, audio_encoder_config=TINY_CODEC,
-                         attn_implementation="sdpa")
-    model = MoshiForCausalLM(config).eval()
+    model, config, contract, binding = moshi_text()
     tokens = random_tokens(12)
 
     def stream(m):
@@ -1622,12 +1640,6 @@ def test_moshi_text_transformer_refuses_its_first_call_and_streams_its_sliding_c
                 addresses.append(layer_addresses(cache.layers, "cache.layers"))
         return outputs, addresses
 
-    contract = kv_contract("moshi_text", 2, 2, tokens=12)
-    contract = replace(contract, regions=(replace(contract.regions[0], retention=SlidingWindow(window=MOSHI_WINDOW - 1)),))
-    binding = Binding(regions=DYNAMIC_CACHE.regions,
-                      operators=(OperatorBinding("decoder_step", units=("input_ids", 1),
-                                                 counters=("cache.layers.*.is_initialized", "cache.layers.*.cumulative_length")),),
-                      verify=1)
     expected, _ = stream(model)
     bound, report = transform(model, contract, binding)
     for _ in range(2):
@@ -1644,14 +1656,8 @@ CSM_CALLS = 6
 CSM_CLASSES = {f"decoder_step[n=1,L={e}]": 1 for e in range(CSM_CALLS)}
 
 
-def test_csm_backbone_refuses_every_class_and_streams_one_frame_of_codes_a_call_exact_on_the_stock_code():
-    """transformers' CsmForConditionalGeneration, its backbone's generation step: one frame of codes
-    a call (input_ids of shape (1, 1, codebooks), as `generate` feeds it; the text and the codec are
-    not run) into a DynamicCache of full attention, positions passed. Full attention: the stream's
-    CSM_CALLS frames are its window. Every class is refused: the stock call's program differs from
-    the exported step's ("verification: program: ... op 3: the stock call ran aten._to_copy, the
-    graph runs aten.arange": traced, the model takes another code path). Every call runs the stock
-    code, bit-identical, its sites adopted into the carries after each call."""
+def csm():
+    """transformers' CSM (tiny) and its backbone's contract: (model, config, contract)."""
     torch.manual_seed(0)
     depth = dict(num_codebooks=2, backbone_hidden_size=32, vocab_size=16, hidden_size=32, intermediate_size=64,
                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=3)
@@ -1661,6 +1667,29 @@ def test_csm_backbone_refuses_every_class_and_streams_one_frame_of_codes_a_call_
                        bos_token_id=1, audio_token_id=29, audio_eos_token_id=30, depth_decoder_config=depth,
                        codec_config=TINY_CODEC, attn_implementation="sdpa")
     model = CsmForConditionalGeneration(config).eval()
+    contract = Contract(
+        family="csm_backbone",
+        clocks=(Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
+        rates=(Rate("frame", "call", 1, name="frames_per_call"),),
+        quantities={"layers": 2, "kv_heads": 2, "head_dim": 8},
+        regions=(Region("kv", dims=("layers", 2, 1, "kv_heads", "frame", "head_dim"), axis=4, clock="frame", stride=1,
+                        dtype="float32", lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=CSM_CALLS)),),
+        operators=(Operator("decoder_step", "kv", steady=1),),
+        admission=Admission("frame", max_per_call=1),
+        interactivity=Interactivity(stages=("backbone",)),
+    )
+    return model, config, contract
+
+
+def test_csm_backbone_refuses_every_class_and_streams_one_frame_of_codes_a_call_exact_on_the_stock_code():
+    """transformers' CsmForConditionalGeneration, its backbone's generation step: one frame of codes
+    a call (input_ids of shape (1, 1, codebooks), as `generate` feeds it; the text and the codec are
+    not run) into a DynamicCache of full attention, positions passed. Full attention: the stream's
+    CSM_CALLS frames are its window. Every class is refused: the stock call's program differs from
+    the exported step's ("verification: program: ... op 3: the stock call ran aten._to_copy, the
+    graph runs aten.arange": traced, the model takes another code path). Every call runs the stock
+    code, bit-identical, its sites adopted into the carries after each call."""
+    model, config, contract = csm()
     codes = torch.randint(0, 16, (1, CSM_CALLS, 2), generator=torch.Generator().manual_seed(1))
 
     def stream(m):
@@ -1673,17 +1702,6 @@ def test_csm_backbone_refuses_every_class_and_streams_one_frame_of_codes_a_call_
                 addresses.append(layer_addresses(cache.layers, "cache.layers"))
         return outputs, addresses
 
-    contract = Contract(
-        family="csm_backbone",
-        clocks=(Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
-        rates=(Rate("frame", "call", 1, name="frames_per_call"),),
-        quantities={"layers": 2, "kv_heads": 2, "head_dim": 8},
-        regions=(Region("kv", dims=("layers", 2, 1, "kv_heads", "frame", "head_dim"), axis=4, clock="frame", stride=1,
-                        dtype="float32", lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=CSM_CALLS)),),
-        operators=(Operator("decoder_step", "kv", steady=1),),
-        admission=Admission("frame", max_per_call=1),
-        interactivity=Interactivity(stages=("backbone",)),
-    )
     expected, _ = stream(model)
     bound, report = transform(model, contract, DYNAMIC_CACHE)
     for _ in range(2):
