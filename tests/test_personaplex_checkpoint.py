@@ -1,0 +1,98 @@
+"""PersonaPlex's released checkpoint layout (`models/personaplex_checkpoint.py`), tested with
+checkpoints written here in that layout from the tiny random-weight build: the LM in bfloat16 in
+`model.safetensors` (as released), Mimi in `tokenizer-e351c8d8-checkpoint125.safetensors`, a
+SentencePiece model in `tokenizer_spm_32k_3.model`, and `voices.tgz` holding `voices/ADA.pt`, the
+embeddings the vendor saves from a WAV. The reference is the vendor's own loaders on the same files
+(`get_mimi`, `get_moshi_lm`, with the loaders' sizes set to the tiny ones) and its own session with
+the voice's embeddings (`load_voice_prompt_embeddings`)."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+import pytest
+import sentencepiece
+import sphn
+import torch
+from personaplex_kit import ROLE, speechlike
+from safetensors.torch import save_file
+
+from cadence_fx.models import personaplex
+from cadence_fx.models.personaplex_checkpoint import PersonaPlexCheckpoint, _sizes
+from cadence_fx.models.personaplex_prompt import prime
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def write_checkpoint(folder, models) -> None:
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in models.lm.state_dict().items()},
+              str(folder / "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in models.mimi.state_dict().items()},
+              str(folder / "tokenizer-e351c8d8-checkpoint125.safetensors"))
+    text = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter([personaplex.role_prompt(ROLE)] * 4),
+                                             model_writer=text, vocab_size=120, hard_vocab_limit=False, minloglevel=2)
+    (folder / "tokenizer_spm_32k_3.model").write_bytes(text.getvalue())
+    # The vendor saves a WAV's embeddings next to it while it primes (`save_voice_prompt_embeddings`).
+    wav = folder / "ADA.wav"
+    sphn.write_wav(str(wav), speechlike(1.0, seed=1).numpy(), 24_000)
+    gen = personaplex.lm_gen(models.lm, sampling=False)
+    gen.save_voice_prompt_embeddings = True
+    with personaplex._vendor("utils.compile").no_compile(), models.mimi.streaming(1), gen.streaming(1):
+        prime(models.mimi, gen, text_prompt_tokens=[], voice_prompt=str(wav))
+    with tarfile.open(folder / "voices.tgz", "w:gz") as tar:
+        tar.add(folder / "ADA.pt", arcname="voices/ADA.pt")
+    wav.unlink()
+    (folder / "ADA.pt").unlink()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("personaplex-7b-v1")
+    write_checkpoint(folder, personaplex.build_models(personaplex.TINY))
+    return folder
+
+
+def test_the_released_layout_loads_as_the_vendor_loads_it(checkpoint):
+    found = PersonaPlexCheckpoint.locate(checkpoint)
+    assert found.voices == checkpoint / "voices" and sorted(p.name for p in found.voices.iterdir()) == ["ADA.pt"]
+    loaded = found.load(personaplex.TINY)
+    with _sizes(personaplex.TINY) as loaders:
+        mimi = loaders.get_mimi(checkpoint / "tokenizer-e351c8d8-checkpoint125.safetensors", "cpu")
+        lm = loaders.get_moshi_lm(str(checkpoint / "model.safetensors"), device="cpu", dtype=torch.float32)
+    for ours, theirs in ((loaded.mimi, mimi), (loaded.lm, lm)):
+        ours, theirs = ours.state_dict(), theirs.state_dict()
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    # The loaders' own sizes are back: the full model's.
+    assert personaplex._vendor("models.loaders")._lm_kwargs["dim"] == 4096
+    # The role through the checkpoint's tokenizer, a voice from the checkpoint's voices: a session of
+    # the loaded models is the vendor's own on the models it loads.
+    tokens = found.tokenize(ROLE)
+    assert tokens and max(tokens) < 120
+    user = speechlike(4 * 1920 / 24_000, seed=2)[None]
+    kwargs = dict(seed=0, text_prompt_tokens=tokens)
+    voice = str(found.voices / "ADA.pt")
+    gen = personaplex.lm_gen(loaded.lm, sampling=True)
+    with personaplex._vendor("utils.compile").no_compile(), loaded.mimi.streaming(1), gen.streaming(1):
+        ours = personaplex.vendor_loop(loaded.mimi, gen, user, voice_prompt_embeddings=voice, **kwargs)
+    reference = personaplex.PersonaPlexModels(mimi=mimi, lm=lm, config=personaplex.TINY)
+    gen = personaplex.lm_gen(lm, sampling=True)
+    with personaplex._vendor("utils.compile").no_compile(), mimi.streaming(1), gen.streaming(1):
+        theirs = personaplex.vendor_loop(reference.mimi, gen, user, voice_prompt_embeddings=voice, **kwargs)
+    assert torch.equal(ours.tokens, theirs.tokens) and torch.equal(ours.pcm, theirs.pcm)
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_by_name(checkpoint, tmp_path):
+    with pytest.raises(ValueError, match=r"PersonaPlex checkpoint '.*' has no tokenizer_spm_32k_3.model \(the layout "
+                                         r"of nvidia/personaplex-7b-v1: model.safetensors, "
+                                         r"tokenizer-e351c8d8-checkpoint125.safetensors, tokenizer_spm_32k_3.model, "
+                                         r"voices.tgz\)"):
+        for name in ("model.safetensors", "tokenizer-e351c8d8-checkpoint125.safetensors"):
+            (tmp_path / name).write_bytes((checkpoint / name).read_bytes())
+        PersonaPlexCheckpoint.locate(tmp_path)
+    wider = dict(personaplex.TINY.lm_kwargs, dim=64)
+    config = personaplex.PersonaPlexConfig(personaplex.TINY.seanet, personaplex.TINY.quantizer,
+                                           personaplex.TINY.transformer, wider, torch.float32)
+    with pytest.raises(ValueError, match=r"is not at this configuration's sizes: size mismatch for "):
+        PersonaPlexCheckpoint.locate(checkpoint).load(config)
