@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import io
 import math
+import tarfile
+from pathlib import Path
 
 import torch
 
+from cadence_fx.models import personaplex
 from cadence_fx.models.personaplex import FRAME_SIZE, SAMPLE_RATE
 
 ROLE = ("You work for a bicycle repair shop and your name is Ada. Information: the shop opens at nine, "
@@ -46,3 +49,35 @@ def role_prompt_tokens(role: str = ROLE) -> tuple[list[int], str]:
     processor = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
     tokens = processor.encode(text)
     return tokens, processor.decode(tokens)
+
+
+def write_checkpoint(folder: Path, models: personaplex.PersonaPlexModels) -> None:
+    """`models` in the released layout of `nvidia/personaplex-7b-v1`: the LM in bfloat16 in
+    `model.safetensors`, Mimi in `tokenizer-e351c8d8-checkpoint125.safetensors`, a SentencePiece
+    model trained on the role prompt in `tokenizer_spm_32k_3.model`, and `voices.tgz` holding
+    `voices/ADA.pt`, the embeddings the vendor saves from a WAV."""
+    import sentencepiece
+    import sphn
+    from safetensors.torch import save_file
+
+    from cadence_fx.models.personaplex_prompt import prime
+
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in models.lm.state_dict().items()},
+              str(folder / "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in models.mimi.state_dict().items()},
+              str(folder / "tokenizer-e351c8d8-checkpoint125.safetensors"))
+    text = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter([personaplex.role_prompt(ROLE)] * 4),
+                                             model_writer=text, vocab_size=120, hard_vocab_limit=False, minloglevel=2)
+    (folder / "tokenizer_spm_32k_3.model").write_bytes(text.getvalue())
+    # The vendor saves a WAV's embeddings next to it while it primes (`save_voice_prompt_embeddings`).
+    wav = folder / "ADA.wav"
+    sphn.write_wav(str(wav), speechlike(1.0, seed=1).numpy(), 24_000)
+    gen = personaplex.lm_gen(models.lm, sampling=False)
+    gen.save_voice_prompt_embeddings = True
+    with personaplex._vendor("utils.compile").no_compile(), models.mimi.streaming(1), gen.streaming(1):
+        prime(models.mimi, gen, text_prompt_tokens=[], voice_prompt=str(wav))
+    with tarfile.open(folder / "voices.tgz", "w:gz") as tar:
+        tar.add(folder / "ADA.pt", arcname="voices/ADA.pt")
+    wav.unlink()
+    (folder / "ADA.pt").unlink()

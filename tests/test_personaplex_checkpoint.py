@@ -8,43 +8,14 @@ the voice's embeddings (`load_voice_prompt_embeddings`)."""
 
 from __future__ import annotations
 
-import io
-import tarfile
-
 import pytest
-import sentencepiece
-import sphn
 import torch
-from personaplex_kit import ROLE, speechlike
-from safetensors.torch import save_file
+from personaplex_kit import ROLE, speechlike, write_checkpoint
 
 from cadence_fx.models import personaplex
 from cadence_fx.models.personaplex_checkpoint import PersonaPlexCheckpoint, _sizes
-from cadence_fx.models.personaplex_prompt import prime
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def write_checkpoint(folder, models) -> None:
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in models.lm.state_dict().items()},
-              str(folder / "model.safetensors"))
-    save_file({k: v.contiguous() for k, v in models.mimi.state_dict().items()},
-              str(folder / "tokenizer-e351c8d8-checkpoint125.safetensors"))
-    text = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter([personaplex.role_prompt(ROLE)] * 4),
-                                             model_writer=text, vocab_size=120, hard_vocab_limit=False, minloglevel=2)
-    (folder / "tokenizer_spm_32k_3.model").write_bytes(text.getvalue())
-    # The vendor saves a WAV's embeddings next to it while it primes (`save_voice_prompt_embeddings`).
-    wav = folder / "ADA.wav"
-    sphn.write_wav(str(wav), speechlike(1.0, seed=1).numpy(), 24_000)
-    gen = personaplex.lm_gen(models.lm, sampling=False)
-    gen.save_voice_prompt_embeddings = True
-    with personaplex._vendor("utils.compile").no_compile(), models.mimi.streaming(1), gen.streaming(1):
-        prime(models.mimi, gen, text_prompt_tokens=[], voice_prompt=str(wav))
-    with tarfile.open(folder / "voices.tgz", "w:gz") as tar:
-        tar.add(folder / "ADA.pt", arcname="voices/ADA.pt")
-    wav.unlink()
-    (folder / "ADA.pt").unlink()
 
 
 @pytest.fixture(scope="module")

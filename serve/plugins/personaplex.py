@@ -2,7 +2,8 @@
 sessions as the slots of one batch, each with its own voice and role.
 
 The batch is ``models/personaplex_slots.py``'s masked loop (eager; its reference is stated in
-docs/families/personaplex.md), random weights from ``seed`` at the size's configuration, ticked on
+docs/families/personaplex.md), random weights from ``seed`` at the size's configuration or a checkpoint
+in the released layout (``weights``, ``models/personaplex_checkpoint.py``), ticked on
 the slot scheduler's thread in the server process (``serve/runtime/slots.py``): every slot with a
 frame waiting runs it, in one batched LM call, the others masked. A session is a
 ``PersonaPlexStream``: Moshi's stream (``serve/plugins/moshi.py``), so turns, replies, barge-in
@@ -35,7 +36,7 @@ import torch
 from ..runtime.slots import SlotScheduler, SlotsFull
 from .base import ModelPlugin, PluginInfo
 from .moshi import FRAME_SAMPLES, MoshiStream, _require_cuda
-from .personaplex_prompts import NO_VOICE, PromptBank, VoiceBank, WavLimits, role_tokens
+from .personaplex_prompts import NO_VOICE, PromptBank, VoiceBank, WavLimits, role_tokens, stand_in_tokens
 
 __all__ = ["PersonaPlexPlugin", "PersonaPlexStream"]
 
@@ -75,9 +76,12 @@ class PersonaPlexPlugin(ModelPlugin):
     """PersonaPlex at ``size`` (``tiny`` or ``full``): see the module docstring."""
 
     def __init__(self, *, size: str = "tiny", seed: int = 0, sampling: bool = True, slots: int | None = None,
-                 max_reply_frames: int = 125, voices: str | None = None, prompt_rate: int = 4,
-                 record: bool = False) -> None:
-        """``voices``: a folder of the operator's named voices (``<name>.wav`` or ``<name>.pt``).
+                 max_reply_frames: int = 125, voices: str | None = None, weights: str | None = None,
+                 prompt_rate: int = 4, record: bool = False) -> None:
+        """``voices``: a folder of the operator's named voices (``<name>.wav`` or ``<name>.pt``;
+        default: the checkpoint's ``voices/``, if any). ``weights``: a checkpoint folder in the
+        released layout (``models/personaplex_checkpoint.py``; its tokenizer makes the role tokens),
+        at the size's configuration; None: random weights from ``seed``.
         ``slots``: the batch (1 to ``MAX_SLOTS``; None: fixed by ``reserve`` or ``DEFAULT_SLOTS``).
         ``record`` keeps every tick's frames and joins (``history``)."""
         if size not in DEVICES:
@@ -98,7 +102,17 @@ class PersonaPlexPlugin(ModelPlugin):
         # The vendor's compile switch is process-wide: held off for as long as the plugin is open,
         # so the ticking thread and the priming thread never race on entering and leaving it.
         self._flags.enter_context(personaplex._vendor("utils.compile").no_compile())
-        self.models = personaplex.build_models(config, self.device)
+        if weights is None:
+            self.checkpoint, self.tokenize = None, stand_in_tokens
+            self.models = personaplex.build_models(config, self.device)
+        else:
+            from cadence_fx.models.personaplex_checkpoint import PersonaPlexCheckpoint
+
+            self.checkpoint = PersonaPlexCheckpoint.locate(weights)
+            self.models = self.checkpoint.load(config, self.device)
+            self.tokenize = self.checkpoint.tokenize
+            if voices is None and self.checkpoint.voices is not None:
+                voices = str(self.checkpoint.voices)
         self.voices = VoiceBank(voices, WavLimits())
         self.prompts = PromptBank(self.models)
         self._place = _Place()
@@ -112,10 +126,11 @@ class PersonaPlexPlugin(ModelPlugin):
         self.queued_at_reply_start: list[int] = []
         self._default = self.prompts.state(NO_VOICE, ())
         mimi, lm = (sum(p.numel() for p in m.parameters()) for m in (self.models.mimi, self.models.lm))
+        loaded = f"random weights, seed {seed}" if weights is None else f"weights of {weights}"
         self.info = PluginInfo(
             name=self.name, input_rate=SAMPLE_RATE, output_rate=SAMPLE_RATE, frame_samples=FRAME_SAMPLES,
-            description=(f"PersonaPlex {size.upper()} (Mimi {mimi / 1e6:.1f}M + LM {lm / 1e6:.1f}M parameters, random "
-                         f"weights, seed {seed}) on {self.device}, full duplex at 12.5 frames/s, sessions as the slots "
+            description=(f"PersonaPlex {size.upper()} (Mimi {mimi / 1e6:.1f}M + LM {lm / 1e6:.1f}M parameters, "
+                         f"{loaded}) on {self.device}, full duplex at 12.5 frames/s, sessions as the slots "
                          "of one batch (the masked loop, eager), each with its own voice and role prompt"),
         )
 
@@ -163,7 +178,7 @@ class PersonaPlexPlugin(ModelPlugin):
             self._wanted.pop(slot, None)
 
     def _configure(self, slot: int, client: str, instructions: str, voice: str) -> None:
-        state = self.prompts.state(self.voices.resolve(client, voice), role_tokens(instructions))
+        state = self.prompts.state(self.voices.resolve(client, voice), role_tokens(instructions, self.tokenize))
         prompt = state.result()  # primed on the bank's thread while the batch ticks
         with self._lock:
             self._wanted[slot] = state
@@ -212,6 +227,7 @@ class PersonaPlexPlugin(ModelPlugin):
         scheduler = self._place.scheduler
         return {
             "model": self.name, "size": self.size, "device": self.device, "seed": self.seed, "sampling": self.sampling,
+            "weights": None if self.checkpoint is None else str(self.checkpoint.directory),
             "slots": self.slots, "streams": self.streams, "max_reply_frames": self.max_reply_frames,
             "frames": {"ticks": 0 if scheduler is None else scheduler.frames, "listened": self.listened,
                        "replied": self.replied, "silence": self.silence,

@@ -2,9 +2,9 @@
 become, and the prompt states they are turned into once.
 
 - **Roles.** ``instructions`` is the role prompt: wrapped in ``<system>`` tags as the vendor's
-  ``offline.py`` wraps it, then tokenized. With random weights there is no released tokenizer, so
-  the tokens are a stand-in: the wrapped text's UTF-8 bytes, each plus 4 (above the vendor's
-  padding codes), at most ``MAX_ROLE_TOKENS``.
+  ``offline.py`` wraps it, then tokenized by the checkpoint's tokenizer. With random weights there
+  is none, so the tokens are a stand-in: the wrapped text's UTF-8 bytes, each plus 4 (above the
+  vendor's padding codes). At most ``MAX_ROLE_TOKENS``.
 - **Voices.** ``"default"`` is no voice prompt (the vendor's own default when none is loaded).
   Named voices are the operator's prompt files, shared by every client: a folder given as the
   plugin option ``voices``, each ``<name>.wav`` (stepped as ``load_voice_prompt`` steps a WAV) or
@@ -31,7 +31,7 @@ import threading
 import wave
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from .base import ConfigRefused
 
@@ -46,13 +46,19 @@ def _quoted(name: str) -> str:
     return repr(name[:64]) + ("..." if len(name) > 64 else "")
 
 
-def role_tokens(instructions: str) -> tuple[int, ...]:
-    """The stand-in tokens of a role prompt (module docstring); refused past ``MAX_ROLE_TOKENS``."""
+def stand_in_tokens(text: str) -> list[int]:
+    """Random weights' role tokens: the wrapped text's UTF-8 bytes, each plus 4."""
     from cadence_fx.models.personaplex import role_prompt
 
+    return [4 + byte for byte in role_prompt(text).encode("utf-8")]
+
+
+def role_tokens(instructions: str, tokenize: Callable[[str], list[int]] = stand_in_tokens) -> tuple[int, ...]:
+    """A role prompt's tokens (``tokenize``: a checkpoint's tokenizer, else the stand-in); refused
+    past ``MAX_ROLE_TOKENS``. No instructions: no role prompt."""
     if not instructions:
         return ()
-    tokens = tuple(4 + byte for byte in role_prompt(instructions).encode("utf-8"))
+    tokens = tuple(int(t) for t in tokenize(instructions))
     if len(tokens) > MAX_ROLE_TOKENS:
         raise ConfigRefused(f"session.instructions is {len(tokens)} tokens as a role prompt; "
                             f"PersonaPlex takes at most {MAX_ROLE_TOKENS}", "session.instructions")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import sphn
 import torch
-from personaplex_kit import speechlike
+from personaplex_kit import speechlike, write_checkpoint
 from servekit import Server, run
 
 from cadence_fx.models import personaplex
@@ -156,6 +156,28 @@ def test_a_role_too_long_is_refused_by_name():
     with pytest.raises(ConfigRefused, match=rf"^session.instructions is {MAX_ROLE_TOKENS + 1} tokens as a role "
                                             rf"prompt; PersonaPlex takes at most {MAX_ROLE_TOKENS}$"):
         role_tokens("x" * (MAX_ROLE_TOKENS - 17))
+
+
+def test_a_checkpoint_in_the_released_layout_serves_its_voices_and_tokenizer(tmp_path):
+    write_checkpoint(tmp_path, personaplex.build_models(personaplex.TINY))
+    served = load_plugin("personaplex-tiny", slots=1, sampling=False, max_reply_frames=REPLY, weights=str(tmp_path))
+    try:
+        assert served.describe()["voices"] == ["default", "ADA"]  # the checkpoint's voices/, extracted from voices.tgz
+        stream = served.open_stream()
+        stream.configure("You are Ada, a bicycle mechanic.", "ADA")
+        fed = frames(3, seed=4)
+        got = turn(stream, fed)
+        stream.close()
+        tokens = served.checkpoint.tokenize("You are Ada, a bicycle mechanic.")
+        user = torch.from_numpy(np.concatenate([*fed, np.zeros((REPLY - 1) * FRAME_SAMPLES, np.float32)]))[None, None]
+        gen = personaplex.lm_gen(served.models.lm, sampling=False)
+        with served.models.mimi.streaming(1), gen.streaming(1):
+            out = personaplex.vendor_loop(served.models.mimi, gen, user, seed=0, text_prompt_tokens=tokens,
+                                          voice_prompt_embeddings=str(tmp_path / "voices" / "ADA.pt"))
+        want = list(out.pcm[0, 0].numpy().reshape(-1, FRAME_SAMPLES)[-REPLY:])
+        assert len(got) == REPLY and all(np.array_equal(g, w) for g, w in zip(got, want))
+    finally:
+        served.close()
 
 
 def test_session_update_sets_the_persona_over_the_wire(plugin):
