@@ -33,7 +33,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from cadence_fx.memory import DeviceMemory
 
-from .access import Access, AccessMiddleware
+from .access import KEY_SUBPROTOCOL, Access, AccessMiddleware
 from .plugins import ModelPlugin, load_plugin
 from .request_timeout import RequestTimeoutProtocol
 from .runtime.heap import PAUSES, settle
@@ -44,11 +44,23 @@ log = logging.getLogger("cadence_fx.serve")
 STATIC = Path(__file__).resolve().parent / "static"
 # OpenAI's browser clients offer these subprotocols (a browser cannot set headers on a WebSocket);
 # the handshake must echo "realtime". The key entry ("openai-insecure-api-key.<key>") is checked by
-# the access layer (access.py), never echoed.
+# the access layer (access.py), and echoed only when it is all that was offered (selected_subprotocol).
 REALTIME_SUBPROTOCOL = "realtime"
 # ``?autostart=`` values that defer a duplex connection's session to its first command (vLLM-Omni's
 # client sends autostart=0 on every connection).
 _FALSE = ("0", "false", "no", "off")
+
+def selected_subprotocol(offered: list[str]) -> str | None:
+    """The subprotocol the handshake answers with: ``realtime`` when offered; else, for an offer of
+    only the key entry (a page that sends its key alone), that entry: a browser fails a handshake
+    whose answer is none of what it offered, and the entry is the client's own, back on its own
+    connection. Anything else: none."""
+    if REALTIME_SUBPROTOCOL in offered:
+        return REALTIME_SUBPROTOCOL
+    if len(offered) == 1 and offered[0].startswith(KEY_SUBPROTOCOL):
+        return offered[0]
+    return None
+
 
 def create_app(
     plugin_factory: Callable[[], ModelPlugin],
@@ -91,8 +103,7 @@ def create_app(
 
     async def serve_socket(ws: WebSocket, duplex: bool, session_id: str | None, autostart: str = "1") -> None:
         manager: SessionManager = state["manager"]  # type: ignore[assignment]
-        offered = ws.scope.get("subprotocols", [])
-        await ws.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in offered else None)
+        await ws.accept(subprotocol=selected_subprotocol(ws.scope.get("subprotocols", [])))
         transport = Transport(limits.outbound_bytes)
         writer = asyncio.create_task(transport.pump(ws.send_text, ws.close))
         connection = Connection(manager, transport, duplex, ws.client.host if ws.client else "unknown")

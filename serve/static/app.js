@@ -77,6 +77,21 @@ function apiKey() {
   return $("key").value.trim();
 }
 
+// A refused handshake reaches a page only as close code 1006, with no reason: the same question
+// asked of an HTTP route (the same key, the same access rules) says why.
+async function refusal() {
+  try {
+    const answer = await fetch("/v1/models", apiKey() ? { headers: { Authorization: `Bearer ${apiKey()}` } } : {});
+    if (answer.status === 401) {
+      return apiKey() ? "the server refused this API key" : "the server asks for an API key: enter it in the key field";
+    }
+    if (!answer.ok) return `the server refused the connection (HTTP ${answer.status})`;
+    return null;
+  } catch (error) {
+    return `the server cannot be reached (${error})`;
+  }
+}
+
 async function loadModels() {
   const select = $("model");
   select.replaceChildren();
@@ -199,6 +214,7 @@ function meters() {
 
 async function start() {
   $("start").disabled = true;
+  $("status").textContent = "connecting";
   const model = $("model").value;
   try {
     ctx = new AudioContext({ sampleRate: RATE });
@@ -228,7 +244,9 @@ async function start() {
   const scheme = location.protocol === "https:" ? "wss" : "ws";
   const protocols = ["realtime", ...(apiKey() ? [`openai-insecure-api-key.${apiKey()}`] : [])];
   ws = new WebSocket(`${scheme}://${location.host}/v1/realtime?model=${encodeURIComponent(model)}`, protocols);
+  let opened = false;
   ws.onopen = () => {
+    opened = true;
     send({
       type: "session.update",
       session: {
@@ -243,9 +261,10 @@ async function start() {
     $("stop").disabled = false;
   };
   ws.onmessage = (message) => onEvent(JSON.parse(message.data));
-  ws.onclose = (close) => {
-    $("status").textContent = `closed (${close.code}${close.reason ? ": " + close.reason : ""})`;
+  ws.onclose = async (close) => {
     stop();
+    const why = opened ? close.reason : (await refusal()) || close.reason;
+    $("status").textContent = `closed (${close.code}${why ? ": " + why : ""})`;
   };
   ws.onerror = () => log("WebSocket error", true);
 }

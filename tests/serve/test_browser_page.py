@@ -12,8 +12,9 @@ from pathlib import Path
 import httpx
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
-from servekit import AUDIO, running
+from servekit import AUDIO, ROOMY, running
 
+from cadence_fx.serve.access import Access
 from cadence_fx.serve.app import STATIC
 
 # As root, in a closed network: no sandbox, nothing that phones home (the machine notes' flags).
@@ -45,15 +46,46 @@ def test_the_page_and_its_files_are_served_from_the_package(server):
     assert "http://" not in page.text and "https://" not in page.text
 
 
-def test_a_spoken_turn_is_answered_and_played_and_speech_over_the_reply_barges_in(tmp_path):
-    # turns_24k.wav: a question, a pause, an interruption. The tone double's reply to the first
-    # turn plays for 2.4 s, so the second utterance starts while it plays: a barge-in.
+def _options(tmp_path) -> webdriver.ChromeOptions:
     options = webdriver.ChromeOptions()
     options.binary_location = "/usr/bin/chromium"
     for flag in CHROMIUM_FLAGS:
         options.add_argument(flag)
     options.add_argument(f"--use-file-for-fake-audio-capture={AUDIO / 'turns_24k.wav'}")
     options.add_argument(f"--user-data-dir={tmp_path / 'profile'}")
+    return options
+
+
+def test_a_missing_or_wrong_key_is_said_in_words_not_only_as_1006(tmp_path):
+    """A refused WebSocket handshake reaches the page only as close code 1006: the page asks an HTTP
+    route why and says it."""
+    shown = []
+    with running(ROOMY, Access(api_key="sk-page-test")) as server:
+        browser = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=_options(tmp_path))
+        try:
+            browser.get(server.handle.http_url + "/")
+            for key in ("", "sk-wrong"):
+                browser.find_element("id", "key").clear()
+                if key:
+                    browser.find_element("id", "key").send_keys(key)
+                browser.find_element("id", "start").click()
+                deadline = time.monotonic() + 20
+                while not (status := browser.find_element("id", "status").text).startswith("closed"):
+                    assert time.monotonic() < deadline, status
+                    time.sleep(0.1)
+                shown.append(status)
+        finally:
+            browser.quit()
+    assert shown == [
+        "closed (1006: the server asks for an API key: enter it in the key field)",
+        "closed (1006: the server refused this API key)",
+    ]
+
+
+def test_a_spoken_turn_is_answered_and_played_and_speech_over_the_reply_barges_in(tmp_path):
+    # turns_24k.wav: a question, a pause, an interruption. The tone double's reply to the first
+    # turn plays for 2.4 s, so the second utterance starts while it plays: a barge-in.
+    options = _options(tmp_path)
     screenshot = Path(os.environ.get("CADENCE_FX_SCREENSHOT", tmp_path / "page.png"))
     with running() as server:
         browser = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)

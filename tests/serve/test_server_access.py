@@ -312,3 +312,15 @@ def test_serve_passes_allowed_hosts_and_trusted_proxies(monkeypatch, capsys):
         "cadence-fx serve: error: trusted proxy 'proxy.example' must be an IP address (10.0.0.5), a network "
         "(10.0.0.0/8) or '*'\n"
     )
+
+
+def test_a_key_only_subprotocol_offer_is_accepted_with_that_entry(keyed):
+    """A browser page that offers only the key entry (no "realtime") must get one of its offer
+    back, or the browser fails the handshake: the server selects the key entry, the client's own."""
+    entry = f"openai-insecure-api-key.{KEY}"
+
+    async def scenario():
+        async with websockets.connect(keyed.handle.ws_url + "/v1/realtime", subprotocols=[entry]) as ws:
+            return ws.subprotocol, json.loads(await ws.recv())["type"]
+
+    assert run(scenario()) == (entry, "session.created")
