@@ -26,7 +26,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from .capture import node_shape
+from .tracing import node_shape
 from .catalog import Catalog
 from .report import format_bytes, format_table
 

@@ -5,21 +5,17 @@ at a new address every call. A `Carry` is one buffer allocated once at the regio
 bound; every retention writes the kept units into it in place, in the stock code's physical order
 (reductions over the cache then see the same operands in the same order, so no bit changes).
 
-Two kinds of site:
+`find_retention_sites` finds two kinds of site on an FX graph, which the window pass
+(`passes/window.py`) rewrites onto the carries:
 
-* a **trim** (``cat([c[..., :head], c[..., -tail:]])``, the prompt-head plus recent-tail trim) is
-  rewritten on its FX graph: the `cat` and its slices become one `carry_keep` call that compacts
-  the kept units into the carry;
+* a **trim** (``cat([c[..., :head], c[..., -tail:]])``, the prompt-head plus recent-tail trim);
 * an **operand concat** (``cat([new, cache])`` prepending, or ``cat([cache, new])`` appending,
-  inside an attention) is found and reported with its ordering; it builds the attention's operand,
-  so it stays as it is and its result reaches the carry through the stock code's own buffer write.
+  inside an attention), reported with its ordering.
 """
 
 from __future__ import annotations
 
-import copy
 import operator
-import time
 from dataclasses import dataclass
 
 import torch
@@ -29,11 +25,8 @@ __all__ = [
     "Carry",
     "CarryError",
     "RetentionSite",
-    "carry_keep",
     "find_retention_sites",
-    "rewrite_trims",
     "stock_trim",
-    "trace_trim",
 ]
 
 
@@ -144,25 +137,6 @@ def stock_trim(cache: torch.Tensor, axis: int, head: int, tail: int) -> torch.Te
     return torch.cat([cache[prefix + (slice(None, head),)], cache[prefix + (slice(-tail, None),)]], dim=axis)
 
 
-class _Trim(torch.nn.Module):
-    def __init__(self, axis: int, head: int, tail: int):
-        super().__init__()
-        self.axis, self.head, self.tail = axis, head, tail
-
-    def forward(self, cache: torch.Tensor) -> torch.Tensor:
-        return stock_trim(cache, self.axis, self.head, self.tail)
-
-
-def trace_trim(axis: int, head: int, tail: int) -> torch.fx.GraphModule:
-    """The FX graph of a declared trim, as the stock code computes it."""
-    return torch.fx.symbolic_trace(_Trim(axis, head, tail))
-
-
-def carry_keep(carry: Carry, full: torch.Tensor, segments: tuple[tuple[int, int], ...]) -> torch.Tensor:
-    return carry.keep(full, segments)
-
-
-torch.fx.wrap("carry_keep")
 
 
 @dataclass(frozen=True)
@@ -221,18 +195,6 @@ def _rank(node: torch.fx.Node) -> int | None:
     return value.dim() if isinstance(value, torch.Tensor) else None
 
 
-def _slice_span(node: torch.fx.Node, axis: int) -> tuple[int, int | None] | None:
-    """The (start, stop) a getitem-of-slices takes along `axis`, or None if it is not one."""
-    if node.op != "call_function" or node.target is not operator.getitem:
-        return None
-    index = node.args[1]
-    if not isinstance(index, tuple) or len(index) != axis + 1:
-        return None
-    if any(s != slice(None) for s in index[:axis]) or not isinstance(index[axis], slice) or index[axis].step:
-        return None
-    return (index[axis].start or 0, index[axis].stop)
-
-
 def find_retention_sites(gm: torch.fx.GraphModule, inputs: dict[str, str], *, graph: str) -> list[RetentionSite]:
     """Every concat along a cache axis in `gm`. `inputs` maps placeholder names to regions."""
     sites = []
@@ -275,43 +237,3 @@ def shared_memo(gm: torch.fx.GraphModule) -> dict[int, object]:
     shared += [value for module in gm.modules() for value in vars(module).values() if isinstance(value, torch.Tensor)]
     shared += [getattr(gm, name) for name in ("_in_spec", "_out_spec") if hasattr(gm, name)]
     return {id(x): x for x in shared}
-
-
-def rewrite_trims(gm: torch.fx.GraphModule, inputs: dict[str, str], carries: dict[str, Carry], *, graph: str):
-    """Rewrite every trim of a carried region in `gm` into one in-place `carry_keep`.
-
-    Returns the rewritten GraphModule (a new one; `gm` is left as it was), the sites with what
-    happened to each, and the pass's provenance stamp.
-    """
-    started = time.perf_counter()
-    gm = copy.deepcopy(gm, shared_memo(gm))
-    sites = []
-    for site in find_retention_sites(gm, inputs, graph=graph):
-        node = next(n for n in gm.graph.nodes if n.name == site.node)
-        tensors, _ = _cat_parts(node)
-        spans = [_slice_span(t, site.axis) for t in tensors]
-        if site.kind != "trim" or site.region not in carries or None in spans:
-            reason = site.reason if site.kind != "trim" else (
-                f"left in place: region {site.region!r} has no carry" if site.region not in carries
-                else "left in place: an operand is not a plain slice along the axis"
-            )
-            sites.append(RetentionSite(graph, site.node, site.region, site.axis, site.kind, False, reason))
-            continue
-        source = tensors[0].args[0]
-        attr = f"carry_{site.region}"
-        gm.add_submodule(attr, carries[site.region])
-        with gm.graph.inserting_before(node):
-            carry_node = gm.graph.get_attr(attr)
-            keep = gm.graph.call_function(carry_keep, (carry_node, source, tuple(spans)))
-        node.replace_all_uses_with(keep)
-        gm.graph.erase_node(node)
-        for t in tensors:
-            if not t.users:
-                gm.graph.erase_node(t)
-        sites.append(RetentionSite(graph, site.node, site.region, site.axis, "trim", True,
-                                   f"rewritten: in-place writes of {tuple(spans)} into the carry"))
-    gm.graph.lint()
-    gm.recompile()
-    took = (time.perf_counter() - started) * 1e3
-    stamp = f"carry pass on {graph}: {sum(s.rewritten for s in sites)} of {len(sites)} sites rewritten, took {took:.1f} ms"
-    return gm, sites, stamp

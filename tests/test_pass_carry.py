@@ -1,24 +1,16 @@
-"""The carry pass on hand-made graphs: a prompt-head plus recent-tail trim becomes one in-place
-`carry_keep` that keeps exactly the stock trim's units at one address; operand concats are found
-with their ordering and left in place."""
+"""The carry and the retention sites the window pass rewrites: a prompt-head plus recent-tail trim
+keeps exactly the stock trim's units at one address; trims and operand concats are found on FX
+graphs with their ordering."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from cadence_fx.passes.carry import (
-    Carry,
-    CarryError,
-    RetentionSite,
-    carry_keep,
-    find_retention_sites,
-    rewrite_trims,
-    stock_trim,
-    trace_trim,
-)
+from cadence_fx.passes.carry import Carry, CarryError, find_retention_sites, stock_trim
 
 AXIS, HEAD, TAIL = 1, 3, 2  # keep the first 3 units (the prompt) and the last 2 along axis 1
+SPANS = ((0, HEAD), (-TAIL, None))  # the trim's segments, as the window pass reads them
 
 
 def units(n: int, seed: int = 0) -> torch.Tensor:
@@ -29,57 +21,42 @@ def carry(capacity: int = 9) -> Carry:
     return Carry("r", torch.zeros(2, capacity, 4), axis=AXIS)
 
 
-def targets(gm: torch.fx.GraphModule) -> list:
-    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+class Trim(torch.nn.Module):
+    def forward(self, cache: torch.Tensor) -> torch.Tensor:
+        return stock_trim(cache, AXIS, HEAD, TAIL)
 
 
-def rewritten(c: Carry):
-    return rewrite_trims(trace_trim(AXIS, HEAD, TAIL), {"cache": "r"}, {"r": c}, graph="trim")
-
-
-def test_a_trim_becomes_one_carry_keep_and_its_concat_and_slices_are_gone():
-    after, (site,), stamp = rewritten(carry())
-    assert targets(after) == [carry_keep]
-    assert site == RetentionSite("trim", "cat", "r", AXIS, "trim", True,
-                                 "rewritten: in-place writes of ((0, 3), (-2, None)) into the carry")
-    assert stamp.startswith("carry pass on trim: 1 of 1 sites rewritten, took ")
+def test_a_trim_is_found_as_a_trim_of_its_region():
+    gm = torch.fx.symbolic_trace(Trim())
+    (site,) = find_retention_sites(gm, {"cache": "r"}, graph="trim")
+    assert (site.graph, site.region, site.axis, site.kind, site.rewritten) == ("trim", "r", AXIS, "trim", False)
 
 
 def test_a_trim_of_the_carrys_own_view_is_compacted_in_place_to_the_stock_units():
     c = carry()
-    after, _, _ = rewritten(c)
     full = units(9, 1)
     c.adopt(full)  # the stock code wrote 9 units into the carry itself
-    kept = after(c.view())
+    kept = c.keep(c.view(), SPANS)
     assert torch.equal(kept, stock_trim(full, AXIS, HEAD, TAIL))
     assert (kept.data_ptr(), c.extent, tuple(kept.shape)) == (c.address, HEAD + TAIL, (2, 5, 4))
 
 
 def test_a_trim_of_a_tensor_outside_the_carry_is_copied_in():
     c = carry()
-    after, _, _ = rewritten(c)
     full = units(7, 2)
-    kept = after(full)
+    kept = c.keep(full, SPANS)
     assert torch.equal(kept, stock_trim(full, AXIS, HEAD, TAIL)) and kept.data_ptr() == c.address
 
 
 def test_a_stream_of_prepend_then_trim_keeps_one_address_and_the_stock_state():
     c = carry(capacity=HEAD + TAIL + 2)
-    after, _, _ = rewritten(c)
     stock = kept = units(HEAD + TAIL, 3)
     c.adopt(kept)
     for call in range(5):
         new = units(2, 10 + call)
         stock = stock_trim(torch.cat([new, stock], dim=AXIS), AXIS, HEAD, TAIL)
-        kept = after(torch.cat([new, c.view()], dim=AXIS))
+        kept = c.keep(torch.cat([new, c.view()], dim=AXIS), SPANS)
         assert torch.equal(kept, stock) and kept.data_ptr() == c.address
-
-
-def test_a_trim_of_a_region_without_a_carry_is_found_and_left_in_place():
-    gm = trace_trim(AXIS, HEAD, TAIL)
-    after, (site,), _ = rewrite_trims(gm, {"cache": "r"}, {}, graph="trim")
-    assert (site.kind, site.rewritten, site.reason) == ("trim", False, "left in place: region 'r' has no carry")
-    assert torch.cat in targets(after)
 
 
 class Operands(torch.nn.Module):
@@ -95,16 +72,7 @@ def test_operand_concats_are_found_with_their_ordering_and_left_in_place():
     sites = find_retention_sites(gm, inputs, graph="g")
     assert [(s.node, s.region, s.kind, s.rewritten) for s in sites] == [
         ("cat", "keys", "prepend", False), ("cat_1", "conv", "append", False)]
-    after, reported, _ = rewrite_trims(gm, inputs, {"keys": carry(), "conv": carry()}, graph="g")
-    assert reported == sites and targets(after).count(torch.cat) == 2
     assert sites[0].reason == "left in place: builds the attention operand [new | cache]; the stock buffer write carries it"
-
-
-def test_the_input_graph_is_left_as_it_was():
-    gm = trace_trim(AXIS, HEAD, TAIL)
-    code = gm.code
-    rewrite_trims(gm, {"cache": "r"}, {"r": carry()}, graph="trim")
-    assert gm.code == code and not hasattr(gm, "carry_r")
 
 
 @pytest.mark.parametrize(

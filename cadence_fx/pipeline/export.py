@@ -20,7 +20,7 @@ from ..binding import (
     get_path,
     method_of,
 )
-from ..capture import without_stack_traces
+from ..tracing import without_stack_traces
 from ..catalog import CatalogClass
 from ..guards import HOST_SCALARS
 from ..passes.carry import shared_memo

@@ -63,7 +63,7 @@ from .capture import NOT_HANDLED, CaptureContext, CaptureHook, current_capture
 from .certificate import Certificate, CutRecord, HoistedConstant
 from .counters import ReplayCounters
 from .engine import ExactShapeReplay, HostCounters, Phase, ReplayError
-from .signature import Catalog, Miss, MissReason, ShapeClass, Signature, TensorSpec
+from .signature import Miss, MissReason, ShapeClass, Signature, TensorSpec
 
 __all__ = [
     "MissReason",

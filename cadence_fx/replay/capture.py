@@ -17,7 +17,6 @@ from torch.utils import _pytree as pytree
 from .certificate import HoistedConstant
 from .signature import MissReason
 
-
 NOT_HANDLED = object()
 
 

@@ -10,7 +10,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .certificate import Certificate
-from .signature import _T, Catalog, Miss, MissReason, ShapeClass, Signature, _leaf_owners
+from .signature import (
+    _T,
+    Miss,
+    MissReason,
+    ReplayCatalog,
+    ShapeClass,
+    Signature,
+    _leaf_owners,
+)
 
 #: Misses remembered per dispatcher (a signature met again is refused without a second diff).
 MISSES_KEPT = 1024
@@ -57,7 +65,7 @@ class Dispatcher:
     (a miss: `not_in_catalog`). `aliased`: the argument positions or names whose tensors are
     passed by address."""
 
-    def __init__(self, catalog: Catalog, aliased: frozenset[int | str]):
+    def __init__(self, catalog: ReplayCatalog, aliased: frozenset[int | str]):
         self.aliased = aliased
         self.classes: dict[Signature, ClassState] = {}
         self.misses: dict[Signature, Miss] = {}

@@ -12,28 +12,26 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-
 from .capture import (
     _BUSY,
     CaptureHook,
 )
 from .certificate import Certificate
 from .counters import ReplayCounters
+from .dispatch import ClassState, Dispatcher, Phase
 from .gate import GATE
+from .module_state import ModuleState
+from .runner import ReplayError, certify_and_capture, replay
 from .signature import (
-    Catalog,
     Miss,
     MissReason,
+    ReplayCatalog,
     ShapeClass,
     Signature,
     _context,
     _flatten,
     _leaf_key,
 )
-
-from .dispatch import ClassState, Dispatcher, Phase
-from .module_state import ModuleState
-from .runner import ReplayError, certify_and_capture, replay
 
 log = logging.getLogger("cadence_fx.replay")
 
@@ -97,7 +95,7 @@ class ExactShapeReplay:
     (`cadence_fx.replay.gate`), replays are not.
     """
 
-    def __init__(self, fn: Callable[..., Any], catalog: Catalog, *, name: str | None = None,
+    def __init__(self, fn: Callable[..., Any], catalog: ReplayCatalog, *, name: str | None = None,
                  aliased: Sequence[int | str] = (), hooks: Sequence[CaptureHook] = (),
                  modules: Sequence[torch.nn.Module] | None = None, output_rule: str = "clone",
                  host_counters: HostCounters | None = None, warmup: int = 2, max_invalidations: int = 3,

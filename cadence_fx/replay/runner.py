@@ -26,16 +26,15 @@ from .capture import (
     _Rejected,
 )
 from .certificate import Certificate, CutRecord
+from .dispatch import ClassState, Phase
 from .signature import (
     _T,
     Miss,
     MissReason,
     Signature,
-    is_dense,
     _unflatten,
+    is_dense,
 )
-
-from .dispatch import ClassState, Phase
 
 if TYPE_CHECKING:
     from .engine import ExactShapeReplay

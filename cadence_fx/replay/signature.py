@@ -284,7 +284,7 @@ class ShapeClass:
     extents: tuple[tuple[str, int], ...] = ()
 
 
-Catalog = Union[Sequence[Union[ShapeClass, Signature]], Callable[[Signature], Union[bool, str, None]]]
+ReplayCatalog = Union[Sequence[Union[ShapeClass, Signature]], Callable[[Signature], Union[bool, str, None]]]
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
-"""`cadence_fx.capture`: an export records no Python stack trace per node where torch can leave it
+"""`cadence_fx.tracing`: an export records no Python stack trace per node where torch can leave it
 out (`without_stack_traces`), and leaves torch's setting as it found it."""
 
 from __future__ import annotations
 
 import torch
 
-from cadence_fx.capture import capture, without_stack_traces
+from cadence_fx.tracing import without_stack_traces
 
 
 class Scale(torch.nn.Module):
@@ -16,8 +16,9 @@ class Scale(torch.nn.Module):
 def test_an_export_records_no_stack_trace_where_torch_can_leave_it_out():
     config = torch.fx.config
     settable = hasattr(config, "do_not_emit_stack_traces")  # torch 2.13 has it; 2.11 records them anyway
-    captured = capture("scale", Scale(), (torch.ones(3),))
-    calls = [node for node in captured.graph_module.graph.nodes if node.op == "call_function"]
+    with without_stack_traces():
+        program = torch.export.export(Scale(), (torch.ones(3),), strict=False)
+    calls = [node for node in program.module().graph.nodes if node.op == "call_function"]
     assert len(calls) == 2
     assert [node.meta.get("stack_trace") is None for node in calls] == [settable, settable]
 
