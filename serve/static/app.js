@@ -5,9 +5,14 @@
 const RATE = 24000; // audio/pcm on the wire: 16-bit, 24 kHz, mono
 const $ = (id) => document.getElementById(id);
 
+// The jitter buffer: a reply starts playing this far behind its first chunk, and so does its
+// playback again after an underrun, so chunks that arrive unevenly (the network, a busy server)
+// play back to back instead of with a gap each time one is late.
+const JITTER_S = 0.15;
+
 const stats = {
   sessionId: null, turns: 0, replies: 0, bargeIns: 0, receivedSamples: 0, playedMs: 0,
-  latenciesMs: [], errors: [], playing: 0,
+  latenciesMs: [], errors: [], playing: 0, underruns: 0, transcript: "",
 };
 window.cadence = stats;
 
@@ -110,13 +115,24 @@ async function loadModels() {
   }
 }
 
+// When a chunk arriving at ``now`` starts: right after the chunk before it, unless playback has
+// run dry (the reply's first chunk, or one late past the end of what was scheduled): then
+// JITTER_S from now. ``underrun``: it was late, in a reply that had started. Pure, for the test.
+function schedule(playhead, now, started) {
+  if (playhead >= now) return { start: playhead, underrun: false };
+  return { start: now + JITTER_S, underrun: started };
+}
+window.cadenceSchedule = schedule;
+
 function play(samples) {
   const buffer = ctx.createBuffer(1, samples.length, RATE);
   buffer.copyToChannel(samples, 0);
   const source = ctx.createBufferSource();
   source.buffer = buffer;
   source.connect(output);
-  playhead = Math.max(playhead, ctx.currentTime + 0.02);
+  const slot = schedule(playhead, ctx.currentTime, playing.size > 0 || Boolean(reply && reply.playedSamples));
+  if (slot.underrun) stats.underruns += 1;
+  playhead = slot.start;
   source.start(playhead);
   playhead += buffer.duration;
   const current = reply;
@@ -171,6 +187,7 @@ function onEvent(event) {
       break;
     case "response.created":
       reply = { id: event.response.id, itemId: null, firstAudio: false, playedSamples: 0 };
+      if (stats.transcript) stats.transcript += "\n"; // a line per reply
       break;
     case "response.output_item.added":
       if (reply) reply.itemId = event.item.id;
@@ -192,6 +209,10 @@ function onEvent(event) {
       setTurn("model");
       break;
     }
+    case "response.output_audio_transcript.delta":
+      stats.transcript += event.delta;
+      $("transcript").textContent = stats.transcript;
+      break;
     case "response.done":
       stats.replies += 1;
       $("replies").textContent = stats.replies;
