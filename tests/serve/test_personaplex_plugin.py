@@ -40,7 +40,8 @@ def voices(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plugin(voices):
-    served = load_plugin("personaplex-tiny", slots=1, sampling=False, max_reply_frames=REPLY, voices=str(voices))
+    served = load_plugin("personaplex-tiny", slots=1, sampling=False, max_reply_frames=REPLY, voices=str(voices),
+                         record=True)
     served.reserve(1)
     yield served
     served.close()
@@ -89,6 +90,34 @@ def test_a_session_with_a_voice_and_a_role_is_personaplex_primed_with_them(plugi
         assert len(got) == 2 and all(np.array_equal(g, w) for g, w in zip(got, want))
     finally:
         stream.close()
+
+
+def test_a_barge_in_drops_the_rest_of_the_reply_and_the_clock_goes_on(plugin):
+    start = len(plugin.history())
+    stream = plugin.open_stream()
+    stream.configure("You are Ada.", "default")
+    first_turn, second_turn = frames(4, seed=6), frames(2, seed=7)
+    for frame in first_turn:
+        stream.feed(frame)
+    stream.begin_response()
+    opening = stream.step()
+    stream.cancel()  # the user talks over the reply: the rest of it is dropped
+    assert stream.step() is None
+    second = turn(stream, second_turn)
+    stream.close()
+    # The slot's every tick since the session joined it, and PersonaPlex's own loop over them.
+    ticked = [record.frames[0] for record in plugin.history()[start:]]
+    assert 0 in plugin.history()[start].joins
+    user = torch.from_numpy(np.concatenate(ticked))[None, None]
+    out = personaplex.stream_reference(plugin.models, user, sampling=False, seed=0,
+                                       text_prompt_tokens=role_tokens("You are Ada."))
+    reference = list(out.pcm[0, 0].numpy().reshape(-1, FRAME_SAMPLES))
+    opened = next(i for i, frame in enumerate(ticked) if frame is first_turn[-1])
+    assert np.array_equal(opening, reference[opened])
+    # The second reply opens where the second turn ends, on the same clock (nothing was rewound).
+    resumed = next(i for i, frame in enumerate(ticked) if frame is second_turn[-1])
+    assert resumed > opened + 1 and len(second) == 2
+    assert all(np.array_equal(g, w) for g, w in zip(second, reference[resumed:resumed + 2]))
 
 
 def test_prompt_states_are_primed_once_per_voice_and_role(plugin):
