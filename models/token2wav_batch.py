@@ -104,7 +104,7 @@ class BatchedStreams:
         self.depth = len(flow.decoder.estimator.blocks)
         self.window = torch.from_numpy(np.hamming(2 * SOURCE_CACHE)).to(self.device)
         self.fade_in_out = token2wav_vendor().fade_in_out
-        self.calls: list[tuple[tuple, int]] = []  # (class, rows) of every batched call, in order
+        self.calls: list[tuple[tuple, tuple]] = []  # (class, the rows' keys) of every batched call, in order
 
     # -- rows join, leave and reset between steps ---------------------------------------------------
 
@@ -130,7 +130,7 @@ class BatchedStreams:
 
     def _row(self, key: Hashable) -> Row:
         if key not in self.rows:
-            raise KeyError(f"no stream {key!r} has joined (joined: {sorted(map(repr, self.rows))})")
+            raise ValueError(f"no stream {key!r} has joined (joined: {sorted(map(repr, self.rows))})")
         return self.rows[key]
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -164,7 +164,7 @@ class BatchedStreams:
         Rows are grouped by `row_class`; each group runs in calls of at most `capacity` rows."""
         unknown = [k for k in (*chunks, *last) if k not in self.rows]
         if unknown:
-            raise KeyError(f"streams {unknown!r} have not joined")
+            raise ValueError(f"streams {unknown!r} have not joined")
         stray = [k for k in last if k not in chunks]
         if stray:
             raise ValueError(f"streams {stray!r} flush but have no chunk in this step")
@@ -180,7 +180,7 @@ class BatchedStreams:
             keys = groups[cls]
             for start in range(0, len(keys), self.capacity):
                 part = keys[start:start + self.capacity]
-                self.calls.append((cls, len(part)))
+                self.calls.append((cls, tuple(part)))
                 outs.update(self._call(part, [chunks[k] for k in part], dict(cls)["f"] == 56))
         return outs
 

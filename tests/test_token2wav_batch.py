@@ -1,0 +1,61 @@
+"""Token2Wav streams batched as rows (CPU, tiny depth, HiFT narrowed): each stream bit-identical to
+the vendor's stream run alone under the batch-invariant envelope, whatever shares its calls."""
+
+import pytest
+import torch
+
+from cadence_fx.models.token2wav_batch import BatchedStreams
+from cadence_fx.models.token2wav_stream import (
+    REDUCED_HIFT_CHANNELS,
+    TINY_DEPTH,
+    build_flow,
+    build_hift,
+    random_chunks,
+    random_prompt,
+)
+from token2wav_batchkit import plans, run_alone, run_batched
+
+CAPACITY, STREAMS, PROMPT_TOKENS, N_TIMESTEPS = 2, 3, 10, 2
+
+
+@pytest.fixture(scope="module")
+def models():
+    return build_flow(TINY_DEPTH), build_hift(base_channels=REDUCED_HIFT_CHANNELS)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_composition_each_stream_exact_to_itself_alone(models, seed):
+    flow, hift = models
+    schedule = plans(seed, STREAMS, prompt_tokens=PROMPT_TOKENS)
+    batched = BatchedStreams(flow, hift, capacity=CAPACITY, n_timesteps=N_TIMESTEPS)
+    outs, call_classes = run_batched(batched, schedule, prompt_tokens=PROMPT_TOKENS)
+    # Rows of different classes never share a call, and a class past the capacity takes more calls.
+    assert all(len(set(classes)) == 1 and len(classes) <= CAPACITY for classes in call_classes)
+    assert any(len(classes) > 1 for classes in call_classes)  # some call really batched rows
+    assert batched.rows == {}  # every stream left
+    for s, plan in enumerate(schedule):
+        alone = run_alone(flow, hift, plan, capacity=CAPACITY, prompt_tokens=PROMPT_TOKENS, n_timesteps=N_TIMESTEPS)
+        assert len(outs[s]) == len(alone) == sum(map(len, plan.turns))
+        assert [torch.equal(a.mel, b.mel) for a, b in zip(alone, outs[s])] == [True] * len(alone), f"stream {s} mel"
+        assert [torch.equal(a.speech, b.speech) for a, b in zip(alone, outs[s])] == [True] * len(alone), f"stream {s} PCM"
+
+
+def test_rows_refuse_bad_requests_by_name(models):
+    flow, hift = models
+    with pytest.raises(ValueError, match="capacity must be a positive int"):
+        BatchedStreams(flow, hift, capacity=0)
+    batched = BatchedStreams(flow, hift, capacity=2, n_timesteps=N_TIMESTEPS)
+    batched.join("a", random_prompt(0, n_tokens=PROMPT_TOKENS), 0)
+    with pytest.raises(ValueError, match="stream 'a' has already joined"):
+        batched.join("a", random_prompt(0, n_tokens=PROMPT_TOKENS), 0)
+    tokens = random_chunks(0, 1)[0]
+    with pytest.raises(ValueError, match=r"streams \['b'\] have not joined"):
+        batched.step({"b": tokens})
+    with pytest.raises(ValueError, match=r"streams \['a'\] flush but have no chunk"):
+        batched.step({}, last={"a"})
+    with pytest.raises(ValueError, match=r"stream 'a': a chunk is \(1, 28\) integer speech tokens, got \(28,\)"):
+        batched.step({"a": tokens[0]})
+    with pytest.raises(ValueError, match="no stream 'b' has joined"):
+        batched.reset_turn("b")
+    batched.leave("a")
+    assert batched.rows == {}
