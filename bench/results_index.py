@@ -203,6 +203,14 @@ def _fallback(r: dict) -> list[str]:
     return out
 
 
+def _personaplex_prompt(r: dict) -> list[str]:
+    p, stepped, restored = r["prompt"], r["vendor_priming"], r["restore"]
+    return [f"a {p['voice_seconds']:g} s voice and {p['role_tokens']} role tokens ({p['steps']} steps, {r['config']}): "
+            f"the vendor steps them in {stepped['wall_ms_median']:.1f} ms, a prompt state of {p['state_bytes']} B is "
+            f"copied in in {restored['wall_ms_median']:.3f} ms (wall, medians); in a slot, {r['slots_ticks_to_prime']} "
+            f"ticks at {r['slots_prompt_rate']} steps a tick"]
+
+
 def _pipeline_host(r: dict) -> list[str]:
     host = [run["host_ms"]["p50"] for run in r["runs"]]
     return [f"host time a frame, p50 over {len(host)} runs: {min(host):.2f} to {max(host):.2f} ms ({r['config']})"]
@@ -227,6 +235,7 @@ HEADLINES: dict[str, Callable[[dict], list[str]]] = {
     "interop": _interop,
     "moshi": _moshi,
     "moshi_slots": _moshi_slots,
+    "personaplex_prompt": _personaplex_prompt,
     "pipeline_host": _pipeline_host,
     "serve_load": _serve_load,
     "soak": _soak,
