@@ -19,7 +19,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from . import events as ev
 from .audio import BETA_NAME, AudioFormat, duplex_format
+from .codec import command_from_object
 from .config import SessionConfig, typed
 from .errors import ProtocolError, quoted
 
@@ -28,6 +30,9 @@ PLAYBACK_COMMIT_POLICIES = ("commit_all_on_done", "ack_only")
 _TOP_LEVEL = ("sample_rate_hz", "extra_body", "ref_audio", "overlap_policy", "playback_commit_policy",
               "temperature", "idle_timeout_s")
 _EXTRA_BODY = frozenset({"auto_response", "force_listen_count"})
+# What a turn.signal may name: the commands it is an envelope for (vLLM-Omni's list, less its text input).
+SIGNALLED = (ev.BargeInCommand, ev.InputCancel, ev.ResponseCancel, ev.SessionUpdate, ev.ConversationItemCreate,
+             ev.ConversationItemDelete, ev.ConversationItemTruncate, ev.ConversationItemRetrieve)
 
 
 @dataclass(frozen=True)
@@ -199,3 +204,16 @@ def capabilities(frame_samples: int, input_rate: int, output_rate: int) -> dict[
         "required_input_modalities": ["audio"],
         "optional_input_modalities": [],
     }
+
+
+def signalled_command(cmd: ev.TurnSignal) -> ev.ClientCommand:
+    """The command a ``turn.signal`` carries: ``event`` with ``payload``'s fields, decoded as a frame
+    of its own would be (errors name ``payload.<field>``); one it may not carry is refused by name."""
+    inner = command_from_object({**(cmd.payload or {}), "type": cmd.event}, at="payload.")
+    if not isinstance(inner, SIGNALLED):
+        raise ProtocolError(
+            "unsupported_feature",
+            f"turn.signal does not carry {quoted(cmd.event)}; it carries {', '.join(c.TYPE for c in SIGNALLED)}",
+            "event",
+        )
+    return inner

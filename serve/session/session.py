@@ -34,11 +34,11 @@ import numpy as np
 
 from ..plugins import ConfigRefused, ModelPlugin, ModelStream
 from ..protocol import ProtocolError, ResponseParams, SessionConfig, StreamResampler, encode_event, quoted
-from ..protocol.codec import command_from_object
 from ..protocol import audio as wire_audio
 from ..protocol import events as ev
-from ..protocol.duplex import DuplexSettings, apply_duplex, capabilities, duplex_session_fields
+from ..protocol.duplex import DuplexSettings, apply_duplex, capabilities, duplex_session_fields, signalled_command
 from ..runtime.text import text_of
+from .playback import ack_played_ms
 from .input_path import InputPath
 from .journal import Journal
 from .ledger import Ledgers
@@ -159,9 +159,6 @@ class _Lost:
 # Commands that bring data the session keeps or holds while they wait: the input budget covers them.
 _DATA_COMMANDS = (ev.InputAudioBufferAppend, ev.ConversationItemCreate, ev.SessionUpdate, ev.ResponseCreate,
                   ev.TurnSignal)
-# What a turn.signal may name: the commands it is an envelope for (vLLM-Omni's list, less its text input).
-_SIGNALLED = (ev.BargeInCommand, ev.InputCancel, ev.ResponseCancel, ev.SessionUpdate, ev.ConversationItemCreate,
-              ev.ConversationItemDelete, ev.ConversationItemTruncate, ev.ConversationItemRetrieve)
 
 
 @dataclass
@@ -807,20 +804,8 @@ class Session:
         if response is None:
             why = f"no response {quoted(cmd.response_id)}" if cmd.response_id else "no response has been created"
             raise ProtocolError("invalid_value", why, "response_id")
-        if cmd.item_id is not None and cmd.item_id != response.item_id:
-            raise ProtocolError(
-                "invalid_value", f"item {quoted(cmd.item_id)} is not response {quoted(response.id)}'s "
-                f"({response.item_id!r})", "item_id",
-            )
-        played_ms = cmd.audio_end_ms if cmd.audio_end_ms is not None else cmd.played_ms
-        for name, value in (("played_ms", played_ms), ("committed_ms", cmd.committed_ms)):
-            if value is not None and not 0 <= value < float("inf"):
-                raise ProtocolError("invalid_value", f"{name} must be a finite number of ms, at least 0", name)
-        if cmd.committed_ms is not None and cmd.committed_ms > played_ms:  # type: ignore[operator]
-            raise ProtocolError(
-                "invalid_value", f"committed_ms {cmd.committed_ms!r} is past played_ms {played_ms!r}", "committed_ms"
-            )
-        played = min(int(played_ms), response.output_format.ms(response.out_samples))  # type: ignore[arg-type]
+        delivered_ms = response.output_format.ms(response.out_samples)
+        played = ack_played_ms(cmd, response.id, response.item_id, delivered_ms)
         if played > response.acked_ms:
             self.ledgers.playback.acked_ms += played - response.acked_ms
             response.acked_ms = played
@@ -847,14 +832,7 @@ class Session:
 
     async def _turn_signal(self, cmd: ev.TurnSignal) -> None:
         """The command ``cmd.event`` names, with the fields in its ``payload``."""
-        inner = command_from_object({**(cmd.payload or {}), "type": cmd.event}, at="payload.")
-        if not isinstance(inner, _SIGNALLED):
-            raise ProtocolError(
-                "unsupported_feature",
-                f"turn.signal does not carry {quoted(cmd.event)}; it carries "
-                f"{', '.join(c.TYPE for c in _SIGNALLED)}",
-                "event",
-            )
+        inner = signalled_command(cmd)
         await self._HANDLERS[type(inner)](self, inner)
 
     async def _close(self, cmd: ev.SessionClose) -> None:
