@@ -39,6 +39,7 @@ from cadence_fx.models.vendor import token2wav_vendor
 from cadence_fx.passes.carry import stock_trim
 
 from .token2wav_envelope import StreamRng, batch_invariant
+from .token2wav_precision import FLOAT32, Precision
 from .token2wav_stream import N_TIMESTEPS, SILENCE_TOKEN, ChunkOut, Prompt
 
 __all__ = ["BatchedStreams", "Row", "row_class"]
@@ -93,12 +94,18 @@ def _unstack(value: torch.Tensor, key: str, n: int) -> list[torch.Tensor]:
 class BatchedStreams:
     """Rows of Token2Wav streams over one flow and one HiFT, batched per class at `capacity`."""
 
-    def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, *, capacity: int, n_timesteps: int = N_TIMESTEPS):
+    def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, *, capacity: int, n_timesteps: int = N_TIMESTEPS,
+                 precision: Precision = FLOAT32):
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"capacity must be a positive int (rows a call), got {capacity!r}")
+        precision.check_device(flow.decoder.rand_noise.device)
+        if flow.decoder.rand_noise.dtype != precision.flow_dtype:
+            raise ValueError(f"precision {precision.name!r} runs the flow in {precision.flow_dtype}, "
+                             f"the flow given is {flow.decoder.rand_noise.dtype}")
         if getattr(flow.decoder.estimator, "use_cuda_graph", False):
             raise ValueError("the flow's DiT has the vendor's CUDA-graph branch on (batch 2 only): build it without")
         self.flow, self.hift, self.capacity, self.n_timesteps = flow, hift, capacity, n_timesteps
+        self.precision = precision
         self.rows: dict[Hashable, Row] = {}
         self.device = flow.decoder.rand_noise.device
         self.depth = len(flow.decoder.estimator.blocks)
@@ -134,10 +141,10 @@ class BatchedStreams:
         return self.rows[key]
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        # As StockStream: the vendor's autocast("cuda", float32), which leaves CPU ops alone.
+        # As StockStream: the vendor's autocast("cuda", its precision), which leaves CPU ops alone.
         if self.device.type != "cuda":
             return contextlib.nullcontext()
-        return torch.amp.autocast("cuda", dtype=torch.float32)
+        return torch.amp.autocast("cuda", dtype=self.precision.autocast_dtype)
 
     def _setup(self, row: Row) -> None:
         """Token2wav.set_stream_cache for this row alone, under the envelope; the live slots kept."""
