@@ -206,8 +206,8 @@ def _fallback(r: dict) -> list[str]:
 def _personaplex_prompt(r: dict) -> list[str]:
     p, stepped, restored = r["prompt"], r["vendor_priming"], r["restore"]
     return [f"a {p['voice_seconds']:g} s voice and {p['role_tokens']} role tokens ({p['steps']} steps, {r['config']}): "
-            f"the vendor steps them in {stepped['wall_ms_median']:.1f} ms, a prompt state of {p['state_bytes']} B is "
-            f"copied in in {restored['wall_ms_median']:.3f} ms (wall, medians); in a slot, {r['slots_ticks_to_prime']} "
+            f"the vendor steps them in {stepped['wall_ms_median']:.1f} ms ({stepped['cpu_ms_median']:.1f} ms of CPU), a "
+            f"prompt state of {p['state_bytes']} B is copied in in {restored['wall_ms_median']:.3f} ms (medians); in a slot, {r['slots_ticks_to_prime']} "
             f"ticks at {r['slots_prompt_rate']} steps a tick"]
 
 
