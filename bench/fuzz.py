@@ -2,7 +2,7 @@
 (the counter-branching models, every probe and example the tests bind, the families at their tiny
 depths), many schedules each, every call compared with a stock copy's.
 
-    python bench/fuzz.py --seeds 16 --steps 80 --model-seeds 3 --model-steps 24 --out bench/results/fuzz_cpu.json
+    python bench/fuzz.py --seeds 16 --steps 80 --model-seeds 2 --model-steps 16 --jobs 2 --out bench/results/fuzz_cpu.json
 
 `--seeds`/`--steps` are the counter-branching models' schedules (no export: cheap); every other
 subject exports a graph per class it meets, and runs `--model-seeds` schedules of `--model-steps`.
@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import platform
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -64,6 +66,41 @@ def _by_reason(refused: dict[str, str]) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+_GUARDS: dict[str, float] | None = None
+
+
+def fuzz(name: str, seeds: int, steps: int) -> dict:
+    """One subject's record: `seeds` schedules of `steps` steps, every call compared with stock."""
+    global _GUARDS
+    _GUARDS = _GUARDS or _timed_guards()
+    guards = _GUARDS
+    started = time.perf_counter()
+    subject = SUBJECTS[name]()
+    before = dict(guards)
+    served = _served(subject)  # a family's warm-up runs some at its transform
+    calls = wrong = 0
+    first = None
+    for seed in range(seeds):
+        outcome = run(subject, schedule(seed, steps, odd=bool(subject.odd), none=subject.takes_none), seed)
+        calls, wrong = calls + outcome.calls, wrong + outcome.wrong
+        first = first or (outcome.first_wrong and f"seed {seed}, {outcome.first_wrong}")
+    checks = guards["calls"] - before["calls"]
+    reasons = outcome.stock_by_reason
+    record = {
+        "seeds": seeds, "steps": steps, "calls": calls, "wrong": wrong, "first_wrong": first,
+        "classes": outcome.classes, "graph_answered": _served(subject) - served,
+        "guard_failures": {k.removeprefix("guard:"): n for k, n in sorted(reasons.items()) if k.startswith("guard:")},
+        "stock_by_reason": {k: n for k, n in sorted(reasons.items()) if not k.startswith("guard:")},
+        "refusals_by_reason": _by_reason(outcome.refused), "refused": outcome.refused,
+        "guard_us_per_call": round(1e6 * (guards["seconds"] - before["seconds"]) / max(checks, 1), 1),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    print(f"{name}: {calls} calls, {wrong} wrong, {outcome.classes} classes, {record['graph_answered']} from the graphs, "
+          f"stock {reasons}, refused {record['refusals_by_reason']}, guards {record['guard_us_per_call']} us a call, "
+          f"{record['seconds']} s", flush=True)
+    return record
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=16, help="schedules per counter-branching model")
@@ -71,49 +108,29 @@ def main() -> int:
     parser.add_argument("--model-seeds", type=int, default=3, help="schedules per other subject")
     parser.add_argument("--model-steps", type=int, default=24, help="steps per schedule of another subject")
     parser.add_argument("--subjects", default=",".join(sorted(SUBJECTS)), help=f"comma-separated, of {sorted(SUBJECTS)}")
+    parser.add_argument("--jobs", type=int, default=1, help="subjects fuzzed at a time, each in a process of its own")
     parser.add_argument("--out", type=Path, help="where to write the record (JSON)")
     args = parser.parse_args()
     names = [n for n in args.subjects.split(",") if n]
     unknown = sorted(set(names) - set(SUBJECTS))
     if unknown:
         parser.error(f"unknown subject(s) {unknown}; expected some of {sorted(SUBJECTS)}")
-    if min(args.seeds, args.steps, args.model_seeds, args.model_steps) < 1:
-        parser.error(f"--seeds, --steps, --model-seeds and --model-steps must be at least 1, got {args.seeds}, {args.steps}, "
-                     f"{args.model_seeds} and {args.model_steps}")
-    guards = _timed_guards()
-    subjects = {}
-    for name in names:
-        started = time.perf_counter()
-        subject = SUBJECTS[name]()
-        seeds, steps = (args.seeds, args.steps) if name in TOYS else (args.model_seeds, args.model_steps)
-        before = dict(guards)
-        served = _served(subject)  # a family's warm-up runs some at its transform
-        calls = wrong = 0
-        first = None
-        for seed in range(seeds):
-            outcome = run(subject, schedule(seed, steps, odd=bool(subject.odd), none=subject.takes_none), seed)
-            calls, wrong = calls + outcome.calls, wrong + outcome.wrong
-            first = first or (outcome.first_wrong and f"seed {seed}, {outcome.first_wrong}")
-        checks = guards["calls"] - before["calls"]
-        reasons = outcome.stock_by_reason
-        subjects[name] = {
-            "seeds": seeds, "steps": steps, "calls": calls, "wrong": wrong, "first_wrong": first,
-            "classes": outcome.classes, "graph_answered": _served(subject) - served,
-            "guard_failures": {k.removeprefix("guard:"): n for k, n in sorted(reasons.items()) if k.startswith("guard:")},
-            "stock_by_reason": {k: n for k, n in sorted(reasons.items()) if not k.startswith("guard:")},
-            "refusals_by_reason": _by_reason(outcome.refused), "refused": outcome.refused,
-            "guard_us_per_call": round(1e6 * (guards["seconds"] - before["seconds"]) / max(checks, 1), 1),
-            "seconds": round(time.perf_counter() - started, 1),
-        }
-        print(f"{name}: {calls} calls, {wrong} wrong, {outcome.classes} classes, {subjects[name]['graph_answered']} "
-              f"from the graphs, stock {reasons}, refused {subjects[name]['refusals_by_reason']}, guards "
-              f"{subjects[name]['guard_us_per_call']} us a call, {subjects[name]['seconds']} s", flush=True)
+    if min(args.seeds, args.steps, args.model_seeds, args.model_steps, args.jobs) < 1:
+        parser.error(f"--seeds, --steps, --model-seeds, --model-steps and --jobs must be at least 1, got {args.seeds}, "
+                     f"{args.steps}, {args.model_seeds}, {args.model_steps} and {args.jobs}")
+    tiers = {name: (args.seeds, args.steps) if name in TOYS else (args.model_seeds, args.model_steps) for name in names}
+    if args.jobs == 1:
+        subjects = {name: fuzz(name, *tiers[name]) for name in names}
+    else:  # each subject in a process of its own, `--jobs` at a time
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            subjects = dict(zip(names, pool.map(fuzz, names, *zip(*tiers.values()))))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     record = {
         "benchmark": "fuzz", "commit": commit, "date": time.strftime("%Y-%m-%d"),
         "command": "python " + " ".join([str(Path(sys.argv[0]).relative_to(ROOT)) if Path(sys.argv[0]).is_absolute() else sys.argv[0], *sys.argv[1:]]),
         "device": f"cpu ({platform.processor() or platform.machine()}), torch {torch.__version__}",
         "seeds": args.seeds, "steps": args.steps, "model_seeds": args.model_seeds, "model_steps": args.model_steps,
+        "jobs": args.jobs,
         "subjects": subjects,
         "wrong": sum(s["wrong"] for s in subjects.values()),
     }
