@@ -38,6 +38,21 @@ run's own.
 
     python bench/serve_load.py --sessions 64 --seconds 60 --plugin moshi-full --runs 3   # an H200
 
+``--staggered`` replaces the synchronised sessions (the default, so older records stay
+comparable: every session starts at once and streams the same pattern, 0.8 s tone bursts and
+0.7 s pauses, so every turn of every session ends at the same instant: a worst case) by sessions
+that start apart and talk at their own rhythm, from ``--seed``:
+
+* session i starts after a delay drawn uniformly from [0, ``--stagger-window``] seconds (default
+  half of ``--seconds``), then streams ``--seconds`` of audio, so the run lasts up to
+  ``--seconds`` plus the window;
+* its audio alternates turns and pauses: each turn (a 220 Hz tone burst, speech to the energy
+  VAD) lasts uniformly 0.6 to 3.0 s; each pause 0.7 s (the synchronised pattern's, long enough for
+  the VAD to end a turn) plus an exponential of mean 1.5 s, at most 8 s in all;
+* every session draws its own delay, turns and pauses from ``random.Random(seed * 1000 + i)``.
+
+    python bench/serve_load.py --plugin token2wav --sessions 2 --seconds 30 --staggered   # serve_load_token2wav_staggered.json
+
 With ``--ray N`` the server is ``cadence-fx serve --ray --replicas N`` (docs/deployment.md): N
 replicas, one GPU each where there are GPUs, ``--sessions`` spread over them by the ingress, each
 replica with room for its share; the report adds each replica's sessions and plugin counters.
@@ -50,6 +65,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import subprocess
 import sys
 import time
@@ -57,11 +73,14 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 from cadence_fx.report import latency_stats, measured_commit
 from cadence_fx.serve.app import free_port, server_process
 from cadence_fx.serve.cli import plugin_option
-from cadence_fx.serve.loadgen import run_load, speech_pattern
+from cadence_fx.serve.loadgen import drive_session, run_load, speech_pattern
+from cadence_fx.serve.protocol import PCM24K
+from cadence_fx.serve.protocol import audio as wire_audio
 from cadence_fx.serve.plugins import has_lanes, plugin_names
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -87,6 +106,45 @@ def _tick(self, frames, joins):
     return {{slot: np.zeros(moshi.FRAME_SAMPLES, np.float32) for slot in frames}}
 moshi._Engine.start, moshi._Engine.tick = _start, _tick
 """
+
+
+#: ``--staggered``'s distributions (seconds), as the module's docstring states them.
+TURN_S = (0.6, 3.0)  # uniform
+PAUSE_MIN_S, PAUSE_MEAN_EXTRA_S, PAUSE_MAX_S = 0.7, 1.5, 8.0  # 0.7 + exponential(mean 1.5), capped
+
+
+def staggered_session(seed: int, session: int, seconds: float, window_s: float) -> tuple[float, bytes, list[tuple[float, float]]]:
+    """One ``--staggered`` session: its start delay, its audio (24 kHz PCM16) and its turns
+    ((start, length) in seconds of its audio)."""
+    rand = random.Random(seed * 1000 + session)
+    delay = rand.uniform(0.0, window_s)
+    rate = PCM24K.rate
+    samples = np.zeros(int(seconds * rate), np.float32)
+    turns, at = [], 0.0
+    while True:
+        length = rand.uniform(*TURN_S)
+        if at + length > seconds:
+            break
+        start = int(at * rate)
+        t = np.arange(int(length * rate)) / rate
+        samples[start:start + t.size] = 0.1 * np.sin(2 * np.pi * 220 * t)
+        turns.append((round(at, 3), round(length, 3)))
+        at += length + min(PAUSE_MAX_S, PAUSE_MIN_S + rand.expovariate(1.0 / PAUSE_MEAN_EXTRA_S))
+    return delay, wire_audio.encode_samples(samples, PCM24K), turns
+
+
+async def run_staggered(url: str, sessions: int, seconds: float, window_s: float, seed: int, *, patience_s: float,
+                        chunk_ms: int) -> tuple[list, list[dict]]:
+    """Every session of ``--staggered`` at its own start, with its own turns; returns the sessions'
+    loads and what each was given (delay, turns)."""
+    plans = [staggered_session(seed, i, seconds, window_s) for i in range(sessions)]
+
+    async def one(delay: float, pcm: bytes):
+        await asyncio.sleep(delay)
+        return await drive_session(url, pcm, chunk_ms=chunk_ms, patience_s=patience_s)
+
+    results = await asyncio.gather(*(one(delay, pcm) for delay, pcm, _ in plans))
+    return list(results), [{"start_delay_s": round(delay, 3), "turns": turns} for delay, _, turns in plans]
 
 
 def _start_server(port: int, plugin: str, sessions: int, reply_lead_s: float, timeout_s: float,
@@ -276,7 +334,20 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1, metavar="N",
                         help="the load N times in a row on the one server (default 1); the record's figures are "
                              "over all of them, and each run's own are under runs")
+    parser.add_argument("--staggered", action="store_true",
+                        help="sessions start apart and talk at their own rhythm (default: all start together with one "
+                             "pattern): start delay uniform in [0, --stagger-window] s; turns uniform 0.6 to 3.0 s; "
+                             "pauses 0.7 s + exponential(mean 1.5 s), at most 8 s; per session from --seed")
+    parser.add_argument("--stagger-window", type=float, metavar="SECONDS",
+                        help="--staggered: the latest start delay (default: half of --seconds)")
+    parser.add_argument("--seed", type=int, default=0, help="--staggered: the seed of every session's draws (default 0)")
     args = parser.parse_args()
+    if args.stagger_window is not None and not args.staggered:
+        parser.error("--stagger-window takes --staggered")
+    window_s = args.stagger_window if args.stagger_window is not None else args.seconds / 2
+    if args.staggered and not (window_s >= 0 and args.seconds >= TURN_S[1]):
+        parser.error(f"--staggered needs --stagger-window >= 0 and --seconds >= {TURN_S[1]} (one turn at least); "
+                     f"got --stagger-window {window_s}, --seconds {args.seconds}")
     if args.runs < 1:
         parser.error(f"--runs must be at least 1, got {args.runs}")
     if args.lanes is not None and not has_lanes(args.plugin):
@@ -318,13 +389,18 @@ def main() -> None:
         pcm = speech_pattern(args.seconds)
         server_cpu, load_cpu = _cpu_seconds(server.pid), time.process_time()
         runs = []  # each run's sessions and its wall time
+        schedule = None
+        url = f"ws://127.0.0.1:{port}/v1/duplex"
         for run in range(args.runs):
             if run:
                 _wait_for_no_sessions(port, args.patience)  # the last run's sessions end after their close
             started = time.monotonic()
-            runs.append((asyncio.run(run_load(f"ws://127.0.0.1:{port}/v1/duplex", pcm, args.sessions,
-                                              patience_s=args.patience, chunk_ms=args.append_ms)),
-                         time.monotonic() - started))
+            if args.staggered:
+                loads, schedule = asyncio.run(run_staggered(url, args.sessions, args.seconds, window_s, args.seed + run,
+                                                            patience_s=args.patience, chunk_ms=args.append_ms))
+            else:
+                loads = asyncio.run(run_load(url, pcm, args.sessions, patience_s=args.patience, chunk_ms=args.append_ms))
+            runs.append((loads, time.monotonic() - started))
             if args.runs > 1:
                 print(f"run {run + 1} of {args.runs}: {_summary(*runs[-1])}", file=sys.stderr, flush=True)
         results = [result for run_results, _ in runs for result in run_results]
@@ -358,6 +434,12 @@ def main() -> None:
         "sessions": args.sessions,
         "audio_seconds_per_session": args.seconds,
         "append_ms": args.append_ms,
+        # None: every session started at once with the one pattern (0.8 s bursts, 0.7 s pauses)
+        "staggered": {"seed": args.seed, "stagger_window_s": window_s,
+                      "distributions": {"start_delay_s": f"uniform(0, {window_s:g})",
+                                        "turn_s": f"uniform({TURN_S[0]}, {TURN_S[1]})",
+                                        "pause_s": f"min({PAUSE_MAX_S}, {PAUSE_MIN_S} + exponential(mean {PAUSE_MEAN_EXTRA_S}))"},
+                      "sessions": schedule} if args.staggered else None,
         "plugin_options": dict(args.plugin_option),
         "reply_lead_s": args.reply_lead,
         "server_startup_seconds": round(startup_s, 2),
