@@ -4,8 +4,8 @@ streamed beside a stock copy over the differential fuzzer's schedules (tests/fuz
 output, every retained tensor and every host value the cache holds bit-identical, and what the
 counters say about each (which classes run their graphs, which are refused and why) exact.
 
-The other models of tests/test_byom_probe.py derive the very contract and binding of their
-layout's model here, but for the verification depth (tests/test_derive_transformers.py)."""
+The other `transformers` models of tests/test_byom_probe.py are streamed the same way over a shorter
+schedule in tests/test_derive_transformers_more.py."""
 
 from __future__ import annotations
 
