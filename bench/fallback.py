@@ -65,15 +65,23 @@ def _call(model, cache, tokens: torch.Tensor):
     return model(input_ids=tokens, cache=cache, use_cache=True)
 
 
-def _timed(model, config, primes: list[torch.Tensor], tokens: torch.Tensor) -> tuple[float, float]:
+def _timed(model, config, primes: list[torch.Tensor], tokens: torch.Tensor, fell_back: dict | None = None,
+           op=None) -> tuple[float, float]:
     """Seconds of one call of `tokens` on a fresh cache primed by `primes`: the wall clock's, and
-    this thread's CPU time (torch runs on this one thread), which other processes' load leaves alone."""
+    this thread's CPU time (torch runs on this one thread), which other processes' load leaves alone.
+    With the bound operator `op`, why the timed call ran the stock code is added to `fell_back`."""
     cache = DynamicCache(config=config)
     for prime in primes:
         _call(model, cache, prime)
+    before = dict(op.counters.stock_by_reason) if op is not None else {}
     wall, cpu = time.perf_counter(), time.thread_time()
     _call(model, cache, tokens)
-    return time.perf_counter() - wall, time.thread_time() - cpu
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    if op is not None:
+        for reason, n in op.counters.stock_by_reason.items():
+            if n != before.get(reason, 0):
+                fell_back[reason] = fell_back.get(reason, 0) + n - before.get(reason, 0)
+    return wall, cpu
 
 
 def _ms(seconds: list[float]) -> float:
@@ -93,12 +101,10 @@ def measure(name: str, calls: int) -> dict:
             for _ in range(3):  # the classes met on the way are captured and verified here, untimed
                 _timed(bound, config, primes, tokens)
                 _timed(model, config, primes, tokens)
-            before = dict(op.counters.stock_by_reason)
-            stock, through = [], []
+            stock, through, counted = [], [], {}
             for _ in range(calls):
                 stock.append(_timed(model, config, primes, tokens))
-                through.append(_timed(bound, config, primes, tokens))
-            counted = {k: v - before.get(k, 0) for k, v in op.counters.stock_by_reason.items() if v != before.get(k, 0)}
+                through.append(_timed(bound, config, primes, tokens, counted, op))
             figures[case] = {
                 "tokens": n, "priming_calls": priming, "calls": calls,
                 "stock_cpu_ms_median": _ms([c for _, c in stock]), "bound_cpu_ms_median": _ms([c for _, c in through]),
