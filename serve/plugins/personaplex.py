@@ -98,23 +98,28 @@ class PersonaPlexPlugin(ModelPlugin):
         self.seed, self.sampling, self.slots, self.record = seed, sampling, slots, record
         self.max_reply_frames, self.prompt_rate = max_reply_frames, prompt_rate
         config = dataclasses.replace(personaplex.TINY if size == "tiny" else personaplex.FULL, seed=seed)
-        self._flags = ExitStack()
-        # The vendor's compile switch is process-wide: held off for as long as the plugin is open,
-        # so the ticking thread and the priming thread never race on entering and leaving it.
-        self._flags.enter_context(personaplex._vendor("utils.compile").no_compile())
         if weights is None:
             self.checkpoint, self.tokenize = None, stand_in_tokens
-            self.models = personaplex.build_models(config, self.device)
         else:
             from cadence_fx.models.personaplex_checkpoint import PersonaPlexCheckpoint
 
             self.checkpoint = PersonaPlexCheckpoint.locate(weights)
-            self.models = self.checkpoint.load(config, self.device)
             self.tokenize = self.checkpoint.tokenize
             if voices is None and self.checkpoint.voices is not None:
                 voices = str(self.checkpoint.voices)
-        self.voices = VoiceBank(voices, WavLimits())
-        self.prompts = PromptBank(self.models)
+        self.voices = VoiceBank(voices, WavLimits())  # refused before anything is built
+        self._flags = ExitStack()
+        # The vendor's compile switch is process-wide: held off for as long as the plugin is open,
+        # so the ticking thread and the priming thread never race on entering and leaving it.
+        self._flags.enter_context(personaplex._vendor("utils.compile").no_compile())
+        try:
+            self.models = (personaplex.build_models(config, self.device) if self.checkpoint is None
+                           else self.checkpoint.load(config, self.device))
+            self.prompts = PromptBank(self.models)
+        except BaseException:
+            self._flags.close()
+            self.voices.close()
+            raise
         self._place = _Place()
         self._lock = threading.Lock()
         self._closed = False
@@ -147,12 +152,14 @@ class PersonaPlexPlugin(ModelPlugin):
         self._place.scheduler = SlotScheduler(slots, self._tick, name=self.name, record=self.record)
 
     def reserve(self, sessions: int) -> None:
+        """The batch for ``sessions`` at once (the option's ``slots``, else ``sessions``), built now,
+        and the default prompt state primed; refused past the slots or ``MAX_SLOTS``."""
         with self._lock:
             batch = sessions if self.slots is None else self.slots
-            if sessions > batch:
-                raise ValueError(f"{self.name} holds {batch} slots, not {sessions} sessions at once: give it "
-                                 f"slots={sessions} or admit at most {batch}")
-            self._start(min(batch, MAX_SLOTS))
+            if sessions > min(batch, MAX_SLOTS):
+                raise ValueError(f"{self.name} holds {min(batch, MAX_SLOTS)} slots, not {sessions} sessions at once: "
+                                 f"admit at most {min(batch, MAX_SLOTS)} (a batch holds 1 to {MAX_SLOTS})")
+            self._start(batch)
         self._default.result()
 
     def open_stream(self, client: str = "") -> PersonaPlexStream:

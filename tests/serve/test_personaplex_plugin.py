@@ -229,3 +229,17 @@ def test_session_update_sets_the_persona_over_the_wire(plugin):
     assert (error["error"]["code"], error["error"]["param"]) == ("invalid_value", "session.audio.output.voice")
     # The refused update changed nothing: the voice is still the one set before it.
     assert after["type"] == "session.updated" and after["session"]["audio"]["output"]["voice"] == "ada"
+
+
+def test_bad_options_are_refused_by_name(plugin):
+    with pytest.raises(ValueError, match=r"^slots must be a batch of 1 to 64 sessions, got 0$"):
+        load_plugin("personaplex-tiny", slots=0)
+    with pytest.raises(ValueError, match=r"^PersonaPlexPlugin takes no option 'size'; its options: seed, sampling, slots, "
+                                         r"max_reply_frames, voices, weights, prompt_rate, record$"):
+        load_plugin("personaplex-tiny", size="full")
+    with pytest.raises(ValueError, match=r"^personaplex-tiny holds 1 slots, not 2 sessions at once: admit at most 1 "
+                                         r"\(a batch holds 1 to 64\)$"):
+        plugin.reserve(2)
+    with pytest.raises(ValueError, match=r"^voices: '/nowhere' is not a folder \(expected a folder of <name>.wav or "
+                                         r"<name>.pt voice prompt files\)$"):
+        load_plugin("personaplex-tiny", voices="/nowhere")
