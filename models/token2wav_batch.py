@@ -51,7 +51,8 @@ ROW_AXIS = {"conformer_cnn_cache": 0, "conformer_att_cache": 1, "estimator_cnn_c
 
 @dataclass
 class Row:
-    """One session's stream: everything that is its own between chunks."""
+    """One session's stream: everything that is its own between chunks (`base`, its prompt state for
+    turn resets, in host memory; the rest on the flow's device)."""
 
     prompt: Prompt
     rng: StreamRng
@@ -132,7 +133,7 @@ class BatchedStreams:
     def reset_turn(self, key: Hashable) -> None:
         """The row's turn boundary: its caches return to its prompt state."""
         row = self._row(key)
-        row.cache = {k: v.clone() for k, v in row.base.items()}
+        row.cache = {k: v.to(self.device, copy=True) for k, v in row.base.items()}
         self._reset_vocoder(row)
 
     def _row(self, key: Hashable) -> Row:
@@ -153,8 +154,9 @@ class BatchedStreams:
         with torch.inference_mode(), self._autocast(), batch_invariant(self.capacity, [row.rng], self.device):
             cache = self.flow.setup_cache(torch.cat([tokens, pad], dim=1), mels, spk, n_timesteps=self.n_timesteps)
         live = (slice(0, self.n_timesteps), slice(0, self.depth))
-        row.base = {k: (v[live] if k.startswith("estimator") else v).clone() for k, v in cache.items()}
-        row.cache = {k: v.clone() for k, v in row.base.items()}
+        row.cache = {k: (v[live] if k.startswith("estimator") else v).clone() for k, v in cache.items()}
+        # The prompt state, read once a turn, waits in (pinned) host memory, as TransformedFlow's does.
+        row.base = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=v.is_cuda).copy_(v) for k, v in row.cache.items()}
         self._reset_vocoder(row)
 
     def _reset_vocoder(self, row: Row) -> None:
