@@ -104,7 +104,7 @@ def main(argv=None) -> int:
         "commit": measured_commit(),
         "command": "python " + " ".join([f"bench/{Path(__file__).name}", *(argv if argv is not None else sys.argv[1:])]),
         "device": "none: predicted from the contract (the memory model), float32",
-        "model": __doc__.split("\n\n")[1].replace("\n", " "),
+        "model": " ".join(__doc__.split("\n\n")[1:-1]).replace("\n", " "),
         "sizes": {},
     }
     for name, (contract, depth) in sizes.items():
