@@ -28,6 +28,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != Path(__file__).resolve().parent]
@@ -102,6 +103,7 @@ def main(argv=None) -> int:
     record = {
         "benchmark": "token2wav_batch_memory",
         "commit": measured_commit(),
+        "date": time.strftime("%Y-%m-%d"),
         "command": "python " + " ".join([f"bench/{Path(__file__).name}", *(argv if argv is not None else sys.argv[1:])]),
         "device": "none: predicted from the contract (the memory model), float32",
         "model": " ".join(__doc__.split("\n\n")[1:-1]).replace("\n", " "),
