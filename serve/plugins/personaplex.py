@@ -34,9 +34,9 @@ import numpy as np
 import torch
 
 from ..runtime.slots import SlotScheduler, SlotsFull
-from .base import ModelPlugin, PluginInfo
+from .base import ConfigRefused, ModelPlugin, PluginInfo
 from .moshi import FRAME_SAMPLES, MoshiStream, _require_cuda
-from .personaplex_prompts import NO_VOICE, PromptBank, VoiceBank, WavLimits, role_tokens, stand_in_tokens
+from .personaplex_prompts import NO_VOICE, VOICE_PARAM, PromptBank, VoiceBank, WavLimits, role_tokens, stand_in_tokens
 
 __all__ = ["PersonaPlexPlugin", "PersonaPlexStream"]
 
@@ -186,7 +186,11 @@ class PersonaPlexPlugin(ModelPlugin):
 
     def _configure(self, slot: int, client: str, instructions: str, voice: str) -> None:
         state = self.prompts.state(self.voices.resolve(client, voice), role_tokens(instructions, self.tokenize))
-        prompt = state.result()  # primed on the bank's thread while the batch ticks
+        try:
+            prompt = state.result()  # primed on the bank's thread while the batch ticks
+        except Exception as error:  # noqa: BLE001 - a voice file the vendor cannot read is the client's to hear about
+            raise ConfigRefused(f"voice {voice[:64]!r} could not be primed: {type(error).__name__}: {error}",
+                                VOICE_PARAM) from None
         with self._lock:
             self._wanted[slot] = state
             if slot in self._fed and self._joined.get(slot) is not prompt:

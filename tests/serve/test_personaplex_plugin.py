@@ -35,6 +35,7 @@ def voices(tmp_path_factory):
     folder = tmp_path_factory.mktemp("voices")
     sphn.write_wav(str(folder / "ada.wav"), speechlike(1.0, seed=1).numpy(), 24_000)
     (folder / "notes.txt").write_text("not a voice")  # other files are left alone
+    (folder / "broken.pt").write_bytes(b"not saved embeddings")
     return folder
 
 
@@ -128,7 +129,7 @@ def test_prompt_states_are_primed_once_per_voice_and_role(plugin):
         stream.close()
     after = plugin.describe()["prompt_states"]
     assert (after["primed"] - before["primed"], after["reused"] - before["reused"]) == (1, 1)
-    assert plugin.describe()["voices"] == ["default", "ada"]
+    assert plugin.describe()["voices"] == ["default", "ada", "broken"]
 
 
 def wav_bytes(seconds: float, *, width: int = 2, channels: int = 1, rate: int = 24_000) -> bytes:
@@ -150,7 +151,7 @@ def test_a_clients_uploaded_voice_is_its_own(plugin):
     theirs = plugin.open_stream(client="10.0.0.2")
     try:
         with pytest.raises(ConfigRefused, match=r"^voice 'mine' is not a voice of this server; its voices: default, "
-                                                r"ada \(and the ones this client uploaded\)$") as refused:
+                                                r"ada, broken \(and the ones this client uploaded\)$") as refused:
             theirs.configure("", "mine")
         assert refused.value.param == "session.audio.output.voice"
     finally:
@@ -209,7 +210,32 @@ def test_a_checkpoint_in_the_released_layout_serves_its_voices_and_tokenizer(tmp
         served.close()
 
 
+def test_a_voice_file_the_vendor_cannot_read_is_refused_by_name(plugin):
+    stream = plugin.open_stream()
+    try:
+        with pytest.raises(ConfigRefused, match=r"^voice 'broken' could not be primed: UnpicklingError: ") as refused:
+            stream.configure("", "broken")
+        assert refused.value.param == "session.audio.output.voice"
+    finally:
+        stream.close()
+
+
+def test_bad_options_are_refused_by_name(plugin):
+    with pytest.raises(ValueError, match=r"^slots must be a batch of 1 to 64 sessions, got 0$"):
+        load_plugin("personaplex-tiny", slots=0)
+    with pytest.raises(ValueError, match=r"^PersonaPlexPlugin takes no option 'size'; its options: seed, sampling, slots, "
+                                         r"max_reply_frames, voices, weights, prompt_rate, record$"):
+        load_plugin("personaplex-tiny", size="full")
+    with pytest.raises(ValueError, match=r"^personaplex-tiny holds 1 slots, not 2 sessions at once: admit at most 1 "
+                                         r"\(a batch holds 1 to 64\)$"):
+        plugin.reserve(2)
+    with pytest.raises(ValueError, match=r"^voices: '/nowhere' is not a folder \(expected a folder of <name>.wav or "
+                                         r"<name>.pt voice prompt files\)$"):
+        load_plugin("personaplex-tiny", voices="/nowhere")
+
+
 def test_session_update_sets_the_persona_over_the_wire(plugin):
+    """Last: the server closes the plugin when it stops."""
     async def scenario(server: Server):
         sock = await server.connect("/v1/realtime")
         await sock.send({"type": "session.update", "session": {"instructions": "You are Di.", "audio": {"output": {"voice": "ada"}}}})
@@ -229,17 +255,3 @@ def test_session_update_sets_the_persona_over_the_wire(plugin):
     assert (error["error"]["code"], error["error"]["param"]) == ("invalid_value", "session.audio.output.voice")
     # The refused update changed nothing: the voice is still the one set before it.
     assert after["type"] == "session.updated" and after["session"]["audio"]["output"]["voice"] == "ada"
-
-
-def test_bad_options_are_refused_by_name(plugin):
-    with pytest.raises(ValueError, match=r"^slots must be a batch of 1 to 64 sessions, got 0$"):
-        load_plugin("personaplex-tiny", slots=0)
-    with pytest.raises(ValueError, match=r"^PersonaPlexPlugin takes no option 'size'; its options: seed, sampling, slots, "
-                                         r"max_reply_frames, voices, weights, prompt_rate, record$"):
-        load_plugin("personaplex-tiny", size="full")
-    with pytest.raises(ValueError, match=r"^personaplex-tiny holds 1 slots, not 2 sessions at once: admit at most 1 "
-                                         r"\(a batch holds 1 to 64\)$"):
-        plugin.reserve(2)
-    with pytest.raises(ValueError, match=r"^voices: '/nowhere' is not a folder \(expected a folder of <name>.wav or "
-                                         r"<name>.pt voice prompt files\)$"):
-        load_plugin("personaplex-tiny", voices="/nowhere")
