@@ -111,6 +111,12 @@ def _token2wav_batch_probe(r: dict) -> list[str]:
                       f"(max difference {s['max_abs_difference']:.1e})" for n, s in r["streams"].items())]
 
 
+def _token2wav_batch_memory(r: dict) -> list[str]:
+    return [f"{size} (predicted): " + "; ".join(f"{t['streams']} streams at capacity {t['capacity']}: {t['device_gib']} GiB "
+                                               f"on the device, {t['host_pinned_gib']} GiB pinned host" for t in s["streams"])
+            for size, s in r["sizes"].items()]
+
+
 def _moshi(r: dict) -> list[str]:
     out = []
     for name, arm in r["arms"].items():
@@ -241,6 +247,7 @@ HEADLINES: dict[str, Callable[[dict], list[str]]] = {
     "soak": _soak,
     "symbolic_export": _symbolic_export,
     "token2wav": _token2wav,
+    "token2wav_batch_memory": _token2wav_batch_memory,
     "token2wav_batch_probe": _token2wav_batch_probe,
     "token2wav_setup": _token2wav_setup,
 }
