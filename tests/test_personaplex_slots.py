@@ -7,8 +7,8 @@ slot's session alone in its row: with sessions joining at their own ticks, primi
 talk, leaving, and new sessions joining the freed slots, every slot's tokens and PCM are
 `torch.equal` to it (greedy: sampled slots at B > 1 draw from the batch's generator, see the module
 docstring). Against the vendor's batch-1 loop a slot at B > 1 is not bit-exact by construction: the
-batched kernels may round a row otherwise (measured here: the KV ring of a slot primed at B = 2 or
-3 differs from batch 1's by up to 2.4e-7).
+batched kernels may round a row otherwise (measured here: the KV ring of a slot primed at B = 3
+differed from batch 1's by up to 2.4e-7, and at B = 2 it differed too).
 """
 
 from __future__ import annotations
