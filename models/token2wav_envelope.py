@@ -5,15 +5,18 @@ Declared the way `cadence_fx.determinism` declares the determinism envelope: wha
 the scope that puts it in force (`batch_invariant`). It is opt-in: outside it Token2Wav runs the
 stock kernels at the stock shapes, exact to the vendor as before.
 
-The route is one fixed padded shape per call. Under `batch_invariant(capacity=C, rngs=...)` every
-batch-sensitive op (the table below) runs with its batch dimension padded to C rows per row of a
-stream, so a kernel sees the same shape whether one stream or C streams are live, and the
-vendor's own code run alone (one stream) computes each such op at exactly the shape a batched call
-does. Padding to buckets of several sizes would not do: each bucket picks its own kernels. What
-the route relies on, and `tests/test_token2wav_envelope.py` checks op by op on the CPU, is that at
-one fixed shape a row's result depends neither on the other rows' values nor on its position. On
-the CPU at fixed shapes that held for every op class here; unpadded it did not (a small-M linear,
-conv-transpose and istft gave other bits at batch 1 than as a row of a batch of C).
+Two routes (`ROUTES`, by device). On the CPU, `per_row`: every batch-sensitive op (the table
+below) is called once a row, on a fresh contiguous copy of that row, so each call has exactly the
+shape, values and memory layout the row has alone, and cannot see its neighbours: invariant by
+construction, given a kernel that repeats itself on one shape (the determinism envelope). On CUDA,
+`padded` (declared; the cuda tests decide it): every batch operand is tiled up to `capacity` rows
+per row of a stream, so a kernel sees one shape whether one row or all are live, and the vendor's
+own code run alone computes each op at the batched call's shape. Padding to buckets of several
+sizes would not do: each bucket picks its own kernels. The padded route relies on what a kernel
+does not promise, that at one shape a row's result depends neither on the other rows' values nor
+on its position; on the CPU it failed twice while this was built (a linear of one vector a row at
+5 to 7 and 9 to 11 rows, oneDNN's small-M path; HiFT's strided conv, row 1 of 3), which is why the
+CPU runs per row, and why linears of one vector a row run per row on both devices.
 
 Padding is cyclic: the call's rows are tiled up to the capacity (an operand of one row, shared by
 every stream, e.g. the conformer's relative positions, is tiled like any other), always through a
@@ -23,9 +26,10 @@ HiFT draws noise on every call. Under the envelope each stream draws from its ow
 state (`StreamRng`: a seed and an offset, nothing else): draw k of a stream comes from a generator
 seeded by (seed, k) alone, so its noise never depends on its neighbours, on how many streams share
 the call, or on the process generator. The state is two integers, so saving and restoring a row's
-RNG is a copy of a tuple. On CUDA the same pair is what a Philox generator is (`manual_seed`,
-`set_offset`), which a capture can hold per row; on the CPU torch's generator is a Mersenne
-Twister whose state is 5 KB, so the counter is folded into the seed instead (`_mix`).
+RNG is a copy of a tuple. Each draw seeds a fresh generator with splitmix64(seed, k) (`_mix`): on
+the CPU torch's generator is a Mersenne Twister whose state is 5 KB, so the counter is folded into
+the seed; on CUDA the generator is a Philox whose state is that seed and a zero offset (Philox's own
+offset is not used as the counter: a draw consumes a shape-dependent stretch of it).
 """
 
 from __future__ import annotations
@@ -67,36 +71,30 @@ class OpClass:
     cuda: str
 
 
-_FIXED = "padded to the fixed capacity: one shape per class"
+_ROW = "one call a row, a fresh contiguous copy each"
+_FIXED = "padded to the capacity's rows: one shape per class"
 OP_CLASSES: tuple[OpClass, ...] = (
     OpClass("linear", (F.linear,), (0,),
-            cpu=f"{_FIXED}; oneDNN/MKL GEMM at a fixed M gives a row the same bits whatever the other rows hold "
-                "(measured); unpadded, M=1 rows (the timestep MLP, the speaker projection) took another kernel",
-            cuda=f"{_FIXED}, under pin_deterministic(algorithms=True) (fixed cuBLAS workspace, no split-K "
-                 "reduction chosen per call); to be measured by the cuda tests"),
+            cpu=f"{_ROW} (every projection and MLP, adaLN, the timestep MLP, the speaker projection, HiFT's source merge)",
+            cuda=f"{_FIXED}, under pin_deterministic(algorithms=True); a linear of one vector a row: {_ROW} (padded, "
+                 "oneDNN gave such rows other bits by position on the CPU)"),
     OpClass("matmul", (torch.matmul, torch.Tensor.matmul, torch.bmm), (0, 1),
-            cpu=f"{_FIXED} (the conformer's attention scores and relative-position term; operands of 3+ dims)",
-            cuda=f"{_FIXED}, as linear"),
+            cpu=f"{_ROW} (the conformer's scores, relative-position term and values; operands of 3+ dims)",
+            cuda=_FIXED),
     OpClass("attention", (F.scaled_dot_product_attention,), (0, 1, 2, 3),
-            cpu=f"{_FIXED}; the CPU flash kernel splits work over (batch, head, query block), never over a "
-                "row's keys; the DiT attends without a mask, each row to its own cache",
-            cuda=f"{_FIXED}; the backend chosen by shape is then one backend (pin it with sdpa_kernel to be sure)"),
+            cpu=f"{_ROW} (the DiT's SDPA, no mask, each row attending its own cache)",
+            cuda=f"{_FIXED}; the backend is chosen by shape, so one backend"),
     OpClass("conv1d", (torch.conv1d, F.conv1d), (0,),
-            cpu=f"{_FIXED} (DiT causal convs, conformer pre-lookahead and upsample, HiFT resblocks and F0 predictor)",
+            cpu=f"{_ROW} (DiT causal convs, conformer pre-lookahead and upsample, HiFT)",
             cuda=f"{_FIXED}; cudnn.deterministic on, benchmark off (an algorithm per shape, never autotuned)"),
     OpClass("conv_transpose1d", (torch.conv_transpose1d, F.conv_transpose1d), (0,),
-            cpu=f"{_FIXED}; unpadded, a batch-1 call gave other bits than a row of a batch (measured)",
-            cuda=f"{_FIXED}; as conv1d"),
+            cpu=f"{_ROW} (HiFT's upsampling)", cuda=f"{_FIXED}; as conv1d"),
     OpClass("norms", (F.layer_norm, torch.softmax, torch.Tensor.softmax, F.softmax, F.normalize), (0,),
-            cpu=f"{_FIXED}; each reduces within a row (layer norm over channels, softmax over keys, the speaker "
-                "embedding's L2 norm)",
-            cuda=f"{_FIXED}; one block per row at these widths"),
+            cpu=f"{_ROW} (layer norm, softmax, the speaker embedding's L2 norm)", cuda=_FIXED),
     OpClass("spectral", (torch.stft, torch.istft), (0,),
-            cpu=f"{_FIXED}; unpadded, istft at batch 1 gave other bits than a row of a batch (measured)",
-            cuda=f"{_FIXED}; cuFFT plans are per shape"),
+            cpu=f"{_ROW} (HiFT's source analysis and synthesis)", cuda=f"{_FIXED}; cuFFT plans are per shape"),
     OpClass("scan and resample", (torch.cumsum, torch.Tensor.cumsum, F.interpolate), (0,),
-            cpu=f"{_FIXED} (HiFT's sine source: phase cumsum along time, linear and nearest resampling)",
-            cuda=f"{_FIXED}"),
+            cpu=f"{_ROW} (HiFT's sine source: phase cumsum along time, linear and nearest resampling)", cuda=_FIXED),
     OpClass("elementwise", (), (),
             cpu="left as it runs (additions, activations, exp/sin, concatenation, slicing, the cross-fade): each "
                 "output element is its inputs' function alone; the stream tests check it holds at every batch "
@@ -105,7 +103,7 @@ OP_CLASSES: tuple[OpClass, ...] = (
     OpClass("random draws", (torch.rand, torch.randn, torch.rand_like, torch.randn_like), (),
             cpu="each row drawn from its stream's StreamRng (seed, offset), never the process generator; any other "
                 "random op under the envelope is refused",
-            cuda="each row's StreamRng as a Philox (seed, offset) pair"),
+            cuda="each row's StreamRng: a Philox generator seeded per draw with splitmix64(seed, offset)"),
 )
 
 _PADDED: dict[Callable[..., Any], OpClass] = {f: c for c in OP_CLASSES if c.name != "random draws" for f in c.functions}
@@ -142,13 +140,10 @@ class StreamRng:
 
     def draw(self, kind: Callable[..., torch.Tensor], shape: Sequence[int], *, dtype, device) -> torch.Tensor:
         """One draw of `shape`; the offset advances by one whatever the shape."""
-        device = torch.device(device)
-        generator = torch.Generator(device=device)
-        if device.type == "cuda":
-            generator.manual_seed(self.seed)
-            generator.set_offset(4 * self.offset)  # Philox counters advance in multiples of 4
-        else:
-            generator.manual_seed(_mix(self.seed, self.offset))
+        generator = torch.Generator(device=torch.device(device))
+        # Not Philox's own offset on CUDA: a draw consumes a shape-dependent stretch of counters, so
+        # draw k at offset k would overlap draw k + 1. A seed per (seed, k) keeps draws apart.
+        generator.manual_seed(_mix(self.seed, self.offset))
         self.offset += 1
         return kind(*shape, generator=generator, dtype=dtype, device=device)
 
