@@ -67,6 +67,10 @@ def _by_reason(refused: dict[str, str]) -> dict[str, int]:
 
 
 _GUARDS: dict[str, float] | None = None
+# Token2Wav's stock chunk runs the vendor's envelopes (seconds a chunk on a CPU): at most this many
+# steps a schedule. The costliest subjects start first, so that `--jobs` processes end together.
+CAPPED = {"token2wav": 8}
+FIRST = ("token2wav", "hf_mimi", "moshi_mimi", "moshi_lm", "freeze_omni")
 
 
 def fuzz(name: str, seeds: int, steps: int) -> dict:
@@ -118,7 +122,9 @@ def main() -> int:
     if min(args.seeds, args.steps, args.model_seeds, args.model_steps, args.jobs) < 1:
         parser.error(f"--seeds, --steps, --model-seeds, --model-steps and --jobs must be at least 1, got {args.seeds}, "
                      f"{args.steps}, {args.model_seeds}, {args.model_steps} and {args.jobs}")
-    tiers = {name: (args.seeds, args.steps) if name in TOYS else (args.model_seeds, args.model_steps) for name in names}
+    names = sorted(names, key=lambda name: (FIRST.index(name) if name in FIRST else len(FIRST), name))
+    tiers = {name: (args.seeds, args.steps) if name in TOYS else (args.model_seeds, min(args.model_steps, CAPPED.get(name, args.model_steps)))
+             for name in names}
     if args.jobs == 1:
         subjects = {name: fuzz(name, *tiers[name]) for name in names}
     else:  # each subject in a process of its own, `--jobs` at a time
@@ -131,7 +137,7 @@ def main() -> int:
         "device": f"cpu ({platform.processor() or platform.machine()}), torch {torch.__version__}",
         "seeds": args.seeds, "steps": args.steps, "model_seeds": args.model_seeds, "model_steps": args.model_steps,
         "jobs": args.jobs,
-        "subjects": subjects,
+        "subjects": dict(sorted(subjects.items())),
         "wrong": sum(s["wrong"] for s in subjects.values()),
     }
     if args.out:
