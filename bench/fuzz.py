@@ -2,7 +2,7 @@
 (the counter-branching models, every probe and example the tests bind, the families at their tiny
 depths), many schedules each, every call compared with a stock copy's.
 
-    python bench/fuzz.py --seeds 16 --steps 80 --model-seeds 2 --model-steps 16 --jobs 2 --out bench/results/fuzz_cpu.json
+    python bench/fuzz.py --seeds 16 --steps 80 --model-seeds 2 --model-steps 16 --jobs 3 --out bench/results/fuzz_cpu.json
 
 `--seeds`/`--steps` are the counter-branching models' schedules (no export: cheap); every other
 subject exports a graph per class it meets, and runs `--model-seeds` schedules of `--model-steps`.
