@@ -264,9 +264,10 @@ class _Layout:
             groups.setdefault(key, []).append(i)
         named = len([k for k in groups if k[0] != "linear"]) > 1
         counted: dict[str, list[int]] = {}
+        where = f"{self.model}: {prefix}"
         rank = {"full": 0, "static": 1, "sliding": 2, "linear": 3}  # the longest context first: the operator's region
         for key, indices in sorted(groups.items(), key=lambda item: rank[item[0][0]]):
-            at = f"{prefix}.{_selection(indices, len(layers), prefix)}"
+            at = f"{prefix}.{_selection(indices, len(layers), where)}"
             kind = key[0]
             for counter in LAYER_COUNTERS[kind]:
                 counted.setdefault(counter, []).extend(indices)
@@ -275,7 +276,7 @@ class _Layout:
             else:
                 self._kv(f"{name}_{kind}" if named else name, at, len(indices), kind, *key[1:])
         for counter, indices in counted.items():
-            self.counters += (f"{prefix}.{_selection(sorted(indices), len(layers), prefix)}.{counter}",)
+            self.counters += (f"{prefix}.{_selection(sorted(indices), len(layers), where)}.{counter}",)
 
     def _kv(self, name: str, at: str, count: int, kind: str, window: int | None, keys: tuple, values: tuple,
             dtype: torch.dtype) -> None:

@@ -145,3 +145,17 @@ def test_generate_on_the_transformed_model_runs_the_stock_model_not_the_graphs()
                            stock.generate(prompt, max_new_tokens=8, do_sample=False))
     assert report.operators["decoder_step"].counters.as_dict() == {"calls": 0, "graph_calls": 0, "verified": 0, "stock": 0,
                                                                   "adopted": 0, "stock_by_reason": {}}
+
+
+def test_layers_of_one_kind_no_slice_selects_are_refused_by_name():
+    """Gemma3 with sliding layers 0, 1 and 3 around a full layer: one region would need a path
+    no slice spells (`[0:2]` and `3`); bound by hand, they are two regions."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(num_hidden_layers=4, sliding_window=5, vocab_size=64, hidden_size=32, intermediate_size=64,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"])
+    with pytest.raises(DeriveError) as error:
+        derive_transformers(Gemma3ForCausalLM(config), tokens_per_call=2, max_tokens=12)
+    assert str(error.value) == ("Gemma3ForCausalLM: cache.layers: layers [0, 1, 3] are of one kind but no slice "
+                                "selects them; bind them by hand")
