@@ -1,6 +1,6 @@
 """`transform(model, contract)`: the entry point, and the report it returns.
 
-With a binding, the one pipeline (`pipeline.py`) runs on any model. Without one, the family
+With a binding, the one pipeline (`cadence_fx/pipeline/`) runs on any model. Without one, the family
 registry (`families.py`) gives the family's binding, or its composer (a hook that transforms the
 family's parts from their bindings on the same pipeline). The passes do the rewriting; this module
 derives the catalog, dispatches and reports.
