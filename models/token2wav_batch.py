@@ -6,7 +6,8 @@ vendor's layout), its prompt state for turn resets, and its own counter-based RN
 runs each group in calls of at most `capacity` rows, under the batch-invariant envelope
 (`token2wav_envelope`). Rows of different classes never share a call: a class is every input
 shape of the call (the CFM loop's call and cache extent, the conformer's cache extent, the flush,
-HiFT's mel and source extents), which is the catalog's class pair of the flow and HiFT. A row
+HiFT's mel and source extents; and the prompt's length, which the caller's trim keeps), which is the catalog's
+class pair of the flow and HiFT for the row's contract. A row
 joins, leaves, starts a turn or resets only between steps, that is, at a chunk boundary; its flush
 is its own (`last_chunk` per row).
 
@@ -65,6 +66,7 @@ class Row:
 def row_class(row: Row, last_chunk: bool) -> tuple:
     """The row's class for its next chunk: every input shape of its calls, named by what it is."""
     return (
+        ("prompt", row.prompt.mels.shape[1]),  # the trim keeps it: rows of two prompts may meet at one L
         ("f", 56 if last_chunk else 50),
         ("L", row.cache["estimator_att_cache"].shape[4]),
         ("conformer_L", row.cache["conformer_att_cache"].shape[3]),

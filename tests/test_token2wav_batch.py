@@ -13,7 +13,7 @@ from cadence_fx.models.token2wav_stream import (
     random_chunks,
     random_prompt,
 )
-from token2wav_batchkit import plans, run_alone, run_batched
+from token2wav_batchkit import Plan, plans, run_alone, run_batched
 
 CAPACITY, STREAMS, PROMPT_TOKENS, N_TIMESTEPS = 2, 3, 10, 2
 
@@ -59,3 +59,21 @@ def test_rows_refuse_bad_requests_by_name(models):
         batched.reset_turn("b")
     batched.leave("a")
     assert batched.rows == {}
+
+
+def test_rows_of_two_prompt_lengths_at_one_cache_extent_take_two_calls(models):
+    """A 20-frame prompt's second chunk and a 70-frame prompt's first both attend 70 frames; the
+    trim keeps each prompt, so they are two classes."""
+    flow, hift = models
+    batched = BatchedStreams(flow, hift, capacity=2, n_timesteps=N_TIMESTEPS)
+    short, long = Plan(7, 0, [random_chunks(7, 2)], set()), Plan(8, 0, [random_chunks(8, 1)], set())
+    batched.join("short", random_prompt(7, n_tokens=10), 7)
+    first = batched.step({"short": short.turns[0][0]})
+    batched.join("long", random_prompt(8, n_tokens=35), 8)
+    second = batched.step({"short": short.turns[0][1], "long": long.turns[0][0]}, last={"short", "long"})
+    assert [keys for _, keys in batched.calls] == [("short",), ("short",), ("long",)]
+    alone_short = run_alone(flow, hift, short, capacity=2, prompt_tokens=10, n_timesteps=N_TIMESTEPS)
+    alone_long = run_alone(flow, hift, long, capacity=2, prompt_tokens=35, n_timesteps=N_TIMESTEPS)
+    got = {"short": [first["short"], second["short"]], "long": [second["long"]]}
+    for name, alone in (("short", alone_short), ("long", alone_long)):
+        assert all(torch.equal(a.mel, b.mel) and torch.equal(a.speech, b.speech) for a, b in zip(alone, got[name], strict=True))
