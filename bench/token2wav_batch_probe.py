@@ -13,11 +13,18 @@ call against the N single calls (CUDA events, median of repeats).
     python bench/token2wav_batch_probe.py --streams 2,4,8,16,32 --out bench/results/token2wav_batch_probe.json
 
 Needs CUDA (the question is about the GPU's kernels); the record says which streams were equal.
+
+``--envelope C`` asks the same question under the batch-invariant envelope at capacity C
+(`models/token2wav_envelope.py`, the padded route on CUDA: every batch-sensitive op at C rows per
+row of a stream, each stream's single call padded the same way), for the GPU issue to run:
+
+    python bench/token2wav_batch_probe.py --streams 2,4,8,16,32 --envelope 32 --out bench/results/token2wav_batch_probe_envelope.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -39,6 +46,8 @@ from cadence_fx.models.token2wav_stream import (  # noqa: E402
     random_chunks,
     random_prompt,
 )
+from cadence_fx.models.token2wav_envelope import StreamRng, batch_invariant  # noqa: E402
+from cadence_fx.models.token2wav_envelope import settings as envelope_settings  # noqa: E402
 from cadence_fx.report import measured_commit  # noqa: E402
 
 BATCH_AXIS = {"x": 0, "mu": 0, "t": 0, "spks": 0, "cond": 0, "cnn_cache": 1, "att_cache": 1}
@@ -76,13 +85,21 @@ def perturbed(base: dict[str, torch.Tensor], index: int) -> dict[str, torch.Tens
     return out
 
 
-def alone(estimator, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+def _scope(capacity: int | None, streams: int):
+    """The batch-invariant envelope for a call of `streams` streams, or nothing (the stock kernels)."""
+    if capacity is None:
+        return contextlib.nullcontext()
+    return batch_invariant(capacity, [StreamRng(i) for i in range(streams)], "cuda")
+
+
+def alone(estimator, inputs: dict[str, torch.Tensor], capacity: int | None = None) -> tuple[torch.Tensor, ...]:
     """One stream's call, its outputs copied out of the estimator's own buffers (its new caches are
     views of them, which the next call overwrites)."""
-    return tuple(out.clone() for out in estimator.forward_chunk(**inputs))
+    with _scope(capacity, 1):
+        return tuple(out.clone() for out in estimator.forward_chunk(**inputs))
 
 
-def together(estimator, streams: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+def together(estimator, streams: list[dict[str, torch.Tensor]], capacity: int | None = None) -> tuple[torch.Tensor, ...]:
     """One call on every stream's inputs stacked on the batch axis. The vendor writes a call's new
     caches into buffers of batch 2 (one CFG pair): for the call they are buffers of batch 2N, the
     same in every other dimension, zeroed as the vendor's are."""
@@ -92,7 +109,8 @@ def together(estimator, streams: list[dict[str, torch.Tensor]]) -> tuple[torch.T
     estimator.cnn_cache_buffer = own[0].new_zeros((own[0].shape[0], 2 * pairs, *own[0].shape[2:]))
     estimator.att_cache_buffer = own[1].new_zeros((own[1].shape[0], 2 * pairs, *own[1].shape[2:]))
     try:
-        return tuple(out.clone() for out in estimator.forward_chunk(**stacked))
+        with _scope(capacity, pairs):
+            return tuple(out.clone() for out in estimator.forward_chunk(**stacked))
     finally:
         estimator.cnn_cache_buffer, estimator.att_cache_buffer = own
 
@@ -114,6 +132,8 @@ def main(argv=None) -> int:
     parser.add_argument("--streams", default="2,4,8,16,32", help="stream counts, comma-separated")
     parser.add_argument("--chunks", type=int, default=4, help="chunks the source stream runs (the last is the steady one)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--envelope", type=int, metavar="C",
+                        help="under the batch-invariant envelope at capacity C (at least the largest --streams)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -121,6 +141,8 @@ def main(argv=None) -> int:
     counts = [int(n) for n in args.streams.split(",")]
     if any(n < 1 for n in counts):
         parser.error(f"--streams takes positive counts, got {args.streams}")
+    if args.envelope is not None and args.envelope < max(counts):
+        parser.error(f"--envelope {args.envelope}: the capacity must hold the largest --streams ({max(counts)})")
     device = torch.device("cuda")
     pin_deterministic()
     # As Token2wav.stream runs the flow: under autocast at float32 (which leaves its kernels as they are).
@@ -132,15 +154,15 @@ def main(argv=None) -> int:
         results = {}
         for n in counts:
             streams = [perturbed(base, i) for i in range(n)]
-            singles = [alone(estimator, stream) for stream in streams]
-            batched = together(estimator, streams)
+            singles = [alone(estimator, stream, args.envelope) for stream in streams]
+            batched = together(estimator, streams, args.envelope)
             equal, worst = [], 0.0
             for i, outs in enumerate(singles):
                 rows = (batched[0][2 * i : 2 * i + 2], batched[1][:, 2 * i : 2 * i + 2], batched[2][:, 2 * i : 2 * i + 2])
                 equal.append([torch.equal(a, b) for a, b in zip(outs, rows, strict=True)])
                 worst = max([worst, *(float((a - b).abs().max()) for a, b in zip(outs, rows))])
-            single_ms = timed(lambda: [alone(estimator, stream) for stream in streams], args.repeats)
-            batched_ms = timed(lambda: together(estimator, streams), args.repeats)
+            single_ms = timed(lambda: [alone(estimator, stream, args.envelope) for stream in streams], args.repeats)
+            batched_ms = timed(lambda: together(estimator, streams, args.envelope), args.repeats)
             results[str(n)] = {
                 "streams_bit_identical": sum(all(e) for e in equal),
                 "of": n,
@@ -159,6 +181,7 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "determinism": settings(),
+        "batch_invariant_envelope": None if args.envelope is None else envelope_settings(args.envelope),
         "estimator_inputs": shapes,
         "streams": results,
     }
