@@ -130,3 +130,24 @@ def test_float16_is_declared_and_refused_on_the_cpu_by_name():
     half = build_flow(TINY_DEPTH, dtype=torch.float16)
     with pytest.raises(ValueError, match="precision 'float32' runs the flow in torch.float32, the flow given is torch.float16"):
         BatchedStreams(half, None, capacity=2)
+
+
+def test_the_padded_route_tiles_every_batch_operand_to_the_capacity():
+    """The CUDA route's mechanics, on the CPU: operands tiled cyclically to capacity x rows a
+    stream (a shared one-row operand too), the call made at that shape, the live rows returned."""
+    g = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(2, 50, 64, generator=g), torch.randn(32, 64, generator=g)
+    q, shared = torch.randn(2, 4, 10, 8, generator=g), torch.randn(1, 4, 8, 12, generator=g)
+    mode = BatchInvariant(3, [StreamRng(0), StreamRng(1)], "padded")
+    with mode:
+        out = F.linear(x, weight)
+        scores = torch.matmul(q, shared)
+    assert mode.padded_calls == 2 and mode.per_row_calls == 0
+    assert torch.equal(out, F.linear(torch.cat([x, x])[:3].contiguous(), weight)[:2])
+    assert torch.equal(scores, torch.matmul(torch.cat([q, q])[:3].contiguous(), torch.cat([shared] * 3))[:2])
+    with BatchInvariant(3, [StreamRng(0)], "padded") as alone:  # one stream: its row tiled 3 times
+        one = F.linear(x[1:2], weight)
+    assert alone.padded_calls == 1 and torch.equal(one, F.linear(torch.cat([x[1:2]] * 3), weight)[:1])
+    with BatchInvariant(3, [StreamRng(0)], "padded") as vectors:  # a vector a row: per row on every route
+        F.linear(torch.ones(2, 64), weight)
+    assert vectors.per_row_calls == 1 and vectors.padded_calls == 0
