@@ -94,6 +94,7 @@ REPO = Path(__file__).resolve().parents[1]
 TICK_DOUBLE = """
 import time, numpy as np
 import cadence_fx.serve.plugins.moshi as moshi
+import cadence_fx.serve.plugins.moshi_worker as moshi_worker
 
 class _DoubleBatch:
     def __init__(self, slots): self.slots, self.report = slots, type("Report", (), {{"stamps": ["tick double: {seconds} s sleep"]}})()
@@ -103,8 +104,8 @@ class _DoubleBatch:
 def _start(self, slots): self.runtime = _DoubleBatch(slots)
 def _tick(self, frames, joins):
     time.sleep({seconds}); self.ticks += 1
-    return {{slot: np.zeros(moshi.FRAME_SAMPLES, np.float32) for slot in frames}}
-moshi._Engine.start, moshi._Engine.tick = _start, _tick
+    return {{slot: (np.zeros(moshi.FRAME_SAMPLES, np.float32), 0) for slot in frames}}  # (pcm, text id 0: no text)
+moshi_worker._Engine.start, moshi_worker._Engine.tick = _start, _tick
 """
 
 

@@ -14,19 +14,21 @@ from moshi.models import loaders
 from safetensors.torch import load_file, save_file
 
 from cadence_fx.models.moshi_stream import MoshiConfig, MoshiModels
+from cadence_fx.serve.plugins.moshi_text import padded_tokenizer
 
 MIMI_CONFIG_NAME = "mimi_config.json"  # named by config.json's mimi_config_name, as the vendor reads it
 
 
-def _text_tokenizer() -> bytes:
-    """A SentencePiece model trained on a few lines: the format of `tokenizer_spm_32k_3.model`."""
+def _text_tokenizer(card: int) -> bytes:
+    """A SentencePiece model trained on a few lines, padded to a piece per id of the LM's text
+    vocabulary (`card`), as the published `tokenizer_spm_32k_3.model` has one."""
     lines = ["moshi listens and speaks at once", "a duplex model keeps its clock", "eighty milliseconds a frame"] * 8
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(lines), model_writer=model, vocab_size=40, hard_vocab_limit=False,
         minloglevel=2, num_threads=1,
     )
-    return model.getvalue()
+    return padded_tokenizer(model.getvalue(), card)
 
 
 def write_checkpoint(directory: Path, models: MoshiModels) -> Path:
@@ -38,7 +40,7 @@ def write_checkpoint(directory: Path, models: MoshiModels) -> Path:
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in models.lm.state_dict().items()},
               directory / loaders.MOSHI_NAME)
     save_file({k: v.contiguous() for k, v in models.mimi.state_dict().items()}, directory / loaders.MIMI_NAME)
-    (directory / loaders.TEXT_TOKENIZER_NAME).write_bytes(_text_tokenizer())
+    (directory / loaders.TEXT_TOKENIZER_NAME).write_bytes(_text_tokenizer(models.lm.text_card))
     config = models.config
     if config.lm_kwargs is not loaders._lm_kwargs or config.mimi is not loaders._mimi_config:
         (directory / "config.json").write_text(json.dumps(config.lm_kwargs | {"mimi_config_name": MIMI_CONFIG_NAME}))

@@ -54,13 +54,14 @@ def role_prompt_tokens(role: str = ROLE) -> tuple[list[int], str]:
 def write_checkpoint(folder: Path, models: personaplex.PersonaPlexModels) -> None:
     """`models` in the released layout of `nvidia/personaplex-7b-v1`: the LM in bfloat16 in
     `model.safetensors`, Mimi in `tokenizer-e351c8d8-checkpoint125.safetensors`, a SentencePiece
-    model trained on the role prompt in `tokenizer_spm_32k_3.model`, and `voices.tgz` holding
+    model trained on the role prompt (padded to the LM's text vocabulary) in `tokenizer_spm_32k_3.model`, and `voices.tgz` holding
     `voices/ADA.pt`, the embeddings the vendor saves from a WAV."""
     import sentencepiece
     import sphn
     from safetensors.torch import save_file
 
     from cadence_fx.models.personaplex_prompt import prime
+    from cadence_fx.serve.plugins.moshi_text import padded_tokenizer
 
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in models.lm.state_dict().items()},
               str(folder / "model.safetensors"))
@@ -69,7 +70,7 @@ def write_checkpoint(folder: Path, models: personaplex.PersonaPlexModels) -> Non
     text = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter([personaplex.role_prompt(ROLE)] * 4),
                                              model_writer=text, vocab_size=120, hard_vocab_limit=False, minloglevel=2)
-    (folder / "tokenizer_spm_32k_3.model").write_bytes(text.getvalue())
+    (folder / "tokenizer_spm_32k_3.model").write_bytes(padded_tokenizer(text.getvalue(), models.lm.text_card))
     # The vendor saves a WAV's embeddings next to it while it primes (`save_voice_prompt_embeddings`).
     wav = folder / "ADA.wav"
     sphn.write_wav(str(wav), speechlike(1.0, seed=1).numpy(), 24_000)

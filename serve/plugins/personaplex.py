@@ -21,6 +21,8 @@ frame waiting runs it, in one batched LM call, the others masked. A session is a
   LM's context is the new prompt, and Mimi starts afresh): PersonaPlex's persona is its context,
   and a model primed with one persona cannot be turned into another without priming. A reply in
   progress goes on with the new persona's frames. ``describe()`` counts these ``rejoins``.
+- The text token PersonaPlex samples with each frame it speaks is the session's transcript, as for
+  Moshi (``take_text``; ``moshi_text.py``: the checkpoint's tokenizer, or a stand-in for random weights).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import torch
 from ..runtime.slots import SlotScheduler, SlotsFull
 from .base import ConfigRefused, ModelPlugin, PluginInfo
 from .moshi import FRAME_SAMPLES, MoshiStream, _require_cuda
+from .moshi_text import TextPieces, stand_in_tokenizer
+from .moshi_worker import Spoken
 from .personaplex_prompts import NO_VOICE, VOICE_PARAM, PromptBank, VoiceBank, WavLimits, role_tokens, stand_in_tokens
 
 __all__ = ["PersonaPlexPlugin", "PersonaPlexStream"]
@@ -107,6 +111,9 @@ class PersonaPlexPlugin(ModelPlugin):
             self.tokenize = self.checkpoint.tokenize
             if voices is None and self.checkpoint.voices is not None:
                 voices = str(self.checkpoint.voices)
+        card = config.lm_kwargs["text_card"]
+        self.text = (TextPieces(stand_in_tokenizer(card), card, f"{self.name} (random weights)") if self.checkpoint is None
+                     else TextPieces(self.checkpoint.tokenizer, card, f"{self.name} checkpoint {weights!r}"))
         self.voices = VoiceBank(voices, WavLimits())  # refused before anything is built
         self._flags = ExitStack()
         # The vendor's compile switch is process-wide: held off for as long as the plugin is open,
@@ -198,7 +205,7 @@ class PersonaPlexPlugin(ModelPlugin):
 
     # -- ticks ---------------------------------------------------------------------------------
 
-    def _tick(self, frames: dict[int, np.ndarray], joins: tuple[int, ...]) -> dict[int, np.ndarray | None]:
+    def _tick(self, frames: dict[int, np.ndarray], joins: tuple[int, ...]) -> dict[int, Spoken | None]:
         """One batched tick (the scheduler's thread): each joining slot, and each whose stream asked
         for another prompt, joins with its prompt state first."""
         runtime = self.runtime
@@ -213,7 +220,7 @@ class PersonaPlexPlugin(ModelPlugin):
         with self._lock:
             self._fed.update(frames)
         outputs = runtime.tick({slot: torch.from_numpy(frame) for slot, frame in frames.items()})
-        return {slot: None if out is None else out.pcm.numpy() for slot, out in outputs.items()}
+        return {slot: None if out is None else (out.pcm.numpy(), int(out.tokens[0])) for slot, out in outputs.items()}
 
     # -- what MoshiStream counts ------------------------------------------------------------------
 
