@@ -103,7 +103,7 @@ FULL_DEPTH = FlowDepth()
 REDUCED_DEPTH = FlowDepth(encoder_blocks=1, up_blocks=1, dit_blocks=2)
 #: The demo's: one DiT block, so that the demo's work (four CFM-loop exports) stays under a minute on a CPU.
 TINY_DEPTH = FlowDepth(encoder_blocks=1, up_blocks=1, dit_blocks=1)
-#: HiFT narrowed for CPU tests (`build_hift(base_channels=...)`): its convs cost a sixty-fourth.
+#: HiFT narrowed for CPU tests (`build_hift(base_channels=...)`): every conv eight times narrower.
 REDUCED_HIFT_CHANNELS = 64
 
 
