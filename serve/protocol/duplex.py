@@ -15,7 +15,10 @@ native frame, is what vLLM-Omni's client paces its input units by).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,13 +53,24 @@ class DuplexSettings:
     overlap_policy: str = "barge_in_on_speech"
     playback_commit_policy: str = "commit_all_on_done"
     force_listen_count: int | None = None
+    # A client's voice WAV from ``ref_audio`` and the voice name it goes under, until the session
+    # has handed it to its stream (``upload_voice``).
+    ref_audio: tuple[str, bytes] | None = dataclasses.field(default=None, repr=False)
+
+    def handed_over(self) -> DuplexSettings:
+        """These settings once the session has handed ``ref_audio``'s WAV to its stream."""
+        return dataclasses.replace(self, ref_audio=None)
 
 
 def apply_duplex(
-    patch: dict[str, Any], config: SessionConfig, settings: DuplexSettings, model_name: str
+    patch: dict[str, Any], config: SessionConfig, settings: DuplexSettings, model_name: str, takes_voice: bool = False
 ) -> tuple[SessionConfig, DuplexSettings]:
     """``patch`` (a duplex connection's ``session.update`` ``session``) applied to both; raises
-    ProtocolError naming the field."""
+    ProtocolError naming the field. ``takes_voice``: the model takes a client's voice WAV, so a
+    ``ref_audio`` becomes the session's voice, named by its content hash (``ref_audio-`` and the
+    SHA-256's first 16 hex digits),
+    with the WAV in ``settings.ref_audio`` for the session to hand to its stream; otherwise it is
+    refused by name."""
     patch = dict(patch)
     own = {key: patch.pop(key) for key in _TOP_LEVEL if key in patch}
     audio = patch.get("audio")
@@ -83,11 +97,16 @@ def apply_duplex(
                                     f"session.{name}")
             changes[name] = value
     if own.get("ref_audio") is not None:
-        raise ProtocolError(
-            "unsupported_feature",
-            f"ref_audio is not served: {model_name} has no voice cloning (session.audio.output.voice names a voice)",
-            "session.ref_audio",
-        )
+        if not takes_voice:
+            raise ProtocolError(
+                "unsupported_feature",
+                f"ref_audio is not served: {model_name} has no voice cloning (session.audio.output.voice names a voice)",
+                "session.ref_audio",
+            )
+        wav = ref_audio_wav(own["ref_audio"])
+        name = "ref_audio-" + hashlib.sha256(wav).hexdigest()[:16]  # the model keys its cache by the whole hash
+        config = dataclasses.replace(config, voice=name)
+        changes["ref_audio"] = (name, wav)
     if own.get("temperature") is not None:
         raise ProtocolError(
             "unsupported_feature",
@@ -104,6 +123,30 @@ def apply_duplex(
     if extra is not None:
         changes.update(_extra_body(typed(extra, dict, "session.extra_body")))
     return config, dataclasses.replace(settings, **changes)
+
+
+REF_AUDIO_TYPES = ("audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave")
+
+
+def ref_audio_wav(value: Any) -> bytes:
+    """The WAV bytes of a ``ref_audio`` as vLLM-Omni's client sends it (``audio_data_url``:
+    ``data:audio/wav;base64,<the file>``). A path or URL (``file://``, ``http://``) is refused: the
+    server reads no file the client names. What the WAV itself may be is the model's to check."""
+    where = "session.ref_audio"
+    value = typed(value, str, where)
+    head, comma, payload = value.partition(",")
+    if not head.startswith("data:") or not comma:
+        raise ProtocolError("invalid_value", f"ref_audio must be a data URL (data:audio/wav;base64,<WAV bytes>), got "
+                            f"{quoted(value[:40])}{'...' if len(value) > 40 else ''}: this server reads no path or URL",
+                            where)
+    mime, *params = head.removeprefix("data:").split(";")
+    if mime not in REF_AUDIO_TYPES or params != ["base64"]:
+        raise ProtocolError("invalid_value", f"ref_audio is {quoted(head[:60])}; expected a base64 data URL of a WAV "
+                            f"file ({' or '.join(REF_AUDIO_TYPES)}, then ;base64)", where)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ProtocolError("invalid_value", "ref_audio's payload is not valid base64", where) from None
 
 
 def _agreed(top: Any, nested: Any) -> Any:

@@ -546,10 +546,18 @@ class Session:
     async def _apply_session(self, patch: dict) -> None:
         old, old_settings = self.config, self.settings
         if self.duplex:
-            self.config, self.settings = apply_duplex(patch, old, self.settings, self.plugin.info.name)
+            takes_voice = callable(getattr(self.stream, "upload_voice", None))  # a client's voice WAV (ref_audio)
+            self.config, self.settings = apply_duplex(patch, old, self.settings, self.plugin.info.name, takes_voice)
         else:
             self.config = old.apply(patch)
         config = self.config
+        if self.settings.ref_audio is not None:  # the client's own voice WAV, the stream's before it is the voice
+            (name, wav), self.settings = self.settings.ref_audio, self.settings.handed_over()
+            try:
+                await self.port.call(self.stream.upload_voice, name, wav)
+            except ConfigRefused as refused:
+                self.config, self.settings = old, old_settings
+                raise ProtocolError("invalid_value", str(refused), "session.ref_audio") from None
         if (config.instructions, config.voice) != (old.instructions, old.voice):
             try:  # the model's persona, ready when this returns (a model without one ignores it)
                 await self.port.call(self.stream.configure, config.instructions, config.voice)
