@@ -1,23 +1,23 @@
-"""Model plugins. A real model plugin registers itself here with ``register_plugin``.
+"""Model plugins: one ``PluginSpec`` record per served model, in ``SPECS``.
 
 ``moshi-tiny`` (Moshi at its TINY size on a CPU, ``moshi.py``) is the service's default model;
 ``moshi-small`` is the same plugin at the SMALL size (more than 2 cores for 8 sessions) and
-``moshi-full`` at Moshi 7B's own size on an NVIDIA GPU (it refuses to load without one). All three
-load torch and the vendor only when chosen, and load a published checkpoint instead of random
-weights when given ``weights`` (``loads_weights``). ``token2wav-full`` is MiniCPM-o 4.5's Token2Wav at full
-size on an NVIDIA GPU as a reply voice on stand-in speech tokens (``token2wav.py``), ``token2wav``
-the same at reduced depth on the CPU; both load a published checkpoint too, take a speaker
-prompt as ``prompt`` (``takes_prompt``) and run their sessions on replay lanes, as many as
-``lanes`` (``has_lanes``). ``personaplex-tiny`` (CPU) and ``personaplex-full`` (an NVIDIA GPU) are
-PersonaPlex's sessions as the slots of one batch, each with its own voice and role
-(``personaplex.py``; its batch size and voices are plugin options). ``tone`` is a test double used by the service's tests, not
-a model.
+``moshi-full`` at Moshi 7B's own size on an NVIDIA GPU (it refuses to load without one).
+``personaplex-tiny`` (CPU) and ``personaplex-full`` (an NVIDIA GPU) are PersonaPlex's sessions as
+the slots of one batch, each with its own voice and role (``personaplex.py``). ``token2wav-full``
+is MiniCPM-o 4.5's Token2Wav at full size on an NVIDIA GPU as a reply voice on stand-in speech
+tokens (``token2wav.py``), ``token2wav`` the same at reduced depth on the CPU. All of them load
+torch and the vendor only when chosen; what each takes (weights, a prompt, slots, lanes) is
+its record's. What a session's stream does beyond the seam (text, a client's voice) it says
+itself: ``take_text`` (``serve/runtime/text.py``), ``upload_voice`` (the duplex ``ref_audio``). ``tone`` is a test double used by the service's tests, not a
+model.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .base import ConfigRefused, ModelPlugin, ModelStream, PluginInfo, SlotsFull
@@ -67,66 +67,71 @@ def _token2wav(depth: str) -> PluginFactory:
     return build
 
 
-_REGISTRY: dict[str, PluginFactory] = {
-    "tone": ToneModel,
-    "moshi-tiny": _moshi("tiny"),
-    "moshi-small": _moshi("small"),
-    "moshi-full": _moshi("full"),
-    "personaplex-tiny": _personaplex("tiny"),
-    "personaplex-full": _personaplex("full"),
-    "token2wav": _token2wav("reduced"),
-    "token2wav-full": _token2wav("full"),
-}
+@dataclass(frozen=True)
+class PluginSpec:
+    """One served model: its ``name`` (``serve --model``), the ``factory`` that builds its plugin
+    from the options (loading torch and the vendor only then), and what it takes, which the CLI
+    reads to pass its flags on or refuse them by name. Adding a served model is its plugin module
+    and one record in ``SPECS``; nothing else lists models."""
+
+    name: str
+    factory: PluginFactory
+    loads_weights: bool = False  # takes ``weights=``: a checkpoint directory or hub repo id (``serve --weights``)
+    takes_prompt: bool = False  # takes ``prompt=``: Token2Wav's speaker prompt (``serve --prompt``)
+    has_slots: bool = False  # ticks its sessions as a batch's slots, of the size ``slots=`` (``serve --slots``)
+    has_lanes: bool = False  # runs its sessions on replay lanes, as many as ``lanes=`` (``serve --lanes``)
 
 
-#: The plugins that take ``weights=`` (a checkpoint directory or hub repo id: ``serve --weights``).
-_LOADS_WEIGHTS = {"moshi-tiny", "moshi-small", "moshi-full", "token2wav", "token2wav-full"}
-#: The plugins that take ``prompt=`` (Token2Wav's speaker prompt: ``serve --prompt``).
-_TAKES_PROMPT = {"token2wav", "token2wav-full"}
-#: The plugins that tick their sessions as the slots of a batch and take its size as ``slots=``
-#: (``serve --slots``).
-_HAS_SLOTS = {"moshi-tiny", "moshi-small", "moshi-full"}
-#: The plugins that run their sessions on replay lanes and take how many as ``lanes=``
-#: (``serve --lanes``).
-_HAS_LANES = {"token2wav", "token2wav-full"}
+SPECS: tuple[PluginSpec, ...] = (
+    PluginSpec("tone", ToneModel),
+    *(PluginSpec(f"moshi-{size}", _moshi(size), loads_weights=True, has_slots=True) for size in ("tiny", "small", "full")),
+    *(PluginSpec(f"personaplex-{size}", _personaplex(size), loads_weights=True, has_slots=True) for size in ("tiny", "full")),
+    PluginSpec("token2wav", _token2wav("reduced"), loads_weights=True, takes_prompt=True, has_lanes=True),
+    PluginSpec("token2wav-full", _token2wav("full"), loads_weights=True, takes_prompt=True, has_lanes=True),
+)
+
+_REGISTRY: dict[str, PluginSpec] = {spec.name: spec for spec in SPECS}
 
 
-def register_plugin(name: str, factory: PluginFactory, *, loads_weights: bool = False) -> None:
-    _REGISTRY[name] = factory
-    if loads_weights:
-        _LOADS_WEIGHTS.add(name)
+def register_plugin(spec: PluginSpec) -> None:
+    """A served model added at run time (a test's, an outside package's): one record, as in ``SPECS``."""
+    _REGISTRY[spec.name] = spec
 
 
 def plugin_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def plugin_spec(name: str) -> PluginSpec:
+    """The record of served model ``name``; an unknown name is refused, naming the known ones."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown model plugin {name!r}; known: {', '.join(plugin_names())}") from None
+
+
 def loads_weights(name: str) -> bool:
     """Whether plugin ``name`` loads a checkpoint given as ``weights``."""
-    return name in _LOADS_WEIGHTS
+    return plugin_spec(name).loads_weights
 
 
 def takes_prompt(name: str) -> bool:
     """Whether plugin ``name`` takes a speaker prompt given as ``prompt``."""
-    return name in _TAKES_PROMPT
+    return plugin_spec(name).takes_prompt
 
 
 def has_slots(name: str) -> bool:
     """Whether plugin ``name`` ticks its sessions as a batch's slots, of the size given as ``slots``."""
-    return name in _HAS_SLOTS
+    return plugin_spec(name).has_slots
 
 
 def has_lanes(name: str) -> bool:
     """Whether plugin ``name`` runs its sessions on replay lanes, as many as given as ``lanes``."""
-    return name in _HAS_LANES
+    return plugin_spec(name).has_lanes
 
 
 def load_plugin(name: str, **options: Any) -> ModelPlugin:
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown model plugin {name!r}; known: {', '.join(plugin_names())}") from None
-    return factory(**options)
+    return plugin_spec(name).factory(**options)
 
 
 __all__ = [
@@ -135,6 +140,8 @@ __all__ = [
     "ModelPlugin",
     "ModelStream",
     "PluginInfo",
+    "PluginSpec",
+    "SPECS",
     "SlotsFull",
     "ToneModel",
     "has_lanes",
@@ -142,6 +149,7 @@ __all__ = [
     "load_plugin",
     "loads_weights",
     "plugin_names",
+    "plugin_spec",
     "register_plugin",
     "takes_prompt",
 ]

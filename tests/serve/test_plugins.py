@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cadence_fx.serve.plugins import ModelPlugin, ModelStream, ToneModel, load_plugin, plugin_names, register_plugin
+from cadence_fx.serve.plugins import (
+    ModelPlugin,
+    ModelStream,
+    PluginSpec,
+    ToneModel,
+    load_plugin,
+    plugin_names,
+    register_plugin,
+)
 from cadence_fx.serve.plugins import tone
 
 
@@ -75,10 +83,31 @@ def test_registry_loads_by_name_and_says_what_it_knows(monkeypatch):
     # the generated CLI reference read it).
     monkeypatch.setattr(plugins, "_REGISTRY", dict(plugins._REGISTRY))
     assert isinstance(load_plugin("tone", step_delay_s=0.0), ToneModel)
-    register_plugin("tone-alias", ToneModel)
-    assert "tone-alias" in plugin_names()
+    register_plugin(PluginSpec("tone-alias", ToneModel, has_lanes=True))
+    assert "tone-alias" in plugin_names() and plugins.has_lanes("tone-alias")
+    assert isinstance(load_plugin("tone-alias", step_delay_s=0.0), ToneModel)
     with pytest.raises(ValueError, match="unknown model plugin 'nope'; known: .*tone"):
         load_plugin("nope")
+    with pytest.raises(ValueError, match="unknown model plugin 'nope'; known: .*tone"):
+        plugins.has_slots("nope")
+
+
+def test_one_record_per_served_model_says_what_it_takes():
+    from cadence_fx.serve import plugins
+
+    takes = {spec.name: [flag for flag in ("loads_weights", "takes_prompt", "has_slots", "has_lanes")
+                         if getattr(spec, flag)] for spec in plugins.SPECS}
+    assert takes == {
+        "tone": [],
+        "moshi-tiny": ["loads_weights", "has_slots"],
+        "moshi-small": ["loads_weights", "has_slots"],
+        "moshi-full": ["loads_weights", "has_slots"],
+        "personaplex-tiny": ["loads_weights", "has_slots"],
+        "personaplex-full": ["loads_weights", "has_slots"],
+        "token2wav": ["loads_weights", "takes_prompt", "has_lanes"],
+        "token2wav-full": ["loads_weights", "takes_prompt", "has_lanes"],
+    }
+    assert plugin_names() == sorted(takes)
 
 
 @pytest.mark.parametrize(("name", "options", "error"), [

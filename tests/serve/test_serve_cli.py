@@ -114,7 +114,7 @@ def test_slots_for_a_model_without_slots_is_one_sentence(capsys):
     assert main(["serve", "--model", "tone", "--slots", "4"]) == 2
     assert capsys.readouterr().err == (
         "cadence-fx serve: error: --slots: tone has no batch of slots; the models that do: moshi-full, moshi-small, "
-        "moshi-tiny\n"
+        "moshi-tiny, personaplex-full, personaplex-tiny\n"
     )
 
 
