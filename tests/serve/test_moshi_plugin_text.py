@@ -1,19 +1,16 @@
 """Moshi's text tokens as the session's transcript: what ``take_text`` hands out is the text of
 the token the vendor's batched loop sampled with each reply frame, detokenized (``moshi_text.py``),
-in the server process and in a worker; over the OpenAI GA route and vLLM-Omni's duplex route, the
-transcript deltas, their ``.done`` and the reply item's transcript are that text."""
+in the server process and in a worker; over the OpenAI GA route, the transcript deltas, their
+``.done`` and the reply item's transcript are that text (vLLM-Omni's client on the duplex route:
+``test_vllm_omni_interop.py``)."""
 
 from __future__ import annotations
-
-import asyncio
 
 import numpy as np
 import pytest
 import sentencepiece
 import torch
-import vllm_omni_shim as vo
 from servekit import Server, deltas_of, run, same
-from test_vllm_omni_interop import QUESTION_16K, next_response, play
 
 from cadence_fx.models.moshi_slots import Tick, vendor_slots
 from cadence_fx.models.moshi_stream import build_models, random_pcm
@@ -142,22 +139,3 @@ def test_the_ga_route_sends_the_text_as_transcript_deltas_its_done_and_the_items
     assert done["response.content_part.done"]["part"] == {"type": "audio", "transcript": transcript}
     assert done["response.output_item.done"]["item"]["content"][0]["transcript"] == transcript
     assert done["response.done"]["response"]["output"][0]["content"][0]["transcript"] == transcript
-
-
-def test_vllm_omnis_client_reads_moshi_tinys_transcript_on_the_duplex_route():
-    async def scenario(server: Server):
-        async with vo.duplex.DuplexClient(server.handle.ws_url, model="moshi-tiny") as client:
-            await client.stream_pcm(QUESTION_16K, realtime=False)
-            await client.commit()
-            handle = await next_response(client)
-            audio = await play(client, handle)
-            await client.close()
-        return audio, handle.transcript
-
-    served = MoshiPlugin(max_reply_frames=8, record=True)
-    with background_server(lambda: served, Limits(max_sessions=2)) as handle:
-        audio, transcript = asyncio.run(asyncio.wait_for(scenario(Server(handle)), 120))
-    _, want_pcm, tokens = vendor_slot(served)
-    assert audio == wire_audio.encode_samples(np.concatenate(want_pcm[-8:]), PCM24K)  # the reply: the last 8 frames
-    assert transcript == "".join(spoken(tokens[-8:]))
-    assert transcript != ""

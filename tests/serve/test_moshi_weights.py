@@ -135,7 +135,7 @@ def test_serve_refuses_weights_for_a_model_that_loads_none(capsys):
     assert main(["serve", "--model", "tone", "--weights", "kyutai/moshiko-pytorch-bf16"]) == 2
     assert capsys.readouterr().err == (
         "cadence-fx serve: error: --weights: tone loads no checkpoint; the models that do: moshi-full, moshi-small, "
-        "moshi-tiny, token2wav, token2wav-full\n"
+        "moshi-tiny, personaplex-full, personaplex-tiny, token2wav, token2wav-full\n"
     )
 
 

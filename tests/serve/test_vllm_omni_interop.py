@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import numpy as np
+import pytest
 import vllm_omni_shim as vo
 from servekit import (
     COMMIT,
@@ -329,3 +331,25 @@ def test_the_client_reads_the_transcript_of_a_model_that_speaks_text():
         audio, transcript = asyncio.run(asyncio.wait_for(scenario(Server(handle)), 60))
     assert audio == tone_reply_pcm(REPLY_CHUNKS)
     assert transcript == "".join(f" w{i}" for i in range(REPLY_CHUNKS))
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # the reference and the worker on one thread
+def test_the_client_reads_moshi_tinys_transcript_the_text_of_its_tokens():
+    from test_moshi_plugin_text import spoken, vendor_slot
+
+    async def scenario(server: Server):
+        async with vo.duplex.DuplexClient(server.handle.ws_url, model="moshi-tiny") as client:
+            await client.stream_pcm(QUESTION_16K, realtime=False)
+            await client.commit()
+            handle = await next_response(client)
+            audio = await play(client, handle)
+            await client.close()
+        return audio, handle.transcript
+
+    served = MoshiPlugin(max_reply_frames=8, record=True)
+    with background_server(lambda: served, Limits(max_sessions=2)) as handle:
+        audio, transcript = asyncio.run(asyncio.wait_for(scenario(Server(handle)), 120))
+    _, want_pcm, tokens = vendor_slot(served)
+    assert audio == wire_audio.encode_samples(np.concatenate(want_pcm[-8:]), wire_audio.PCM24K)  # the reply: the last 8 frames
+    assert transcript == "".join(spoken(tokens[-8:]))
+    assert transcript != ""
