@@ -48,7 +48,7 @@ from .plugins import ModelPlugin
 from .protocol import decode_event, encode_command
 from .protocol import events as ev
 from .session import Connection, Limits, SessionManager, Transport
-from .session.session import _DATA_COMMANDS
+from .session.messages import DATA_COMMANDS
 from .session.transport import CLOSE_SLOW_CONSUMER
 
 
@@ -212,6 +212,6 @@ def _frame_bytes(command: ev.ClientCommand) -> int:
     """What the command's frame would count against the input budget (``Session.submit``)."""
     if isinstance(command, ev.InputAudioBufferAppend):
         return len(command.audio)
-    if isinstance(command, _DATA_COMMANDS):
+    if isinstance(command, DATA_COMMANDS):
         return len(encode_command(command))
     return 0

@@ -63,7 +63,7 @@ from .plugins import DEFAULT_PLUGIN, load_plugin
 from .protocol import ProtocolError, encode_event
 from .protocol import events as ev
 from .session import Limits
-from .session.session import CLOSE_GOING_AWAY, CLOSE_TRY_AGAIN, _error_event
+from .session.codes import CLOSE_GOING_AWAY, CLOSE_TRY_AGAIN, error_event
 
 log = logging.getLogger("cadence_fx.serve.ray")
 
@@ -305,7 +305,7 @@ class SessionRouter:
         if link.session_id is not None and replica_of(link.session_id) is not None:
             await _end_lost(ws, link)
             return
-        error = _error_event(ProtocolError("resource_exhausted", "no replica is up"))
+        error = error_event(ProtocolError("resource_exhausted", "no replica is up"))
         error.event_id = "event_unbound000001"
         await ws.send_text(encode_event(error, duplex=link.duplex))
         await ws.close(CLOSE_TRY_AGAIN, "resource exhausted")

@@ -17,7 +17,8 @@ import asyncio
 from ..protocol import ProtocolError, decode_command
 from ..protocol import events as ev
 from .manager import SessionManager
-from .session import CLOSE_EXPIRED, CLOSE_POLICY, CLOSE_TRY_AGAIN, Session, _error_event
+from .codes import CLOSE_EXPIRED, CLOSE_POLICY, CLOSE_TRY_AGAIN, error_event
+from .session import Session
 from .transport import Transport
 
 # Resume failures that a client with the right token never sees (a generation race is not one).
@@ -144,6 +145,6 @@ class Connection:
 
     def _send_unbound(self, err: ProtocolError) -> None:
         self._errors += 1
-        event = _error_event(err)
+        event = error_event(err)
         event.event_id = f"event_unbound{self._errors:06d}"
         self.transport.send(event, None, self.duplex)

@@ -6,23 +6,29 @@ import asyncio
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..plugins import ModelPlugin, SlotsFull
 from ..protocol import ProtocolError, quoted
 from ..protocol import events as ev
 from .ledger import Ledgers
 from .limits import Limits
-from .session import CLOSE_GOING_AWAY, Session
+from .codes import CLOSE_GOING_AWAY
+from .session import Session
 from .transport import Transport
-
-if TYPE_CHECKING:
-    from .connection import Connection
 
 _KEEP_ENDED_LEDGERS = 256
 # After the drain, how long the sessions get to end (a model call in flight finishes first), and
 # then their sockets to send what they hold and their close.
 _STOP_S = 5.0
+
+
+class ConnectionView(Protocol):
+    """What the manager reads of a client connection (``connection.Connection``, which imports
+    this module: the manager never imports it back)."""
+
+    transport: Transport
+    session: Session | None
 
 
 class SessionManager:
@@ -38,7 +44,7 @@ class SessionManager:
         # another's to free a thread, and none holds up decoding.
         self.model_executor = ThreadPoolExecutor(max(1, limits.max_sessions), thread_name_prefix="cadence-model")
         self.sessions: dict[str, Session] = {}
-        self.connections: set[Connection] = set()
+        self.connections: set[ConnectionView] = set()
         self.draining = False
         self.ended = 0
         # The final ledgers of the latest ended sessions, for audits and tests.

@@ -159,3 +159,56 @@ def test_layers_load_no_framework_at_run_time_and_the_core_loads_no_model_or_ser
     )
     assert {m.split(".")[0] for m in loaded["session"]} & (frameworks - {"torch"}) == set()
     assert [m for m in loaded["core"] if m.startswith(("cadence_fx.models", "cadence_fx.serve"))] == []
+
+
+# The session layer's modules, bottom up: a module imports only modules of a lower tier, under
+# TYPE_CHECKING too (the reader walks every import statement). A Session's pieces form a line
+# (base <- conversation <- fence <- turns <- lifetime <- session); the manager owns sessions, and a
+# connection routes to the manager and its session. A new module has to be placed here.
+SESSION_TIERS = (
+    {"codes", "journal", "lease", "ledger", "limits", "playback", "port", "transport", "vad"},
+    {"input_path", "messages"},
+    {"base"},
+    {"conversation"},
+    {"fence"},
+    {"turns"},
+    {"lifetime"},
+    {"session"},
+    {"manager"},
+    {"connection"},
+    {"__init__"},
+)
+SESSION = "cadence_fx.serve.session"
+
+
+def _session_imports_above(folder: Path) -> list[str]:
+    """Every import in ``folder``'s modules of a session-layer module not below the importer's tier
+    (the package itself counts as its ``__init__``: import a sibling by its own name)."""
+    tier = {name: level for level, names in enumerate(SESSION_TIERS) for name in names}
+    found = set()
+    for path in sorted(folder.glob("*.py")):
+        for module in sorted(_imported(path, SESSION)):
+            if module != SESSION and not module.startswith(SESSION + "."):
+                continue
+            name = module.removeprefix(SESSION).removeprefix(".").split(".")[0] or "__init__"
+            if name in tier and tier[name] >= tier[path.stem]:
+                found.add(f"{path.stem} imports {name}")
+    return sorted(found)
+
+
+def test_session_modules_import_only_modules_below_them():
+    names = {path.stem for path in (SERVE / "session").glob("*.py")}
+    assert names == set().union(*SESSION_TIERS), "place every serve/session module in SESSION_TIERS"
+    assert _session_imports_above(SERVE / "session") == []
+
+
+def test_the_session_tier_check_sees_an_upward_import_under_type_checking(tmp_path):
+    (tmp_path / "session.py").write_text(
+        "from typing import TYPE_CHECKING\nfrom .codes import CLOSE_NORMAL\n"
+        "if TYPE_CHECKING:\n    from .manager import SessionManager\n"
+    )
+    (tmp_path / "manager.py").write_text("from .connection import Connection\nfrom .session import Session\n")
+    (tmp_path / "codes.py").write_text("from cadence_fx.serve.session import Limits\n")
+    assert _session_imports_above(tmp_path) == [
+        "codes imports __init__", "manager imports connection", "session imports manager"
+    ]
