@@ -78,7 +78,8 @@ import numpy as np
 from cadence_fx.report import latency_stats, measured_commit
 from cadence_fx.serve.app import free_port, server_process
 from cadence_fx.serve.cli import plugin_option
-from cadence_fx.serve.loadgen import drive_session, run_load, speech_pattern
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "serve"))  # the load generator: a test kit
+from loadgen import drive_session, run_load, speech_pattern  # noqa: E402
 from cadence_fx.serve.protocol import PCM24K
 from cadence_fx.serve.protocol import audio as wire_audio
 from cadence_fx.serve.plugins import has_lanes, plugin_names

@@ -1,6 +1,6 @@
-"""Fault soak of the duplex service (serve/soak.py): N sessions for M minutes against a server in
-its own process (the tone model, on 2 CPU cores), ended by SIGTERM; records the ledgers, the
-verdicts and the server's resident memory over the run as JSON:
+"""Fault soak of the duplex service (tests/serve/soakkit.py): N sessions for M minutes against a
+server in its own process (the tone model, on 2 CPU cores), ended by SIGTERM; records the
+ledgers, the verdicts and the server's resident memory over the run as JSON:
 
     python bench/soak.py                                  # 16 sessions x 10 min: bench/results/soak.json
     python bench/soak.py --sessions 4 --minutes 1 --out /tmp/soak.json
@@ -24,7 +24,9 @@ from pathlib import Path
 
 from cadence_fx.report import measured_commit
 from cadence_fx.serve.app import free_port, server_process
-from cadence_fx.serve.soak import run_soak, soak_limits, summarize
+KITS = Path(__file__).resolve().parents[1] / "tests" / "serve"  # the soak's driver: a test kit (soakkit.py)
+sys.path.insert(0, str(KITS))
+from soakkit import run_soak, soak_limits, summarize  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parents[1]
@@ -36,8 +38,9 @@ FLAT_TOLERANCE = 0.05
 
 _SERVE = """
 import sys
+sys.path.insert(0, sys.argv[3])
 from cadence_fx.serve.app import Server, create_app, uvicorn_config
-from cadence_fx.serve.soak import soak_limits, soak_model
+from soakkit import soak_limits, soak_model
 limits = soak_limits(int(sys.argv[2]))
 Server(uvicorn_config(create_app(soak_model, limits), "127.0.0.1", int(sys.argv[1]), limits)).run()
 """
@@ -107,7 +110,7 @@ def main() -> None:
     args = parser.parse_args()
 
     port = free_port()
-    server = server_process(_SERVE, port, timeout_s=300, args=(str(port), str(args.sessions)))
+    server = server_process(_SERVE, port, timeout_s=300, args=(str(port), str(args.sessions), str(KITS)))
     load_before = os.getloadavg()
     try:
         ledgers, samples, wall_s = asyncio.run(_soak(port, server, args.sessions, 60.0 * args.minutes, args.seed))

@@ -4,6 +4,11 @@ It stands in for a real model so the service can be tested exactly: its reply is
 whose length is a pure function of the user turn's length (half as long, in whole 40 ms chunks,
 at least one chunk). It reads nothing of the audio's content. Optional delays simulate compute
 time per frame and per chunk, for backpressure and mid-response tests.
+
+It ships in the installed package, not in tests/, because it is a model users serve, not only a
+test's tool: ``cadence-fx serve --model tone`` is the service without weights or a GPU, exact to
+the sample (docs/service.md's first commands; docs/deployment.md's two Ray replicas), and the
+in-process API's documented example (serve/inprocess.py) opens its session on ``ToneModel()``.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pydantic
+import soakkit as soak
 from openai.types.realtime import RealtimeServerEvent
 
-from cadence_fx.serve import soak
 from cadence_fx.serve.access import Access
 from cadence_fx.serve.app import background_server
 from cadence_fx.serve.client import RealtimeSocket, read_wav

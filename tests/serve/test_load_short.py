@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from loadgen import run_load, speech_pattern
 from servekit import run, running, tone_reply_pcm
 
-from cadence_fx.serve.loadgen import run_load, speech_pattern
 from cadence_fx.serve.plugins import tone
 from cadence_fx.serve.protocol import PCM24K
 from cadence_fx.serve.protocol import audio as wire_audio

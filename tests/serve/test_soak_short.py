@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 
 from servekit import run
+from soakkit import STEPS, run_soak, soak_limits, soak_model, summarize
 
 from cadence_fx.serve.app import background_server
-from cadence_fx.serve.soak import STEPS, run_soak, soak_limits, soak_model, summarize
 
 SESSIONS, SECONDS, SEED = 4, 12.0, 1
 

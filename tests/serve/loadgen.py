@@ -1,5 +1,6 @@
 """Load generator: many concurrent sessions streaming audio in real time, with wire-level
-accounting of every input byte and every output sample (bench/serve_load.py, tests).
+accounting of every input byte and every output sample (bench/serve_load.py, tests). A test
+kit, not part of the installed service: bench/serve_load.py puts tests/serve/ on its path.
 
 Each session turns server VAD on (barge-in off, so turns never race their replies), streams its
 audio in fixed chunks at real-time pace, commits whatever is left at the end, and closes. From
@@ -20,9 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .client import RealtimeSocket
-from .protocol import PCM24K
-from .protocol import audio as wire_audio
+from cadence_fx.serve.client import RealtimeSocket
+from cadence_fx.serve.protocol import PCM24K
+from cadence_fx.serve.protocol import audio as wire_audio
 
 
 @dataclass

@@ -3,7 +3,7 @@
 while a ledger per session accounts for every input byte and every output sample.
 
 The model is the ``tone`` test double, whose reply to a turn is known exactly (half as long, a
-440 Hz sine; ``plugins/tone.py``), so every reply can be checked sample for sample. Appends are
+440 Hz sine; ``serve/plugins/tone.py``), so every reply can be checked sample for sample. Appends are
 whole 20 ms frames, so a turn of ``n`` committed bytes (24 kHz PCM16) is ``n / 3`` samples at the
 model's 16 kHz, with nothing padded.
 
@@ -19,6 +19,9 @@ What a run must show (``SessionLedger.violations`` lists every breach, by sessio
   ``server_error``;
 * shutdown: when the server stops, every session gets ``session.closed`` (``server_shutdown``)
   and close code 1001.
+
+A test kit, not part of the installed service: tests/serve/test_soak_short.py runs it short, and
+bench/soak.py (which puts tests/serve/ on its path, and its server's) for minutes.
 """
 
 from __future__ import annotations
@@ -38,10 +41,10 @@ from urllib.parse import urlsplit
 import numpy as np
 import websockets
 
-from .plugins import ToneModel, tone
-from .protocol import PCM24K
-from .protocol import audio as wire_audio
-from .session import Limits
+from cadence_fx.serve.plugins import ToneModel, tone
+from cadence_fx.serve.protocol import PCM24K
+from cadence_fx.serve.protocol import audio as wire_audio
+from cadence_fx.serve.session import Limits
 
 # The tone speaks in real time (a 40 ms chunk each 40 ms), so replies last long enough to be cut
 # into by a cancel, a barge-in, a disconnect or a stall.
