@@ -40,7 +40,8 @@ class SessionHost(Protocol):
     """What a session needs of the manager that made it (``SessionManager``), so that the session
     layer's dependencies point one way: the manager imports the session, never the reverse."""
 
-    model_executor: Executor
+    @property
+    def model_executor(self) -> Executor: ...
 
     def remaining(self) -> int: ...
 
