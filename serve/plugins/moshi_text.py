@@ -27,13 +27,14 @@ def padded_tokenizer(model: bytes, card: int) -> bytes:
     vocabulary of ``card`` samples has one. A test tokenizer trained on a few lines has tens of
     pieces; the LM samples any of its 32,000 ids. The pieces are appended to the serialized
     ``ModelProto``'s repeated field 1 (``SentencePiece {piece = 1, score = 2, type = 3}``), as the
-    protobuf wire format merges a repeated field written later."""
+    protobuf wire format merges a repeated field written later, then read and written again in order."""
     have = sentencepiece.SentencePieceProcessor(model_proto=model).get_piece_size()
     pieces = (
         _field(1, _field(1, f"{SPACE}w{i}".encode()) + b"\x15" + struct.pack("<f", 0.0) + b"\x18" + bytes([USER_DEFINED]))
         for i in range(have, card)
     )
-    return model + b"".join(pieces)
+    merged = sentencepiece.SentencePieceProcessor(model_proto=model + b"".join(pieces))
+    return merged.serialized_model_proto()  # re-serialized in field order, as a trained model's file is
 
 
 def stand_in_tokenizer(card: int) -> bytes:

@@ -2,7 +2,7 @@
 URL, as its client's ``audio_data_url`` makes it) becomes a PersonaPlex session's voice, named by
 its content hash (16 hex digits of its SHA-256), and the reply is PersonaPlex's own loop primed with that WAV, bit for bit; a path
 or URL, a payload that is not base64 and a WAV outside the limits are refused by name, and leave the
-session's voice as it was. A model that takes no voice keeps refusing ``ref_audio``
+session's voice as it was; the reply's transcript is the text of PersonaPlex's own tokens. A model that takes no voice keeps refusing ``ref_audio``
 (``test_duplex_fields.py``)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 import vllm_omni_shim as vo
 from personaplex_kit import speechlike
 from servekit import Server, run
+from test_moshi_plugin_text import spoken
 from test_personaplex_plugin import wav_bytes
 from test_vllm_omni_interop import next_response, play
 
@@ -60,10 +61,10 @@ def test_the_personaplex_preset_with_ref_audio_is_personaplex_primed_with_that_w
             info = client.session_info
             await client.close()
         await consumer
-        return audio, info, collector.events
+        return audio, handle.transcript, info, collector.events
 
     with background_server(lambda: plugin, Limits(max_sessions=1), settle_heap=False) as handle:
-        audio, info, events = asyncio.run(asyncio.wait_for(scenario(Server(handle)), 120))
+        audio, transcript, info, events = asyncio.run(asyncio.wait_for(scenario(Server(handle)), 120))
     assert [e for e in events if e["type"] == "error"] == []
     assert (info["audio"]["output"]["voice"], info["instructions"]) == (
         "ref_audio-" + hashlib.sha256(voice).hexdigest()[:16], ROLE
@@ -74,6 +75,8 @@ def test_the_personaplex_preset_with_ref_audio_is_personaplex_primed_with_that_w
                                         voice_prompt=str(tmp_path / "voice.wav"))
     reply = want.pcm[0, 0].numpy()[-REPLY * FRAME_SAMPLES:]  # the reply opens with the turn's last frame
     assert audio == wire_audio.encode_samples(reply, wire_audio.PCM24K)
+    # Its text tokens are the transcript, as Moshi's are (the stand-in tokenizer of random weights).
+    assert transcript == "".join(spoken(want.tokens[0, 0, -REPLY:].tolist()))
 
 
 def test_a_ref_audio_that_is_no_wav_data_url_is_refused_by_name_and_changes_nothing(plugin):

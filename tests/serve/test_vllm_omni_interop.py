@@ -282,7 +282,10 @@ def test_minicpmo_preset_with_ack_only_playback_and_collected_acks():
     assert [types_of(turn) for turn in turns(events)] == [COMMIT + RESPONSE_HEAD + RESPONSE_TAIL] * 2
 
 
+@pytest.mark.usefixtures("one_torch_thread")  # the reference and the worker on one thread
 def test_default_client_against_moshi_tiny_with_a_dropped_connection():
+    from test_moshi_plugin_text import spoken, vendor_slot
+
     async def scenario(server: Server):
         proxy = DroppingProxy(server.handle.host, server.handle.port)
         url = await proxy.start()
@@ -304,15 +307,19 @@ def test_default_client_against_moshi_tiny_with_a_dropped_connection():
         await proxy.stop()
         return b"".join(chunks), info, collector.events, proxy.connections
 
-    served = MoshiPlugin(max_reply_frames=8)
+    served = MoshiPlugin(max_reply_frames=8, record=True)
     with background_server(lambda: served, Limits(max_sessions=2)) as handle:
         audio, info, events, connections = asyncio.run(asyncio.wait_for(scenario(Server(handle)), 120))
         ended = handle.manager.ended
+    said = [text for text in spoken(vendor_slot(served)[2][-8:]) if text]  # the reply's text, frame by frame
     assert [e for e in events if e["type"] == "error"] == []
     assert (connections, ended) == (2, 1)
     assert len(audio) == 8 * 1920 * 2  # 8 reply frames of 80 ms at 24 kHz, pcm16
     assert vo.duplex.chunk_period_ms([{"session": info}]) == 80
-    assert [types_of(turn) for turn in turns(events)] == [COMMIT + RESPONSE_HEAD + RESPONSE_TAIL]
+    transcript = ["response.output_audio_transcript.delta"] * len(said)
+    tail = RESPONSE_TAIL[:1] + ["response.output_audio_transcript.done"] + RESPONSE_TAIL[1:]
+    assert [types_of(turn) for turn in turns(events)] == [COMMIT + RESPONSE_HEAD + transcript + tail]
+    assert [e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta"] == said
     seqs = [e["server_event_seq"] for e in events if "server_event_seq" in e]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
 
