@@ -28,6 +28,9 @@ How a duplex model maps onto the session's turns:
   returns (``REPLY_AHEAD_FRAMES``, never past the reply's length), so they ride the slot's next
   ticks while the session hands this one out: the model's clock runs at most that many frames
   ahead of the session's, and a frame fed meanwhile comes after them.
+* ``take_text``: the text of the token Moshi sampled with the frame ``step`` handed out last (each
+  output is its PCM and that token's id, ``moshi_worker.Spoken``), which the session sends as the
+  reply's transcript; "" after a ``step`` that returned None.
 * ``cancel``: the rest of the reply is dropped. The model keeps its state: it has said what it
   said, and the clock goes on from there.
 * ``clear_input``: the cleared frames stop counting toward the turn. The model heard them as they
