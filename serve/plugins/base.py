@@ -41,7 +41,13 @@ class PluginInfo:
 
 
 class ModelStream(ABC):
-    """One session's running model."""
+    """One session's running model.
+
+    Two seams are optional, and a stream has them by defining them (the session looks): a stream
+    that speaks text defines ``take_text()``, the text of its latest ``step`` (``serve/runtime/text.py``;
+    Moshi, PersonaPlex), and one that takes a client's voice WAV defines ``upload_voice(name, wav)``,
+    raising ``ConfigRefused`` for a WAV it refuses (PersonaPlex; over the duplex route, ``ref_audio``).
+    """
 
     #: Set by the session for each call, before it starts: True when the session makes its next
     #: call as soon as this one returns (the next frame of a reply it computes ahead of playback).
