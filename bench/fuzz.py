@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+# bench/ itself off the path (bench/moshi.py would shadow the vendor's `moshi`), the tests' kits on it
+sys.path[:] = [str(ROOT / "tests"), *(p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench")]
 
 from fuzz_subjects import SUBJECTS  # noqa: E402
 from fuzzkit import TOYS, run, schedule  # noqa: E402
