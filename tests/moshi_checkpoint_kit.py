@@ -14,7 +14,7 @@ from moshi.models import loaders
 from safetensors.torch import load_file, save_file
 
 from cadence_fx.models.moshi_stream import MoshiConfig, MoshiModels
-from cadence_fx.serve.plugins.moshi_text import padded_tokenizer
+from cadence_fx.models.moshi_tokenizer import padded_tokenizer
 
 MIMI_CONFIG_NAME = "mimi_config.json"  # named by config.json's mimi_config_name, as the vendor reads it
 

@@ -61,7 +61,7 @@ def write_checkpoint(folder: Path, models: personaplex.PersonaPlexModels) -> Non
     from safetensors.torch import save_file
 
     from cadence_fx.models.personaplex_prompt import prime
-    from cadence_fx.serve.plugins.moshi_text import padded_tokenizer
+    from cadence_fx.models.moshi_tokenizer import padded_tokenizer
 
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in models.lm.state_dict().items()},
               str(folder / "model.safetensors"))

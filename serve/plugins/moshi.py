@@ -29,7 +29,7 @@ round differently).
 Each frame Moshi speaks comes with the text token it sampled on that tick: a stream hands it out
 as text (``take_text``), which the session sends as transcript deltas, detokenized by the
 checkpoint's tokenizer or, for random weights, a stand-in with a piece for every id
-(``moshi_text.py``).
+(``models/moshi_tokenizer.py``).
 
 This module is the plugin (sizes, options, placement of streams, ``reserve``, ``describe``). How a
 session's turns map onto the model's clock: ``moshi_turns.py`` (``MoshiStream``). Where the ticks
@@ -67,11 +67,11 @@ import torch
 
 from cadence_fx.models.moshi_checkpoint import MoshiCheckpoint, locate
 from cadence_fx.models.moshi_stream import SAMPLE_RATE, MoshiConfig, random_pcm
+from cadence_fx.models.moshi_tokenizer import TextPieces, stand_in_tokenizer
 
 from ..runtime.slots import SlotScheduler, SlotsFull, TickRecord
 from .base import ModelPlugin, PluginInfo, add_counters
 from .moshi_places import _InProcess, _Place, _Worker
-from .moshi_text import TextPieces, stand_in_tokenizer
 from .moshi_turns import FRAME_SAMPLES, REPLY_AHEAD_FRAMES, SILENCE, MoshiStream
 from .moshi_worker import SIZES, WORKER_OPS
 
@@ -114,7 +114,7 @@ def _checkpoint_of_size(name: str, size: str, weights: str) -> MoshiCheckpoint:
 
 def _text_pieces(name: str, config: MoshiConfig, checkpoint: MoshiCheckpoint | None) -> TextPieces:
     """The pieces of the text tokens the LM samples: the checkpoint's tokenizer, or the stand-in
-    for random weights (``moshi_text.py``); a tokenizer that cannot read every id is refused."""
+    for random weights (``models/moshi_tokenizer.py``); a tokenizer that cannot read every id is refused."""
     card = config.lm_kwargs["text_card"]
     if checkpoint is None:
         return TextPieces(stand_in_tokenizer(card), card, f"{name} (random weights)")

@@ -22,7 +22,7 @@ frame waiting runs it, in one batched LM call, the others masked. A session is a
   and a model primed with one persona cannot be turned into another without priming. A reply in
   progress goes on with the new persona's frames. ``describe()`` counts these ``rejoins``.
 - The text token PersonaPlex samples with each frame it speaks is the session's transcript, as for
-  Moshi (``take_text``; ``moshi_text.py``: the checkpoint's tokenizer, or a stand-in for random weights).
+  Moshi (``take_text``; ``models/moshi_tokenizer.py``: the checkpoint's tokenizer, or a stand-in for random weights).
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from cadence_fx.models.moshi_tokenizer import TextPieces, stand_in_tokenizer
+
 from ..runtime.slots import SlotScheduler, SlotsFull
 from .base import ConfigRefused, ModelPlugin, PluginInfo
 from .moshi import FRAME_SAMPLES, MoshiStream, _require_cuda
-from .moshi_text import TextPieces, stand_in_tokenizer
 from .moshi_worker import Spoken
 from .personaplex_prompts import NO_VOICE, VOICE_PARAM, PromptBank, VoiceBank, WavLimits, role_tokens, stand_in_tokens
 

@@ -1,5 +1,5 @@
 """Moshi's text tokens as the session's transcript: what ``take_text`` hands out is the text of
-the token the vendor's batched loop sampled with each reply frame, detokenized (``moshi_text.py``),
+the token the vendor's batched loop sampled with each reply frame, detokenized (``models/moshi_tokenizer.py``),
 in the server process and in a worker; over the OpenAI GA route, the transcript deltas, their
 ``.done`` and the reply item's transcript are that text (vLLM-Omni's client on the duplex route:
 ``test_vllm_omni_interop.py``)."""
@@ -17,7 +17,7 @@ from cadence_fx.models.moshi_stream import build_models, random_pcm
 from cadence_fx.serve.app import background_server
 from cadence_fx.serve.client import read_wav
 from cadence_fx.serve.plugins.moshi import FRAME_SAMPLES, MoshiPlugin
-from cadence_fx.serve.plugins.moshi_text import TextPieces, padded_tokenizer, stand_in_tokenizer
+from cadence_fx.models.moshi_tokenizer import TextPieces, padded_tokenizer, stand_in_tokenizer
 from cadence_fx.serve.protocol import audio as wire_audio
 from cadence_fx.serve.protocol.audio import PCM24K
 from cadence_fx.serve.session import Limits

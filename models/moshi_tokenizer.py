@@ -4,8 +4,9 @@
 Moshi samples one text token per 80 ms frame, with that frame's audio (the vendor's
 ``tokens[:, 0]``). Its ids index a SentencePiece tokenizer: a checkpoint's own
 (``tokenizer_spm_32k_3.model``), or, for random weights, ``stand_in_tokenizer``'s, which has a
-piece for every id of the LM's text vocabulary (``padded_tokenizer``: the test checkpoints' too). A piece is detokenized as the vendor's own server
-does it: ids 0 and 3 (end of padding, padding) say nothing, and ``▁`` is a space.
+piece for every id of the LM's text vocabulary (``padded_tokenizer``: the test checkpoints' too).
+A piece is detokenized as the vendor's own server does it: ids 0 and 3 (end of padding, padding)
+say nothing, and ``▁`` is a space. PersonaPlex's text tokens are Moshi's.
 """
 
 from __future__ import annotations
