@@ -83,7 +83,8 @@ def _device(requested: str | None) -> str:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from cadence_fx.diff import diff_graphs, render_html, render_savings, render_text
+    from cadence_fx.diff import diff_graphs, render_savings, render_text
+    from cadence_fx.diff_page import render_html
     from cadence_fx.transform import transform
 
     if (args.family is None) == (args.binding is None):

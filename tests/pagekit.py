@@ -1,4 +1,4 @@
-"""Reading a report page back (cadence_fx.diff.render_html) for exact assertions."""
+"""Reading a report page back (cadence_fx.diff_page.render_html) for exact assertions."""
 
 from __future__ import annotations
 

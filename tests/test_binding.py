@@ -175,7 +175,7 @@ def test_session_states_wait_for_the_first_call(model_and_tokens):
 
 
 def test_the_report_page_shows_a_bound_model_s_classes_and_sites(model_and_tokens):
-    from cadence_fx.diff import render_html
+    from cadence_fx.diff_page import render_html
 
     model, config, tokens = model_and_tokens
     bound, report = transform(model, contract(), binding())

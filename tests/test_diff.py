@@ -1,4 +1,4 @@
-"""The transform report page (cadence_fx.diff.render_html) on the Freeze-Omni encoder after a short
+"""The transform report page (cadence_fx.diff_page.render_html) on the Freeze-Omni encoder after a short
 stream: self-contained, the derivation's regions and classes exactly, every rewritten node drawn,
 marked and linked to its retention site; what the transform saves (host launches per class, bytes
 per region); and the same page for a user's own model and binding (tests/byom_example.py)."""
@@ -10,7 +10,8 @@ import torch
 from byom_example import TOKENS_PER_CALL, diff_example
 
 from cadence_fx import transform
-from cadence_fx.diff import Launches, eager_dispatches, launches, render_html, render_savings
+from cadence_fx.diff import Launches, eager_dispatches, launches, render_savings
+from cadence_fx.diff_page import render_html
 from cadence_fx.replay import Certificate, CutRecord, Signature
 from cadence_fx.transform import TransformReport
 from cadence_fx.models.freeze_omni import freeze_omni_contract
@@ -234,7 +235,7 @@ def test_the_terminal_shows_the_same_figures(own):
 
 
 def test_a_captured_classs_certificate_shows_the_device_memory_its_capture_took():
-    from cadence_fx.diff import _certificate
+    from cadence_fx.diff_page import _certificate
 
     certificate = Certificate("step[L=0]", Signature.of(torch.ones(2)), admitted=True, reason="admitted; captured",
                               captured=True, segments=1, staged_bytes=2048, pool_reserved_bytes=2 * 2**20,

@@ -16,7 +16,7 @@ PACKAGES = {"passes": "cadence_fx.passes", "pipeline": "cadence_fx.pipeline", "m
             "serve": "cadence_fx.serve"}
 #: The core's modules that stand above the pipeline: the transform, what reports on it, and the
 #: derivation of a `transformers` model's contract and binding (it names the retention policies).
-TRANSFORM = {"cadence_fx.transform", "cadence_fx.diff", "cadence_fx.hf"}
+TRANSFORM = {"cadence_fx.transform", "cadence_fx.diff", "cadence_fx.diff_page", "cadence_fx.hf"}
 APPLICATIONS = {ROOT / "cadence_fx" / "cli.py", ROOT / "cadence_fx" / "docs.py", ROOT / "cadence_fx" / "__init__.py"}
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from cadence_fx import AuditMismatch, transform
-from cadence_fx.diff import diff_graphs, render_html, render_text
+from cadence_fx.diff import diff_graphs, render_text
+from cadence_fx.diff_page import render_html
 from cadence_fx.models.token2wav import token2wav_contract
 from cadence_fx.models.token2wav_carry import ENVELOPES, WARM_UP_CHUNKS, WARM_UP_TURNS, CarryStream, reference_flow
 from cadence_fx.models.token2wav_stream import StockStream, build_hift, random_chunks, random_prompt
