@@ -2,7 +2,7 @@
 time for S seconds over loopback, against a server in its own process.
 
 Reports, per run: whether every appended input byte was committed and every response's audio
-arrived contiguous and complete (wire-level accounting, serve/loadgen.py), the p50/p95 time from
+arrived contiguous and complete (wire-level accounting, tests/serve/loadgen.py), the p50/p95 time from
 the append that ended a user turn to the first audio delta of its reply, and each reply's playback
 stall (how long a client playing the reply from its first delta would wait for a late delta; 0 when
 the server keeps real time). The plugin's own counters (``/v1/models``) are recorded after the
