@@ -352,7 +352,7 @@ def capacity(flow, hift, contract, prompt, device, sessions: list[int], chunks: 
             opened.update(lane.submit(lambda k=k: {i: open_session(models[k][0], i) for i in assigned[k]}).result())
         outputs: list[list[torch.Tensor]] = [[] for _ in range(n)]
 
-        def lane_round(k: int, c: int) -> None:
+        def lane_round(k: int, c: int, assigned=assigned, opened=opened, outputs=outputs) -> None:
             for i in assigned[k]:
                 stream, state = opened[i]
                 outputs[i].append(step(models[k][0], stream, state, tokens_of(i)[c]))

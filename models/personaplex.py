@@ -60,7 +60,8 @@ from cadence_fx.contract import (
 from cadence_fx.passes.retention import RingCache
 from cadence_fx.guards import Unread
 
-__all__ = ["FULL", "LM_BINDING", "MIMI_BINDING", "TINY", "BoundPersonaPlex", "PersonaPlexConfig", "PersonaPlexModels",
+# FULL and TINY come from the module's __getattr__ (the vendor loaders run on first use).
+__all__ = ["FULL", "LM_BINDING", "MIMI_BINDING", "TINY", "BoundPersonaPlex", "PersonaPlexConfig", "PersonaPlexModels",  # noqa: F822
            "StreamOutput", "build_models", "role_prompt", "check_models", "contract_for", "lm_gen", "personaplex_contract", "stream_reference",
            "transform_personaplex", "used_codebooks", "user_phase", "vendor_loop"]
 

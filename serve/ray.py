@@ -44,7 +44,6 @@ from dataclasses import dataclass, field, replace
 from urllib.parse import urlencode
 
 import ray
-import torch
 import websockets
 from fastapi import FastAPI, WebSocket
 from fastapi.responses import FileResponse, JSONResponse

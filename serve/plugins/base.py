@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..runtime import SlotsFull  # what ``open_stream`` raises when a plugin with slots has none free
+from ..runtime import SlotsFull as SlotsFull  # what ``open_stream`` raises when a plugin with slots has none free
 
 
 class ConfigRefused(ValueError):
