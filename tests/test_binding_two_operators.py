@@ -114,54 +114,6 @@ def test_two_operators_share_the_region_both_bind_and_stream_bit_identically():
     assert reads and all(s.region == "memory" and s.graph.startswith("decode[") for s in reads)
 
 
-class Streamer(nn.Module):
-    """A model whose one step runs both cached methods of a submodule: what a user calls."""
-
-    def __init__(self):
-        super().__init__()
-        self.inner = EncoderDecoder()
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor, memory: Window, history: Window):
-        return self.inner.encode(x, memory), self.inner.decode(y, history, memory)
-
-
-NESTED = Binding(regions=BINDING.regions,
-                 operators=(OperatorBinding("encode", method="inner.encode", units=("x", 1)),
-                            OperatorBinding("decode", method="inner.decode", units=("y", 1))))
-
-
-def test_calling_the_transformed_model_the_stock_way_runs_each_nested_operator_on_its_graphs():
-    """Both operators are methods of a submodule: calling the transformed model as the stock one
-    (its own `forward`, on a shallow copy whose `inner.encode` and `inner.decode` are the
-    operators) runs both through their graphs, with no glue; the copy shares every weight, and the
-    input model is left as it was."""
-    model = Streamer().eval()
-    frames = torch.randn(1, CALLS * ENC_STEP, DIM, generator=torch.Generator().manual_seed(1))
-    tokens = torch.randn(1, CALLS, DIM, generator=torch.Generator().manual_seed(2))
-
-    def run(m):
-        memory, history, outputs = Window(), Window(), []
-        with torch.no_grad():
-            for call in range(CALLS):
-                outputs += m(frames[:, call * ENC_STEP:(call + 1) * ENC_STEP], tokens[:, call:call + 1], memory, history)
-        return outputs
-
-    expected = run(model)
-    bound, report = transform(model, contract(), NESTED)
-    assert all(torch.equal(a, e) for a, e in zip(run(bound), expected, strict=True))
-    # every call on the graphs; the first two calls of each class verified beside the stock call
-    # (encode: L = 0, 2, then 4 from the third call on; decode: L = 0, 1, 2, then 3)
-    for name, verified in (("encode", 1 + 1 + 2), ("decode", 1 + 1 + 1 + 2)):
-        assert report.operators[name].counters.as_dict() == {"calls": CALLS, "graph_calls": CALLS, "verified": verified,
-                                                            "stock": 0, "adopted": 0, "stock_by_reason": {}}
-    assert bound.inner.encode is report.operators["encode"] and bound.module.inner is not model.inner
-    assert bound.inner.enc.weight is model.inner.enc.weight
-    # copied on the way to the operators only: the root's table of submodules, and `inner` itself
-    assert "encode" not in vars(model.inner) and model._modules is not bound.module._modules
-    assert model._modules["inner"] is model.inner and bound.module._modules["inner"] is bound.module.inner
-    assert bound.module.inner._modules is model.inner._modules
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_two_operators_replay_on_cuda_with_the_shared_region_aliased():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -18,35 +17,28 @@ from .operator import BoundOperator
 
 
 class BoundModel(Transformed):
-    """A model transformed from its contract and binding: a drop-in for it. Several streams share
-    its graphs through `session_state` / `swap_in` / `swap_out` (`cadence_fx.transformed`).
-
-    Its attributes are those of `module`, a shallow copy of the model in which each bound method
-    is its operator (`with_operators`): calling the transformed model the stock way, or any of its
-    own methods that call a bound method (`generate()` calling `forward`, a parent's `forward`
-    calling a bound submodule), goes through the operators. With one operator, calling it calls
-    that operator; with several, the copy's own call (its stock code, reaching each operator where
-    the stock code calls the bound method)."""
+    """A model transformed from its contract and binding: call it as the stock model (its one
+    bound operator), or each operator through `operators[name]`. Several streams share its graphs
+    through `session_state` / `swap_in` / `swap_out` (`cadence_fx.transformed`)."""
 
     def __init__(self, model: Any, operators: dict[str, BoundOperator], report):
         self.model = model
         self.operators = operators
         self.report = report
-        self.module = with_operators(model, operators)
+        self._methods = {op.ob.method: op for op in operators.values()}
 
     def __getattr__(self, name: str) -> Any:
-        """A drop-in for the model: its copy's attribute, where a bound method is its operator."""
-        if name.startswith("_") or name in ("model", "module", "operators", "report", "carries", "calls"):
+        """A drop-in for the model: a bound method is its operator, anything else the model's own."""
+        if name.startswith("_") or name in ("model", "operators", "report", "carries", "calls"):
             raise AttributeError(name)
-        return getattr(self.module, name)
+        if name in self._methods:
+            return self._methods[name]
+        return getattr(self.model, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if len(self.operators) == 1:
-            return next(iter(self.operators.values()))(*args, **kwargs)
-        if not callable(self.module):
-            raise TypeError(f"this model binds {len(self.operators)} operators and is not callable: call "
-                            f"operators[name], one of {sorted(self.operators)}")
-        return self.module(*args, **kwargs)
+        if len(self.operators) != 1:
+            raise TypeError(f"this model binds {len(self.operators)} operators: call operators[name], one of {sorted(self.operators)}")
+        return next(iter(self.operators.values()))(*args, **kwargs)
 
     def explain(self) -> str:
         return "\n".join(op.explain() for op in self.operators.values())
@@ -94,34 +86,6 @@ class BoundModel(Transformed):
             carry.reset()
         for buffer in self.resident()[0]:
             buffer.zero_()
-
-
-def with_operators(model: Any, operators: dict[str, BoundOperator]) -> Any:
-    """A shallow copy of `model` whose bound methods are their operators: the model object and each
-    object on the way to a bound method's owner are copied (their attribute dicts, and a module's
-    table of submodules), every other attribute, parameter, buffer and submodule is the model's own,
-    and the input model is left as it was."""
-    top = copy.copy(model)
-    originals = {id(top): model}  # each copy's original
-    copies = {id(model): top}  # each original's copy, made once (two operators under one submodule share it)
-    for op in operators.values():
-        *owners, method = op.ob.method.split(".")
-        holder = top
-        for name in owners:
-            original = getattr(originals[id(holder)], name)
-            child = copies.get(id(original))
-            if child is None:
-                child = copies[id(original)] = copy.copy(original)
-                originals[id(child)] = original
-                if isinstance(holder, torch.nn.Module) and name in holder._modules:
-                    if holder._modules is originals[id(holder)]._modules:  # still the model's own table
-                        holder.__dict__["_modules"] = dict(holder._modules)
-                    holder._modules[name] = child
-                else:
-                    holder.__dict__[name] = child
-            holder = child
-        holder.__dict__[method] = op
-    return top
 
 
 def transform_bound(model: Any, contract: Contract, binding: Binding, catalog: Catalog, report, *, replay: bool) -> BoundModel:

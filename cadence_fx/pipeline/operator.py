@@ -84,12 +84,6 @@ class BoundOperator:
         self._regime_paths: set[str] | None = None
         self._regime_of: dict[str, Regime] = {}
 
-    @property
-    def __signature__(self) -> inspect.Signature:
-        """The stock method's: a caller that inspects what the method takes (`generate()` checking
-        its keyword arguments) sees the same parameters."""
-        return self.signature
-
     def __deepcopy__(self, memo: dict) -> BoundOperator:
         """Itself: a handle on graphs and carries that a state object may hold (a vendor's step
         calling it), shared by a trace's private copy of that state, never copied."""
