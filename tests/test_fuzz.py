@@ -51,14 +51,7 @@ def _served(subject) -> int:
     return sum(op.counters.calls - op.counters.stock for op in subject.report.operators.values())
 
 
-# Bug (422b8d8, pipeline/model.py `with_operators`): the transformed model's attributes are a
-# shallow copy's, so `bound.start()` (the conv stack's stream reset, through the drop-in) sets the
-# copy's `contexts` while the operator reads the model's: every output wrong, silently.
-BUGS = {"conv_stack": "a reset through the transformed model lands on its shallow copy, the operator reads the model's state"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=BUGS[name])) if name in BUGS
-                                  else name for name in sorted(SUBJECTS)])
+@pytest.mark.parametrize("name", sorted(SUBJECTS))
 def test_random_schedules_never_give_a_wrong_output(name):
     subject = SUBJECTS[name]()
     seeds, steps = TIERS.get(name, SHORT)
