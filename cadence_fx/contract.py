@@ -287,7 +287,9 @@ def carry_axis(region: Region) -> int:
 
 
 def _clocked(region: Region) -> bool:
-    return region.retention is None or region.retention.clocked
+    """Whether the region advances along a clock: any but a policy that says it does not (a value
+    that is no policy is checked as a clocked region's, then refused by `_check_retention`)."""
+    return not isinstance(region.retention, Retention) or region.retention.clocked
 
 
 def _is_count(value) -> bool:
@@ -348,8 +350,6 @@ def _check_regions(contract: Contract, clocks: set[str]) -> None:
             raise ContractError(f"{path}.dtype", "declaration", f"unknown dtype {region.dtype!r}; known: {sorted(DTYPES)}")
         if not isinstance(region.lifetime, Lifetime):
             raise ContractError(f"{path}.lifetime", "declaration", f"{region.lifetime!r} is not a Lifetime")
-        if not isinstance(region.retention, (Retention, type(None))):
-            _check_retention(path, region, symbols)  # refused: not a policy
         if not _clocked(region):
             _check_retention(path, region, symbols)
             if region.stock_dims is not None and len(region.stock_dims) != len(region.dims):
