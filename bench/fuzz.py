@@ -3,6 +3,12 @@
 depths), many schedules each, every call compared with a stock copy's.
 
     python bench/fuzz.py --seeds 16 --steps 80 --model-seeds 2 --model-steps 16 --jobs 3 --out bench/results/fuzz_cpu.json
+    python bench/fuzz.py --device cuda --seeds 4 --steps 40 --model-seeds 1 --model-steps 16 --jobs 4 --out bench/results/fuzz_cuda.json
+
+On CUDA every subject is built and streamed on the GPU (`torch.set_default_device`), where its
+verified classes replay as CUDA graphs. The `transformers` models transformed from their config
+alone (tests/test_derive_transformers_fuzz.py, `derived_*`) are subjects too; `--subjects` picks.
+A subject that cannot be built or streamed on the device is recorded with its error, and fails the run.
 
 `--seeds`/`--steps` are the counter-branching models' schedules (no export: cheap); every other
 subject exports a graph per class it meets, and runs `--model-seeds` schedules of `--model-steps`.
@@ -15,6 +21,7 @@ refused classes counted by reason and each one's message, and the guard check's 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 import platform
@@ -30,10 +37,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # bench/ itself off the path (bench/moshi.py would shadow the vendor's `moshi`), the tests' kits on it
 sys.path[:] = [str(ROOT / "tests"), *(p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench")]
 
-from fuzz_subjects import SUBJECTS  # noqa: E402
+from derive_kit import CASES  # noqa: E402
+from fuzz_subjects import SUBJECTS as TESTED  # noqa: E402
 from fuzzkit import TOYS, run, schedule  # noqa: E402
+from test_derive_transformers_fuzz import subject as derived  # noqa: E402
 
 from cadence_fx.pipeline import operator as driver  # noqa: E402
+
+SUBJECTS = {**TESTED, **{f"derived_{name}": functools.partial(derived, name) for name in CASES}}
 
 
 def _timed_guards() -> dict[str, float]:
@@ -74,8 +85,18 @@ CAPPED = {"token2wav": 8}
 FIRST = ("token2wav", "hf_mimi", "moshi_mimi", "moshi_lm", "freeze_omni")
 
 
-def fuzz(name: str, seeds: int, steps: int) -> dict:
-    """One subject's record: `seeds` schedules of `steps` steps, every call compared with stock."""
+def fuzz(name: str, seeds: int, steps: int, device: str = "cpu") -> dict:
+    """One subject's record: `seeds` schedules of `steps` steps, every call compared with stock;
+    where the subject cannot be built or streamed on `device`, its error."""
+    torch.set_default_device(device)
+    try:
+        return _fuzz(name, seeds, steps)
+    except Exception as error:  # recorded and counted: the run fails
+        print(f"{name}: error: {type(error).__name__}: {error}", flush=True)
+        return {"seeds": seeds, "steps": steps, "calls": 0, "wrong": 0, "error": f"{type(error).__name__}: {str(error)[:500]}"}
+
+
+def _fuzz(name: str, seeds: int, steps: int) -> dict:
     global _GUARDS
     _GUARDS = _GUARDS or _timed_guards()
     guards = _GUARDS
@@ -98,6 +119,9 @@ def fuzz(name: str, seeds: int, steps: int) -> dict:
         "stock_by_reason": {k: n for k, n in sorted(reasons.items()) if not k.startswith("guard:")},
         "refusals_by_reason": _by_reason(outcome.refused), "refused": outcome.refused,
         "guard_us_per_call": round(1e6 * (guards["seconds"] - before["seconds"]) / max(checks, 1), 1),
+        # on CUDA, each operator's replay engine: graph replays, eager calls by reason, invalidations
+        "replay": {name: engine.counters.as_dict() for name, engine in sorted(subject.report.replays.items())
+                   if engine is not None},
         "seconds": round(time.perf_counter() - started, 1),
     }
     print(f"{name}: {calls} calls, {wrong} wrong, {outcome.classes} classes, {record['graph_answered']} from the graphs, "
@@ -114,8 +138,13 @@ def main() -> int:
     parser.add_argument("--model-steps", type=int, default=24, help="steps per schedule of another subject")
     parser.add_argument("--subjects", default=",".join(sorted(SUBJECTS)), help=f"comma-separated, of {sorted(SUBJECTS)}")
     parser.add_argument("--jobs", type=int, default=1, help="subjects fuzzed at a time, each in a process of its own")
+    parser.add_argument("--device", default="cpu", help="where the subjects are built and streamed: cpu or cuda")
     parser.add_argument("--out", type=Path, help="where to write the record (JSON)")
     args = parser.parse_args()
+    if args.device not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu or cuda, got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
     names = [n for n in args.subjects.split(",") if n]
     unknown = sorted(set(names) - set(SUBJECTS))
     if unknown:
@@ -127,24 +156,26 @@ def main() -> int:
     tiers = {name: (args.seeds, args.steps) if name in TOYS else (args.model_seeds, min(args.model_steps, CAPPED.get(name, args.model_steps)))
              for name in names}
     if args.jobs == 1:
-        subjects = {name: fuzz(name, *tiers[name]) for name in names}
+        subjects = {name: fuzz(name, *tiers[name], args.device) for name in names}
     else:  # each subject in a process of its own, `--jobs` at a time
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            subjects = dict(zip(names, pool.map(fuzz, names, *zip(*tiers.values()))))
+            subjects = dict(zip(names, pool.map(fuzz, names, *zip(*tiers.values()), [args.device] * len(names))))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     record = {
         "benchmark": "fuzz", "commit": commit, "date": time.strftime("%Y-%m-%d"),
         "command": "python " + " ".join([str(Path(sys.argv[0]).relative_to(ROOT)) if Path(sys.argv[0]).is_absolute() else sys.argv[0], *sys.argv[1:]]),
-        "device": f"cpu ({platform.processor() or platform.machine()}), torch {torch.__version__}",
+        "device": (f"{torch.cuda.get_device_name()}, torch {torch.__version__}" if args.device == "cuda"
+                   else f"cpu ({platform.processor() or platform.machine()}), torch {torch.__version__}"),
         "seeds": args.seeds, "steps": args.steps, "model_seeds": args.model_seeds, "model_steps": args.model_steps,
         "jobs": args.jobs,
         "subjects": dict(sorted(subjects.items())),
         "wrong": sum(s["wrong"] for s in subjects.values()),
+        "errors": sorted(name for name, s in subjects.items() if "error" in s),
     }
     if args.out:
         args.out.write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {args.out}")
-    return 1 if record["wrong"] else 0
+    return 1 if record["wrong"] or record["errors"] else 0
 
 
 if __name__ == "__main__":

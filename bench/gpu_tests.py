@@ -3,8 +3,8 @@
     python bench/gpu_tests.py bench/results/gpu_tests.json tests/test_token2wav_cuda.py ...
 
 A run longer than one sitting on the GPU machine allows is made in parts: ``--after EARLIER.json``
-(a record of the same commit on the same device) adds this part's tests to that record's, and the
-record lists each part's command (``parts``):
+(a record of the same commit on the same device; repeated for parts that ran side by side) adds this
+part's tests to those records', and the record lists each part's command (``parts``):
 
     python bench/gpu_tests.py part1.json tests/test_token2wav_cuda.py
     python bench/gpu_tests.py bench/results/gpu_tests.json --after part1.json tests/test_moshi_cuda.py ...
@@ -60,14 +60,23 @@ def _earlier(path: str, commit: str | None, device: str) -> dict:
     return earlier
 
 
-def main(out: str, paths: list[str], after: str | None = None) -> int:
+def _merged(records: list[dict]) -> dict | None:
+    """Earlier parts as one record: their parts, tests and measured figures together."""
+    if not records:
+        return None
+    parts = [p for r in records for p in (r.get("parts") or [{"command": r["command"], "exit_code": r["exit_code"]}])]
+    return {"parts": parts, "tests": {k: v for r in records for k, v in r["tests"].items()},
+            "measured": {k: v for r in records for k, v in r.get("measured", {}).items()}}
+
+
+def main(out: str, paths: list[str], after: list[str] | None = None) -> int:
     commit = measured_commit()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    earlier = _earlier(after, commit, device) if after else None
+    earlier = _merged([_earlier(path, commit, device) for path in after or []])
     recorder = _Recorder()
     code = pytest.main([*paths, "-q", "-m", "cuda", "-p", "no:cacheprovider"], plugins=[recorder])
     part = {"command": " ".join([sys.executable, *sys.argv]), "exit_code": int(code)}
-    parts = (earlier.get("parts") or [{"command": earlier["command"], "exit_code": earlier["exit_code"]}] if earlier else []) + [part]
+    parts = (earlier["parts"] if earlier else []) + [part]
     tests = (earlier["tests"] if earlier else {}) | recorder.results
     measured = {name: dict(module.MEASURED) for name, module in sorted(sys.modules.items())
                 if name.startswith(("test_", "tests.")) and isinstance(getattr(module, "MEASURED", None), dict)}
@@ -95,6 +104,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="the record to write (JSON)")
     parser.add_argument("paths", nargs="+", help="test files or folders")
-    parser.add_argument("--after", metavar="EARLIER.json", help="an earlier part's record of the same commit and device")
+    parser.add_argument("--after", metavar="EARLIER.json", action="append",
+                        help="an earlier part's record of the same commit and device (repeatable)")
     args = parser.parse_args()
     sys.exit(main(args.out, args.paths, args.after))

@@ -145,7 +145,7 @@ def _encoder_decoder(name: str, model, bound, report, **call) -> Subject:
     """A decoder over a fixed encoding, streamed into an `EncoderDecoderCache`."""
     config = model.config
     encoded = BaseModelOutput(last_hidden_state=torch.randn(1, probes.ENCODER_FRAMES, 32,
-                                                            generator=torch.Generator().manual_seed(2)))
+                                                            generator=torch.Generator(device=torch.get_default_device()).manual_seed(2)))
     return _cache_subject(name, model, bound, report, inputs="decoder_input_ids", extra={"encoder_outputs": encoded},
                           new_cache=lambda: EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config)),
                           **call)

@@ -179,7 +179,8 @@ def run(subject: Subject, steps: list[tuple[str, int]], seed: int = 0) -> Outcom
         states[stream] = (subject.new_state(subject.model), subject.new_state(subject.bound))
         seen[stream] = 0
 
-    generator = torch.Generator().manual_seed(seed)
+    # on the default device, where the subject was built and draws its inputs (bench/fuzz.py --device)
+    generator = torch.Generator(device=torch.get_default_device()).manual_seed(seed)
     last = 0
     with torch.no_grad(), subject.around():
         for stream in range(subject.streams):

@@ -90,15 +90,15 @@ def test_a_static_cache_decoder_streams_bit_identically_and_says_why_its_graphs_
     # class of the catalog, so it runs the stock code; its keys, values and lengths are then
     # adopted. The steady class is refused at its first visit: the stock call checks the cache's
     # length on the host (`eq(cumulative_length, 0)`, then reads it back) where the export,
-    # traced, takes another path (`arange`); not the same program. The second stream's steady
-    # class is another program still: transformers copied a pipeline-plan table of the inner
-    # model (a module setting) after the first stream's calls, and the same refusal follows.
-    assert [cls.name for cls in op.classes.values()] == [f"decoder_step[n={STEP},L={CAPACITY}]",
-                                                         f"decoder_step[n={STEP},L={CAPACITY}]#2"]
+    # traced, takes another path (`arange`); not the same program. The second stream meets the
+    # same class, refused already: one class, whichever tests ran in this process before (the
+    # export leaves the model's settings the very objects they were, so the guards read the same
+    # paths whether this export ran or a kept one was reused).
+    assert [cls.name for cls in op.classes.values()] == [f"decoder_step[n={STEP},L={CAPACITY}]"]
     assert all(cls.refused.startswith("verification: program: the exported step is not the program the stock call "
                                       "runs: op 1: the stock call ran aten.eq.Scalar(") for cls in op.classes.values())
-    assert op.counters.as_dict() == {"calls": 14, "graph_calls": 2, "verified": 0, "stock": 14, "adopted": 24, "evicted": 6,
-                                     "stock_by_reason": {"not_in_catalog": 2, "verification": 2, "refused": 10}}
+    assert op.counters.as_dict() == {"calls": 14, "graph_calls": 1, "verified": 0, "stock": 14, "adopted": 18, "evicted": 6,
+                                     "stock_by_reason": {"not_in_catalog": 2, "verification": 1, "refused": 11}}
     assert [(s.kind, s.rewritten) for s in report.sites] == [("ring", False)] * (2 * 2 * LAYERS)
     assert report.sites[0].reason == ("cache.layers.0.keys: written in place by the step (index_copy_): "
                                       "the carry is the ring, nothing to rewrite")

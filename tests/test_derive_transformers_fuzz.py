@@ -42,7 +42,7 @@ def subject(name: str, **derive) -> Subject:
     if case.stream == "encoder_decoder":
         frames = case.derive.get("encoder_frames", getattr(config, "max_source_positions", None))
         encoded = BaseModelOutput(last_hidden_state=torch.randn(1, frames, config.d_model,
-                                                                generator=torch.Generator().manual_seed(2)))
+                                                                generator=torch.Generator(device=torch.get_default_device()).manual_seed(2)))
 
         def new_cache():
             return EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))

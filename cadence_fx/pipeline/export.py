@@ -5,6 +5,7 @@ the model's structure and the class's guards, for another model of the same stru
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import itertools
 import time
@@ -180,7 +181,7 @@ def capture_class(op: BoundOperator, roots, inputs, state, call: CatalogClass, m
     method = method_of(private[SELF], op.ob.method) if SELF in private else op.method
     step = Step(op.model, method, private, op.sites, op.trims)
     try:
-        with torch.no_grad(), without_stack_traces(), warnings.catch_warnings():
+        with torch.no_grad(), without_stack_traces(), warnings.catch_warnings(), attributes_kept(op.model):
             # The step writes the sites into its private copy of the state: expected, not a bug.
             warnings.filterwarnings("ignore", "The tensor attributes? .* (was|were) assigned during export", UserWarning)
             program = torch.export.export(step, (inputs, example), strict=False)
@@ -202,6 +203,23 @@ def capture_class(op: BoundOperator, roots, inputs, state, call: CatalogClass, m
     gm = program.module()
     keep_export(key, gm)
     return rewrite_class(op, cls, gm, inputs, example, modes, call, name, started)
+
+
+@contextlib.contextmanager
+def attributes_kept(model: Any):
+    """Every module attribute of `model` the very object it was before the block. torch.export
+    (non-strict) puts back equal copies of some it traced through (transformers' parallel plans):
+    the model's settings would then differ by identity from a model whose export was reused, and
+    the guards walk them by identity (a list two modules share is read once)."""
+    if not isinstance(model, torch.nn.Module):
+        yield
+        return
+    kept = [(vars(module), dict(vars(module))) for module in model.modules()]
+    try:
+        yield
+    finally:
+        for table, before in kept:
+            table.update((key, value) for key, value in before.items() if table.get(key) is not value)
 
 
 def export_key(op: BoundOperator, inputs, example, modes, guards: tuple) -> tuple | None:
