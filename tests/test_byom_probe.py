@@ -138,7 +138,7 @@ def assert_replay_counters(report, visits: dict[str, int], streams: int, device:
     not meet (its first call finds no state to count the sites by, and runs the stock code). A
     binding of several operators names the `operator` whose counters these are. `stock_by_reason`,
     where given, is the operator's exact count of stock calls by reason (a refused class met again
-    as a variant `#2` counts a second verification, not a refusal)."""
+    as a variant, `#2`, counts a second verification, not a refusal)."""
     (op,) = [report.operators[operator]] if operator else report.operators.values()
     assert [cls.name for cls in op.classes.values()] == list(visits)
     refused = {cls.name: cls.refused for cls in op.classes.values() if cls.refused}
@@ -187,31 +187,26 @@ def qwen3_streams(device: str, streams: int):
 
 
 # The first call (nothing cached) is refused: traced, transformers takes another position/mask path
-# ("verification: program: ... op 1: the stock call ran aten._to_copy, the graph runs aten.arange").
-# The second stream's first call finds `self.model._pp_plan` set (transformers sets it at the first
-# call), a guarded host value: another variant, `#2`, refused the same way. Each stream's first
+# ("verification: program: ... op 1: the stock call ran aten._to_copy, the graph runs aten.arange");
+# every stream's first call meets that class again and runs the stock code. Each stream's first
 # (stock) call's 4 sites are adopted into the carries.
-QWEN3_REFUSED = {"decoder_step[n=2,L=0]": 1, **{f"decoder_step[n=2,L={e}]": 1 for e in (2, 4, 6, 8, 10)},
-                 "decoder_step[n=2,L=0]#2": 1}
-FIRSTS = frozenset({FIRST, FIRST + "#2"})
+FIRSTS = frozenset({FIRST})
 
 
 def test_qwen3_full_attention_refuses_its_first_call_and_streams_the_rest_on_the_exported_steps():
     _, report = qwen3_streams("cpu", streams=2)
     op = report.operators["decoder_step"]
-    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 12, "verified": 5, "stock": 2, "adopted": 8,
-                                     "evicted": 4, "stock_by_reason": {"verification": 2}}
-    assert_replay_counters(report, QWEN3_REFUSED, streams=2, device="cpu", may_refuse=FIRSTS,
-                           later=frozenset({FIRST + "#2"}), stock_by_reason={"verification": 2})
+    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 11, "verified": 5, "stock": 2, "adopted": 8,
+                                     "evicted": 4, "stock_by_reason": {"verification": 1, "refused": 1}}
+    assert_replay_counters(report, QWEN3_CLASSES, streams=2, device="cpu", may_refuse=FIRSTS)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_qwen3_full_attention_replays_every_call_after_its_class_is_verified_on_cuda():
-    # as on the CPU: the first call refused, and its `#2` variant from the second stream on
+    # as on the CPU: the first call refused, in every stream
     _, report = qwen3_streams("cuda", CUDA_STREAMS)
-    assert_replay_counters(report, QWEN3_REFUSED, CUDA_STREAMS, "cuda", may_refuse=FIRSTS, later=frozenset({FIRST + "#2"}),
-                           stock_by_reason={"verification": 2, "refused": CUDA_STREAMS - 2})
+    assert_replay_counters(report, QWEN3_CLASSES, CUDA_STREAMS, "cuda", may_refuse=FIRSTS)
 
 
 GPT2_CLASSES = {f"decoder_step[n=2,L={e}]": 1 for e in (0, 2, 4, 6)}  # 4 calls a stream, one per class
@@ -283,19 +278,13 @@ MORE_DECODERS = {
 # What the pipeline does with each, the stream bit-identical in every case. The first call (nothing
 # cached) is refused for all: traced, transformers takes another position/mask path (verification:
 # program), or (Falcon, Bloom) the stock call sets each layer's `device`, a host value the binding
-# does not declare. Where the second stream's first call finds `self.model._pp_plan` set (by the
-# first call) it is another variant, `#2`, refused the same way. The mixtures of experts' steady
-# classes are refused too: the stock call runs `aten._grouped_mm`, the traced one transformers'
-# `grouped_mm_fallback`; every call runs the stock code.
+# does not declare. The mixtures of experts' steady classes are refused too: the stock call runs
+# `aten._grouped_mm`, the traced one transformers' `grouped_mm_fallback`; every call runs the stock code.
 _REFUSED_ONCE = ({"calls": 12, "graph_calls": 11, "verified": 5, "stock": 2, "adopted": 8, "evicted": 4,
                   "stock_by_reason": {"verification": 1, "refused": 1}}, QWEN3_CLASSES)
-_REFUSED_TWICE = ({"calls": 12, "graph_calls": 12, "verified": 5, "stock": 2, "adopted": 8, "evicted": 4,
-                   "stock_by_reason": {"verification": 2}}, QWEN3_REFUSED)
-_ALL_REFUSED = ({"calls": 12, "graph_calls": 7, "verified": 0, "stock": 12, "adopted": 48, "evicted": 4,
-                 "stock_by_reason": {"verification": 7, "refused": 5}}, QWEN3_REFUSED)
-MORE_DECODERS_RESULTS = {**dict.fromkeys(("falcon", "bloom", "gpt_bigcode", "opt", "stablelm"), _REFUSED_ONCE),
-                         **dict.fromkeys(("gpt_neox", "codegen", "cohere", "olmo2", "phi3", "gptj", "granite", "llama",
-                                          "starcoder2"), _REFUSED_TWICE),
+_ALL_REFUSED = ({"calls": 12, "graph_calls": 6, "verified": 0, "stock": 12, "adopted": 48, "evicted": 4,
+                 "stock_by_reason": {"verification": 6, "refused": 6}}, QWEN3_CLASSES)
+MORE_DECODERS_RESULTS = {**{family: _REFUSED_ONCE for family in MORE_DECODERS},
                          **dict.fromkeys(("mixtral", "qwen2_moe"), _ALL_REFUSED)}
 
 
@@ -311,7 +300,7 @@ def test_more_transformers_decoders_stream_bit_identically_from_the_same_binding
     counters, visits = MORE_DECODERS_RESULTS[family]
     assert report.operators["decoder_step"].counters.as_dict() == counters
     assert_replay_counters(report, visits, streams=2, device="cpu", may_refuse=frozenset(visits) if family in ("mixtral", "qwen2_moe") else FIRSTS,
-                           later=frozenset({FIRST + "#2"}) & frozenset(visits), stock_by_reason=counters["stock_by_reason"])
+                           stock_by_reason=counters["stock_by_reason"])
 
 
 CHANNELS, KERNEL, CONV_LAYERS = 8, 3, 3
@@ -527,13 +516,11 @@ def test_a_stream_past_the_bound_runs_the_stock_code_instead_of_overflowing_the_
     assert exact(stream_dynamic(bound, config, tokens, sizes)[0], expected)
     assert exact(stream_dynamic(bound, config, tokens, sizes)[0], expected)
     op = report.operators["decoder_step"]
-    assert [cls.name for cls in op.classes.values()] == (
-        [f"decoder_step[n=2,L={e}]" for e in (0, 2, 4, 6, 8)] + ["decoder_step[n=2,L=0]#2"])
+    assert [cls.name for cls in op.classes.values()] == [f"decoder_step[n=2,L={e}]" for e in (0, 2, 4, 6, 8)]
     # the call at L=10 of each stream is no class (the window keeps at most 8 + 2): stock; the first
-    # call is refused (verification: program, transformers' traced position path), and the second
-    # stream's, finding `self.model._pp_plan` set by the first call, is a variant `#2` refused alike
-    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 10, "verified": 4, "stock": 4, "adopted": 8,
-                                     "stock_by_reason": {"verification": 2, "not_in_catalog": 2}}
+    # call is refused (verification: program, transformers' traced position path) in each stream
+    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 9, "verified": 4, "stock": 4, "adopted": 8,
+                                     "stock_by_reason": {"verification": 1, "refused": 1, "not_in_catalog": 2}}
 
 
 GEMMA_WINDOW = 5  # a sliding layer's cache keeps its last GEMMA_WINDOW - 1 tokens
@@ -579,23 +566,19 @@ def test_gemma3_hybrid_layers_stream_on_the_exported_steps_while_the_sliding_lay
     _, report = gemma3_streams("cpu", streams=2)
     op = report.operators["decoder_step"]
     # The first call (nothing cached) is refused: traced, transformers takes another position path
-    # (verification: program, op 2); the second stream's first call finds `self.model._pp_plan` set by
-    # the first, a variant `#2`, refused alike. The other classes are verified once each.
-    assert {cls.name: cls.refused is None for cls in op.classes.values()} == (
-        {name: name != FIRST for name in GEMMA_CLASSES} | {FIRST + "#2": False})
-    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 12, "verified": 5, "stock": 2, "adopted": 16,
-                                     "evicted": 8, "stock_by_reason": {"verification": 2}}
-    assert_replay_counters(report, GEMMA_CLASSES | {FIRST + "#2": 1}, streams=2, device="cpu", may_refuse=FIRSTS,
-                           later=frozenset({FIRST + "#2"}), stock_by_reason={"verification": 2})
+    # (verification: program, op 2), in each stream. The other classes are verified once each.
+    assert {cls.name: cls.refused is None for cls in op.classes.values()} == {name: name != FIRST for name in GEMMA_CLASSES}
+    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 11, "verified": 5, "stock": 2, "adopted": 16,
+                                     "evicted": 8, "stock_by_reason": {"verification": 1, "refused": 1}}
+    assert_replay_counters(report, GEMMA_CLASSES, streams=2, device="cpu", may_refuse=FIRSTS)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_gemma3_hybrid_layers_replay_every_call_after_its_class_is_verified_on_cuda():
-    # as on the CPU: the first call refused, and its `#2` variant from the second stream on
+    # as on the CPU: the first call refused, in every stream
     _, report = gemma3_streams("cuda", CUDA_STREAMS)
-    assert_replay_counters(report, GEMMA_CLASSES | {FIRST + "#2": 1}, CUDA_STREAMS, "cuda", may_refuse=FIRSTS,
-                           later=frozenset({FIRST + "#2"}), stock_by_reason={"verification": 2, "refused": CUDA_STREAMS - 2})
+    assert_replay_counters(report, GEMMA_CLASSES, CUDA_STREAMS, "cuda", may_refuse=FIRSTS)
 
 
 def test_a_host_flag_the_binding_leaves_out_is_guarded_and_the_stream_stays_exact():
@@ -762,11 +745,10 @@ def test_deepseek_v3_latent_attention_binds_its_two_cache_widths_as_two_regions(
     _, report = streamed(model, contract, binding, lambda m: stream_dynamic(m, config, tokens, sizes), streams=2)
     # Every class is refused (verification: program): the first, traced, takes another position path;
     # the others' mixture of experts runs `aten._grouped_mm` in the stock call, transformers'
-    # `grouped_mm_fallback` traced; the second stream's first call is a variant `#2` (it finds
-    # `self.model._pp_plan` set by the first call). Every call runs the stock code, exact.
-    assert report.operators["decoder_step"].counters.as_dict() == {"calls": 12, "graph_calls": 7, "verified": 0, "stock": 12,
+    # `grouped_mm_fallback` traced. Every call runs the stock code, exact.
+    assert report.operators["decoder_step"].counters.as_dict() == {"calls": 12, "graph_calls": 6, "verified": 0, "stock": 12,
                                                                    "adopted": 48, "evicted": 4,
-                                                                   "stock_by_reason": {"verification": 7, "refused": 5}}
+                                                                   "stock_by_reason": {"verification": 6, "refused": 6}}
     assert sorted(report.carries) == ["latent", "rope_keys"]
     # each at its own width, 12 retained tokens plus the call's 2 (the region holds the call's units)
     assert report.carries["latent"].buffer.shape == (2, 1, 1, 14, 16)
