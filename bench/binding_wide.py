@@ -37,10 +37,18 @@ CALLS = 130  # enough to reach the steady class (125 calls fill the window) and 
 
 def build(device: str):
     torch.manual_seed(0)
-    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=byom_example.LAYERS,
-                           num_attention_heads=4, num_key_value_heads=byom_example.KV_HEADS,
-                           head_dim=byom_example.HEAD_DIM, sliding_window=RETAINED + 1,
-                           max_position_embeddings=2 * CALLS * byom_example.TOKENS_PER_CALL, attn_implementation="sdpa")
+    config = MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=byom_example.LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=byom_example.KV_HEADS,
+        head_dim=byom_example.HEAD_DIM,
+        sliding_window=RETAINED + 1,
+        max_position_embeddings=2 * CALLS * byom_example.TOKENS_PER_CALL,
+        attn_implementation="sdpa",
+    )
     contract = byom_example.contract()
     contract = replace(contract, regions=(replace(contract.regions[0], retention=SlidingWindow(window=RETAINED)),))
     return MistralForCausalLM(config).eval().to(device), config, contract
@@ -52,8 +60,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     model, config, contract = build(args.device)
-    tokens = torch.randint(0, config.vocab_size, (1, CALLS * byom_example.TOKENS_PER_CALL),
-                           generator=torch.Generator().manual_seed(1)).to(args.device)
+    tokens = torch.randint(
+        0, config.vocab_size, (1, CALLS * byom_example.TOKENS_PER_CALL), generator=torch.Generator().manual_seed(1)
+    ).to(args.device)
 
     def timed(m):
         started = time.perf_counter()

@@ -65,8 +65,9 @@ def _call(model, cache, tokens: torch.Tensor):
     return model(input_ids=tokens, cache=cache, use_cache=True)
 
 
-def _timed(model, config, primes: list[torch.Tensor], tokens: torch.Tensor, fell_back: dict | None = None,
-           op=None) -> tuple[float, float]:
+def _timed(
+    model, config, primes: list[torch.Tensor], tokens: torch.Tensor, fell_back: dict | None = None, op=None
+) -> tuple[float, float]:
     """Seconds of one call of `tokens` on a fresh cache primed by `primes`: the wall clock's, and
     this thread's CPU time (torch runs on this one thread), which other processes' load leaves alone.
     With the bound operator `op`, why the timed call ran the stock code is added to `fell_back`."""
@@ -106,14 +107,21 @@ def measure(name: str, calls: int) -> dict:
                 stock.append(_timed(model, config, primes, tokens))
                 through.append(_timed(bound, config, primes, tokens, counted, op))
             figures[case] = {
-                "tokens": n, "priming_calls": priming, "calls": calls,
-                "stock_cpu_ms_median": _ms([c for _, c in stock]), "bound_cpu_ms_median": _ms([c for _, c in through]),
-                "stock_wall_ms_median": _ms([w for w, _ in stock]), "bound_wall_ms_median": _ms([w for w, _ in through]),
+                "tokens": n,
+                "priming_calls": priming,
+                "calls": calls,
+                "stock_cpu_ms_median": _ms([c for _, c in stock]),
+                "bound_cpu_ms_median": _ms([c for _, c in through]),
+                "stock_wall_ms_median": _ms([w for w, _ in stock]),
+                "bound_wall_ms_median": _ms([w for w, _ in through]),
                 "fell_back": counted,
             }
-            print(f"{name} {case}: CPU stock {figures[case]['stock_cpu_ms_median']} ms, bound "
-                  f"{figures[case]['bound_cpu_ms_median']} ms; wall stock {figures[case]['stock_wall_ms_median']} ms, bound "
-                  f"{figures[case]['bound_wall_ms_median']} ms (medians of {calls}); fell back {counted}", flush=True)
+            print(
+                f"{name} {case}: CPU stock {figures[case]['stock_cpu_ms_median']} ms, bound "
+                f"{figures[case]['bound_cpu_ms_median']} ms; wall stock {figures[case]['stock_wall_ms_median']} ms, bound "
+                f"{figures[case]['bound_wall_ms_median']} ms (medians of {calls}); fell back {counted}",
+                flush=True,
+            )
             if counted != {case: calls}:
                 raise SystemExit(f"{name} {case}: expected {calls} fallbacks for {case!r}, counted {counted}")
     return figures
@@ -130,7 +138,9 @@ def main() -> int:
     models = {name: measure(name, args.calls) for name in MODELS}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     record = {
-        "benchmark": "fallback", "commit": commit, "date": time.strftime("%Y-%m-%d"),
+        "benchmark": "fallback",
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d"),
         "command": "python " + " ".join(["bench/fallback.py", *sys.argv[1:]]),
         "device": f"cpu ({platform.processor() or platform.machine()}), 1 thread, torch {torch.__version__}",
         "load_average_1min": round(os.getloadavg()[0], 2),  # the machine is shared: the CPU times are the figures

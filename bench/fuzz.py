@@ -3,7 +3,8 @@
 depths), many schedules each, every call compared with a stock copy's.
 
     python bench/fuzz.py --seeds 16 --steps 80 --model-seeds 2 --model-steps 16 --jobs 3 --out bench/results/fuzz_cpu.json
-    python bench/fuzz.py --device cuda --seeds 4 --steps 40 --model-seeds 1 --model-steps 16 --jobs 4 --out bench/results/fuzz_cuda.json
+    python bench/fuzz.py --device cuda --seeds 4 --steps 40 --model-seeds 1 --model-steps 16 --jobs 4 \\
+        --out bench/results/fuzz_cuda.json
 
 On CUDA every subject is built and streamed on the GPU (`torch.set_default_device`), where its
 verified classes replay as CUDA graphs. The `transformers` models transformed from their config
@@ -113,20 +114,30 @@ def _fuzz(name: str, seeds: int, steps: int) -> dict:
     checks = guards["calls"] - before["calls"]
     reasons = outcome.stock_by_reason
     record = {
-        "seeds": seeds, "steps": steps, "calls": calls, "wrong": wrong, "first_wrong": first,
-        "classes": outcome.classes, "graph_answered": _served(subject) - served,
+        "seeds": seeds,
+        "steps": steps,
+        "calls": calls,
+        "wrong": wrong,
+        "first_wrong": first,
+        "classes": outcome.classes,
+        "graph_answered": _served(subject) - served,
         "guard_failures": {k.removeprefix("guard:"): n for k, n in sorted(reasons.items()) if k.startswith("guard:")},
         "stock_by_reason": {k: n for k, n in sorted(reasons.items()) if not k.startswith("guard:")},
-        "refusals_by_reason": _by_reason(outcome.refused), "refused": outcome.refused,
+        "refusals_by_reason": _by_reason(outcome.refused),
+        "refused": outcome.refused,
         "guard_us_per_call": round(1e6 * (guards["seconds"] - before["seconds"]) / max(checks, 1), 1),
         # on CUDA, each operator's replay engine: graph replays, eager calls by reason, invalidations
-        "replay": {name: engine.counters.as_dict() for name, engine in sorted(subject.report.replays.items())
-                   if engine is not None},
+        "replay": {
+            name: engine.counters.as_dict() for name, engine in sorted(subject.report.replays.items()) if engine is not None
+        },
         "seconds": round(time.perf_counter() - started, 1),
     }
-    print(f"{name}: {calls} calls, {wrong} wrong, {outcome.classes} classes, {record['graph_answered']} from the graphs, "
-          f"stock {reasons}, refused {record['refusals_by_reason']}, guards {record['guard_us_per_call']} us a call, "
-          f"{record['seconds']} s", flush=True)
+    print(
+        f"{name}: {calls} calls, {wrong} wrong, {outcome.classes} classes, {record['graph_answered']} from the graphs, "
+        f"stock {reasons}, refused {record['refusals_by_reason']}, guards {record['guard_us_per_call']} us a call, "
+        f"{record['seconds']} s",
+        flush=True,
+    )
     return record
 
 
@@ -150,11 +161,17 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown subject(s) {unknown}; expected some of {sorted(SUBJECTS)}")
     if min(args.seeds, args.steps, args.model_seeds, args.model_steps, args.jobs) < 1:
-        parser.error(f"--seeds, --steps, --model-seeds, --model-steps and --jobs must be at least 1, got {args.seeds}, "
-                     f"{args.steps}, {args.model_seeds}, {args.model_steps} and {args.jobs}")
+        parser.error(
+            f"--seeds, --steps, --model-seeds, --model-steps and --jobs must be at least 1, got {args.seeds}, "
+            f"{args.steps}, {args.model_seeds}, {args.model_steps} and {args.jobs}"
+        )
     names = sorted(names, key=lambda name: (FIRST.index(name) if name in FIRST else len(FIRST), name))
-    tiers = {name: (args.seeds, args.steps) if name in TOYS else (args.model_seeds, min(args.model_steps, CAPPED.get(name, args.model_steps)))
-             for name in names}
+    tiers = {
+        name: (args.seeds, args.steps)
+        if name in TOYS
+        else (args.model_seeds, min(args.model_steps, CAPPED.get(name, args.model_steps)))
+        for name in names
+    }
     if args.jobs == 1:
         subjects = {name: fuzz(name, *tiers[name], args.device) for name in names}
     else:  # each subject in a process of its own, `--jobs` at a time
@@ -162,11 +179,20 @@ def main() -> int:
             subjects = dict(zip(names, pool.map(fuzz, names, *zip(*tiers.values()), [args.device] * len(names))))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     record = {
-        "benchmark": "fuzz", "commit": commit, "date": time.strftime("%Y-%m-%d"),
-        "command": "python " + " ".join([str(Path(sys.argv[0]).relative_to(ROOT)) if Path(sys.argv[0]).is_absolute() else sys.argv[0], *sys.argv[1:]]),
-        "device": (f"{torch.cuda.get_device_name()}, torch {torch.__version__}" if args.device == "cuda"
-                   else f"cpu ({platform.processor() or platform.machine()}), torch {torch.__version__}"),
-        "seeds": args.seeds, "steps": args.steps, "model_seeds": args.model_seeds, "model_steps": args.model_steps,
+        "benchmark": "fuzz",
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "python "
+        + " ".join([str(Path(sys.argv[0]).relative_to(ROOT)) if Path(sys.argv[0]).is_absolute() else sys.argv[0], *sys.argv[1:]]),
+        "device": (
+            f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+            if args.device == "cuda"
+            else f"cpu ({platform.processor() or platform.machine()}), torch {torch.__version__}"
+        ),
+        "seeds": args.seeds,
+        "steps": args.steps,
+        "model_seeds": args.model_seeds,
+        "model_steps": args.model_steps,
         "jobs": args.jobs,
         "subjects": dict(sorted(subjects.items())),
         "wrong": sum(s["wrong"] for s in subjects.values()),

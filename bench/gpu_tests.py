@@ -46,8 +46,11 @@ class _Recorder:
     def pytest_collectreport(self, report) -> None:
         """A whole module skipped or broken at collection counts too (e.g. a missing package)."""
         if report.skipped or report.failed:
-            self.results[report.nodeid] = {"outcome": "skipped" if report.skipped else "failed", "seconds": 0.0,
-                                           "reason": str(report.longrepr)[-500:]}
+            self.results[report.nodeid] = {
+                "outcome": "skipped" if report.skipped else "failed",
+                "seconds": 0.0,
+                "reason": str(report.longrepr)[-500:],
+            }
 
 
 def _earlier(path: str, commit: str | None, device: str) -> dict:
@@ -55,8 +58,10 @@ def _earlier(path: str, commit: str | None, device: str) -> dict:
     with open(path) as f:
         earlier = json.load(f)
     if (earlier.get("commit"), earlier.get("device")) != (commit, device):
-        raise SystemExit(f"--after {path}: that record is of commit {earlier.get('commit')} on {earlier.get('device')}; "
-                         f"this run is of commit {commit} on {device}: a record's parts are of one commit on one device")
+        raise SystemExit(
+            f"--after {path}: that record is of commit {earlier.get('commit')} on {earlier.get('device')}; "
+            f"this run is of commit {commit} on {device}: a record's parts are of one commit on one device"
+        )
     return earlier
 
 
@@ -65,8 +70,11 @@ def _merged(records: list[dict]) -> dict | None:
     if not records:
         return None
     parts = [p for r in records for p in (r.get("parts") or [{"command": r["command"], "exit_code": r["exit_code"]}])]
-    return {"parts": parts, "tests": {k: v for r in records for k, v in r["tests"].items()},
-            "measured": {k: v for r in records for k, v in r.get("measured", {}).items()}}
+    return {
+        "parts": parts,
+        "tests": {k: v for r in records for k, v in r["tests"].items()},
+        "measured": {k: v for r in records for k, v in r.get("measured", {}).items()},
+    }
 
 
 def main(out: str, paths: list[str], after: list[str] | None = None) -> int:
@@ -78,8 +86,11 @@ def main(out: str, paths: list[str], after: list[str] | None = None) -> int:
     part = {"command": " ".join([sys.executable, *sys.argv]), "exit_code": int(code)}
     parts = (earlier["parts"] if earlier else []) + [part]
     tests = (earlier["tests"] if earlier else {}) | recorder.results
-    measured = {name: dict(module.MEASURED) for name, module in sorted(sys.modules.items())
-                if name.startswith(("test_", "tests.")) and isinstance(getattr(module, "MEASURED", None), dict)}
+    measured = {
+        name: dict(module.MEASURED)
+        for name, module in sorted(sys.modules.items())
+        if name.startswith(("test_", "tests.")) and isinstance(getattr(module, "MEASURED", None), dict)
+    }
     outcomes = [r["outcome"] for r in tests.values()]
     record = {
         "command": part["command"] if len(parts) == 1 else " && ".join(p["command"] for p in parts),
@@ -104,7 +115,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="the record to write (JSON)")
     parser.add_argument("paths", nargs="+", help="test files or folders")
-    parser.add_argument("--after", metavar="EARLIER.json", action="append",
-                        help="an earlier part's record of the same commit and device (repeatable)")
+    parser.add_argument(
+        "--after",
+        metavar="EARLIER.json",
+        action="append",
+        help="an earlier part's record of the same commit and device (repeatable)",
+    )
     args = parser.parse_args()
     sys.exit(main(args.out, args.paths, args.after))

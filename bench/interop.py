@@ -87,7 +87,9 @@ def main() -> int:
         tls = self_signed(Path(folder))
         plain, plain_port = serve(args.model, options, [], Path(folder) / "plain.log")
         secure, secure_port = serve(
-            args.model, options, ["--ssl-keyfile", tls.keyfile, "--ssl-certfile", tls.certfile],
+            args.model,
+            options,
+            ["--ssl-keyfile", tls.keyfile, "--ssl-certfile", tls.certfile],
             Path(folder) / "tls.log",
         )
         env = {
@@ -103,8 +105,11 @@ def main() -> int:
             for name in args.clients:
                 result = run_client(name, env, args.timeout)
                 results.append(result)
-                print(f"{name}: {len(result['passed'])} passed, {len(result['failed'])} failed"
-                      + "".join(f"\n  FAILED {k}: {v}" for k, v in result["failed"].items()), flush=True)
+                print(
+                    f"{name}: {len(result['passed'])} passed, {len(result['failed'])} failed"
+                    + "".join(f"\n  FAILED {k}: {v}" for k, v in result["failed"].items()),
+                    flush=True,
+                )
         finally:
             for proc in (plain, secure):
                 proc.terminate()

@@ -111,20 +111,22 @@ def profile_frames(arm: Arm, pcm: torch.Tensor, frames: int, device: torch.devic
 
     chunks = list(pcm.split(arm.models.mimi.frame_size, dim=-1))
     with arm.session(sampling=True, seed=0) as step:
-        for frame in chunks[:STEADY_FROM + 1]:
+        for frame in chunks[: STEADY_FROM + 1]:
             step(frame)
         _sync(device)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for frame in chunks[STEADY_FROM + 1:STEADY_FROM + 1 + frames]:
+            for frame in chunks[STEADY_FROM + 1 : STEADY_FROM + 1 + frames]:
                 step(frame)
             _sync(device)
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return {"frames": frames, "launches_per_frame": len(events) / frames,
-            "kernel_ms_per_frame": sum(e.device_time for e in events) / 1e3 / frames}
+    return {
+        "frames": frames,
+        "launches_per_frame": len(events) / frames,
+        "kernel_ms_per_frame": sum(e.device_time for e in events) / 1e3 / frames,
+    }
 
 
-def run_arm(name: str, models, contract, streams: dict, args, device: torch.device,
-            memory: DeviceMemory) -> tuple[dict, dict]:
+def run_arm(name: str, models, contract, streams: dict, args, device: torch.device, memory: DeviceMemory) -> tuple[dict, dict]:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -169,8 +171,9 @@ def run_arm(name: str, models, contract, streams: dict, args, device: torch.devi
     }
     if arm.transformed is not None:
         result["replay"] = arm.transformed.counters()
-        result["certificates"] = {name: [c.explain() for c in e.certificates.values()]
-                                  for name, e in arm.transformed.replays.items()}
+        result["certificates"] = {
+            name: [c.explain() for c in e.certificates.values()] for name, e in arm.transformed.replays.items()
+        }
         result["transform_stamps"] = arm.report.stamps
     del arm
     gc.collect()
@@ -237,8 +240,10 @@ def main(argv=None) -> int:
     models = build_models(config, device=device)
     build_s = time.perf_counter() - started
     contract = contract_for(config)
-    streams = {mode: [random_pcm(args.frames, seed=1000 * m + i, device=device) for i in range(args.streams)]
-               for m, mode in enumerate(("sampling", "greedy"))}
+    streams = {
+        mode: [random_pcm(args.frames, seed=1000 * m + i, device=device) for i in range(args.streams)]
+        for m, mode in enumerate(("sampling", "greedy"))
+    }
     repeat_pcm = streams["sampling"][0][..., : models.mimi.frame_size * min(args.frames, args.repeat_frames)]
     repeats = _eager_repeats(models, repeat_pcm, device, args.seed)
     print(f"device {device}; built in {build_s:.1f} s; eager repeats itself: {repeats}", flush=True)
@@ -250,16 +255,20 @@ def main(argv=None) -> int:
         if reference is None:
             reference = outputs
         result["streams_equal_to_eager"] = {
-            mode: {"tokens": sum(torch.equal(outputs[mode, i][0], reference[mode, i][0]) for i in range(args.streams)),
-                   "pcm": sum(torch.equal(outputs[mode, i][1], reference[mode, i][1]) for i in range(args.streams)),
-                   "of": args.streams}
+            mode: {
+                "tokens": sum(torch.equal(outputs[mode, i][0], reference[mode, i][0]) for i in range(args.streams)),
+                "pcm": sum(torch.equal(outputs[mode, i][1], reference[mode, i][1]) for i in range(args.streams)),
+                "of": args.streams,
+            }
             for mode in ("sampling", "greedy")
         }
         results[name] = result
         s = result["frame_ms_steady"]
-        print(f"  {name}: steady frame p50 {s['p50']:.2f} ms p95 {s['p95']:.2f} ms, peak "
-              f"{format_bytes(result['peak_allocated_bytes_above_weights'])}, equal {result['streams_equal_to_eager']}",
-              flush=True)
+        print(
+            f"  {name}: steady frame p50 {s['p50']:.2f} ms p95 {s['p95']:.2f} ms, peak "
+            f"{format_bytes(result['peak_allocated_bytes_above_weights'])}, equal {result['streams_equal_to_eager']}",
+            flush=True,
+        )
 
     summary = {}
     if "vendor" in results and "cadence" in results:
@@ -267,8 +276,10 @@ def main(argv=None) -> int:
         exact = all(v["tokens"] == v["pcm"] == v["of"] for v in cadence["streams_equal_to_eager"].values())
         ratio = cadence["frame_ms_steady"]["p50"] / vendor["frame_ms_steady"]["p50"]
         peaks = (cadence["peak_allocated_bytes_above_weights"], vendor["peak_allocated_bytes_above_weights"])
-        steady_peaks = (cadence["peak_allocated_bytes_above_weights_streams"],
-                        vendor["peak_allocated_bytes_above_weights_streams"])
+        steady_peaks = (
+            cadence["peak_allocated_bytes_above_weights_streams"],
+            vendor["peak_allocated_bytes_above_weights_streams"],
+        )
         summary = {
             "cadence_over_vendor_p50": ratio,
             "target_time_at_most_vendor": ratio <= 1.0,

@@ -8,10 +8,12 @@ seed for the batch, as the vendor samples all rows from one generator). One tick
 + `LMGen.step` + Mimi decode for all B slots, CUDA-synchronised, from host frames to device
 outputs. Per arm: tick p50/p95 over the steady ticks (from tick `STEADY_FROM`: the vendor
 captures on its second call), the host's part of each (`host_ms_steady`: until the tick's call
-returns, before the device is waited for; where it is near the tick, the host bounds it), peak allocated (`torch.cuda.max_memory_allocated`, weights
+returns, before the device is waited for; where it is near the tick, the host bounds it), peak allocated
+(`torch.cuda.max_memory_allocated`, weights
 included), `torch.cuda.memory_reserved` and the device footprint (`torch.cuda.mem_get_info`:
 used bytes, less what was used when this process started), each at the arm's end and at its
-largest over the arm's ticks (`cadence_fx.memory.DeviceMemory`); per slot, whether its tokens and PCM equal the eager arm's bit for bit; for cadence-fx,
+largest over the arm's ticks (`cadence_fx.memory.DeviceMemory`); per slot, whether its tokens and PCM equal the eager arm's bit
+for bit; for cadence-fx,
 the replay counters (every stage replayed: captures 1, eager 0). Arms run one after another, each
 freeing its batch before the next (at B = 64 one batch's rings alone are 100 GB at full size).
 
@@ -60,12 +62,14 @@ def _sync(device: torch.device) -> None:
 def schedule(slots: int, ticks: int, frame_size: int) -> list[Tick]:
     """Every slot joins at tick 0 and is live on every tick, each with its own PCM."""
     pcm = [random_pcm(ticks, seed=1000 + slot).reshape(ticks, frame_size) for slot in range(slots)]
-    return [Tick({slot: pcm[slot][t] for slot in range(slots)}, joins=tuple(range(slots)) if t == 0 else ())
-            for t in range(ticks)]
+    return [
+        Tick({slot: pcm[slot][t] for slot in range(slots)}, joins=tuple(range(slots)) if t == 0 else ()) for t in range(ticks)
+    ]
 
 
-def run_arm(name: str, models, slots: int, ticks: list[Tick], args, device: torch.device,
-            memory: DeviceMemory) -> tuple[dict, list]:
+def run_arm(
+    name: str, models, slots: int, ticks: list[Tick], args, device: torch.device, memory: DeviceMemory
+) -> tuple[dict, list]:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -73,13 +77,13 @@ def run_arm(name: str, models, slots: int, ticks: list[Tick], args, device: torc
     setup_s, runtime, counters = 0.0, None, None
     if name == "cadence":
         started = time.perf_counter()
-        runtime, report = transform_slots(models, contract_for(models.config, slots=slots),
-                                          sampling=not args.greedy, seed=args.seed)
+        runtime, report = transform_slots(
+            models, contract_for(models.config, slots=slots), sampling=not args.greedy, seed=args.seed
+        )
         setup_s = time.perf_counter() - started
         step = iter(runtime.tick(tick) for tick in ticks)
     else:
-        step = vendor_ticks(models, slots, ticks, sampling=not args.greedy, seed=args.seed,
-                            cuda_graphs=name == "vendor")
+        step = vendor_ticks(models, slots, ticks, sampling=not args.greedy, seed=args.seed, cuda_graphs=name == "vendor")
     tick_ms, host_ms, outputs = [], [], []
     while True:
         _sync(device)
@@ -93,14 +97,19 @@ def run_arm(name: str, models, slots: int, ticks: list[Tick], args, device: torc
         host_ms.append((returned - started) * 1e3)
         memory.sample()
         outputs.append((out.speaking, out.tokens.cpu(), out.pcm.cpu()))
-    result = {"tick_ms_steady": latency_stats(tick_ms[STEADY_FROM:]), "tick_ms_first": tick_ms[:STEADY_FROM],
-              "host_ms_steady": latency_stats(host_ms[STEADY_FROM:]),
-              "setup_s": setup_s, **memory.record()}
+    result = {
+        "tick_ms_steady": latency_stats(tick_ms[STEADY_FROM:]),
+        "tick_ms_first": tick_ms[:STEADY_FROM],
+        "host_ms_steady": latency_stats(host_ms[STEADY_FROM:]),
+        "setup_s": setup_s,
+        **memory.record(),
+    }
     if runtime is not None:
         counters = runtime.counters()
         result["replay"] = counters
         result["every_stage_replayed"] = all(
-            c["captures"] == 1 and c["eager"] == 0 and c["replays"] == c["calls"] for c in counters.values())
+            c["captures"] == 1 and c["eager"] == 0 and c["replays"] == c["calls"] for c in counters.values()
+        )
         result["transform_stamps"] = report.stamps
         runtime.close()
     del step, runtime
@@ -128,8 +137,12 @@ def capacity(points: list[tuple[int, int]], total: int | None) -> dict | None:
     mean_p = sum(p for _, p in points) / n
     slope = sum((b - mean_b) * (p - mean_p) for b, p in points) / sum((b - mean_b) ** 2 for b, _ in points)
     intercept = mean_p - slope * mean_b
-    return {"bytes_per_slot": slope, "bytes_at_zero_slots": intercept, "device_total_bytes": total,
-            "largest_slots_predicted": int((total - intercept) // slope) if slope > 0 else None}
+    return {
+        "bytes_per_slot": slope,
+        "bytes_at_zero_slots": intercept,
+        "device_total_bytes": total,
+        "largest_slots_predicted": int((total - intercept) // slope) if slope > 0 else None,
+    }
 
 
 def main(argv=None) -> int:
@@ -161,8 +174,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     models = build_models(config, device=device)
     build_s = time.perf_counter() - started
-    weights = sum(t.numel() * t.element_size() for m in (models.mimi, models.lm)
-                  for t in (*m.parameters(), *m.buffers()))
+    weights = sum(t.numel() * t.element_size() for m in (models.mimi, models.lm) for t in (*m.parameters(), *m.buffers()))
     print(f"device {device}; built in {build_s:.1f} s; weights {weights / 2**30:.2f} GiB", flush=True)
     # Exactness is defined against a deterministic eager baseline: eager first against itself.
     check = schedule(batches[0], STEADY_FROM + 2, models.mimi.frame_size)
@@ -173,8 +185,11 @@ def main(argv=None) -> int:
     def write() -> None:
         """The record of the batch sizes done so far: a run cut short by its time limit keeps them."""
         total = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None
-        fits = {arm: capacity([(int(b), r["arms"][arm]["peak_allocated_bytes"]) for b, r in results.items()], total)
-                for arm in arms if device.type == "cuda"}
+        fits = {
+            arm: capacity([(int(b), r["arms"][arm]["peak_allocated_bytes"]) for b, r in results.items()], total)
+            for arm in arms
+            if device.type == "cuda"
+        }
         try:
             dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip())
         except FileNotFoundError:  # a copy of the tree without git (the GPU machine's): CADENCE_COMMIT names it
@@ -217,8 +232,11 @@ def main(argv=None) -> int:
             result["slots_equal_to_eager"] = exact_slots(outputs, reference, slots)
             per_b["arms"][name] = result
             s = result["tick_ms_steady"]
-            print(f"  p50 {s['p50']:.2f} ms p95 {s['p95']:.2f} ms; peak {result['peak_allocated_bytes']}; "
-                  f"equal {result['slots_equal_to_eager']}", flush=True)
+            print(
+                f"  p50 {s['p50']:.2f} ms p95 {s['p95']:.2f} ms; peak {result['peak_allocated_bytes']}; "
+                f"equal {result['slots_equal_to_eager']}",
+                flush=True,
+            )
         if "vendor" in per_b["arms"] and "cadence" in per_b["arms"]:
             vendor, cadence = per_b["arms"]["vendor"], per_b["arms"]["cadence"]
             exact = cadence["slots_equal_to_eager"]

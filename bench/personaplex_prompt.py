@@ -29,8 +29,10 @@ from cadence_fx.models import personaplex
 from cadence_fx.models.personaplex_prompt import capture, prime, restore
 from cadence_fx.report import measured_commit
 
-ROLE = ("You work for a bicycle repair shop and your name is Ada. Information: the shop opens at nine, "
-        "a tune-up costs forty dollars and takes two days.")
+ROLE = (
+    "You work for a bicycle repair shop and your name is Ada. Information: the shop opens at nine, "
+    "a tune-up costs forty dollars and takes two days."
+)
 
 
 def _timed(fn, runs: int) -> dict:
@@ -40,8 +42,7 @@ def _timed(fn, runs: int) -> dict:
         fn()
         wall.append(1e3 * (time.perf_counter() - started))
         cpu.append(1e3 * (time.thread_time() - thread))
-    return {"wall_ms_median": round(statistics.median(wall), 3), "cpu_ms_median": round(statistics.median(cpu), 3),
-            "runs": runs}
+    return {"wall_ms_median": round(statistics.median(wall), 3), "cpu_ms_median": round(statistics.median(cpu), 3), "runs": runs}
 
 
 def main(argv: list[str] | None = None) -> int:

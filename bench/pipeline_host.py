@@ -39,8 +39,7 @@ def deep_tiny() -> MoshiConfig:
     """TINY's widths at the real depths."""
     mimi = {key: dict(value) if isinstance(value, dict) else value for key, value in TINY.mimi.items()}
     mimi["transformer"] = dict(mimi["transformer"], num_layers=8)
-    return MoshiConfig(mimi=mimi, lm_kwargs=TINY.lm_kwargs | dict(num_layers=32, depformer_num_layers=6),
-                       lm_dtype=torch.float32)
+    return MoshiConfig(mimi=mimi, lm_kwargs=TINY.lm_kwargs | dict(num_layers=32, depformer_num_layers=6), lm_dtype=torch.float32)
 
 
 def measure(transformed, frames: list[torch.Tensor]) -> dict:
@@ -49,12 +48,14 @@ def measure(transformed, frames: list[torch.Tensor]) -> dict:
     engines = [op.replay for model in transformed.bound.values() for op in model.operators.values() if op.replay is not None]
     graphs = [engine.fn for engine in engines]
     for engine, graph in zip(engines, graphs):
+
         def timed(*args, _graph=graph, **kwargs):
             started = time.perf_counter()
             try:
                 return _graph(*args, **kwargs)
             finally:
                 inside[0] += time.perf_counter() - started
+
         engine.fn = timed
     frame_ms, graph_ms = [], []
     try:
@@ -94,8 +95,11 @@ def main(argv=None) -> int:
     runs = []
     for run in range(args.runs):
         runs.append(measure(transformed, frames))
-        print(f"  run {run}: host {runs[-1]['host_ms']['p50']:.2f} ms a frame (p50), graphs "
-              f"{runs[-1]['graph_ms']['p50']:.2f} ms", file=sys.stderr, flush=True)
+        print(
+            f"  run {run}: host {runs[-1]['host_ms']['p50']:.2f} ms a frame (p50), graphs {runs[-1]['graph_ms']['p50']:.2f} ms",
+            file=sys.stderr,
+            flush=True,
+        )
     counters = transformed.counters()
     transformed.close()
     dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip())

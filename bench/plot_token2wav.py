@@ -30,8 +30,10 @@ def _device_memory(arm: dict) -> str:
     memory = arm.get("memory")
     if memory is None:
         return f"{_gib(arm.get('reserved_bytes_end'))} / not recorded / not recorded"
-    return (f"{_gib(memory['reserved_bytes_end'])} / {_gib(memory['device_footprint_bytes_end'])} / "
-            f"{_gib(memory.get('device_footprint_bytes_after_empty_cache'))}")
+    return (
+        f"{_gib(memory['reserved_bytes_end'])} / {_gib(memory['device_footprint_bytes_end'])} / "
+        f"{_gib(memory.get('device_footprint_bytes_after_empty_cache'))}"
+    )
 
 
 def table(record: dict) -> str:
@@ -40,7 +42,8 @@ def table(record: dict) -> str:
         head = f"{record['device']}, torch {record['torch']}, {record['depth']} size, commit {record['commit']}.\n"
         return head + table_capacity(record)
     rows = [
-        "| arm | steady chunk p50 / p95 (ms) | flow chunk p50 (ms) | CFM loop p50 (ms) | vs its eager (CFM loop) | kernels one chunk (ms, launches) "
+        "| arm | steady chunk p50 / p95 (ms) | flow chunk p50 (ms) | CFM loop p50 (ms) | vs its eager (CFM loop) "
+        "| kernels one chunk (ms, launches) "
         "| peak allocated: all / first turn / later turns | peak delta vs eager: predicted / measured "
         "| exact mel / PCM | replays, eager fallbacks, invalidations (CFM loop) "
         "| device: reserved at end / footprint at end / footprint after empty_cache |",
@@ -87,17 +90,23 @@ def table_capacity(record: dict) -> str:
             "",
             f"Capacity: N streams round robin over one set of SRc bindings, {sessions['chunks_per_stream']} chunks "
             f"each (1 chunk = 1 s of speech); largest N keeping real time: **{sessions['largest_real_time_N']}**. "
-            f"Replay counters over the run: " + "; ".join(
-                f"{name} {c['replays']} replayed, {c['eager']} eager {c['fallbacks']}" for name, c in sessions["replay"].items()) + ".",
+            f"Replay counters over the run: "
+            + "; ".join(
+                f"{name} {c['replays']} replayed, {c['eager']} eager {c['fallbacks']}" for name, c in sessions["replay"].items()
+            )
+            + ".",
             "",
-            "| N | round p50 / p95 (ms, steady) | per chunk incl. carry swap p50 (ms) | keeps real time | streams checked exact |",
+            "| N | round p50 / p95 (ms, steady) | per chunk incl. carry swap p50 (ms) | keeps real time "
+            "| streams checked exact |",
             "|---|---|---|---|---|",
         ]
         for r in sessions["rounds"]:
             steady = r["round_ms_steady"]
             exact = ", ".join(f"{i}: {e}" for i, e in r["streams_checked_exact"].items())
-            lines.append(f"| {r['sessions']} | {steady['p50']:.1f} / {steady['p95']:.1f} | "
-                         f"{r['chunk_ms_with_swap']['p50']:.1f} | {r['keeps_real_time']} | {exact} |")
+            lines.append(
+                f"| {r['sessions']} | {steady['p50']:.1f} / {steady['p95']:.1f} | "
+                f"{r['chunk_ms_with_swap']['p50']:.1f} | {r['keeps_real_time']} | {exact} |"
+            )
         text += "\n".join(lines) + "\n"
     elif sessions:
         text += f"\nCapacity run: {sessions.get('outcome')}\n"
@@ -113,18 +122,24 @@ def table_lanes(sessions: dict) -> str:
         f"CUDA stream; stream i on lane i mod L), {sessions['chunks_per_stream']} chunks each (1 chunk = 1 s of speech), "
         f"every stream compared bit for bit with the same stream run alone; lanes built and every class captured in "
         f"{sessions['build_and_capture_s']:.1f} s before the rounds. Largest N keeping real time: **{best}**"
-        + (f", device footprint {_gib(footprint)}" if footprint is not None else "") + ". Classes refused: "
-        + (", ".join(f"lane {r['lane']} {r['engine']} {r['class']} ({r['reason']})" for r in sessions["refused_classes"])
-           or "none") + ".",
+        + (f", device footprint {_gib(footprint)}" if footprint is not None else "")
+        + ". Classes refused: "
+        + (
+            ", ".join(f"lane {r['lane']} {r['engine']} {r['class']} ({r['reason']})" for r in sessions["refused_classes"])
+            or "none"
+        )
+        + ".",
         "",
         "| N | round p50 / p95 (ms, steady) | keeps real time | streams exact | device footprint | reserved |",
         "|---|---|---|---|---|---|",
     ]
     for r in sessions["rounds"]:
         steady = r["round_ms_steady"]
-        lines.append(f"| {r['sessions']} | {steady['p50']:.1f} / {steady['p95']:.1f} | {r['keeps_real_time']} | "
-                     f"{r['streams_exact']}/{r['streams_checked']} | {_gib(r['device_footprint_bytes'])} | "
-                     f"{_gib(r['reserved_bytes'])} |")
+        lines.append(
+            f"| {r['sessions']} | {steady['p50']:.1f} / {steady['p95']:.1f} | {r['keeps_real_time']} | "
+            f"{r['streams_exact']}/{r['streams_checked']} | {_gib(r['device_footprint_bytes'])} | "
+            f"{_gib(r['reserved_bytes'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 

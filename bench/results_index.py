@@ -80,9 +80,11 @@ def _token2wav(r: dict) -> list[str]:
         if arm.get("cfm_loop_stats_ms"):
             line += f", CFM loop p50 {_ms(arm['cfm_loop_stats_ms']['p50'])}"
         line += f"; peak allocated {_gib(arm.get('peak_allocated_bytes'))}"
-        line += (f"; mel {arm.get('mel_equal_chunks')}/{arm.get('chunks')} and PCM "
-                 f"{arm.get('pcm_equal_chunks')}/{arm.get('chunks')} chunks bit-identical to "
-                 f"`{arm.get('compared_with') or 'eager'}`")
+        line += (
+            f"; mel {arm.get('mel_equal_chunks')}/{arm.get('chunks')} and PCM "
+            f"{arm.get('pcm_equal_chunks')}/{arm.get('chunks')} chunks bit-identical to "
+            f"`{arm.get('compared_with') or 'eager'}`"
+        )
         out.append(line)
     capacity = r.get("capacity")
     if capacity:
@@ -92,37 +94,53 @@ def _token2wav(r: dict) -> list[str]:
             f"{_n(x['sessions'], 'stream')}: round p50 {_ms(x['round_ms_steady']['p50'])}, "
             f"{'real time' if x['keeps_real_time'] else 'behind real time'}"
             + (f", {x['streams_exact']}/{x['streams_checked']} streams exact" if "streams_exact" in x else "")
-            for x in capacity["rounds"])
+            for x in capacity["rounds"]
+        )
         largest = capacity.get("largest_real_time_N") or "none of those run"
-        out.append(f"capacity on {where} ({capacity['chunks_per_stream']} chunks a stream): largest N in real "
-                   f"time **{largest}**; {rounds}")
+        out.append(
+            f"capacity on {where} ({capacity['chunks_per_stream']} chunks a stream): largest N in real "
+            f"time **{largest}**; {rounds}"
+        )
     return out
 
 
 def _token2wav_setup(r: dict) -> list[str]:
-    lanes = "; ".join(f"lane {x['lane']}: {x['transform_s']:.1f} s ({x['exported']} classes exported, "
-                      f"{x['reused']} reused)" for x in r["lanes"])
-    return [f"transform at {r['depth']} size: {lanes}",
-            f"last lane's mel: {r['last_lane_mel_equal_chunks']}/{r['chunks']} chunks equal to the stock flow"]
+    lanes = "; ".join(
+        f"lane {x['lane']}: {x['transform_s']:.1f} s ({x['exported']} classes exported, {x['reused']} reused)" for x in r["lanes"]
+    )
+    return [
+        f"transform at {r['depth']} size: {lanes}",
+        f"last lane's mel: {r['last_lane_mel_equal_chunks']}/{r['chunks']} chunks equal to the stock flow",
+    ]
 
 
 def _token2wav_batch_probe(r: dict) -> list[str]:
-    return ["; ".join(f"{n} streams batched: {s['streams_bit_identical']} of {s['of']} bit-identical "
-                      f"(max difference {s['max_abs_difference']:.1e})" for n, s in r["streams"].items())]
+    return [
+        "; ".join(
+            f"{n} streams batched: {s['streams_bit_identical']} of {s['of']} bit-identical "
+            f"(max difference {s['max_abs_difference']:.1e})"
+            for n, s in r["streams"].items()
+        )
+    ]
 
 
 def _token2wav_batch_memory(r: dict) -> list[str]:
-    return [f"{size} (predicted): " + "; ".join(f"{t['streams']} streams at capacity {t['capacity']}: {t['device_gib']} GiB "
-                                               f"on the device, {t['host_pinned_gib']} GiB pinned host" for t in s["streams"])
-            for size, s in r["sizes"].items()]
+    return [
+        f"{size} (predicted): "
+        + "; ".join(
+            f"{t['streams']} streams at capacity {t['capacity']}: {t['device_gib']} GiB "
+            f"on the device, {t['host_pinned_gib']} GiB pinned host"
+            for t in s["streams"]
+        )
+        for size, s in r["sizes"].items()
+    ]
 
 
 def _moshi(r: dict) -> list[str]:
     out = []
     for name, arm in r["arms"].items():
         eq = arm.get("streams_equal_to_eager", {})
-        same = ", ".join(f"{mode} {v['tokens']}/{v['of']} tokens and {v['pcm']}/{v['of']} PCM"
-                         for mode, v in eq.items())
+        same = ", ".join(f"{mode} {v['tokens']}/{v['of']} tokens and {v['pcm']}/{v['of']} PCM" for mode, v in eq.items())
         out.append(f"`{name}`: steady frame {_stats(arm['frame_ms_steady'])}; equal to eager: {same}")
     summary = r.get("summary") or {}
     if "cadence_over_vendor_p50" in summary:
@@ -138,7 +156,10 @@ def _moshi_slots(r: dict) -> list[str]:
             part = f"`{name}` tick {_stats(arm.get('tick_ms_steady'))}"
             eq = arm.get("slots_equal_to_eager")
             if eq:
-                part += f", {eq['tokens_equal_slots']}/{eq['of']} slots' tokens and {eq['pcm_equal_slots']}/{eq['of']} PCM equal to eager"
+                part += (
+                    f", {eq['tokens_equal_slots']}/{eq['of']} slots' tokens and "
+                    f"{eq['pcm_equal_slots']}/{eq['of']} PCM equal to eager"
+                )
             if name == "cadence":
                 part += f", peak allocated {_gb(arm.get('peak_allocated_bytes'))}"
             parts.append(part)
@@ -150,42 +171,51 @@ def _serve_load(r: dict) -> list[str]:
     first = r.get("turn_end_to_first_audio_ms") or {}
     stall = r.get("reply_playback_stall_ms") or {}
     runs = len(r.get("runs") or []) or 1
-    line = (f"{r['plugin']}: {r['sessions']} sessions x {r['audio_seconds_per_session']:g} s"
-            + (f", {runs} runs" if runs > 1 else "")
-            + f"; {r.get('responses')} replies; turn end to first audio p50 {_ms(first.get('p50'))} / "
-            f"p95 {_ms(first.get('p95'))}; {r.get('replies_that_stalled')} replies stalled, stall p95 "
-            f"{_ms(stall.get('p95'))}")
-    ledger = (f"every appended byte committed: {_yes(r.get('all_input_accounted'))}; every reply complete and "
-              f"in order: {_yes(r.get('all_output_complete_and_in_order'))}; errors: {r.get('errors')}")
+    line = (
+        f"{r['plugin']}: {r['sessions']} sessions x {r['audio_seconds_per_session']:g} s"
+        + (f", {runs} runs" if runs > 1 else "")
+        + f"; {r.get('responses')} replies; turn end to first audio p50 {_ms(first.get('p50'))} / "
+        f"p95 {_ms(first.get('p95'))}; {r.get('replies_that_stalled')} replies stalled, stall p95 "
+        f"{_ms(stall.get('p95'))}"
+    )
+    ledger = (
+        f"every appended byte committed: {_yes(r.get('all_input_accounted'))}; every reply complete and "
+        f"in order: {_yes(r.get('all_output_complete_and_in_order'))}; errors: {r.get('errors')}"
+    )
     return [line, ledger]
 
 
 def _gpu_tests(r: dict) -> list[str]:
     files = sorted({name.split("::")[0] for name in r["tests"]})
-    out = [f"**{r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped** over {len(files)} test files "
-           f"(torch {r.get('torch')})"]
+    out = [
+        f"**{r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped** over {len(files)} test files "
+        f"(torch {r.get('torch')})"
+    ]
     for test, figures in (r.get("measured") or {}).items():
         out.append(f"`{test}`: " + ", ".join(f"{k} {v:,.2f}" for k, v in figures.items()))
     return out
 
 
 def _interop(r: dict) -> list[str]:
-    return [f"{x['client']} {x['version']}: {len(x['passed'])} checks passed, {len(x['failed'])} failed"
-            for x in r["results"]]
+    return [f"{x['client']} {x['version']}: {len(x['passed'])} checks passed, {len(x['failed'])} failed" for x in r["results"]]
 
 
 def _soak(r: dict) -> list[str]:
     t = r["totals"]
-    return [f"{r['sessions']} sessions for {r['minutes']:g} minutes ({r['model']}): {t['events']:,} events, "
-            f"{t['resumes']:,} resumes, {r['lost_events']} lost; server errors {r['server_errors']}; "
-            f"input accounted: {_yes(r['input_accounted'])}; memory flat: {_yes(r['memory']['memory_flat'])}"]
+    return [
+        f"{r['sessions']} sessions for {r['minutes']:g} minutes ({r['model']}): {t['events']:,} events, "
+        f"{t['resumes']:,} resumes, {r['lost_events']} lost; server errors {r['server_errors']}; "
+        f"input accounted: {_yes(r['input_accounted'])}; memory flat: {_yes(r['memory']['memory_flat'])}"
+    ]
 
 
 def _binding_wide(r: dict) -> list[str]:
     streams = ", ".join(f"{s['seconds']:.2f} s" for s in r["streams"])
     exact = all(s["bit_identical"] for s in r["streams"])
-    return [f"{r['classes_met']} of {r['catalog_width']} catalog classes met; streams of {r['calls_per_stream']} "
-            f"calls took {streams} (stock {r['stock_stream_seconds']:.2f} s); all bit-identical: {_yes(exact)}"]
+    return [
+        f"{r['classes_met']} of {r['catalog_width']} catalog classes met; streams of {r['calls_per_stream']} "
+        f"calls took {streams} (stock {r['stock_stream_seconds']:.2f} s); all bit-identical: {_yes(exact)}"
+    ]
 
 
 def _fuzz(r: dict) -> list[str]:
@@ -196,25 +226,35 @@ def _fuzz(r: dict) -> list[str]:
     schedules = f"{r['seeds']} schedules of {r['steps']} steps each"
     if "model_seeds" in r:
         schedules = f"the counter-branching models {schedules}, the others {r['model_seeds']} of {r['model_steps']}"
-    return [f"{calls} calls over {len(subjects)} models ({schedules}): {r['wrong']} wrong outputs; "
-            f"{answered} answered from the graphs; guard check per call {guards[0]:g} to {guards[-1]:g} us"]
+    return [
+        f"{calls} calls over {len(subjects)} models ({schedules}): {r['wrong']} wrong outputs; "
+        f"{answered} answered from the graphs; guard check per call {guards[0]:g} to {guards[-1]:g} us"
+    ]
 
 
 def _fallback(r: dict) -> list[str]:
     out = []
     for model, cases in r["models"].items():
-        out.append(f"{model}: " + "; ".join(
-            f"{case} {c['bound_cpu_ms_median']:.2f} ms through the bound model, {c['stock_cpu_ms_median']:.2f} ms stock "
-            f"(CPU time, median of {c['calls']})" for case, c in cases.items()))
+        out.append(
+            f"{model}: "
+            + "; ".join(
+                f"{case} {c['bound_cpu_ms_median']:.2f} ms through the bound model, {c['stock_cpu_ms_median']:.2f} ms stock "
+                f"(CPU time, median of {c['calls']})"
+                for case, c in cases.items()
+            )
+        )
     return out
 
 
 def _personaplex_prompt(r: dict) -> list[str]:
     p, stepped, restored = r["prompt"], r["vendor_priming"], r["restore"]
-    return [f"a {p['voice_seconds']:g} s voice and {p['role_tokens']} role tokens ({p['steps']} steps, {r['config']}): "
-            f"the vendor steps them in {stepped['wall_ms_median']:.1f} ms ({stepped['cpu_ms_median']:.1f} ms of CPU), a "
-            f"prompt state of {p['state_bytes']} B is copied in in {restored['wall_ms_median']:.3f} ms (medians); in a slot, {r['slots_ticks_to_prime']} "
-            f"ticks at {r['slots_prompt_rate']} steps a tick"]
+    return [
+        f"a {p['voice_seconds']:g} s voice and {p['role_tokens']} role tokens ({p['steps']} steps, {r['config']}): "
+        f"the vendor steps them in {stepped['wall_ms_median']:.1f} ms ({stepped['cpu_ms_median']:.1f} ms of CPU), a "
+        f"prompt state of {p['state_bytes']} B is copied in in {restored['wall_ms_median']:.3f} ms (medians); "
+        f"in a slot, {r['slots_ticks_to_prime']} "
+        f"ticks at {r['slots_prompt_rate']} steps a tick"
+    ]
 
 
 def _pipeline_host(r: dict) -> list[str]:
@@ -228,8 +268,10 @@ def _symbolic_export(r: dict) -> list[str]:
         outcomes: dict[str, int] = {}
         for c in classes:
             outcomes[c["symbolic"]["outcome"]] = outcomes.get(c["symbolic"]["outcome"], 0) + 1
-        out.append(f"{model}: {len(classes)} classes exported again symbolically: "
-                   + ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items())))
+        out.append(
+            f"{model}: {len(classes)} classes exported again symbolically: "
+            + ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items()))
+        )
     return out
 
 
@@ -282,18 +324,20 @@ def provenance(name: str, record: dict) -> dict[str, str | None]:
     if missing:
         raise RecordError(
             f"bench/results/{name} lacks {', '.join(repr(f) for f in missing)}: every current record must carry "
-            f"commit, command and device (rerun its benchmark, or move the record to bench/results/history/)")
+            f"commit, command and device (rerun its benchmark, or move the record to bench/results/history/)"
+        )
     return found
 
 
 def commit_date(name: str, commit: str, root: Path = ROOT) -> str:
     """The date (YYYY-MM-DD) of a record's commit, from git (for a record that does not carry its
     own `date`)."""
-    done = subprocess.run(["git", "show", "-s", "--format=%cs", f"{commit}^{{commit}}"], cwd=root,
-                          capture_output=True, text=True)
+    done = subprocess.run(["git", "show", "-s", "--format=%cs", f"{commit}^{{commit}}"], cwd=root, capture_output=True, text=True)
     if done.returncode != 0 or not done.stdout.strip():
-        raise RecordError(f"bench/results/{name}: commit {commit} is not in this repository's history "
-                          f"(git: {done.stderr.strip() or 'no output'})")
+        raise RecordError(
+            f"bench/results/{name}: commit {commit} is not in this repository's history "
+            f"(git: {done.stderr.strip() or 'no output'})"
+        )
     return done.stdout.strip()
 
 
@@ -313,15 +357,24 @@ def entries(results: Path = RESULTS, root: Path = ROOT) -> list[dict]:
             raise RecordError(f"bench/results/{path.name} is not a JSON object")
         bench = kind(record)
         if bench not in HEADLINES:
-            raise RecordError(f"bench/results/{path.name}: no headline reader for benchmark {bench!r}; "
-                              f"add one to HEADLINES in bench/results_index.py")
+            raise RecordError(
+                f"bench/results/{path.name}: no headline reader for benchmark {bench!r}; "
+                f"add one to HEADLINES in bench/results_index.py"
+            )
         prov = provenance(path.name, record)
         try:
             figures = HEADLINES[bench](record)
         except (KeyError, TypeError) as exc:
             raise RecordError(f"bench/results/{path.name}: its {bench} figures lack {exc}") from exc
-        found.append({"name": path.name, "benchmark": bench, **prov,
-                      "date": record.get("date") or commit_date(path.name, prov["commit"], root), "figures": figures})
+        found.append(
+            {
+                "name": path.name,
+                "benchmark": bench,
+                **prov,
+                "date": record.get("date") or commit_date(path.name, prov["commit"], root),
+                "figures": figures,
+            }
+        )
     return sorted(found, key=lambda e: (e["benchmark"], e["name"]))
 
 
@@ -331,8 +384,7 @@ def render(results: Path = RESULTS, root: Path = ROOT) -> str:
     lines = [
         "# Results index",
         "",
-        "<!-- written by bench/results_index.py from bench/results/*.json; do not edit: run "
-        "`python bench/results_index.py` -->",
+        "<!-- written by bench/results_index.py from bench/results/*.json; do not edit: run `python bench/results_index.py` -->",
         "",
         f"The {len(records)} current benchmark records in [bench/results/](../bench/results/): one per benchmark, "
         "model, size and arm set, the newest commit of them. Older runs and run variants are kept in "
@@ -345,8 +397,10 @@ def render(results: Path = RESULTS, root: Path = ROOT) -> str:
         "|---|---|---|---|---|",
     ]
     for e in records:
-        lines.append(f"| [{e['name']}](../bench/results/{e['name']}) | {e['benchmark']} | "
-                     f"`{(e['commit'] or '')[:7]}` | {e['date']} | {e['device'] or 'not recorded'} |")
+        lines.append(
+            f"| [{e['name']}](../bench/results/{e['name']}) | {e['benchmark']} | "
+            f"`{(e['commit'] or '')[:7]}` | {e['date']} | {e['device'] or 'not recorded'} |"
+        )
     current = None
     for e in records:
         if e["benchmark"] != current:
@@ -357,12 +411,10 @@ def render(results: Path = RESULTS, root: Path = ROOT) -> str:
         lines += [
             "",
             f"[Record](../bench/results/{e['name']}); commit `{e['commit']}` ({e['date']}); device: "
-            f"{e['device'] or 'not recorded'}; command: "
-            + (f"`{e['command']}`" if e["command"] else "not recorded") + ".",
+            f"{e['device'] or 'not recorded'}; command: " + (f"`{e['command']}`" if e["command"] else "not recorded") + ".",
         ]
     if others:
-        lines += ["", "## Other files", "",
-                  "Figures and logs kept beside the records (not records themselves):", ""]
+        lines += ["", "## Other files", "", "Figures and logs kept beside the records (not records themselves):", ""]
         lines += [f"- [{name}](../bench/results/{name})" for name in others]
     return "\n".join(lines) + "\n"
 

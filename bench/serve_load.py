@@ -78,11 +78,13 @@ import numpy as np
 from cadence_fx.report import latency_stats, measured_commit
 from cadence_fx.serve.app import free_port, server_process
 from cadence_fx.serve.cli import plugin_option
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "serve"))  # the load generator: a test kit
 from loadgen import drive_session, run_load, speech_pattern  # noqa: E402
+
+from cadence_fx.serve.plugins import has_lanes, plugin_names
 from cadence_fx.serve.protocol import PCM24K
 from cadence_fx.serve.protocol import audio as wire_audio
-from cadence_fx.serve.plugins import has_lanes, plugin_names
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parents[1]
@@ -98,7 +100,9 @@ import cadence_fx.serve.plugins.moshi as moshi
 import cadence_fx.serve.plugins.moshi_worker as moshi_worker
 
 class _DoubleBatch:
-    def __init__(self, slots): self.slots, self.report = slots, type("Report", (), {{"stamps": ["tick double: {seconds} s sleep"]}})()
+    def __init__(self, slots):
+        self.slots = slots
+        self.report = type("Report", (), {{"stamps": ["tick double: {seconds} s sleep"]}})()
     def counters(self): return {{}}
     def close(self): pass
 
@@ -129,14 +133,15 @@ def staggered_session(seed: int, session: int, seconds: float, window_s: float) 
             break
         start = int(at * rate)
         t = np.arange(int(length * rate)) / rate
-        samples[start:start + t.size] = 0.1 * np.sin(2 * np.pi * 220 * t)
+        samples[start : start + t.size] = 0.1 * np.sin(2 * np.pi * 220 * t)
         turns.append((round(at, 3), round(length, 3)))
         at += length + min(PAUSE_MAX_S, PAUSE_MIN_S + rand.expovariate(1.0 / PAUSE_MEAN_EXTRA_S))
     return delay, wire_audio.encode_samples(samples, PCM24K), turns
 
 
-async def run_staggered(url: str, sessions: int, seconds: float, window_s: float, seed: int, *, patience_s: float,
-                        chunk_ms: int) -> tuple[list, list[dict]]:
+async def run_staggered(
+    url: str, sessions: int, seconds: float, window_s: float, seed: int, *, patience_s: float, chunk_ms: int
+) -> tuple[list, list[dict]]:
     """Every session of ``--staggered`` at its own start, with its own turns; returns the sessions'
     loads and what each was given (delay, turns)."""
     plans = [staggered_session(seed, i, seconds, window_s) for i in range(sessions)]
@@ -149,27 +154,50 @@ async def run_staggered(url: str, sessions: int, seconds: float, window_s: float
     return list(results), [{"start_delay_s": round(delay, 3), "turns": turns} for delay, _, turns in plans]
 
 
-def _start_server(port: int, plugin: str, sessions: int, reply_lead_s: float, timeout_s: float,
-                  replicas: int, options: dict[str, object], tick_double_s: float | None = None) -> subprocess.Popen:
+def _start_server(
+    port: int,
+    plugin: str,
+    sessions: int,
+    reply_lead_s: float,
+    timeout_s: float,
+    replicas: int,
+    options: dict[str, object],
+    tick_double_s: float | None = None,
+) -> subprocess.Popen:
     """The server in its own process, once ``/health`` answers (the plugin's startup, its batch
     included, prints its progress on stderr meanwhile). ``replicas``: 0 for one server process,
     else ``cadence-fx serve --ray`` with that many replicas, each with room for its share.
     ``tick_double_s``: a moshi plugin's ticks replaced by a sleep (``TICK_DOUBLE``), in the server process."""
     if replicas == 0:
         code = (
-            (TICK_DOUBLE.format(seconds=tick_double_s) if tick_double_s is not None else "") +
-            "from cadence_fx.serve.app import run_server; from cadence_fx.serve.session import Limits; "
+            (TICK_DOUBLE.format(seconds=tick_double_s) if tick_double_s is not None else "")
+            + "from cadence_fx.serve.app import run_server; from cadence_fx.serve.session import Limits; "
             f"run_server('127.0.0.1', {port}, {plugin!r}, "
             f"Limits(max_sessions={sessions}, max_sessions_per_client={sessions}, reply_lead_s={reply_lead_s!r}), "
             f"plugin_options={options!r})"
         )
     else:
         share = -(-sessions // replicas)
-        argv = ["serve", "--ray", "--replicas", str(replicas), "--model", plugin, "--port", str(port),
-                "--max-sessions", str(share), "--max-sessions-per-client", str(sessions),
-                "--reply-lead", str(reply_lead_s)]
-        argv += [f"--lanes={value}" if name == "lanes" else f"--plugin-option={name}={json.dumps(value)}"
-                 for name, value in options.items()]
+        argv = [
+            "serve",
+            "--ray",
+            "--replicas",
+            str(replicas),
+            "--model",
+            plugin,
+            "--port",
+            str(port),
+            "--max-sessions",
+            str(share),
+            "--max-sessions-per-client",
+            str(sessions),
+            "--reply-lead",
+            str(reply_lead_s),
+        ]
+        argv += [
+            f"--lanes={value}" if name == "lanes" else f"--plugin-option={name}={json.dumps(value)}"
+            for name, value in options.items()
+        ]
         code = f"import sys; from cadence_fx.cli import main; sys.exit(main({argv!r}))"
     return server_process(code, port, timeout_s=timeout_s)
 
@@ -232,6 +260,7 @@ def _model_load(plugin: dict, wall_s: float, sessions: int) -> dict | None:
     cpu_ms_per_tick = 1e3 * sum(plugin["tick_cpu_seconds_per_process"]) / ticks
     wall_ms_per_tick = 1e3 * sum(plugin["tick_seconds_per_process"]) / ticks
     cost_ms = cpu_ms_per_tick if plugin["device"] == "cpu" else wall_ms_per_tick
+
     def per_tick_ms(parts: list[dict[str, float]]) -> dict[str, float]:
         return {name: round(1e3 * sum(part[name] for part in parts) / ticks, 2) for name in parts[0]}
 
@@ -243,8 +272,9 @@ def _model_load(plugin: dict, wall_s: float, sessions: int) -> dict | None:
         "worker_busy_fraction": [round(busy / wall_s, 3) for busy in plugin["tick_seconds_per_process"]],
         "cpu_ms_per_tick": round(cpu_ms_per_tick, 2),
         "wall_ms_per_tick": round(wall_ms_per_tick, 2),
-        "frames_per_s_at_that_cost_and_fill": (round(len(plugin["tick_seconds_per_process"]) * frames / ticks * 1e3 / cost_ms, 1)
-                                               if cost_ms > 0 else None),
+        "frames_per_s_at_that_cost_and_fill": (
+            round(len(plugin["tick_seconds_per_process"]) * frames / ticks * 1e3 / cost_ms, 1) if cost_ms > 0 else None
+        ),
         "frames_per_s_real_time_needs": sessions * 12.5,
         # Where a tick's time went: on the place's ticking thread (the frames made tensors, the
         # batched call, its outputs to the host and split into rows) and on the scheduler's
@@ -276,8 +306,13 @@ def _lanes(plugin: dict | None) -> dict | None:
 def _error_kinds(results) -> dict[str, int]:
     """How many error events of each kind the sessions got: "type/code: message" (the message's
     first 160 characters), so a failed run says why."""
-    return dict(Counter(f"{error.get('type')}/{error.get('code')}: {str(error.get('message'))[:160]}"
-                        for result in results for error in result.errors))
+    return dict(
+        Counter(
+            f"{error.get('type')}/{error.get('code')}: {str(error.get('message'))[:160]}"
+            for result in results
+            for error in result.errors
+        )
+    )
 
 
 def _wait_for_no_sessions(port: int, patience_s: float) -> None:
@@ -314,54 +349,96 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--plugin", default="tone")
     parser.add_argument(
-        "--out", type=Path, help="default: results/serve_load.json (tone), serve_load_moshi.json (moshi-tiny), "
-        "serve_load_<plugin>.json (any other)"
+        "--out",
+        type=Path,
+        help="default: results/serve_load.json (tone), serve_load_moshi.json (moshi-tiny), serve_load_<plugin>.json (any other)",
     )
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for the server to come up")
     parser.add_argument("--patience", type=float, default=120.0, help="seconds a session waits for any one answer")
-    parser.add_argument("--ray", type=int, default=0, metavar="N",
-                        help="serve through cadence-fx serve --ray with N replicas (default 0: one server process)")
-    parser.add_argument("--append-ms", type=int, default=200,
-                        help="milliseconds of audio in each input_audio_buffer.append a session sends (default 200)")
-    parser.add_argument("--reply-lead", type=float, default=0.0,
-                        help="the server's Limits.reply_lead_s: how far ahead of playback a reply is computed (0: as fast as it goes)")
-    parser.add_argument("--tick-double", type=float, metavar="SECONDS",
-                        help="moshi-*: each batched tick replaced by a sleep of SECONDS returning silence, ticking in "
-                             "the server process (a test double of the device: the service's own overhead at N sessions)")
-    parser.add_argument("--plugin-option", metavar="NAME=VALUE", type=plugin_option, action="append", default=[],
-                        help="a keyword argument of the model plugin (repeatable), as cadence-fx serve takes it, "
-                             "e.g. slots=32 for moshi-*")
-    parser.add_argument("--lanes", type=int, metavar="L",
-                        help="token2wav*: the plugin's replay lanes (cadence-fx serve --lanes; default: the plugin's own)")
-    parser.add_argument("--runs", type=int, default=1, metavar="N",
-                        help="the load N times in a row on the one server (default 1); the record's figures are "
-                             "over all of them, and each run's own are under runs")
-    parser.add_argument("--staggered", action="store_true",
-                        help="sessions start apart and talk at their own rhythm (default: all start together with one "
-                             "pattern): start delay uniform in [0, --stagger-window] s; turns uniform 0.6 to 3.0 s; "
-                             "pauses 0.7 s + exponential(mean 1.5 s), at most 8 s; per session from --seed")
-    parser.add_argument("--stagger-window", type=float, metavar="SECONDS",
-                        help="--staggered: the latest start delay (default: half of --seconds)")
+    parser.add_argument(
+        "--ray",
+        type=int,
+        default=0,
+        metavar="N",
+        help="serve through cadence-fx serve --ray with N replicas (default 0: one server process)",
+    )
+    parser.add_argument(
+        "--append-ms",
+        type=int,
+        default=200,
+        help="milliseconds of audio in each input_audio_buffer.append a session sends (default 200)",
+    )
+    parser.add_argument(
+        "--reply-lead",
+        type=float,
+        default=0.0,
+        help="the server's Limits.reply_lead_s: how far ahead of playback a reply is computed (0: as fast as it goes)",
+    )
+    parser.add_argument(
+        "--tick-double",
+        type=float,
+        metavar="SECONDS",
+        help="moshi-*: each batched tick replaced by a sleep of SECONDS returning silence, ticking in "
+        "the server process (a test double of the device: the service's own overhead at N sessions)",
+    )
+    parser.add_argument(
+        "--plugin-option",
+        metavar="NAME=VALUE",
+        type=plugin_option,
+        action="append",
+        default=[],
+        help="a keyword argument of the model plugin (repeatable), as cadence-fx serve takes it, e.g. slots=32 for moshi-*",
+    )
+    parser.add_argument(
+        "--lanes",
+        type=int,
+        metavar="L",
+        help="token2wav*: the plugin's replay lanes (cadence-fx serve --lanes; default: the plugin's own)",
+    )
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the load N times in a row on the one server (default 1); the record's figures are "
+        "over all of them, and each run's own are under runs",
+    )
+    parser.add_argument(
+        "--staggered",
+        action="store_true",
+        help="sessions start apart and talk at their own rhythm (default: all start together with one "
+        "pattern): start delay uniform in [0, --stagger-window] s; turns uniform 0.6 to 3.0 s; "
+        "pauses 0.7 s + exponential(mean 1.5 s), at most 8 s; per session from --seed",
+    )
+    parser.add_argument(
+        "--stagger-window", type=float, metavar="SECONDS", help="--staggered: the latest start delay (default: half of --seconds)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="--staggered: the seed of every session's draws (default 0)")
     args = parser.parse_args()
     if args.stagger_window is not None and not args.staggered:
         parser.error("--stagger-window takes --staggered")
     window_s = args.stagger_window if args.stagger_window is not None else args.seconds / 2
     if args.staggered and not (window_s >= 0 and args.seconds >= TURN_S[1]):
-        parser.error(f"--staggered needs --stagger-window >= 0 and --seconds >= {TURN_S[1]} (one turn at least); "
-                     f"got --stagger-window {window_s}, --seconds {args.seconds}")
+        parser.error(
+            f"--staggered needs --stagger-window >= 0 and --seconds >= {TURN_S[1]} (one turn at least); "
+            f"got --stagger-window {window_s}, --seconds {args.seconds}"
+        )
     if args.runs < 1:
         parser.error(f"--runs must be at least 1, got {args.runs}")
     if args.lanes is not None and not has_lanes(args.plugin):
-        parser.error(f"--lanes: {args.plugin} has no replay lanes; the models that do: "
-                     f"{', '.join(name for name in plugin_names() if has_lanes(name))}")
+        parser.error(
+            f"--lanes: {args.plugin} has no replay lanes; the models that do: "
+            f"{', '.join(name for name in plugin_names() if has_lanes(name))}"
+        )
     if not 10 <= args.append_ms <= 1000:
         parser.error(f"--append-ms must be 10 to 1000 milliseconds of audio per append, got {args.append_ms}")
     if args.lanes is not None and args.lanes < 1:
         parser.error(f"--lanes must be at least 1, got {args.lanes}")
     if args.tick_double is not None and (not args.plugin.startswith("moshi") or args.ray or not args.tick_double >= 0):
-        parser.error(f"--tick-double takes a moshi plugin, one server process and a non-negative number of seconds; "
-                     f"got --plugin {args.plugin}, --ray {args.ray}, --tick-double {args.tick_double}")
+        parser.error(
+            f"--tick-double takes a moshi plugin, one server process and a non-negative number of seconds; "
+            f"got --plugin {args.plugin}, --ray {args.ray}, --tick-double {args.tick_double}"
+        )
     options = dict(args.plugin_option)
     for flag, key, value in (("--lanes", "lanes", args.lanes), ("--tick-double", "processes", args.tick_double)):
         if value is not None and key in options:
@@ -377,14 +454,18 @@ def main() -> None:
     if args.out is None and args.tick_double is not None:
         out = RESULTS / f"serve_load_{args.plugin.replace('-', '_')}_tick_double_{args.sessions}.json"
     if args.out is None:  # a run with other appends or plugin options never replaces the default run's record
-        extra = ([f"append{args.append_ms}"] if args.append_ms != 200 else []) + [
-            f"{name}_{value}" for name, value in args.plugin_option] + ([f"runs{args.runs}"] if args.runs > 1 else [])
+        extra = (
+            ([f"append{args.append_ms}"] if args.append_ms != 200 else [])
+            + [f"{name}_{value}" for name, value in args.plugin_option]
+            + ([f"runs{args.runs}"] if args.runs > 1 else [])
+        )
         out = out.with_name("_".join([out.stem, *extra]) + ".json") if extra else out
 
     port = free_port()
     started = time.monotonic()
-    server = _start_server(port, args.plugin, args.sessions, args.reply_lead, args.startup_timeout, args.ray, options,
-                           args.tick_double)
+    server = _start_server(
+        port, args.plugin, args.sessions, args.reply_lead, args.startup_timeout, args.ray, options, args.tick_double
+    )
     startup_s = time.monotonic() - started
     load_before = os.getloadavg()
     try:
@@ -398,8 +479,17 @@ def main() -> None:
                 _wait_for_no_sessions(port, args.patience)  # the last run's sessions end after their close
             started = time.monotonic()
             if args.staggered:
-                loads, schedule = asyncio.run(run_staggered(url, args.sessions, args.seconds, window_s, args.seed + run,
-                                                            patience_s=args.patience, chunk_ms=args.append_ms))
+                loads, schedule = asyncio.run(
+                    run_staggered(
+                        url,
+                        args.sessions,
+                        args.seconds,
+                        window_s,
+                        args.seed + run,
+                        patience_s=args.patience,
+                        chunk_ms=args.append_ms,
+                    )
+                )
             else:
                 loads = asyncio.run(run_load(url, pcm, args.sessions, patience_s=args.patience, chunk_ms=args.append_ms))
             runs.append((loads, time.monotonic() - started))
@@ -423,25 +513,35 @@ def main() -> None:
         "benchmark": "serve_load",
         "commit": _commit(),
         "worktree_dirty": bool(
-            subprocess.run(
-                ["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True
-            ).stdout.strip()
+            subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
         ),
         "command": " ".join(["python", "bench/serve_load.py", *sys.argv[1:]]),
         "device": f"CPU: {_cpu_model()}, {os.cpu_count()} cores" + (f"; GPU: {_gpu()}" if _gpu() else ""),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "plugin": args.plugin + (" (test double, not a model)" if args.plugin == "tone" else "")
-        + (f" (ticks replaced by a {args.tick_double:g} s sleep: a test double of the device)" if args.tick_double is not None else ""),
+        "plugin": args.plugin
+        + (" (test double, not a model)" if args.plugin == "tone" else "")
+        + (
+            f" (ticks replaced by a {args.tick_double:g} s sleep: a test double of the device)"
+            if args.tick_double is not None
+            else ""
+        ),
         "sessions": args.sessions,
         "audio_seconds_per_session": args.seconds,
         "append_ms": args.append_ms,
         # None: every session started at once with the one pattern (0.8 s bursts, 0.7 s pauses)
-        "staggered": {"seed": args.seed, "stagger_window_s": window_s,
-                      "distributions": {"start_delay_s": f"uniform(0, {window_s:g})",
-                                        "turn_s": f"uniform({TURN_S[0]}, {TURN_S[1]})",
-                                        "pause_s": f"min({PAUSE_MAX_S}, {PAUSE_MIN_S} + exponential(mean {PAUSE_MEAN_EXTRA_S}))"},
-                      "sessions": schedule} if args.staggered else None,
+        "staggered": {
+            "seed": args.seed,
+            "stagger_window_s": window_s,
+            "distributions": {
+                "start_delay_s": f"uniform(0, {window_s:g})",
+                "turn_s": f"uniform({TURN_S[0]}, {TURN_S[1]})",
+                "pause_s": f"min({PAUSE_MAX_S}, {PAUSE_MIN_S} + exponential(mean {PAUSE_MEAN_EXTRA_S}))",
+            },
+            "sessions": schedule,
+        }
+        if args.staggered
+        else None,
         "plugin_options": dict(args.plugin_option),
         "reply_lead_s": args.reply_lead,
         "server_startup_seconds": round(startup_s, 2),

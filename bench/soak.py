@@ -24,6 +24,7 @@ from pathlib import Path
 
 from cadence_fx.report import measured_commit
 from cadence_fx.serve.app import free_port, server_process
+
 KITS = Path(__file__).resolve().parents[1] / "tests" / "serve"  # the soak's driver: a test kit (soakkit.py)
 sys.path.insert(0, str(KITS))
 from soakkit import run_soak, soak_limits, summarize  # noqa: E402
@@ -125,9 +126,7 @@ def main() -> None:
         "benchmark": "soak",
         "commit": _commit(),
         "worktree_dirty": bool(
-            subprocess.run(
-                ["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True
-            ).stdout.strip()
+            subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
         ),
         "command": " ".join(["python", "bench/soak.py", *sys.argv[1:]]),
         "machine": f"CPU: {_cpu_model()}, {os.cpu_count()} cores",

@@ -31,8 +31,7 @@ sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != Path(__f
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 
-from cadence_fx import pipeline  # noqa: E402  (its operator and export modules, patched below)
-from cadence_fx import transform  # noqa: E402
+from cadence_fx import pipeline, transform  # noqa: E402  (the pipeline's operator and export modules, patched below)
 from cadence_fx.report import measured_commit  # noqa: E402
 
 _export = torch.export.export
@@ -57,13 +56,17 @@ class Probe:
         if not any(isinstance(v, torch.Tensor) and site.path in self.axes for site, v in zip(step.sites, state)):
             self.row["symbolic"] = {"outcome": "no state yet (nothing to make symbolic)", "seconds": 0.0}
             return program
-        dynamic = [None if not isinstance(v, torch.Tensor) else
-                   {axis: Dim.AUTO if axis == self.axes.get(site.path) else None for axis in range(v.dim())}
-                   for site, v in zip(step.sites, state)]
+        dynamic = [
+            None
+            if not isinstance(v, torch.Tensor)
+            else {axis: Dim.AUTO if axis == self.axes.get(site.path) else None for axis in range(v.dim())}
+            for site, v in zip(step.sites, state)
+        ]
         started = time.perf_counter()
         try:
-            symbolic = _export(step, args, dynamic_shapes=(torch.utils._pytree.tree_map(lambda _: None, inputs), dynamic),
-                               **kwargs)
+            symbolic = _export(
+                step, args, dynamic_shapes=(torch.utils._pytree.tree_map(lambda _: None, inputs), dynamic), **kwargs
+            )
             ranges = {str(symbol): str(value) for symbol, value in symbolic.range_constraints.items()}
             self.row["symbolic"] = {"outcome": "symbolic" if ranges else "specialised", "ranges": ranges}
         except Exception as error:  # what torch said, recorded
@@ -83,6 +86,7 @@ class Probe:
             finally:
                 if "class_export_seconds" in probe.row:  # not a reused export
                     probe.rows.append(probe.row)
+
         return wrapped
 
 
@@ -98,8 +102,9 @@ def wide(calls: int) -> None:
     from binding_wide import build
 
     model, config, contract = build("cpu")
-    tokens = torch.randint(0, config.vocab_size, (1, calls * byom_example.TOKENS_PER_CALL),
-                           generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(
+        0, config.vocab_size, (1, calls * byom_example.TOKENS_PER_CALL), generator=torch.Generator().manual_seed(1)
+    )
     bound, _ = transform(model, contract, byom_example.binding(), budget=200)
     byom_example.stream(bound, config, tokens)
 
@@ -125,8 +130,9 @@ def main() -> None:
     record = {
         "benchmark": "symbolic_export",
         "commit": measured_commit(),
-        "worktree_dirty": bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True,
-                                              text=True).stdout.strip()),
+        "worktree_dirty": bool(
+            subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
+        ),
         "command": " ".join(["python", "bench/symbolic_export.py", *sys.argv[1:]]),
         "device": platform.processor() or "cpu",
         "cpu_count": os.cpu_count(),
@@ -140,9 +146,11 @@ def main() -> None:
     for name, rows in models.items():
         for row in rows:
             symbolic = row["symbolic"]
-            print(f"{name} {row['operator']} units={row['units']} extent={row['extent']}: symbolic {symbolic['outcome']} "
-                  f"{symbolic.get('ranges', symbolic.get('error', ''))} in {symbolic['seconds']} s, "
-                  f"the class's own export {row['class_export_seconds']} s")
+            print(
+                f"{name} {row['operator']} units={row['units']} extent={row['extent']}: symbolic {symbolic['outcome']} "
+                f"{symbolic.get('ranges', symbolic.get('error', ''))} in {symbolic['seconds']} s, "
+                f"the class's own export {row['class_export_seconds']} s"
+            )
 
 
 if __name__ == "__main__":

@@ -267,8 +267,19 @@ def run_arm(arm, flow, hift, contract, prompt, turns, device, seed, memory: Devi
     return result, mels, pcm, stream
 
 
-def capacity(flow, hift, contract, prompt, device, sessions: list[int], chunks: int, seed: int, lanes: int,
-             memory: DeviceMemory, checkpoint=lambda record: None) -> dict:
+def capacity(
+    flow,
+    hift,
+    contract,
+    prompt,
+    device,
+    sessions: list[int],
+    chunks: int,
+    seed: int,
+    lanes: int,
+    memory: DeviceMemory,
+    checkpoint=lambda record: None,
+) -> dict:
     """N token streams over L replay lanes, each lane its own set of SRc bindings on its own
     thread and CUDA stream, the streams of a lane round robin over its bindings
     (`TransformedFlow.swap_in` / `swap_out`), HiFT's device-RNG draws through one `RngSection`;
@@ -324,9 +335,13 @@ def capacity(flow, hift, contract, prompt, device, sessions: list[int], chunks: 
     records: list[dict] = []
 
     def summary() -> dict:
-        refused = [{"lane": k, "engine": name, "class": c.shape_class, "thread": c.thread, "reason": c.reason}
-                   for k, (_, report) in enumerate(models) for name, e in report.replays.items()
-                   for c in e.certificates.values() if not c.admitted]
+        refused = [
+            {"lane": k, "engine": name, "class": c.shape_class, "thread": c.thread, "reason": c.reason}
+            for k, (_, report) in enumerate(models)
+            for name, e in report.replays.items()
+            for c in e.certificates.values()
+            if not c.admitted
+        ]
         keeping = [r for r in records if r["keeps_real_time"] and r["streams_exact"] == r["streams_checked"]]
         best = max(keeping, key=lambda r: r["sessions"]) if keeping else None
         return {
@@ -335,8 +350,10 @@ def capacity(flow, hift, contract, prompt, device, sessions: list[int], chunks: 
             "chunk_period_ms": CHUNK_PERIOD_MS,
             "build_and_capture_s": warm_up_s,
             "rng_section_calls": section.calls,
-            "replay": {f"lane{k}": {name: e.counters.as_dict() for name, e in report.replays.items()}
-                       for k, (_, report) in enumerate(models)},
+            "replay": {
+                f"lane{k}": {name: e.counters.as_dict() for name, e in report.replays.items()}
+                for k, (_, report) in enumerate(models)
+            },
             "graph_pool_lane0": {name: e.memory for name, e in models[0][1].replays.items()},
             "refused_classes": refused,
             "rounds": list(records),
@@ -365,8 +382,7 @@ def capacity(flow, hift, contract, prompt, device, sessions: list[int], chunks: 
             round_ms.append((time.perf_counter() - round_start) * 1e3)
             memory.sample()
         footprint, reserved = memory.footprint(), (torch.cuda.memory_reserved(device) if device.type == "cuda" else None)
-        exact = [all(torch.equal(a.float().cpu(), b) for a, b in zip(outputs[i], run_alone(i), strict=True))
-                 for i in range(n)]
+        exact = [all(torch.equal(a.float().cpu(), b) for a, b in zip(outputs[i], run_alone(i), strict=True)) for i in range(n)]
         stats = latency_stats(round_ms[3:])  # the first three chunks cross the classes
         record = {
             "sessions": n,
@@ -382,8 +398,11 @@ def capacity(flow, hift, contract, prompt, device, sessions: list[int], chunks: 
             "reserved_bytes": reserved,
         }
         records.append(record)
-        print(f"  capacity N={n} on {lanes} lane(s): round p50 {stats['p50']:.1f} ms p95 {stats['p95']:.1f} ms, real "
-              f"time {record['keeps_real_time']}, exact {sum(exact)}/{n}, footprint {format_bytes(footprint)}", flush=True)
+        print(
+            f"  capacity N={n} on {lanes} lane(s): round p50 {stats['p50']:.1f} ms p95 {stats['p95']:.1f} ms, real "
+            f"time {record['keeps_real_time']}, exact {sum(exact)}/{n}, footprint {format_bytes(footprint)}",
+            flush=True,
+        )
         del opened, outputs
         checkpoint(summary())
     for lane in lane_set:
@@ -437,11 +456,23 @@ def _one_arm(args, device) -> dict:
     saved = {"settings": settings}
     torch.set_grad_enabled(args.grad)
     if args.only == "capacity":
+
         def checkpoint(partial: dict) -> None:
             torch.save({**saved, "capacity": partial}, args.only_out)
 
-        saved["capacity"] = capacity(flow, hift, contract, prompt, device, _session_counts(args.capacity),
-                                     args.capacity_chunks, args.seed, args.lanes, memory, checkpoint)
+        saved["capacity"] = capacity(
+            flow,
+            hift,
+            contract,
+            prompt,
+            device,
+            _session_counts(args.capacity),
+            args.capacity_chunks,
+            args.seed,
+            args.lanes,
+            memory,
+            checkpoint,
+        )
         return saved
     saved["predicted_delta_bytes"] = predicted_delta_bytes(args.only, contract)
     if args.only == "eager":
@@ -498,8 +529,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--capacity", default="", help="session counts for the multi-session run, e.g. 1,2,4,8,16,32")
     parser.add_argument("--capacity-chunks", type=int, default=8, help="chunks per stream in the multi-session run")
-    parser.add_argument("--lanes", type=int, default=1,
-                        help="replay lanes in the multi-session run: each its own bindings, thread and CUDA stream")
+    parser.add_argument(
+        "--lanes",
+        type=int,
+        default=1,
+        help="replay lanes in the multi-session run: each its own bindings, thread and CUDA stream",
+    )
     parser.add_argument("--capacity-limit", type=int, default=300, help="seconds the multi-session run may take")
     parser.add_argument("--only", choices=(*ARMS, "capacity"), help=argparse.SUPPRESS)
     parser.add_argument("--only-out", type=Path, help=argparse.SUPPRESS)
@@ -571,10 +606,15 @@ def main(argv=None) -> int:
                 result["measured_delta_bytes"] = result["peak_allocated_bytes"] - eager["peak_allocated_bytes"]
                 result["measured_delta_bytes_later_turns"] = (
                     result["peak_allocated_bytes_later_turns"] - eager["peak_allocated_bytes_later_turns"]
-                    if result["peak_allocated_bytes_later_turns"] is not None else None)
-                print(f"  memory model, {arm}: predicted delta {_signed(result['predicted_delta_bytes'])}, measured "
-                      f"{_signed(result['measured_delta_bytes'])} (later turns "
-                      f"{_signed(result['measured_delta_bytes_later_turns'])})", flush=True)
+                    if result["peak_allocated_bytes_later_turns"] is not None
+                    else None
+                )
+                print(
+                    f"  memory model, {arm}: predicted delta {_signed(result['predicted_delta_bytes'])}, measured "
+                    f"{_signed(result['measured_delta_bytes'])} (later turns "
+                    f"{_signed(result['measured_delta_bytes_later_turns'])})",
+                    flush=True,
+                )
         sessions = None
         if args.capacity:
             print("capacity...", flush=True)
@@ -595,9 +635,11 @@ def main(argv=None) -> int:
         "arms": results,
         "torch_compile_reduce_overhead": compiled,
         "capacity": sessions,
-        "not_run": [name for name in (*ARMS, "capacity", "torch.compile")
-                    if name not in results and not (name == "capacity" and sessions)
-                    and not (name == "torch.compile" and compiled)],
+        "not_run": [
+            name
+            for name in (*ARMS, "capacity", "torch.compile")
+            if name not in results and not (name == "capacity" and sessions) and not (name == "torch.compile" and compiled)
+        ],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1, default=str))

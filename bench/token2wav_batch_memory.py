@@ -58,8 +58,16 @@ def per_stream(contract) -> dict:
     prompt_state["conformer_cnn_cache"] = UNDECLARED["conformer_cnn_cache"]
     call = 3 * sum(regions[name].bytes for name in FLOW_REGIONS)
     return {
-        "regions": {name: {"shape_at_bound": list(r.shape), "bytes_at_bound": r.bytes, "prompt_extent": r.lower,
-                           "retained_top": r.lower + r.window, "bound": r.bound} for name, r in regions.items()},
+        "regions": {
+            name: {
+                "shape_at_bound": list(r.shape),
+                "bytes_at_bound": r.bytes,
+                "prompt_extent": r.lower,
+                "retained_top": r.lower + r.window,
+                "bound": r.bound,
+            }
+            for name, r in regions.items()
+        },
         "device_resident_bytes": resident,
         "device_resident_bytes_total": sum(resident.values()),
         "host_prompt_state_bytes": prompt_state,
@@ -73,14 +81,20 @@ def weights(depth) -> dict:
     CFM's 16 x 16 x 1000-frame cache envelope among them, which a row's turn start writes into)."""
     flow, hift = build_flow(depth), build_hift()
     count = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-    return {"flow_parameter_bytes": count(flow.parameters()), "flow_buffer_bytes": count(flow.buffers()),
-            "hift_bytes": count((*hift.parameters(), *hift.buffers()))}
+    return {
+        "flow_parameter_bytes": count(flow.parameters()),
+        "flow_buffer_bytes": count(flow.buffers()),
+        "hift_bytes": count((*hift.parameters(), *hift.buffers())),
+    }
 
 
 def totals(row: dict, shared: dict, streams: int, capacity: int) -> dict:
     weights_bytes = sum(shared.values())
-    device = (weights_bytes + streams * row["device_resident_bytes_total"]
-              + min(streams, capacity) * row["call_transient_bytes_per_row"])
+    device = (
+        weights_bytes
+        + streams * row["device_resident_bytes_total"]
+        + min(streams, capacity) * row["call_transient_bytes_per_row"]
+    )
     return {
         "streams": streams,
         "capacity": capacity,
@@ -111,13 +125,17 @@ def main(argv=None) -> int:
     }
     for name, (contract, depth) in sizes.items():
         row, shared = per_stream(contract), weights(depth)
-        record["sizes"][name] = {"per_stream": row, "weights": shared,
-                                 "streams": [totals(row, shared, n, capacity=c) for n in STREAMS
-                                             for c in sorted({min(n, 16), n})]}
+        record["sizes"][name] = {
+            "per_stream": row,
+            "weights": shared,
+            "streams": [totals(row, shared, n, capacity=c) for n in STREAMS for c in sorted({min(n, 16), n})],
+        }
         for t in record["sizes"][name]["streams"]:
-            print(f"{name}: {t['streams']} streams at capacity {t['capacity']}: device {t['device_gib']} GiB "
-                  f"({t['device_bytes_per_stream'] / 2**20:.1f} MiB a stream), host pinned {t['host_pinned_gib']} GiB",
-                  file=sys.stderr)
+            print(
+                f"{name}: {t['streams']} streams at capacity {t['capacity']}: device {t['device_gib']} GiB "
+                f"({t['device_bytes_per_stream'] / 2**20:.1f} MiB a stream), host pinned {t['host_pinned_gib']} GiB",
+                file=sys.stderr,
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)

@@ -18,7 +18,8 @@ Needs CUDA (the question is about the GPU's kernels); the record says which stre
 (`models/token2wav_envelope.py`, the padded route on CUDA: every batch-sensitive op at C rows per
 row of a stream, each stream's single call padded the same way), for the GPU issue to run:
 
-    python bench/token2wav_batch_probe.py --streams 2,4,8,16,32 --envelope 32 --out bench/results/token2wav_batch_probe_envelope.json
+    python bench/token2wav_batch_probe.py --streams 2,4,8,16,32 --envelope 32 \\
+        --out bench/results/token2wav_batch_probe_envelope.json
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != Path(__f
 import torch  # noqa: E402
 
 from cadence_fx.determinism import pin_deterministic, settings  # noqa: E402
+from cadence_fx.models.token2wav_envelope import StreamRng, batch_invariant  # noqa: E402
+from cadence_fx.models.token2wav_envelope import settings as envelope_settings  # noqa: E402
 from cadence_fx.models.token2wav_stream import (  # noqa: E402
     FULL_DEPTH,
     N_TIMESTEPS,
@@ -46,8 +49,6 @@ from cadence_fx.models.token2wav_stream import (  # noqa: E402
     random_chunks,
     random_prompt,
 )
-from cadence_fx.models.token2wav_envelope import StreamRng, batch_invariant  # noqa: E402
-from cadence_fx.models.token2wav_envelope import settings as envelope_settings  # noqa: E402
 from cadence_fx.report import measured_commit  # noqa: E402
 
 BATCH_AXIS = {"x": 0, "mu": 0, "t": 0, "spks": 0, "cond": 0, "cnn_cache": 1, "att_cache": 1}
@@ -132,8 +133,12 @@ def main(argv=None) -> int:
     parser.add_argument("--streams", default="2,4,8,16,32", help="stream counts, comma-separated")
     parser.add_argument("--chunks", type=int, default=4, help="chunks the source stream runs (the last is the steady one)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--envelope", type=int, metavar="C",
-                        help="under the batch-invariant envelope at capacity C (at least the largest --streams)")
+    parser.add_argument(
+        "--envelope",
+        type=int,
+        metavar="C",
+        help="under the batch-invariant envelope at capacity C (at least the largest --streams)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -171,8 +176,11 @@ def main(argv=None) -> int:
                 "n_single_calls_ms": round(single_ms, 3),
                 "one_batched_call_ms": round(batched_ms, 3),
             }
-            print(f"N={n}: {sum(all(e) for e in equal)} of {n} streams bit-identical (max |diff| {worst:.3g}); "
-                  f"{n} single calls {single_ms:.2f} ms, one batched call {batched_ms:.2f} ms", file=sys.stderr)
+            print(
+                f"N={n}: {sum(all(e) for e in equal)} of {n} streams bit-identical (max |diff| {worst:.3g}); "
+                f"{n} single calls {single_ms:.2f} ms, one batched call {batched_ms:.2f} ms",
+                file=sys.stderr,
+            )
     record = {
         "benchmark": "token2wav_batch_probe",
         "commit": measured_commit(),

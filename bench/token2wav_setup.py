@@ -60,12 +60,25 @@ def main(argv=None) -> int:
             seconds = time.perf_counter() - started
             classes = sum(len(op.classes) for op in transformed.bound.operators.values())
             reused = sum(REUSED in stamp for stamp in report.stamps)
-            lanes.append({"lane": lane, "transform_s": seconds, "classes": classes, "exported": classes - reused,
-                          "reused": reused,
-                          "captures": {name: op.replay.counters.captures for name, op in transformed.bound.operators.items()
-                                       if op.replay is not None}})
-            print(f"  lane {lane}: {seconds:.1f} s, {classes - reused} classes exported, {reused} reused",
-                  file=sys.stderr, flush=True)
+            lanes.append(
+                {
+                    "lane": lane,
+                    "transform_s": seconds,
+                    "classes": classes,
+                    "exported": classes - reused,
+                    "reused": reused,
+                    "captures": {
+                        name: op.replay.counters.captures
+                        for name, op in transformed.bound.operators.items()
+                        if op.replay is not None
+                    },
+                }
+            )
+            print(
+                f"  lane {lane}: {seconds:.1f} s, {classes - reused} classes exported, {reused} reused",
+                file=sys.stderr,
+                flush=True,
+            )
         prompt = random_prompt(0, n_tokens=prompt_tokens, device=device)
         stock, carried = StockStream(flow, None, prompt), CarryStream(transformed, prompt)
         equal = 0

@@ -41,13 +41,14 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from .guards import Regime
 from .contract import Contract, fixed_extent, policies
+from .guards import Regime
 
 __all__ = ["Binding", "BindingError", "OperatorBinding", "RegionBinding", "Site", "check_binding", "resolve"]
 
@@ -315,8 +316,7 @@ class Places:
                 found[prefix] = child if child is not None else getattr(value, segment)
             else:
                 found[prefix] = _child(value, segment)
-        return [Place(roots, path, parent, last, roots if parent is None else found[parent])
-                for path, parent, last in self._ends]
+        return [Place(roots, path, parent, last, roots if parent is None else found[parent]) for path, parent, last in self._ends]
 
 
 def get_path(roots: dict[str, Any], path: str) -> Any:
@@ -363,8 +363,13 @@ def operator_regions(binding: Binding, ob: OperatorBinding, signature: inspect.S
     """The regions an operator binds: those whose every path starts at one of its method's arguments
     or at the model itself (its own region always does: `check_binding` checks it)."""
     parameters = set(signature.parameters) | {SELF}
-    return [rb for rb in binding.regions if not rb.per_call and all(_segments(p)[0] in parameters for p in rb.at)
-            and (not rb.operators or ob.operator in rb.operators)]
+    return [
+        rb
+        for rb in binding.regions
+        if not rb.per_call
+        and all(_segments(p)[0] in parameters for p in rb.at)
+        and (not rb.operators or ob.operator in rb.operators)
+    ]
 
 
 def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str, inspect.Signature]:
@@ -377,40 +382,71 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
     regions = {r.name: r for r in contract.regions}
     for i, rb in enumerate(binding.regions):
         if rb.region not in regions:
-            raise BindingError(f"regions[{i}].region", f"the contract declares no region {rb.region!r}; declared: {sorted(regions)}")
+            raise BindingError(
+                f"regions[{i}].region", f"the contract declares no region {rb.region!r}; declared: {sorted(regions)}"
+            )
         if rb.per_call:
             if rb.at or rb.out:
-                raise BindingError(f"regions[{i}]", f"region {rb.region!r} is per_call (allocated inside each call): "
-                                                    f"it has no paths to keep, got at={rb.at!r} out={rb.out!r}")
+                raise BindingError(
+                    f"regions[{i}]",
+                    f"region {rb.region!r} is per_call (allocated inside each call): "
+                    f"it has no paths to keep, got at={rb.at!r} out={rb.out!r}",
+                )
             if not fixed_extent(regions[rb.region].retention):
-                raise BindingError(f"regions[{i}].per_call", f"region {rb.region!r} retains by "
-                                                             f"{type(regions[rb.region].retention).__name__}: only a "
-                                                             f"{policies(lambda p: p.fixed)} region (a fixed extent) can "
-                                                             "be allocated afresh each call")
+                raise BindingError(
+                    f"regions[{i}].per_call",
+                    f"region {rb.region!r} retains by "
+                    f"{type(regions[rb.region].retention).__name__}: only a "
+                    f"{policies(lambda p: p.fixed)} region (a fixed extent) can "
+                    "be allocated afresh each call",
+                )
             continue
         retention = regions[rb.region].retention
         if rb.caller_trims and (not rb.out or retention is None or not retention.caller_trims):
-            raise BindingError(f"regions[{i}].caller_trims", f"region {rb.region!r}: a caller trims a state the call returns "
-                               f"(`out`) to a {policies(lambda p: p.caller_trims)} retention; got out={rb.out!r}, retention "
-                               f"{type(regions[rb.region].retention).__name__}")
+            raise BindingError(
+                f"regions[{i}].caller_trims",
+                f"region {rb.region!r}: a caller trims a state the call returns "
+                f"(`out`) to a {policies(lambda p: p.caller_trims)} retention; got out={rb.out!r}, retention "
+                f"{type(regions[rb.region].retention).__name__}",
+            )
         if rb.write_before_read and (rb.out or not fixed_extent(regions[rb.region].retention)):
-            raise BindingError(f"regions[{i}].write_before_read", f"region {rb.region!r}: only a region written in place "
-                               f"at a fixed extent (a {policies(lambda p: p.fixed)}, no `out`) is written before it is read; it retains by "
-                               f"{type(regions[rb.region].retention).__name__}" + (f" and is returned ({rb.out!r})" if rb.out else ""))
+            raise BindingError(
+                f"regions[{i}].write_before_read",
+                f"region {rb.region!r}: only a region written in place "
+                f"at a fixed extent (a {policies(lambda p: p.fixed)}, no `out`) is written before it is read; it retains by "
+                f"{type(regions[rb.region].retention).__name__}" + (f" and is returned ({rb.out!r})" if rb.out else ""),
+            )
         if not rb.at or not all(isinstance(p, str) and p and all(_segments(p)) for p in rb.at):
-            raise BindingError(f"regions[{i}].at", f"needs one or more paths 'argument' or 'argument.attribute...', got {rb.at!r}")
+            raise BindingError(
+                f"regions[{i}].at", f"needs one or more paths 'argument' or 'argument.attribute...', got {rb.at!r}"
+            )
         if rb.out and any(DEEP in _segments(p) for p in rb.at):
-            raise BindingError(f"regions[{i}].out", f"{DEEP!r} matches paths of any depth, so it has no `out` "
-                                                    f"counterpart; bind the returned state with '*' or slices, got {rb.at!r}")
-        if rb.out and (len(rb.out) != len(rb.at) or not all(
-                isinstance(p, str) and _segments(p)[0] == RETURN and sum(map(_is_pattern, _segments(p))) == sum(map(_is_pattern, _segments(a)))
-                for p, a in zip(rb.out, rb.at))):
-            raise BindingError(f"regions[{i}].out", f"needs one path per `at` path, rooted at {RETURN!r} and with as many "
-                                                    f"wildcards or slices as it, got {rb.out!r} for {rb.at!r}")
+            raise BindingError(
+                f"regions[{i}].out",
+                f"{DEEP!r} matches paths of any depth, so it has no `out` "
+                f"counterpart; bind the returned state with '*' or slices, got {rb.at!r}",
+            )
+        if rb.out and (
+            len(rb.out) != len(rb.at)
+            or not all(
+                isinstance(p, str)
+                and _segments(p)[0] == RETURN
+                and sum(map(_is_pattern, _segments(p))) == sum(map(_is_pattern, _segments(a)))
+                for p, a in zip(rb.out, rb.at)
+            )
+        ):
+            raise BindingError(
+                f"regions[{i}].out",
+                f"needs one path per `at` path, rooted at {RETURN!r} and with as many "
+                f"wildcards or slices as it, got {rb.out!r} for {rb.at!r}",
+            )
         if retention is None:
-            raise BindingError(f"regions[{i}]", f"region {rb.region!r} has no retention policy (it grows with the "
-                                                f"session): the binding pipeline takes a region whose extent is "
-                                                f"bounded ({policies()})")
+            raise BindingError(
+                f"regions[{i}]",
+                f"region {rb.region!r} has no retention policy (it grows with the "
+                f"session): the binding pipeline takes a region whose extent is "
+                f"bounded ({policies()})",
+            )
     bound = {rb.region for rb in binding.regions}
     operators = {op.name: op for op in contract.operators}
     named = {ob.operator for ob in binding.operators}
@@ -423,8 +459,9 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
     signatures = {}
     for i, ob in enumerate(binding.operators):
         if ob.operator not in operators:
-            raise BindingError(f"operators[{i}].operator",
-                               f"the contract declares no operator {ob.operator!r}; declared: {sorted(operators)}")
+            raise BindingError(
+                f"operators[{i}].operator", f"the contract declares no operator {ob.operator!r}; declared: {sorted(operators)}"
+            )
         if operators[ob.operator].region not in bound:
             raise BindingError(f"operators[{i}]", f"its region {operators[ob.operator].region!r} is not bound in regions")
         try:
@@ -435,32 +472,49 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
             raise BindingError(f"operators[{i}].method", f"{ob.method!r} is not callable")
         signature = inspect.signature(method)
         parameters = set(signature.parameters) | {SELF}
-        if not (isinstance(ob.units, int) and ob.units > 0 or isinstance(ob.units, tuple) and len(ob.units) == 2
-                and isinstance(ob.units[0], str) and isinstance(ob.units[1], int)):
+        if not (
+            isinstance(ob.units, int)
+            and ob.units > 0
+            or isinstance(ob.units, tuple)
+            and len(ob.units) == 2
+            and isinstance(ob.units[0], str)
+            and isinstance(ob.units[1], int)
+        ):
             raise BindingError(f"operators[{i}].units", f"must be (path, axis) or a positive int, got {ob.units!r}")
         units = [] if isinstance(ob.units, int) else [(f"operators[{i}].units", ob.units[0])]
         paths = units + [(f"operators[{i}].counters[{j}]", p) for j, p in enumerate(ob.counters)]
         paths += [(f"operators[{i}].modes[{j}]", p) for j, p in enumerate(ob.modes)]
         for j, regime in enumerate(ob.regimes):
             if not isinstance(regime, Regime) or type(regime) is Regime:
-                raise BindingError(f"operators[{i}].regimes[{j}]", "needs a Saturating, Periodic or Unread regime "
-                                   f"(cadence_fx.guards), got {regime!r}")
+                raise BindingError(
+                    f"operators[{i}].regimes[{j}]",
+                    f"needs a Saturating, Periodic or Unread regime (cadence_fx.guards), got {regime!r}",
+                )
             paths.append((f"operators[{i}].regimes[{j}]", regime.path))
         if ob.flush is not None:
             flush = operators[ob.operator].flush
             if not isinstance(ob.units, int) or len(flush) != 1:
-                raise BindingError(f"operators[{i}].flush", f"a flush flag gives an int `units` the contract's one flush "
-                                   f"size; got units={ob.units!r}, the contract's flush sizes {flush}")
+                raise BindingError(
+                    f"operators[{i}].flush",
+                    f"a flush flag gives an int `units` the contract's one flush "
+                    f"size; got units={ob.units!r}, the contract's flush sizes {flush}",
+                )
             paths.append((f"operators[{i}].flush", ob.flush))
         own = binding.region(operators[ob.operator].region)
         if own.operators and ob.operator not in own.operators:
-            raise BindingError(f"regions[{binding.regions.index(own)}].operators", f"{own.region!r} is operator "
-                               f"{ob.operator!r}'s own region, which it always keeps; name it too, got {own.operators!r}")
+            raise BindingError(
+                f"regions[{binding.regions.index(own)}].operators",
+                f"{own.region!r} is operator "
+                f"{ob.operator!r}'s own region, which it always keeps; name it too, got {own.operators!r}",
+            )
         paths += [(f"regions[{binding.regions.index(own)}].at", p) for p in own.at]  # none when per_call
         for field, path in paths:
             if _segments(path)[0] not in parameters:
-                raise BindingError(field, f"{path!r} starts at {_segments(path)[0]!r}, which is not an argument of "
-                                          f"{ob.method}; its arguments: {sorted(parameters)}")
+                raise BindingError(
+                    field,
+                    f"{path!r} starts at {_segments(path)[0]!r}, which is not an argument of "
+                    f"{ob.method}; its arguments: {sorted(parameters)}",
+                )
         for j, path in enumerate(ob.modes):
             if _segments(path)[0] == SELF:  # the model is here now: a misspelt mode fails at once, not at a call
                 try:
@@ -472,12 +526,19 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
     reached |= {operators[ob.operator].region for ob in binding.operators}  # a per_call region has no paths
     for i, rb in enumerate(binding.regions):
         if rb.region not in reached and rb.per_call:
-            raise BindingError(f"regions[{i}].per_call", f"region {rb.region!r} is allocated inside each call of its "
-                                                         "operator, but no bound operator has it as its region")
+            raise BindingError(
+                f"regions[{i}].per_call",
+                f"region {rb.region!r} is allocated inside each call of its operator, but no bound operator has it as its region",
+            )
         if rb.region not in reached:
             arguments = {ob.method: sorted(signatures[ob.operator].parameters) for ob in binding.operators}
-            raise BindingError(f"regions[{i}].at", f"{rb.at!r}: no operator's method takes the arguments these paths start "
-                                                   f"at, so no operator would keep this region; the methods' arguments: {arguments}")
+            raise BindingError(
+                f"regions[{i}].at",
+                f"{rb.at!r}: no operator's method takes the arguments these paths start "
+                f"at, so no operator would keep this region; the methods' arguments: {arguments}",
+            )
     if binding.verify < 1:
-        raise BindingError("verify", f"at least the first visit of each class is verified against the stock call; got {binding.verify}")
+        raise BindingError(
+            "verify", f"at least the first visit of each class is verified against the stock call; got {binding.verify}"
+        )
     return signatures

@@ -217,9 +217,7 @@ def derive_operator(op: Operator, region: RegionDerivation, budget: int) -> Oper
     steady = tuple(CatalogClass(op.steady, extent) for extent in grid)
     flush_extents = grid if op.early_flush else grid[-1:]
     flush = tuple(CatalogClass(units, extent, flush=True) for units in op.flush for extent in flush_extents)
-    return OperatorCatalog(
-        op.name, op.region, width, grid, steady + flush, True, f"in scope: K = {width} <= budget {budget}"
-    )
+    return OperatorCatalog(op.name, op.region, width, grid, steady + flush, True, f"in scope: K = {width} <= budget {budget}")
 
 
 def derive(contract: Contract, budget: int = DEFAULT_BUDGET) -> Catalog:

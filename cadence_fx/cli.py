@@ -59,16 +59,21 @@ def _own_model(reference: str, device: str):
     built = factory(device)
     if not isinstance(built, tuple) or len(built) != 4:
         returned = f"a tuple of {len(built)}" if isinstance(built, tuple) else f"a {type(built).__name__}"
-        raise ValueError(f"--binding {reference}: the factory returned {returned}, expected a tuple "
-                         "(model, contract, binding, stream)")
+        raise ValueError(
+            f"--binding {reference}: the factory returned {returned}, expected a tuple (model, contract, binding, stream)"
+        )
     model, contract, binding, stream = built
     for what, value, expected in (("contract", contract, Contract), ("binding", binding, Binding)):
         if not isinstance(value, expected):
-            raise ValueError(f"--binding {reference}: the factory's {what} is a {type(value).__name__}, expected a "
-                             f"cadence_fx.{expected.__name__}")
+            raise ValueError(
+                f"--binding {reference}: the factory's {what} is a {type(value).__name__}, expected a "
+                f"cadence_fx.{expected.__name__}"
+            )
     if not callable(stream):
-        raise ValueError(f"--binding {reference}: the factory's stream is a {type(stream).__name__}, expected "
-                         "stream(transformed, chunks) -> str")
+        raise ValueError(
+            f"--binding {reference}: the factory's stream is a {type(stream).__name__}, expected "
+            "stream(transformed, chunks) -> str"
+        )
     return model, contract, binding, stream
 
 
@@ -92,13 +97,18 @@ def _diff(args: argparse.Namespace) -> int:
     if args.binding is not None and args.depth is not None:
         raise ValueError("--depth sizes a family's reference model; a --binding factory builds its own")
     if args.binding is not None and not args.chunks:
-        raise ValueError("--binding: a bound model exports each class at its first call, so without a stream there "
-                         "is no graph to show; give --chunks N (N calls)")
+        raise ValueError(
+            "--binding: a bound model exports each class at its first call, so without a stream there "
+            "is no graph to show; give --chunks N (N calls)"
+        )
     device = _device(args.device)
     if args.binding is None:
         depth = args.depth or "reduced"
-        print(f"building the {args.family} reference model ({depth} depth, random weights) on {device}...",
-              file=sys.stderr, flush=True)
+        print(
+            f"building the {args.family} reference model ({depth} depth, random weights) on {device}...",
+            file=sys.stderr,
+            flush=True,
+        )
         model, contract, binding, stream = _reference(args.family, depth, device)
     else:
         print(f"building the model of {args.binding} on {device}...", file=sys.stderr, flush=True)
@@ -173,30 +183,54 @@ def build_parser() -> argparse.ArgumentParser:
     catalog.add_argument("--json", action="store_true", help="print the derivation as JSON")
     catalog.set_defaults(run=_catalog)
 
-    diff = commands.add_parser("diff", help="transform a family's reference model, or your own, and show the "
-                               "before/after graphs and what the transform saves")
-    diff.add_argument("family", nargs="?", choices=sorted(families()), help="a family's reference model (random weights); or give --binding")
-    diff.add_argument("--binding", metavar="MODULE:FACTORY",
-                      help="your own model instead of a family's: factory(device) returns (model, contract, binding, "
-                           "stream), stream(transformed, chunks) runs chunks calls and says what it ran; "
-                           "needs --chunks")
+    diff = commands.add_parser(
+        "diff",
+        help="transform a family's reference model, or your own, and show the before/after graphs and what the transform saves",
+    )
+    diff.add_argument(
+        "family", nargs="?", choices=sorted(families()), help="a family's reference model (random weights); or give --binding"
+    )
+    diff.add_argument(
+        "--binding",
+        metavar="MODULE:FACTORY",
+        help="your own model instead of a family's: factory(device) returns (model, contract, binding, "
+        "stream), stream(transformed, chunks) runs chunks calls and says what it ran; "
+        "needs --chunks",
+    )
     diff.add_argument("--depth", choices=("reduced", "full"), help="a family's reference model's size (default: reduced)")
-    diff.add_argument("--device", choices=("cuda", "cpu"),
-                      help="where the model is built and streamed (default: cuda when available, else cpu); "
-                           "graphs are captured and certificates replayed only on cuda")
+    diff.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        help="where the model is built and streamed (default: cuda when available, else cpu); "
+        "graphs are captured and certificates replayed only on cuda",
+    )
     diff.add_argument("--html", metavar="PATH", help="also write the report as one self-contained HTML page")
-    diff.add_argument("--chunks", type=non_negative_int, default=0,
-                      help="stream this many chunks through the transformed model first, so the report shows "
-                      "replay certificates and counters (0: none)")
-    diff.add_argument("--audit", action="store_true",
-                      help="attach the shadow auditor (Freeze-Omni then runs its step without replay)")
+    diff.add_argument(
+        "--chunks",
+        type=non_negative_int,
+        default=0,
+        help="stream this many chunks through the transformed model first, so the report shows "
+        "replay certificates and counters (0: none)",
+    )
+    diff.add_argument(
+        "--audit", action="store_true", help="attach the shadow auditor (Freeze-Omni then runs its step without replay)"
+    )
     diff.set_defaults(run=_diff)
 
     demo = commands.add_parser("demo", help="stream a family's reference model stock and transformed, side by side")
-    demo.add_argument("family", nargs="?", default="token2wav", choices=sorted(n for n, f in families().items() if f.demo),
-                      help="a family whose registry entry has a demo")
-    demo.add_argument("--depth", choices=("tiny", "reduced", "full"), default="tiny",
-                      help="the flow's size: tiny (1 DiT block, the default), reduced (2) or full (MiniCPM-o 4.5's)")
+    demo.add_argument(
+        "family",
+        nargs="?",
+        default="token2wav",
+        choices=sorted(n for n, f in families().items() if f.demo),
+        help="a family whose registry entry has a demo",
+    )
+    demo.add_argument(
+        "--depth",
+        choices=("tiny", "reduced", "full"),
+        default="tiny",
+        help="the flow's size: tiny (1 DiT block, the default), reduced (2) or full (MiniCPM-o 4.5's)",
+    )
     demo.add_argument("--blocks", type=positive_int, default=2, help="turns, with a reset between them")
     demo.add_argument("--chunks", type=positive_int, default=4, help="chunks per turn (the last one flushes)")
     demo.set_defaults(run=_demo)

@@ -9,9 +9,10 @@ static checks, so an unfit declaration never exists as an object. A violation ra
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Mapping
 from dataclasses import KW_ONLY, dataclass, field
 from fractions import Fraction
-from typing import Any, Callable, ClassVar, Mapping, Union
+from typing import Any, ClassVar
 
 import networkx
 import sympy
@@ -101,7 +102,7 @@ class Rate:
 
     clock: str
     per: str
-    value: Union[int, Fraction]
+    value: int | Fraction
     name: str | None = None
 
 
@@ -182,7 +183,7 @@ class Region:
     """
 
     name: str
-    dims: tuple[Union[str, int], ...]
+    dims: tuple[str | int, ...]
     _: KW_ONLY
     dtype: str
     lifetime: Lifetime
@@ -309,9 +310,7 @@ def _check_clocks(contract: Contract) -> set[str]:
     for i, rate in enumerate(contract.rates):
         for attr in ("clock", "per"):
             if getattr(rate, attr) not in names:
-                raise ContractError(
-                    f"rates[{i}].{attr}", "C1", f"undeclared clock {getattr(rate, attr)!r}; declared: {names}"
-                )
+                raise ContractError(f"rates[{i}].{attr}", "C1", f"undeclared clock {getattr(rate, attr)!r}; declared: {names}")
         if rate.clock == rate.per:
             raise ContractError(f"rates[{i}]", "C1", f"a rate relates two clocks, got {rate.clock!r} twice")
         if not (_is_count(rate.value) or isinstance(rate.value, Fraction)):
@@ -331,8 +330,9 @@ def _check_retention(path: str, region: Region, symbols: Mapping[str, int]) -> N
     if retention is None:
         return
     if not isinstance(retention, Retention):
-        raise ContractError(f"{path}.retention", "C2", f"unknown retention policy {type(retention).__name__}; "
-                                                       f"registered: {policies()}")
+        raise ContractError(
+            f"{path}.retention", "C2", f"unknown retention policy {type(retention).__name__}; registered: {policies()}"
+        )
     retention.check(path, region, symbols)
 
 
@@ -401,7 +401,9 @@ def _check_operators(contract: Contract) -> None:
         in_place = not _clocked(region)
         clock = admission.clock if in_place else region.clock
         if not in_place and op.steady != region.stride:
-            raise ContractError(f"{path}.steady", "C2", f"steady call of {op.steady} differs from the region stride {region.stride}")
+            raise ContractError(
+                f"{path}.steady", "C2", f"steady call of {op.steady} differs from the region stride {region.stride}"
+            )
         for j, units in enumerate((op.steady, *op.flush)):
             field_path = f"{path}.steady" if j == 0 else f"{path}.flush[{j - 1}]"
             if not _is_count(units):
@@ -409,10 +411,14 @@ def _check_operators(contract: Contract) -> None:
             try:
                 in_admission_clock = rate_between(contract, clock, admission.clock, path=field_path) * units
             except ContractError:
-                raise ContractError(field_path, "C1", f"no declared rate converts {region.clock!r} into {admission.clock!r}: "
-                                                      f"the call is counted in the clock of the operator's region "
-                                                      f"{region.name!r}, the admission in {admission.clock!r}; declare a "
-                                                      "Rate that links them") from None
+                raise ContractError(
+                    field_path,
+                    "C1",
+                    f"no declared rate converts {region.clock!r} into {admission.clock!r}: "
+                    f"the call is counted in the clock of the operator's region "
+                    f"{region.name!r}, the admission in {admission.clock!r}; declare a "
+                    "Rate that links them",
+                ) from None
             if not admission.admits(in_admission_clock):
                 raise ContractError(
                     field_path,
@@ -458,8 +464,6 @@ def check(contract: Contract) -> None:
     if not inter.single_session:
         raise ContractError("interactivity.single_session", "C3", "the contract covers one interactive session")
     if inter.batch_per_session != 1:
-        raise ContractError(
-            "interactivity.batch_per_session", "C3", f"no intra-session batching, got {inter.batch_per_session}"
-        )
+        raise ContractError("interactivity.batch_per_session", "C3", f"no intra-session batching, got {inter.batch_per_session}")
     if not inter.stages:
         raise ContractError("interactivity.stages", "C3", "declare the session's sequential stages")

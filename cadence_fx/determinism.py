@@ -20,8 +20,9 @@ import contextlib
 import os
 import random
 import sys
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -70,9 +71,11 @@ def envelope() -> str:
     """One line for a report: the determinism envelope found in force, and what to do if it is not."""
     if pinned():
         return "determinism envelope: pinned (cudnn.deterministic=True, cudnn.benchmark=False)"
-    return (f"determinism envelope: NOT pinned (cudnn.deterministic={torch.backends.cudnn.deterministic}, "
-            f"cudnn.benchmark={torch.backends.cudnn.benchmark}): eager may not repeat itself on a GPU, so neither "
-            "can the transformed model; call cadence_fx.determinism.pin_deterministic() before running any stream")
+    return (
+        f"determinism envelope: NOT pinned (cudnn.deterministic={torch.backends.cudnn.deterministic}, "
+        f"cudnn.benchmark={torch.backends.cudnn.benchmark}): eager may not repeat itself on a GPU, so neither "
+        "can the transformed model; call cadence_fx.determinism.pin_deterministic() before running any stream"
+    )
 
 
 def pin_deterministic(*, algorithms: bool = False) -> dict[str, Any]:

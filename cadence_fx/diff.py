@@ -17,15 +17,25 @@ import networkx
 import torch
 import torch.fx
 
-from .tracing import node_shape
 from .catalog import Catalog
 from .report import format_bytes, format_table
+from .tracing import node_shape
 
 if TYPE_CHECKING:
     from .transform import TransformReport
 
-__all__ = ["GraphDiff", "Launches", "RegionMemory", "diff_graphs", "eager_dispatches", "launches", "readable",
-           "region_memory", "render_savings", "render_text"]
+__all__ = [
+    "GraphDiff",
+    "Launches",
+    "RegionMemory",
+    "diff_graphs",
+    "eager_dispatches",
+    "launches",
+    "readable",
+    "region_memory",
+    "render_savings",
+    "render_text",
+]
 
 
 def node_op(node: torch.fx.Node) -> str:
@@ -147,8 +157,13 @@ def eager_dispatches(gm: torch.fx.GraphModule) -> int:
     """The operators one eager run of `gm` dispatches from the host: its call nodes, except
     `operator.getitem` (a tuple index) and torch.export's input guard `_guards_fn` (a Python
     check). A carry write (`window_append`, ...) counts once, though it issues its own copies."""
-    return sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")
-               and n.target is not operator.getitem and not (n.op == "call_module" and n.target == "_guards_fn"))
+    return sum(
+        1
+        for n in gm.graph.nodes
+        if n.op in ("call_function", "call_method", "call_module")
+        and n.target is not operator.getitem
+        and not (n.op == "call_module" and n.target == "_guards_fn")
+    )
 
 
 @dataclass(frozen=True)
@@ -187,9 +202,16 @@ def launches(report: TransformReport) -> list[Launches]:
     for engine in report.replays.values():
         for name, cert in engine.certificates.items():
             graph = report.graphs.get(name)
-            found[name] = Launches(name, None if graph is None else eager_dispatches(graph[1]), cert.reason,
-                                   cert.captured, cert.segments, sum(c.count for c in cert.cuts), len(cert.copied),
-                                   len(cert.written_back))
+            found[name] = Launches(
+                name,
+                None if graph is None else eager_dispatches(graph[1]),
+                cert.reason,
+                cert.captured,
+                cert.segments,
+                sum(c.count for c in cert.cuts),
+                len(cert.copied),
+                len(cert.written_back),
+            )
     for op in report.operators.values():
         for cls in op.classes.values():
             if cls.name in found:
@@ -233,8 +255,9 @@ def region_memory(report: TransformReport, catalog: Catalog) -> list[RegionMemor
         else:
             stock, source = None, "not declared"
         carry = report.carries.get(r.name)
-        out.append(RegionMemory(r.name, stock, source, None if carry is None else
-                                carry.buffer.numel() * carry.buffer.element_size()))
+        out.append(
+            RegionMemory(r.name, stock, source, None if carry is None else carry.buffer.numel() * carry.buffer.element_size())
+        )
     return out
 
 
@@ -248,17 +271,30 @@ def bytes_or_dash(n: int | None) -> str:
 
 def render_savings(report: TransformReport, catalog: Catalog) -> str:
     """`launches` and `region_memory` as two text tables, for the terminal."""
-    rows = [[x.shape_class, count_or_dash(x.eager), count_or_dash(x.replay), count_or_dash(x.saved), "replayed" if x.captured else x.status]
-            for x in launches(report)]
-    memory = [[m.region, bytes_or_dash(m.stock), m.source, bytes_or_dash(m.carry), bytes_or_dash(m.saved)] for m in region_memory(report, catalog)]
-    return "\n".join([
-        "host launches per call (eager: operator dispatches of the class's graph; replay: graph launches, cut "
-        "operators, staging and write-back copies)",
-        format_table(["class", "eager", "replay", "saved", "status"], rows) if rows else "(no class has been called)",
-        "",
-        "memory per region",
-        format_table(["region", "stock", "stock from", "carry", "saved"], memory),
-    ])
+    rows = [
+        [
+            x.shape_class,
+            count_or_dash(x.eager),
+            count_or_dash(x.replay),
+            count_or_dash(x.saved),
+            "replayed" if x.captured else x.status,
+        ]
+        for x in launches(report)
+    ]
+    memory = [
+        [m.region, bytes_or_dash(m.stock), m.source, bytes_or_dash(m.carry), bytes_or_dash(m.saved)]
+        for m in region_memory(report, catalog)
+    ]
+    return "\n".join(
+        [
+            "host launches per call (eager: operator dispatches of the class's graph; replay: graph launches, cut "
+            "operators, staging and write-back copies)",
+            format_table(["class", "eager", "replay", "saved", "status"], rows) if rows else "(no class has been called)",
+            "",
+            "memory per region",
+            format_table(["region", "stock", "stock from", "carry", "saved"], memory),
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,17 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from .catalog import Catalog
-from .diff import as_networkx, bytes_or_dash, count_or_dash, diff_graphs, launches, node_line, node_op, region_memory, summary_lines
+from .diff import (
+    as_networkx,
+    bytes_or_dash,
+    count_or_dash,
+    diff_graphs,
+    launches,
+    node_line,
+    node_op,
+    region_memory,
+    summary_lines,
+)
 from .report import format_bytes
 
 if TYPE_CHECKING:
@@ -75,8 +85,9 @@ def _output_leaves(gm: torch.fx.GraphModule) -> list:
     return pytree.tree_leaves(output.args)
 
 
-def _marks(name: str, before: torch.fx.GraphModule, after: torch.fx.GraphModule, sites: list,
-           carries: dict) -> tuple[_Marks, _Marks]:
+def _marks(
+    name: str, before: torch.fx.GraphModule, after: torch.fx.GraphModule, sites: list, carries: dict
+) -> tuple[_Marks, _Marks]:
     """Removed, added and changed nodes (a changed node prints differently: new arguments, a new
     shape), the carry nodes, the site nodes, and which site each rewritten node implements.
 
@@ -110,8 +121,7 @@ def _marks(name: str, before: torch.fx.GraphModule, after: torch.fx.GraphModule,
             for user in carry.users:
                 links_after.setdefault(user.name, target)
 
-    def side(lines: dict[str, str], other: dict[str, str], gone: str, carries: set[str],
-             links: dict[str, str]) -> _Marks:
+    def side(lines: dict[str, str], other: dict[str, str], gone: str, carries: set[str], links: dict[str, str]) -> _Marks:
         marks = {}
         for node, line in lines.items():
             found = [gone] if node not in other else ["changed"] if other[node] != line else []
@@ -120,8 +130,10 @@ def _marks(name: str, before: torch.fx.GraphModule, after: torch.fx.GraphModule,
                 marks[node] = tuple(found)
         return _Marks(marks, links)
 
-    return (side(lines_before, lines_after, "removed", set(), links_before),
-            side(lines_after, lines_before, "added", set(carry_nodes), links_after))
+    return (
+        side(lines_before, lines_after, "removed", set(), links_before),
+        side(lines_after, lines_before, "added", set(carry_nodes), links_after),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,30 +194,39 @@ def _svg(gm: torch.fx.GraphModule, names: list[str], side: _Marks, svg_id: str) 
     columns = sorted({round(float(p[0]), 9) for p in pos.values()})
     unit = rows[1] - rows[0] if len(rows) > 1 else columns[1] - columns[0] if len(columns) > 1 else 1.0
     left, top = columns[0], rows[0]
-    xy = {n: (_MARGIN + (float(p[0]) - left) / unit * _COLUMN, _MARGIN + (float(p[1]) - top) / unit * _ROW)
-          for n, p in pos.items()}
+    xy = {
+        n: (_MARGIN + (float(p[0]) - left) / unit * _COLUMN, _MARGIN + (float(p[1]) - top) / unit * _ROW) for n, p in pos.items()
+    }
     width = max(x for x, _ in xy.values()) + _BOX_W + _MARGIN
     height = max(y for _, y in xy.values()) + _BOX_H + _MARGIN
-    out = [f'<svg id="{svg_id}" class="graph" width="{width:.0f}" height="{height:.0f}" '
-           f'viewBox="0 0 {width:.0f} {height:.0f}" role="img">',
-           f'<defs><marker id="{svg_id}-arrow" viewBox="0 0 8 8" refX="8" refY="4" markerWidth="7" markerHeight="7" '
-           'orient="auto"><path d="M0,0 L8,4 L0,8 z" fill="#777"/></marker></defs>']
+    out = [
+        f'<svg id="{svg_id}" class="graph" width="{width:.0f}" height="{height:.0f}" '
+        f'viewBox="0 0 {width:.0f} {height:.0f}" role="img">',
+        f'<defs><marker id="{svg_id}-arrow" viewBox="0 0 8 8" refX="8" refY="4" markerWidth="7" markerHeight="7" '
+        'orient="auto"><path d="M0,0 L8,4 L0,8 z" fill="#777"/></marker></defs>',
+    ]
     for a, b in graph.edges:
         x1, y1 = xy[a][0] + _BOX_W / 2, xy[a][1] + _BOX_H
         x2, y2 = xy[b][0] + _BOX_W / 2, xy[b][1]
         bend = (y2 - y1) / 2
-        out.append(f'<path class="edge" d="M{x1:.1f},{y1:.1f} C{x1:.1f},{y1 + bend:.1f} {x2:.1f},{y2 - bend:.1f} '
-                   f'{x2:.1f},{y2:.1f}" marker-end="url(#{svg_id}-arrow)"/>')
+        out.append(
+            f'<path class="edge" d="M{x1:.1f},{y1:.1f} C{x1:.1f},{y1 + bend:.1f} {x2:.1f},{y2 - bend:.1f} '
+            f'{x2:.1f},{y2:.1f}" marker-end="url(#{svg_id}-arrow)"/>'
+        )
     for name in names:
         x, y = xy[name]
         marks = side.marks.get(name, ())
-        box = (f'<rect x="{x:.1f}" y="{y:.1f}" width="{_BOX_W}" height="{_BOX_H}" rx="5"/>'
-               f'<text x="{x + 6:.1f}" y="{y + 15:.1f}" class="name">{html.escape(_clip(name))}</text>'
-               f'<text x="{x + 6:.1f}" y="{y + 30:.1f}">{html.escape(_clip(ops[name]))}</text>')
+        box = (
+            f'<rect x="{x:.1f}" y="{y:.1f}" width="{_BOX_W}" height="{_BOX_H}" rx="5"/>'
+            f'<text x="{x + 6:.1f}" y="{y + 15:.1f}" class="name">{html.escape(_clip(name))}</text>'
+            f'<text x="{x + 6:.1f}" y="{y + 30:.1f}">{html.escape(_clip(ops[name]))}</text>'
+        )
         if name in side.links:
             box = f'<a href="#{side.links[name]}">{box}</a>'
-        out.append(f'<g class="{" ".join(("node", *marks))}" data-node="{html.escape(name)}">'
-                   f'<title>{html.escape(lines[name])}</title>{box}</g>')
+        out.append(
+            f'<g class="{" ".join(("node", *marks))}" data-node="{html.escape(name)}">'
+            f"<title>{html.escape(lines[name])}</title>{box}</g>"
+        )
     out.append("</svg>")
     return "".join(out)
 
@@ -239,33 +260,69 @@ def _link(kind: str, name: str) -> str:
 def _regions(report: TransformReport, catalog: Catalog) -> str:
     rows = []
     for r in catalog.regions:
-        rows.append(({"id": _anchor("region", r.name), "data-region": r.name}, [
-            f"<b>{_e(r.name)}</b>", _e(r.dtype), _e(r.retained), _e(r.lower),
-            "unbounded" if r.bound is None else _e(r.bound), _e(_shape(r.stock_shape)), _e(format_bytes(r.stock_bytes)),
-            _e(_shape(r.shape)), _e(format_bytes(r.bytes)), "-" if r.rho is None else f"{float(r.rho):.2f}",
-        ]))
-    derived = _table(["region", "dtype", "retained r(t)", "A-", "A", "stock shape", "stock", "demand shape", "demand",
-                      "rho"], rows)
-    resized = _table(["buffer", "region", "stock shape", "stock", "demand shape", "demand", "stock / demand"], [
-        ({"data-buffer": z.path}, [_e(z.path), _link("region", z.region), _e(_shape(z.stock_shape)),
-                                   _e(format_bytes(z.stock_bytes)), _e(_shape(z.demand_shape)),
-                                   _e(format_bytes(z.demand_bytes)),
-                                   f"{z.stock_bytes / z.demand_bytes:.2f}" if z.demand_bytes else "-"])
-        for z in report.resizes
-    ])
+        rows.append(
+            (
+                {"id": _anchor("region", r.name), "data-region": r.name},
+                [
+                    f"<b>{_e(r.name)}</b>",
+                    _e(r.dtype),
+                    _e(r.retained),
+                    _e(r.lower),
+                    "unbounded" if r.bound is None else _e(r.bound),
+                    _e(_shape(r.stock_shape)),
+                    _e(format_bytes(r.stock_bytes)),
+                    _e(_shape(r.shape)),
+                    _e(format_bytes(r.bytes)),
+                    "-" if r.rho is None else f"{float(r.rho):.2f}",
+                ],
+            )
+        )
+    derived = _table(
+        ["region", "dtype", "retained r(t)", "A-", "A", "stock shape", "stock", "demand shape", "demand", "rho"], rows
+    )
+    resized = _table(
+        ["buffer", "region", "stock shape", "stock", "demand shape", "demand", "stock / demand"],
+        [
+            (
+                {"data-buffer": z.path},
+                [
+                    _e(z.path),
+                    _link("region", z.region),
+                    _e(_shape(z.stock_shape)),
+                    _e(format_bytes(z.stock_bytes)),
+                    _e(_shape(z.demand_shape)),
+                    _e(format_bytes(z.demand_bytes)),
+                    f"{z.stock_bytes / z.demand_bytes:.2f}" if z.demand_bytes else "-",
+                ],
+            )
+            for z in report.resizes
+        ],
+    )
     before = sum(z.stock_bytes for z in report.resizes)
     after = sum(z.demand_bytes for z in report.resizes)
-    carries = _table(["carry of region", "shape", "bytes", "address", "writes"], [
-        ({"id": _anchor("carry", region), "data-carry": region}, [
-            _link("region", region), _e(_shape(tuple(c.buffer.shape))),
-            _e(format_bytes(c.buffer.numel() * c.buffer.element_size())), f"{c.address:#x}", _e(c.writes)])
-        for region, c in report.carries.items()
-    ])
+    carries = _table(
+        ["carry of region", "shape", "bytes", "address", "writes"],
+        [
+            (
+                {"id": _anchor("carry", region), "data-carry": region},
+                [
+                    _link("region", region),
+                    _e(_shape(tuple(c.buffer.shape))),
+                    _e(format_bytes(c.buffer.numel() * c.buffer.element_size())),
+                    f"{c.address:#x}",
+                    _e(c.writes),
+                ],
+            )
+            for region, c in report.carries.items()
+        ],
+    )
     return (
         "<h2>Regions</h2><p>Derived from the contract alone: the extent each region retains after t calls, "
         "its lower extent A- and its bound A, the shape and bytes the stock code provisions (where the contract "
-        "declares it) against the demand at the bound, and their ratio rho.</p>" + derived
-        + "<h3>State rule: what the stock model holds, and what it holds now</h3>" + resized
+        "declares it) against the demand at the bound, and their ratio rho.</p>"
+        + derived
+        + "<h3>State rule: what the stock model holds, and what it holds now</h3>"
+        + resized
         + f"<p>Contract-managed state: <b>{_e(format_bytes(before))} &rarr; {_e(format_bytes(after))}</b>.</p>"
         + "<h3>Carries</h3><p>Each carry is one buffer at one address for the life of a stream; every retention "
         "writes into it in place.</p>" + carries
@@ -273,22 +330,36 @@ def _regions(report: TransformReport, catalog: Catalog) -> str:
 
 
 def _sites(report: TransformReport, catalog: Catalog) -> str:
-    rows = [({"id": _anchor("site", s.graph, s.node), "data-site": f"{s.graph}:{s.node}"}, [
-        f'<a href="#{_anchor("graph", s.graph)}">{_e(s.graph)}</a>', f"<code>{_e(s.node)}</code>",
-        _link("region", s.region) if s.region in {r.name for r in catalog.regions} else _e(s.region),
-        _e(s.axis), _e(s.kind), "yes" if s.rewritten else "no", _e(s.reason)])
-        for s in report.sites]
-    return ("<h2>Retention sites</h2><p>Every concatenation along a region's axis the passes found, and what they "
-            "did with it.</p>" + _table(["graph", "node", "region", "axis", "kind", "rewritten", "why"], rows))
+    rows = [
+        (
+            {"id": _anchor("site", s.graph, s.node), "data-site": f"{s.graph}:{s.node}"},
+            [
+                f'<a href="#{_anchor("graph", s.graph)}">{_e(s.graph)}</a>',
+                f"<code>{_e(s.node)}</code>",
+                _link("region", s.region) if s.region in {r.name for r in catalog.regions} else _e(s.region),
+                _e(s.axis),
+                _e(s.kind),
+                "yes" if s.rewritten else "no",
+                _e(s.reason),
+            ],
+        )
+        for s in report.sites
+    ]
+    return (
+        "<h2>Retention sites</h2><p>Every concatenation along a region's axis the passes found, and what they "
+        "did with it.</p>" + _table(["graph", "node", "region", "axis", "kind", "rewritten", "why"], rows)
+    )
 
 
 def _graphs(report: TransformReport) -> str:
-    sections = ['<h2>Graphs, before and after</h2><p>The rewritten subgraph: every node the transform removed '
-                '(<span class="key removed">red</span>), added (<span class="key added">green</span>) or rewired '
-                '(<span class="key changed">yellow</span>: new arguments or a new shape), every carry '
-                '(<span class="key carry">blue</span>) and every retention site (<span class="key site">dashed</span>), '
-                'with their direct neighbours. A rewritten node links to its retention site; hover for the '
-                'node\'s line of code.</p>']
+    sections = [
+        "<h2>Graphs, before and after</h2><p>The rewritten subgraph: every node the transform removed "
+        '(<span class="key removed">red</span>), added (<span class="key added">green</span>) or rewired '
+        '(<span class="key changed">yellow</span>: new arguments or a new shape), every carry '
+        '(<span class="key carry">blue</span>) and every retention site (<span class="key site">dashed</span>), '
+        "with their direct neighbours. A rewritten node links to its retention site; hover for the "
+        "node's line of code.</p>"
+    ]
     for name, (before, after) in report.graphs.items():
         d = diff_graphs(name, before, after)
         marks_before, marks_after = _marks(name, before, after, report.sites, report.carries)
@@ -297,10 +368,10 @@ def _graphs(report: TransformReport) -> str:
         summary = "".join(f"<li>{_e(line)}</li>" for line in summary_lines(d))
         if focus_before or focus_after:
             drawings = (
-                f'<figure><figcaption>before</figcaption>'
-                f'{_svg(before, _subgraph(before, focus_before), marks_before, _anchor("svg", name, "before"))}</figure>'
-                f'<figure><figcaption>after</figcaption>'
-                f'{_svg(after, _subgraph(after, focus_after), marks_after, _anchor("svg", name, "after"))}</figure>'
+                f"<figure><figcaption>before</figcaption>"
+                f"{_svg(before, _subgraph(before, focus_before), marks_before, _anchor('svg', name, 'before'))}</figure>"
+                f"<figure><figcaption>after</figcaption>"
+                f"{_svg(after, _subgraph(after, focus_after), marks_after, _anchor('svg', name, 'after'))}</figure>"
             )
         else:
             drawings = "<p>Nothing in this graph was rewritten.</p>"
@@ -320,7 +391,9 @@ def _certificate(cert: Certificate) -> str:
         verdict += ", not captured"
     rng = ", ".join(f"+{a}" for a in cert.device_rng_advance if a) or "none"
     facts = [
-        ("verdict", verdict), ("why", cert.reason), ("checked", ", ".join(cert.checks)),
+        ("verdict", verdict),
+        ("why", cert.reason),
+        ("checked", ", ".join(cert.checks)),
         ("aliased (passed by address)", ", ".join(cert.aliased) or "none"),
         ("copied (staged per call)", ", ".join(cert.copied) or "none"),
         ("written in place", ", ".join(cert.writes) or "none"),
@@ -331,30 +404,43 @@ def _certificate(cert: Certificate) -> str:
         ("run eagerly between segments", "; ".join(map(str, cert.cuts)) or "none"),
     ]
     if cert.pool_reserved_bytes is not None:  # measured over the capture (CUDA only)
-        facts.append(("device memory of the capture",
-                      f"staged inputs {bytes_or_dash(cert.staged_bytes)} (the memory model's charge); graph pool grew "
-                      f"{bytes_or_dash(cert.pool_reserved_bytes)}; reserved grew {bytes_or_dash(cert.reserved_bytes)} "
-                      "over the whole capture phase"))
+        facts.append(
+            (
+                "device memory of the capture",
+                f"staged inputs {bytes_or_dash(cert.staged_bytes)} (the memory model's charge); graph pool grew "
+                f"{bytes_or_dash(cert.pool_reserved_bytes)}; reserved grew {bytes_or_dash(cert.reserved_bytes)} "
+                "over the whole capture phase",
+            )
+        )
     items = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in facts)
     return f'<dl class="certificate {"admitted" if cert.admitted else "refused"}">{items}</dl>'
 
 
 def _catalog(report: TransformReport, catalog: Catalog, stream: str | None) -> str:
-    out = [f"<h2>Catalog</h2><p>Every call shape each hot operator can see, derived before any traffic "
-           f"(budget {catalog.budget} classes per operator). Where the transform replays an operator, its replay "
-           "engine holds one exact signature per class and writes a certificate when a class is first called: "
-           "what it checked, which arguments it passes by address and which it copies, how far the device RNG "
-           "moves. Without CUDA an admitted class runs eagerly (counted <code>no_cuda</code>) and no graph is "
-           "captured.</p>"]
+    out = [
+        f"<h2>Catalog</h2><p>Every call shape each hot operator can see, derived before any traffic "
+        f"(budget {catalog.budget} classes per operator). Where the transform replays an operator, its replay "
+        "engine holds one exact signature per class and writes a certificate when a class is first called: "
+        "what it checked, which arguments it passes by address and which it copies, how far the device RNG "
+        "moves. Without CUDA an admitted class runs eagerly (counted <code>no_cuda</code>) and no graph is "
+        "captured.</p>"
+    ]
     if stream is not None:
         out.append(f'<p class="note">Certificates and counters after a short stream: {_e(stream)}.</p>')
     if report.replays and not any(engine.counters.calls for engine in report.replays.values()):
-        out.append('<p class="note">No replayed operator has been called yet (no stream ran before this page was '
-                   "written): there are no certificates, and the counters are zero.</p>")
+        out.append(
+            '<p class="note">No replayed operator has been called yet (no stream ran before this page was '
+            "written): there are no certificates, and the counters are zero.</p>"
+        )
     names = {op.name for op in catalog.operators}
     for op in catalog.operators:
-        rows = [({"data-class": f"{op.name}:{c.call}@{c.extent}{':flush' if c.flush else ''}"},
-                 [_e(c.call), _e(c.extent), "flush" if c.flush else "steady"]) for c in op.classes]
+        rows = [
+            (
+                {"data-class": f"{op.name}:{c.call}@{c.extent}{':flush' if c.flush else ''}"},
+                [_e(c.call), _e(c.extent), "flush" if c.flush else "steady"],
+            )
+            for c in op.classes
+        ]
         out.append(
             f'<section id="{_anchor("operator", op.name)}" data-operator="{_e(op.name)}"><h3>{_e(op.name)}</h3>'
             f"<p>over region {_link('region', op.region)}; K = {_e('-' if op.width is None else op.width)}; "
@@ -362,13 +448,14 @@ def _catalog(report: TransformReport, catalog: Catalog, stream: str | None) -> s
         )
         engine = report.replays.get(op.name)
         out.append(_bound(report, op.name))
-        out.append(_engine(engine) if engine is not None else
-                   "<p>No replay engine for this operator in this transform.</p>")
+        out.append(_engine(engine) if engine is not None else "<p>No replay engine for this operator in this transform.</p>")
         out.append("</section>")
     for name, engine in report.replays.items():
         if name not in names:
-            out.append(f'<section data-operator="{_e(name)}"><h3>{_e(name)} (replayed, not a catalog operator)</h3>'
-                       f"{_engine(engine)}</section>")
+            out.append(
+                f'<section data-operator="{_e(name)}"><h3>{_e(name)} (replayed, not a catalog operator)</h3>'
+                f"{_engine(engine)}</section>"
+            )
     return "".join(out)
 
 
@@ -378,41 +465,80 @@ def _engine(engine: ExactShapeReplay) -> str:
     rows = []
     for sc in engine.shape_classes:
         cert = certificates.get(sc.name)
-        rows.append(({"data-replay-class": sc.name}, [
-            f"<b>{_e(sc.name)}</b>", f"<code>{_e(sc.signature.describe())}</code>",
-            _certificate(cert) if cert else "no certificate: not called in this run"]))
+        rows.append(
+            (
+                {"data-replay-class": sc.name},
+                [
+                    f"<b>{_e(sc.name)}</b>",
+                    f"<code>{_e(sc.signature.describe())}</code>",
+                    _certificate(cert) if cert else "no certificate: not called in this run",
+                ],
+            )
+        )
     for name, cert in certificates.items():
         if name not in listed:
-            rows.append(({"data-replay-class": name}, [
-                f"<b>{_e(name)}</b>", f"<code>{_e(cert.signature.describe())}</code>", _certificate(cert)]))
+            rows.append(
+                (
+                    {"data-replay-class": name},
+                    [f"<b>{_e(name)}</b>", f"<code>{_e(cert.signature.describe())}</code>", _certificate(cert)],
+                )
+            )
     counters = engine.counters.as_dict()
     fallbacks = ", ".join(f"{k} {v}" for k, v in counters["fallbacks"].items()) or "none"
     return (
-        f"<h4>Replay: {_e(engine.name)}</h4>" + _table(["class", "signature", "certificate"], rows, "classes")
+        f"<h4>Replay: {_e(engine.name)}</h4>"
+        + _table(["class", "signature", "certificate"], rows, "classes")
         + f'<p class="counters">calls {counters["calls"]}, captures {counters["captures"]}, replays '
-        f'{counters["replays"]}, eager {counters["eager"]} (by reason: {_e(fallbacks)}), invalidations '
-        f'{counters["invalidations"]}</p>'
+        f"{counters['replays']}, eager {counters['eager']} (by reason: {_e(fallbacks)}), invalidations "
+        f"{counters['invalidations']}</p>"
     )
 
 
 def _savings(report: TransformReport, catalog: Catalog) -> str:
-    rows = [({"data-launches": f"{x.shape_class}:{count_or_dash(x.eager)}:{count_or_dash(x.replay)}:{count_or_dash(x.saved)}"}, [
-        f"<b>{_e(x.shape_class)}</b>", _e(count_or_dash(x.eager)),
-        _e(f"{x.replay} = {x.graphs} graph(s) + {x.cuts} cut operator(s) + {x.staged} staged + {x.written_back} "
-           "written back") if x.captured else "-",
-        _e(count_or_dash(x.saved)), _e("replayed" if x.captured else x.status)]) for x in launches(report)]
-    memory = [({"data-memory": f"{m.region}:{count_or_dash(m.stock)}:{count_or_dash(m.carry)}:{count_or_dash(m.saved)}"}, [
-        _link("region", m.region), _e(bytes_or_dash(m.stock)), _e(m.source), _e(bytes_or_dash(m.carry)), _e(bytes_or_dash(m.saved))])
-        for m in region_memory(report, catalog)]
-    launched = (_table(["class", "eager: operator dispatches", "replay: host launches", "saved", "status"], rows,
-                       "launches") if rows else "<p>No class has been called yet: nothing to count.</p>")
+    rows = [
+        (
+            {"data-launches": f"{x.shape_class}:{count_or_dash(x.eager)}:{count_or_dash(x.replay)}:{count_or_dash(x.saved)}"},
+            [
+                f"<b>{_e(x.shape_class)}</b>",
+                _e(count_or_dash(x.eager)),
+                _e(
+                    f"{x.replay} = {x.graphs} graph(s) + {x.cuts} cut operator(s) + {x.staged} staged + {x.written_back} "
+                    "written back"
+                )
+                if x.captured
+                else "-",
+                _e(count_or_dash(x.saved)),
+                _e("replayed" if x.captured else x.status),
+            ],
+        )
+        for x in launches(report)
+    ]
+    memory = [
+        (
+            {"data-memory": f"{m.region}:{count_or_dash(m.stock)}:{count_or_dash(m.carry)}:{count_or_dash(m.saved)}"},
+            [
+                _link("region", m.region),
+                _e(bytes_or_dash(m.stock)),
+                _e(m.source),
+                _e(bytes_or_dash(m.carry)),
+                _e(bytes_or_dash(m.saved)),
+            ],
+        )
+        for m in region_memory(report, catalog)
+    ]
+    launched = (
+        _table(["class", "eager: operator dispatches", "replay: host launches", "saved", "status"], rows, "launches")
+        if rows
+        else "<p>No class has been called yet: nothing to count.</p>"
+    )
     return (
         "<h2>What it saves</h2><h3>Host launches per call</h3><p>Eager: the operators one call of the class's "
         "rewritten graph dispatches from the host (its call nodes, less <code>getitem</code> and the export's "
         "input guard; a carry write counts once). Replay: what the host issues instead, from the class's "
         "certificate: one launch per captured graph segment, the operators cut between segments, one copy per "
         "staged argument and one per argument written back (an output clone is not counted). Saved is the "
-        "difference, per call; a class that was not captured saves nothing.</p>" + launched
+        "difference, per call; a class that was not captured saves nothing.</p>"
+        + launched
         + "<h3>Memory per region</h3><p>What the stock code holds for each region against the bytes of its "
         "carry. The device memory each captured class took (its staged inputs, and how much the graph pool and "
         "the reserved memory grew over its capture) is in its certificate, on a GPU.</p>"
@@ -427,21 +553,27 @@ def _bound(report: TransformReport, name: str) -> str:
         return ""
     c = op.counters.as_dict()
     stock = ", ".join(f"{k} {v}" for k, v in c["stock_by_reason"].items()) or "none"
-    return (f'<p class="counters" data-bound="{_e(name)}">bound operator: calls {c["calls"]}, rewritten-graph calls '
-            f'{c["graph_calls"]}, verified against the stock call {c["verified"]}, stock calls {c["stock"]} (by reason: '
-            f'{_e(stock)}), states adopted into a carry {c["adopted"]}</p>')
+    return (
+        f'<p class="counters" data-bound="{_e(name)}">bound operator: calls {c["calls"]}, rewritten-graph calls '
+        f"{c['graph_calls']}, verified against the stock call {c['verified']}, stock calls {c['stock']} (by reason: "
+        f"{_e(stock)}), states adopted into a carry {c['adopted']}</p>"
+    )
 
 
 def _audit(report: TransformReport) -> str:
     if report.auditor is None:
-        return ("<h2>Shadow audit</h2><p>Not attached to this transform (<code>transform(..., audit=True)</code> "
-                "runs the stock retention beside every carry write and compares elementwise).</p>")
+        return (
+            "<h2>Shadow audit</h2><p>Not attached to this transform (<code>transform(..., audit=True)</code> "
+            "runs the stock retention beside every carry write and compares elementwise).</p>"
+        )
     counters = report.auditor.counters()
     addresses = ", ".join(f"{site}: {n}" for site, n in counters["distinct_carry_addresses"].items()) or "none yet"
-    return (f"<h2>Shadow audit</h2><p>The stock retention, evaluated beside every carry write and compared "
-            f"elementwise: {counters['retentions']} retentions checked, {counters['applications']} of them "
-            f"evicting, <b>{counters['mismatches']} mismatches</b>. Distinct carry addresses per site: "
-            f"{_e(addresses)}.</p>")
+    return (
+        f"<h2>Shadow audit</h2><p>The stock retention, evaluated beside every carry write and compared "
+        f"elementwise: {counters['retentions']} retentions checked, {counters['applications']} of them "
+        f"evicting, <b>{counters['mismatches']} mismatches</b>. Distinct carry addresses per site: "
+        f"{_e(addresses)}.</p>"
+    )
 
 
 _STYLE = """
@@ -465,8 +597,9 @@ dl.certificate dt{color:#555} dl.certificate dd{margin:0} dl.refused dd:first-of
 """
 
 
-def render_html(report: TransformReport, catalog: Catalog, *, title: str | None = None, stream: str | None = None,
-                device: str | None = None) -> str:
+def render_html(
+    report: TransformReport, catalog: Catalog, *, title: str | None = None, stream: str | None = None, device: str | None = None
+) -> str:
     """The report page of one transform: `report` (a `TransformReport`) and the `catalog` it was
     derived under. `stream` says what ran through the transformed model before the page was
     written, if anything did (certificates are written on a class's first call); `device`, where
@@ -485,8 +618,14 @@ def render_html(report: TransformReport, catalog: Catalog, *, title: str | None 
         + (f'<p class="note" data-device="{_e(device)}">Built and run on <b>{_e(device)}</b>.</p>' if device else "")
         + f"<h2>What ran</h2><ul>{stamps}</ul>"
         f"<p>Kernel settings pinned for the run: <code>{_e(determinism)}</code></p>"
-        + _regions(report, catalog) + _sites(report, catalog) + _graphs(report) + _catalog(report, catalog, stream)
-        + _savings(report, catalog) + _audit(report)
+        + _regions(report, catalog)
+        + _sites(report, catalog)
+        + _graphs(report)
+        + _catalog(report, catalog, stream)
+        + _savings(report, catalog)
+        + _audit(report)
     )
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
-            f"<style>{_STYLE}</style></head><body>{body}</body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
+        f"<style>{_STYLE}</style></head><body>{body}</body></html>\n"
+    )

@@ -27,7 +27,8 @@ class Family:
     fit the contract), puts the family on the one pipeline; `compose`, for a family whose model is
     several models (``compose(model, contract, *, audit, replay, budget) -> (transformed, report)``),
     transforms each part from its own binding on the same pipeline and assembles them, with the
-    family's named hooks (sizing a vendor's envelopes, installing bound operators in its glue). `reference`: builds the reference model at a depth
+    family's named hooks (sizing a vendor's envelopes, installing bound operators in its glue). `reference`: builds the
+    reference model at a depth
     on a device, for the CLI's diff (``reference(depth, device) -> (model, contract, stream)``,
     ``stream(transformed, chunks) -> str`` running a short stream and saying what it ran); `demo`:
     the CLI's demo, the stock and transformed models streamed side by side

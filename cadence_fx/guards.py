@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import enum
 import operator
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any
 
 import torch
 
@@ -168,11 +169,26 @@ def host_values(roots: dict[str, Any], skip: frozenset[str] = frozenset()) -> di
 
 #: Module attributes that are not settings: the tables torch keeps (weights, buffers, submodules
 #: by name, hooks), read through their own guards (the tensors' shapes and dtypes) or not at all.
-_MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_forward_hooks",
-                            "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
-                            "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
-                            "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                            "_forward_pre_hooks_with_kwargs", "_is_full_backward_hook"})
+_MODULE_TABLES = frozenset(
+    {
+        "_parameters",
+        "_buffers",
+        "_modules",
+        "_non_persistent_buffers_set",
+        "_forward_hooks",
+        "_forward_pre_hooks",
+        "_backward_hooks",
+        "_backward_pre_hooks",
+        "_state_dict_hooks",
+        "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks",
+        "_forward_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+        "_forward_pre_hooks_with_kwargs",
+        "_is_full_backward_hook",
+    }
+)
 
 
 class ModuleSettings:
@@ -188,7 +204,9 @@ class ModuleSettings:
     """
 
     def __init__(self, model: torch.nn.Module, unread: Callable[[], frozenset[str]] = frozenset, root: str = "self") -> None:
-        self.modules = [(f"{root}.{name}" if name else root, module) for name, module in model.named_modules(remove_duplicate=True)]
+        self.modules = [
+            (f"{root}.{name}" if name else root, module) for name, module in model.named_modules(remove_duplicate=True)
+        ]
         self._unread = unread  # the paths (and all under them) an Unread regime covers, found afresh at each walk
         self.paths: tuple[str, ...] = ()
         self.version = 0
@@ -201,8 +219,11 @@ class ModuleSettings:
     def read(self) -> list:
         """The leaves' values, aligned with `paths` (walked again first when the plan is stale)."""
         parents, keys, children = self._edges
-        if (not self._sized[0] or not all(map(operator.is_, map(operator.getitem, parents, keys), children))
-                or list(map(len, self._sized[0])) != self._sized[1]):
+        if (
+            not self._sized[0]
+            or not all(map(operator.is_, map(operator.getitem, parents, keys), children))
+            or list(map(len, self._sized[0])) != self._sized[1]
+        ):
             self._plan()
         values = list(map(operator.getitem, *self._leaves))
         if list(map(type, values)) != self._types:

@@ -40,13 +40,19 @@ CODEBOOK_INPUTS = {
     "csm": lambda config: config.num_codebooks,
 }
 #: The cache layer classes a layout is derived for (`transformers.cache_utils`), by kind.
-LAYER_KINDS = {"DynamicLayer": "full", "DynamicSlidingWindowLayer": "sliding", "StaticLayer": "static",
-               "LinearAttentionLayer": "linear"}
+LAYER_KINDS = {
+    "DynamicLayer": "full",
+    "DynamicSlidingWindowLayer": "sliding",
+    "StaticLayer": "static",
+    "LinearAttentionLayer": "linear",
+}
 #: The host values each kind of layer moves, bound as the operator's counters.
-LAYER_COUNTERS = {"full": ("is_initialized",), "sliding": ("is_initialized", "cumulative_length"),
-                  "static": ("is_initialized", "cumulative_length"),
-                  "linear": ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state",
-                             "conv_kernel_size")}
+LAYER_COUNTERS = {
+    "full": ("is_initialized",),
+    "sliding": ("is_initialized", "cumulative_length"),
+    "static": ("is_initialized", "cumulative_length"),
+    "linear": ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state", "conv_kernel_size"),
+}
 OPERATOR = "decoder_step"
 
 
@@ -56,12 +62,18 @@ class DeriveError(ValueError):
 
 def is_transformers_model(model: Any) -> bool:
     """Whether `model` is a `transformers.PreTrainedModel`, without importing `transformers`."""
-    return any(cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.")
-               for cls in type(model).__mro__)
+    return any(cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.") for cls in type(model).__mro__)
 
 
-def derive_transformers(model: Any, *, tokens_per_call: int = 1, max_tokens: int | None = None, cache: str = "dynamic",
-                        encoder_frames: int | None = None, verify: int = 2) -> tuple[Contract, Binding]:
+def derive_transformers(
+    model: Any,
+    *,
+    tokens_per_call: int = 1,
+    max_tokens: int | None = None,
+    cache: str = "dynamic",
+    encoder_frames: int | None = None,
+    verify: int = 2,
+) -> tuple[Contract, Binding]:
     """The contract and binding of `model`'s decoding step, `tokens_per_call` tokens (or frames of
     codes) a call into the cache `transformers` builds for it: ``DynamicCache(config=model.config)``
     (`cache="dynamic"`), ``StaticCache(config=model.config, max_cache_len=max_tokens)``
@@ -75,7 +87,9 @@ def derive_transformers(model: Any, *, tokens_per_call: int = 1, max_tokens: int
         raise DeriveError(f"derive_transformers needs a transformers.PreTrainedModel, got {type(model).__name__}")
     if not isinstance(tokens_per_call, int) or isinstance(tokens_per_call, bool) or tokens_per_call < 1:
         raise DeriveError(f"tokens_per_call must be an int >= 1, got {tokens_per_call!r}")
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < tokens_per_call):
+    if max_tokens is not None and (
+        not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < tokens_per_call
+    ):
         raise DeriveError(f"max_tokens must be an int >= tokens_per_call ({tokens_per_call}), got {max_tokens!r}")
     if cache not in ("dynamic", "static"):
         raise DeriveError(f"cache must be 'dynamic' or 'static', got {cache!r}")
@@ -83,13 +97,16 @@ def derive_transformers(model: Any, *, tokens_per_call: int = 1, max_tokens: int
     parameters = inspect.signature(model.forward).parameters
     argument = next((a for a in ("cache", "past_key_values") if a in parameters), None)
     if argument is None:
-        raise DeriveError(f"{name}.forward takes no cache argument (cache or past_key_values): its state is no cache "
-                          "transformers builds; bind it by hand (README: Bring your own model)")
+        raise DeriveError(
+            f"{name}.forward takes no cache argument (cache or past_key_values): its state is no cache "
+            "transformers builds; bind it by hand (README: Bring your own model)"
+        )
     config = model.config
     encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
     if encoder_decoder and cache == "static":
-        raise DeriveError(f"{name}: a static cache is derived for decoder-only models; an encoder-decoder model streams "
-                          "with cache='dynamic'")
+        raise DeriveError(
+            f"{name}: a static cache is derived for decoder-only models; an encoder-decoder model streams with cache='dynamic'"
+        )
     if cache == "static" and max_tokens is None:
         raise DeriveError(f"{name}: a static cache holds max_cache_len tokens; pass max_tokens, its capacity")
     codebooks = CODEBOOK_INPUTS.get(config.model_type)
@@ -99,8 +116,10 @@ def derive_transformers(model: Any, *, tokens_per_call: int = 1, max_tokens: int
     if encoder_decoder:
         encoder_frames = encoder_frames if encoder_frames is not None else getattr(config, "max_source_positions", None)
         if not isinstance(encoder_frames, int) or encoder_frames < 1:
-            raise DeriveError(f"{name} is an encoder-decoder model whose config gives no encoder length "
-                              "(max_source_positions): pass encoder_frames, the frames of the encoder output it decodes against")
+            raise DeriveError(
+                f"{name} is an encoder-decoder model whose config gives no encoder length "
+                "(max_source_positions): pass encoder_frames, the frames of the encoder output it decodes against"
+            )
     probed = _probe(model, argument, units, tokens_per_call, codebooks(config) if codebooks else None, encoder_frames)
 
     layout = _Layout(clock, tokens_per_call, max_tokens, name)
@@ -119,8 +138,11 @@ def derive_transformers(model: Any, *, tokens_per_call: int = 1, max_tokens: int
         layout.add_cache(probed, f"{argument}.layers", "kv")
     contract = Contract(
         family=config.model_type,
-        clocks=(Clock(clock, kind), *((Clock("frame", ClockKind.FRAMES),) if encoder_decoder else ()),
-                Clock("call", ClockKind.CALLS)),
+        clocks=(
+            Clock(clock, kind),
+            *((Clock("frame", ClockKind.FRAMES),) if encoder_decoder else ()),
+            Clock("call", ClockKind.CALLS),
+        ),
         rates=(Rate(clock, "call", tokens_per_call, name=f"{clock}s_per_call"),),
         regions=tuple(layout.regions),
         operators=(Operator(OPERATOR, layout.operator_region(), steady=tokens_per_call),),
@@ -151,8 +173,10 @@ def _probe(model: Any, argument: str, units: str, step: int, codebooks: int | No
         with torch.device("meta"):
             twin = type(model)(config).to(dtype).eval()
     except Exception as error:  # noqa: BLE001 - any failure to build the twin is reported with its cause
-        raise DeriveError(f"{type(model).__name__}: its twin on the meta device could not be built from its config "
-                          f"({type(error).__name__}: {error}); bind it by hand") from error
+        raise DeriveError(
+            f"{type(model).__name__}: its twin on the meta device could not be built from its config "
+            f"({type(error).__name__}: {error}); bind it by hand"
+        ) from error
     ids = torch.zeros(1, step, *((codebooks,) if codebooks else ()), dtype=torch.long, device="meta")
     kwargs: dict[str, Any] = {units: ids, "use_cache": True}
     if encoder_frames is not None:
@@ -171,8 +195,10 @@ def _probe(model: Any, argument: str, units: str, step: int, codebooks: int | No
         # which no meta tensor has) does not matter here: every layer's state is allocated by then.
         caches = (cache.self_attention_cache, cache.cross_attention_cache) if encoder_frames is not None else (cache,)
         if not all(_allocated(layer) for c in caches for layer in c.layers):
-            raise DeriveError(f"{type(model).__name__}: one call of {step} tokens on the meta device failed before every "
-                              f"cache layer was written ({type(error).__name__}: {error}); bind it by hand") from error
+            raise DeriveError(
+                f"{type(model).__name__}: one call of {step} tokens on the meta device failed before every "
+                f"cache layer was written ({type(error).__name__}: {error}); bind it by hand"
+            ) from error
     return cache
 
 
@@ -220,8 +246,16 @@ class _Layout:
     def operator_region(self) -> str:
         return max(self._bounds, key=self._bounds.get)
 
-    def _region(self, name: str, dims: tuple, axis: int | None, retention: Any, dtype: torch.dtype, paths: tuple[str, ...],
-                bound: int | None) -> None:
+    def _region(
+        self,
+        name: str,
+        dims: tuple,
+        axis: int | None,
+        retention: Any,
+        dtype: torch.dtype,
+        paths: tuple[str, ...],
+        bound: int | None,
+    ) -> None:
         names = {r.name for r in self.regions}
         base, n = name, 2
         while name in names:
@@ -230,8 +264,16 @@ class _Layout:
         if isinstance(retention, InPlace):
             region = Region(name, dims=dims, dtype=dtype_name, lifetime=Lifetime.PER_STREAM, retention=retention)
         else:
-            region = Region(name, dims=dims, axis=axis, clock=self.clock, stride=self.step, dtype=dtype_name,
-                            lifetime=Lifetime.PER_STREAM, retention=retention)
+            region = Region(
+                name,
+                dims=dims,
+                axis=axis,
+                clock=self.clock,
+                stride=self.step,
+                dtype=dtype_name,
+                lifetime=Lifetime.PER_STREAM,
+                retention=retention,
+            )
         self.regions.append(region)
         self.bindings.append(RegionBinding(name, at=paths))
         if bound is not None:
@@ -245,17 +287,23 @@ class _Layout:
         kinds = [LAYER_KINDS.get(cls.__name__) for cls in classes]
         for i, (cls, kind) in enumerate(zip(classes, kinds)):
             if kind is None or not cls.__module__.startswith("transformers."):
-                raise DeriveError(f"{self.model}: {prefix}.{i} is a {cls.__module__}.{cls.__name__}; derived are "
-                                  f"{', '.join(LAYER_KINDS)} from transformers.cache_utils; bind it by hand")
+                raise DeriveError(
+                    f"{self.model}: {prefix}.{i} is a {cls.__module__}.{cls.__name__}; derived are "
+                    f"{', '.join(LAYER_KINDS)} from transformers.cache_utils; bind it by hand"
+                )
             if kind == "full" and self.max_tokens is None:
-                raise DeriveError(f"{self.model}: {prefix}.{i} is a full-attention layer ({cls.__name__}): its cache grows "
-                                  "with the stream and no config field bounds it; pass max_tokens, the longest stream")
+                raise DeriveError(
+                    f"{self.model}: {prefix}.{i} is a full-attention layer ({cls.__name__}): its cache grows "
+                    "with the stream and no config field bounds it; pass max_tokens, the longest stream"
+                )
         groups: dict[tuple, list[int]] = {}
         for i, (layer, kind) in enumerate(zip(layers, kinds)):
             if kind == "linear":
                 if layer.number_of_states != 1:
-                    raise DeriveError(f"{self.model}: {prefix}.{i} keeps {layer.number_of_states} convolution states; "
-                                      "derived is one; bind it by hand")
+                    raise DeriveError(
+                        f"{self.model}: {prefix}.{i} keeps {layer.number_of_states} convolution states; "
+                        "derived is one; bind it by hand"
+                    )
                 shapes = tuple(None if s[0] is None else tuple(s[0].shape) for s in (layer.conv_states, layer.recurrent_states))
                 key = (kind, shapes, layer.dtype)
             else:
@@ -278,8 +326,9 @@ class _Layout:
         for counter, indices in counted.items():
             self.counters += (f"{prefix}.{_selection(sorted(indices), len(layers), where)}.{counter}",)
 
-    def _kv(self, name: str, at: str, count: int, kind: str, window: int | None, keys: tuple, values: tuple,
-            dtype: torch.dtype) -> None:
+    def _kv(
+        self, name: str, at: str, count: int, kind: str, window: int | None, keys: tuple, values: tuple, dtype: torch.dtype
+    ) -> None:
         if kind == "sliding":
             retention, bound = SlidingWindow(window=window - 1), window - 1
         elif kind == "full":
@@ -290,9 +339,9 @@ class _Layout:
         axis = len(keys) - 2  # (batch, heads, tokens, head_dim): the token axis
 
         def dims(shape: tuple, lead: tuple) -> tuple:
-            return (*lead, *shape[:axis], self.clock, *shape[axis + 1:])
+            return (*lead, *shape[:axis], self.clock, *shape[axis + 1 :])
 
-        if keys[:axis] + keys[axis + 1:] == values[:axis] + values[axis + 1:]:
+        if keys[:axis] + keys[axis + 1 :] == values[:axis] + values[axis + 1 :]:
             self._region(name, dims(keys, (count, 2)), axis + 2, retention, dtype, (f"{at}.keys", f"{at}.values"), bound)
         else:  # keys and values of different widths (a compressed latent and a rotary key): a region each
             self._region(f"{name}_keys", dims(keys, (count,)), axis + 1, retention, dtype, (f"{at}.keys",), bound)
@@ -303,8 +352,9 @@ class _Layout:
         if conv is not None:
             kernel = conv[-1]
             if kernel >= self.step:  # the last `kernel` tokens, along the token axis: a ring of them
-                self._region("conv", (count, *conv[:-1], self.clock), len(conv), RingCache(kernel), dtype,
-                             (f"{at}.conv_states.0",), kernel)
+                self._region(
+                    "conv", (count, *conv[:-1], self.clock), len(conv), RingCache(kernel), dtype, (f"{at}.conv_states.0",), kernel
+                )
             else:
                 self._region("conv", (count, *conv), None, InPlace(), dtype, (f"{at}.conv_states.0",), kernel)
         if scan is not None:  # one fixed shape, no time axis
@@ -320,9 +370,16 @@ class _Layout:
         keys = tuple(layers[0].keys.shape)
         if any(tuple(layer.keys.shape) != keys or tuple(layer.values.shape) != keys for layer in layers):
             raise DeriveError(f"{self.model}: the cross-attention layers of {prefix} differ in shape; bind them by hand")
-        region = Region("cross_kv", dims=(len(layers), 2, *keys[:2], "frame", keys[3]), axis=4, clock="frame", stride=1,
-                        dtype=str(layers[0].keys.dtype).removeprefix("torch."), lifetime=Lifetime.PER_STREAM,
-                        retention=RingCache(frames))
+        region = Region(
+            "cross_kv",
+            dims=(len(layers), 2, *keys[:2], "frame", keys[3]),
+            axis=4,
+            clock="frame",
+            stride=1,
+            dtype=str(layers[0].keys.dtype).removeprefix("torch."),
+            lifetime=Lifetime.PER_STREAM,
+            retention=RingCache(frames),
+        )
         self.regions.append(region)
         self.bindings.append(RegionBinding("cross_kv", at=(f"{prefix}.*.keys", f"{prefix}.*.values")))
         self.counters += (f"{prefix}.*.is_initialized",)

@@ -76,14 +76,21 @@ class DeviceMemory:
     def record(self) -> dict[str, Any]:
         """The figures now, as a benchmark record's fields."""
         if not self.cuda:
-            return {"peak_allocated_bytes": None, "reserved_bytes_end": None, "reserved_bytes_max": None,
-                    "device_footprint_bytes_end": None, "device_footprint_bytes_max": None,
-                    "device_used_at_start_bytes": None}
+            return {
+                "peak_allocated_bytes": None,
+                "reserved_bytes_end": None,
+                "reserved_bytes_max": None,
+                "device_footprint_bytes_end": None,
+                "device_footprint_bytes_max": None,
+                "device_used_at_start_bytes": None,
+            }
         torch.cuda.synchronize(self.device)
         self.sample()
-        return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
-                "reserved_bytes_end": torch.cuda.memory_reserved(self.device),
-                "reserved_bytes_max": max(self.reserved_max, torch.cuda.max_memory_reserved(self.device)),
-                "device_footprint_bytes_end": self.footprint(),
-                "device_footprint_bytes_max": self.footprint_max,
-                "device_used_at_start_bytes": self.used_at_start}
+        return {
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
+            "reserved_bytes_end": torch.cuda.memory_reserved(self.device),
+            "reserved_bytes_max": max(self.reserved_max, torch.cuda.max_memory_reserved(self.device)),
+            "device_footprint_bytes_end": self.footprint(),
+            "device_footprint_bytes_max": self.footprint_max,
+            "device_used_at_start_bytes": self.used_at_start,
+        }

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["OpRecord", "OpTrace", "first_difference"]
 
@@ -76,7 +76,7 @@ def _ignored(func: torch._ops.OpOverload) -> bool:
     name = str(func)
     if name in _COPIES or name.startswith(_CHECKS):
         return True
-    return (not schema.is_mutable and bool(schema.returns) and all(r.alias_info is not None for r in schema.returns))
+    return not schema.is_mutable and bool(schema.returns) and all(r.alias_info is not None for r in schema.returns)
 
 
 class OpTrace(TorchDispatchMode):
@@ -134,6 +134,8 @@ def first_difference(stock: list[OpRecord], graph: list[OpRecord]) -> str | None
             return f"op {i}: the stock call ran {s.describe()}, the graph runs {g.describe()}"
     if len(stock) != len(graph):
         longer, which = (stock, "stock call") if len(stock) > len(graph) else (graph, "graph")
-        return (f"the stock call ran {len(stock)} ops, the graph runs {len(graph)}; the {which} goes on with "
-                f"{longer[min(len(stock), len(graph))].describe()}")
+        return (
+            f"the stock call ran {len(stock)} ops, the graph runs {len(graph)}; the {which} goes on with "
+            f"{longer[min(len(stock), len(graph))].describe()}"
+        )
     return None

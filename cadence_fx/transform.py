@@ -145,8 +145,10 @@ def transform(
         if binding is not None:
             raise TypeError("a binding was given without its contract: pass transform(model, contract, binding)")
         if not is_transformers_model(model):
-            raise TypeError(f"no contract given, and {type(model).__name__} is no transformers model whose contract "
-                            "cadence-fx derives: pass transform(model, contract, binding) (README: Bring your own model)")
+            raise TypeError(
+                f"no contract given, and {type(model).__name__} is no transformers model whose contract "
+                "cadence-fx derives: pass transform(model, contract, binding) (README: Bring your own model)"
+            )
         contract, binding = derive_transformers(model, **derive_options)
     elif derive_options:
         raise TypeError(f"transform() got {sorted(derive_options)}: keywords of a derived contract, but a contract was given")
@@ -167,5 +169,7 @@ def transform(
     if compose is not None:
         return load(compose)(model, contract, audit=audit, replay=replay, budget=budget)
     having = sorted(name for name, f in families().items() if f.binding or f.compose)
-    raise ValueError(f"no binding given, and {contract.family!r} is no family with its own binding or composer ({having}): "
-                     "pass transform(model, contract, binding) (README: Bring your own model)")
+    raise ValueError(
+        f"no binding given, and {contract.family!r} is no family with its own binding or composer ({having}): "
+        "pass transform(model, contract, binding) (README: Bring your own model)"
+    )

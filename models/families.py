@@ -9,7 +9,9 @@ TOKEN2WAV = Family(
     reference="cadence_fx.models.token2wav_carry:reference_stream",
     demo="cadence_fx.models.token2wav_carry:demo",
 )
-MOSHI = Family("moshi", contract="cadence_fx.models.moshi:moshi_contract", compose="cadence_fx.models.moshi_bound:transform_moshi")
+MOSHI = Family(
+    "moshi", contract="cadence_fx.models.moshi:moshi_contract", compose="cadence_fx.models.moshi_bound:transform_moshi"
+)
 FREEZE_OMNI = Family(
     "freeze_omni",
     contract="cadence_fx.models.freeze_omni:freeze_omni_contract",

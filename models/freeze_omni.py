@@ -57,28 +57,32 @@ def freeze_omni_contract(
 ) -> Contract:
     """`chunk_frames` is the chunk in encoder frames (16 fbank frames through 4x subsampling);
     `lorder` the conv feed-forward's left context, None for the linear feed-forward (no region)."""
-    regions = (Region(
-        "attention_kv",
-        dims=("blocks", 2, 1, "heads", "encoder_frame", "head_dim"),
-        axis=4,
-        clock="encoder_frame",
-        stride=chunk_frames,
-        dtype="float32",
-        lifetime=Lifetime.PER_STREAM,
-        retention=SlidingWindow(window=chunk_frames * left_chunks),
-    ),)
-    if lorder is not None:
-        regions += (Region(
-            "conv_left_context",
-            dims=("blocks", 1, "d_model", "encoder_frame"),
-            axis=3,
+    regions = (
+        Region(
+            "attention_kv",
+            dims=("blocks", 2, 1, "heads", "encoder_frame", "head_dim"),
+            axis=4,
             clock="encoder_frame",
             stride=chunk_frames,
             dtype="float32",
             lifetime=Lifetime.PER_STREAM,
-            retention=SlidingWindow(window=lorder, initial=lorder),
-            holds_call=False,
-        ),)
+            retention=SlidingWindow(window=chunk_frames * left_chunks),
+        ),
+    )
+    if lorder is not None:
+        regions += (
+            Region(
+                "conv_left_context",
+                dims=("blocks", 1, "d_model", "encoder_frame"),
+                axis=3,
+                clock="encoder_frame",
+                stride=chunk_frames,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=SlidingWindow(window=lorder, initial=lorder),
+                holds_call=False,
+            ),
+        )
     return Contract(
         family="freeze_omni",
         clocks=(
@@ -116,16 +120,23 @@ def freeze_omni_binding(encoder: FreezeOmniEncoder, contract: Contract) -> Bindi
     this encoder (its size, chunk, left chunks and feed-forward)."""
     c = encoder.config
     symbols = contract.symbols()
-    found = {"blocks": c.num_blocks, "heads": c.attention_heads, "d_model": c.attention_dim,
-             "head_dim": c.attention_dim // c.attention_heads, "chunk_frames": c.chunk_size}
+    found = {
+        "blocks": c.num_blocks,
+        "heads": c.attention_heads,
+        "d_model": c.attention_dim,
+        "head_dim": c.attention_dim // c.attention_heads,
+        "chunk_frames": c.chunk_size,
+    }
     for name, actual in found.items():
         if symbols[name] != actual:
             raise ValueError(f"contract quantity {name}={symbols[name]} but the encoder has {actual}: declare {name}={actual}")
     names = tuple(region.name for region in contract.regions)
     retained = {KV: c.kv_frames, CONV: c.lorder} if c.conv_feed_forward else {KV: c.kv_frames}
     if names != tuple(retained):
-        raise ValueError(f"the contract declares regions {names} but the encoder ({c.feed_forward} feed-forward) "
-                         f"keeps {tuple(retained)}: derive the contract with encoder_contract(encoder.config)")
+        raise ValueError(
+            f"the contract declares regions {names} but the encoder ({c.feed_forward} feed-forward) "
+            f"keeps {tuple(retained)}: derive the contract with encoder_contract(encoder.config)"
+        )
     catalog = derive(contract)
     for region, actual in retained.items():
         derived = catalog.region(region)

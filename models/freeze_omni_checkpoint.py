@@ -82,16 +82,21 @@ def encoder_config(train: Mapping, source: str = "train.yaml") -> FreezeOmniEnco
         tr = {**_TRANSFORMER_DEFAULTS, **(para.get("transformer") or {})}
         input_dim = train["input_dim"]
     except (KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"{source}: no encoder configuration (expected input_dim and encoder_conf "
-                              f"with overview_conf and para_conf): {exc!r}") from exc
+        raise CheckpointError(
+            f"{source}: no encoder configuration (expected input_dim and encoder_conf with overview_conf and para_conf): {exc!r}"
+        ) from exc
 
     def require(entry: str, actual, expected, why: str) -> None:
         if actual != expected:
             raise CheckpointError(f"{source}: {entry} is {actual!r}, expected {expected!r} ({why})")
 
     d = tr["transformer-attention-dim"]
-    require("encoder-layer-config", overview["encoder-layer-config"], "subsampling-transformer",
-            "the streaming encoder is 4x subsampling then a chunk transformer")
+    require(
+        "encoder-layer-config",
+        overview["encoder-layer-config"],
+        "subsampling-transformer",
+        "the streaming encoder is 4x subsampling then a chunk transformer",
+    )
     require("subsampling-rate", sub["subsampling-rate"], 4, "the only subsampling the vendor builds")
     require("subsampling-input-dim", sub["subsampling-input-dim"], input_dim, "the fbank bins, input_dim")
     require("encoder-input-dim", overview["encoder-input-dim"], input_dim, "the fbank bins, input_dim")
@@ -114,13 +119,16 @@ def encoder_config(train: Mapping, source: str = "train.yaml") -> FreezeOmniEnco
             normalize_before=tr["transformer-normalize-before"],
             concat_after=tr["transformer-concat-after"],
             pos_enc=tr["transformer-pos-enc-class"],
-            **({"conv_kernel_size": tr["transformer-positionwise-conv-kernel_size"]}
-               if feed_forward == "conv1d-linear" else {}),
+            **({"conv_kernel_size": tr["transformer-positionwise-conv-kernel_size"]} if feed_forward == "conv1d-linear" else {}),
         )
     except ValueError as exc:
         raise CheckpointError(f"{source}: {exc}") from exc
-    require("transformer-chunk_size", tr["transformer-chunk_size"], config.chunk_size,
-            f"the encoder frames that {config.chunk_frames} + {config.chunk_overlap} fbank frames a call give")
+    require(
+        "transformer-chunk_size",
+        tr["transformer-chunk_size"],
+        config.chunk_size,
+        f"the encoder frames that {config.chunk_frames} + {config.chunk_overlap} fbank frames a call give",
+    )
     return config
 
 
@@ -180,13 +188,11 @@ def _encoder_state(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: not a torch checkpoint: {type(exc).__name__}: {exc}") from exc
     if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{path}: expected a state dict of tensors (the vendor's final.pt), got {type(state).__name__}")
-    return {key[len(PREFIX):]: value for key, value in state.items() if key.startswith(PREFIX)}
+    return {key[len(PREFIX) :]: value for key, value in state.items() if key.startswith(PREFIX)}
 
 
 @torch.no_grad()
-def load_encoder(
-    source: str | Path, *, cache_dir: str | Path | None = None, local_files_only: bool = False
-) -> FreezeOmniEncoder:
+def load_encoder(source: str | Path, *, cache_dir: str | Path | None = None, local_files_only: bool = False) -> FreezeOmniEncoder:
     """The released encoder in eval mode, from `source`: a local directory (the vendor's
     `--model_path`, holding `audiollm/`, or a clone of the hub repository) or a hub repository id
     such as `RELEASE_REPO`, whose `checkpoints/audiollm/` is fetched into the hub cache
@@ -207,8 +213,10 @@ def load_encoder(
     present_cmvn = [key for key in CMVN_KEYS if key in state]
     if not present_cmvn:
         if not cmvn_file.is_file():
-            raise CheckpointError(f"{weights} has no {PREFIX}global_cmvn.* entries and {cmvn_file} is missing: "
-                                  "the encoder's CMVN statistics come from one or the other")
+            raise CheckpointError(
+                f"{weights} has no {PREFIX}global_cmvn.* entries and {cmvn_file} is missing: "
+                "the encoder's CMVN statistics come from one or the other"
+            )
         state.update(zip(CMVN_KEYS, read_cmvn(cmvn_file)))
     missing = sorted(expected - set(state))
     unexpected = sorted(set(state) - expected)

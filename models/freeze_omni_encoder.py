@@ -129,9 +129,7 @@ class FreezeOmniEncoderConfig:
 
     @classmethod
     def small(cls, **overrides) -> FreezeOmniEncoderConfig:
-        return replace(
-            cls(attention_dim=64, attention_heads=4, linear_units=128, num_blocks=2), **overrides
-        )
+        return replace(cls(attention_dim=64, attention_heads=4, linear_units=128, num_blocks=2), **overrides)
 
     @classmethod
     def released(cls, **overrides) -> FreezeOmniEncoderConfig:
@@ -173,9 +171,7 @@ class GlobalCMVN(nn.Module):
 class Conv2dSubsampling4(nn.Module):
     def __init__(self, idim: int, odim: int) -> None:
         super().__init__()
-        self.conv = nn.Sequential(
-            nn.Conv2d(1, odim, 3, 2), nn.ReLU(), nn.Conv2d(odim, odim, 3, 2), nn.ReLU()
-        )
+        self.conv = nn.Sequential(nn.Conv2d(1, odim, 3, 2), nn.ReLU(), nn.Conv2d(odim, odim, 3, 2), nn.ReLU())
         self.out = nn.Sequential(nn.Linear(odim * (((idim - 1) // 2 - 1) // 2), odim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -200,9 +196,7 @@ class RelPositionalEncoding(nn.Module):
         self.xscale = math.sqrt(d_model)
         self.chunk_size = chunk_size
         self.full_chunk_size = (left_chunks + 1) * chunk_size
-        div_term = torch.exp(
-            torch.arange(0, d_model, 2, dtype=torch.float32) * -(math.log(10000.0) / d_model)
-        )
+        div_term = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * -(math.log(10000.0) / d_model))
         position = torch.arange(0, max_len, dtype=torch.float32).unsqueeze(1)
         pe = torch.zeros(max_len, d_model)
         pe[:, 0::2] = torch.sin(position * div_term)
@@ -214,9 +208,7 @@ class RelPositionalEncoding(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x * self.xscale, self.pe[:, : x.size(1)]
 
-    def infer(
-        self, xs: torch.Tensor, pe_index: torch.Tensor, pe_length: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def infer(self, xs: torch.Tensor, pe_index: torch.Tensor, pe_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         pe_index = pe_index % self.max_len
         xs = xs * self.xscale
         start = torch.clamp(pe_index - self.full_chunk_size, min=0)
@@ -239,9 +231,7 @@ class PositionwiseFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_2(torch.relu(self.w_1(x)))
 
-    def infer(
-        self, x: torch.Tensor, buffer: list, buffer_index: int
-    ) -> tuple[torch.Tensor, list, int]:
+    def infer(self, x: torch.Tensor, buffer: list, buffer_index: int) -> tuple[torch.Tensor, list, int]:
         return self.forward(x), buffer, buffer_index
 
 
@@ -261,9 +251,7 @@ class Conv1dLinear(nn.Module):
         x = nn.functional.pad(x.transpose(-1, 1), (self.lorder, 0))
         return self.w_2(torch.relu(self.w_1(x)).transpose(-1, 1))
 
-    def infer(
-        self, x: torch.Tensor, buffer: list, buffer_index: int
-    ) -> tuple[torch.Tensor, list, int]:
+    def infer(self, x: torch.Tensor, buffer: list, buffer_index: int) -> tuple[torch.Tensor, list, int]:
         x = x.transpose(-1, 1)
         cnn_buffer = buffer[buffer_index]
         x = torch.cat([cnn_buffer, x], dim=2)
@@ -314,9 +302,7 @@ class MultiHeadedAttention(nn.Module):
         x = torch.matmul(attn, v).transpose(1, 2).contiguous().view(n_batch, -1, self.h * self.d_k)
         return self.linear_out(x)
 
-    def infer(
-        self, x: torch.Tensor, pos_emb: torch.Tensor, buffer: list, buffer_index: int
-    ) -> tuple[torch.Tensor, list, int]:
+    def infer(self, x: torch.Tensor, pos_emb: torch.Tensor, buffer: list, buffer_index: int) -> tuple[torch.Tensor, list, int]:
         n_batch = x.size(0)
         q, k, v = (self._heads(lin, x) for lin in (self.linear_q, self.linear_k, self.linear_v))
         kv_buffer = buffer[buffer_index]
@@ -380,9 +366,7 @@ class TransformerLayer(nn.Module):
         x = residual + self.feed_forward(x)
         return x if self.normalize_before else self.norm2(x)
 
-    def infer(
-        self, x: torch.Tensor, pos_emb: torch.Tensor, buffer: list, buffer_index: int
-    ) -> tuple[torch.Tensor, list, int]:
+    def infer(self, x: torch.Tensor, pos_emb: torch.Tensor, buffer: list, buffer_index: int) -> tuple[torch.Tensor, list, int]:
         residual = x
         if self.normalize_before:
             x = self.norm1(x)
@@ -418,9 +402,7 @@ class Transformer(nn.Module):
         self.encoders = nn.ModuleList(
             TransformerLayer(
                 d,
-                MultiHeadedAttention(
-                    config.attention_heads, d, config.chunk_size, config.left_chunks
-                ),
+                MultiHeadedAttention(config.attention_heads, d, config.chunk_size, config.left_chunks),
                 Conv1dLinear(d, config.linear_units, config.conv_kernel_size)
                 if config.conv_feed_forward
                 else PositionwiseFeedForward(d, config.linear_units),
@@ -440,9 +422,7 @@ class Transformer(nn.Module):
             xs = layer(xs, mask, pos_emb)
         return self.after_norm(xs) if self.normalize_before else xs
 
-    def infer(
-        self, xs: torch.Tensor, buffer: list, pe_index: torch.Tensor
-    ) -> tuple[torch.Tensor, list, torch.Tensor]:
+    def infer(self, xs: torch.Tensor, buffer: list, pe_index: torch.Tensor) -> tuple[torch.Tensor, list, torch.Tensor]:
         xs = self.embed(xs)
         if buffer[0] is None:
             pe_length = xs.size(1)
@@ -465,9 +445,7 @@ class FreezeOmniEncoder(nn.Module):
         super().__init__()
         self.config = config
         self.global_cmvn = GlobalCMVN(config.input_dim)
-        self.enc = nn.ModuleList(
-            [Subsampling(config.input_dim, config.attention_dim), Transformer(config)]
-        )
+        self.enc = nn.ModuleList([Subsampling(config.input_dim, config.attention_dim), Transformer(config)])
 
     def forward(self, feats: torch.Tensor) -> torch.Tensor:
         """Whole utterance `(1, T, 80)` -> `(1, ((T - 1) // 2 - 1) // 2, D)`, non-streaming."""
@@ -489,9 +467,7 @@ class FreezeOmniEncoder(nn.Module):
     def init_pe_index(self) -> torch.Tensor:
         return torch.zeros((), dtype=torch.long, device=self.global_cmvn.mean.device)
 
-    def infer(
-        self, chunk: torch.Tensor, buffer: list, pe_index: torch.Tensor
-    ) -> tuple[torch.Tensor, list, torch.Tensor]:
+    def infer(self, chunk: torch.Tensor, buffer: list, pe_index: torch.Tensor) -> tuple[torch.Tensor, list, torch.Tensor]:
         """One chunk `(1, 19, 80)` -> `(1, 4, D)`, the next buffer list and the next `pe_index`."""
         buffer = list(buffer)
         xs = self.enc[0](self.global_cmvn(chunk))
@@ -505,9 +481,7 @@ class InferStep(nn.Module):
         super().__init__()
         self.encoder = encoder
 
-    def forward(
-        self, chunk: torch.Tensor, buffer: list, pe_index: torch.Tensor
-    ) -> tuple[torch.Tensor, list, torch.Tensor]:
+    def forward(self, chunk: torch.Tensor, buffer: list, pe_index: torch.Tensor) -> tuple[torch.Tensor, list, torch.Tensor]:
         return self.encoder.infer(chunk, buffer, pe_index)
 
 

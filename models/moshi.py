@@ -23,12 +23,11 @@ from typing import Any
 import torch
 
 from cadence_fx.binding import Binding, OperatorBinding, RegionBinding
-from cadence_fx.guards import Unread
 from cadence_fx.contract import (
+    DTYPES,
     Admission,
     Clock,
     ClockKind,
-    DTYPES,
     Contract,
     Effect,
     Interactivity,
@@ -37,10 +36,19 @@ from cadence_fx.contract import (
     Rate,
     Region,
 )
+from cadence_fx.guards import Unread
 from cadence_fx.passes.retention import RingCache
 
-__all__ = ["MIMI_BINDING", "MIMI_SLOTS_BINDING", "MOSHI_LM_BINDING", "MOSHI_LM_SLOTS_BINDING", "check_models", "contract_for",
-           "moshi_contract", "used_codebooks"]
+__all__ = [
+    "MIMI_BINDING",
+    "MIMI_SLOTS_BINDING",
+    "MOSHI_LM_BINDING",
+    "MOSHI_LM_SLOTS_BINDING",
+    "check_models",
+    "contract_for",
+    "moshi_contract",
+    "used_codebooks",
+]
 
 # The vendor keeps a streaming module's state in its `_streaming_state` (entered by `streaming()`).
 _TRANSFORMER = "self.lm_model.transformer"
@@ -60,13 +68,23 @@ _SAMPLING = ("self.use_sampling", "self.temp", "self.top_k", "self.cfg_coef")
 #: enters its own streaming state, at 0, every call) and the vendor's table of the depformer's
 #: module names, and `LMGen`'s own host frame count (read by its glue, `LMGen.step`, not by either
 #: step). Verified at two values of each per class (the programs compared).
-_LM_UNREAD = tuple(Unread(path) for path in (f"{_TRANSFORMER}.layers.*._streaming_state.offset_cpu", f"{_ATTENTION}.offset_cpu",
-                                             "self.lm_model.depformer._cached_children", "self._streaming_state.offset_cpu"))
+_LM_UNREAD = tuple(
+    Unread(path)
+    for path in (
+        f"{_TRANSFORMER}.layers.*._streaming_state.offset_cpu",
+        f"{_ATTENTION}.offset_cpu",
+        "self.lm_model.depformer._cached_children",
+        "self._streaming_state.offset_cpu",
+    )
+)
 
 
 def _lm_binding(masked: bool) -> Binding:
-    masks = (f"{_ATTENTION}.{_MASK}", f"{_TRANSFORMER}._streaming_state.{_MASK}",
-             f"{_TRANSFORMER}.layers.*._streaming_state.{_MASK}") if masked else ()
+    masks = (
+        (f"{_ATTENTION}.{_MASK}", f"{_TRANSFORMER}._streaming_state.{_MASK}", f"{_TRANSFORMER}.layers.*._streaming_state.{_MASK}")
+        if masked
+        else ()
+    )
     return Binding(
         regions=(
             # `RingKVCache.complete` scatters a call's keys and values at `end_offset`, then attends.
@@ -74,15 +92,21 @@ def _lm_binding(masked: bool) -> Binding:
             RegionBinding("depformer_kv", per_call=True),  # `depformer_step` enters `depformer.streaming()` itself
         ),
         operators=(
-            OperatorBinding("lm_step", method="lm_model.forward_text", units=1, counters=(
-                f"{_ATTENTION}.kv_cache.end_offset",
-                f"{_ATTENTION}.offset",
-                f"{_ATTENTION}.offset_cpu",
-                f"{_TRANSFORMER}._streaming_state.offsets",
-                f"{_TRANSFORMER}.layers.*._streaming_state.offset_cpu",
-                *masks,
-            # The main step reads none of the depformer's sampling settings.
-            ), regimes=_LM_UNREAD + tuple(Unread(path) for path in _SAMPLING)),
+            OperatorBinding(
+                "lm_step",
+                method="lm_model.forward_text",
+                units=1,
+                counters=(
+                    f"{_ATTENTION}.kv_cache.end_offset",
+                    f"{_ATTENTION}.offset",
+                    f"{_ATTENTION}.offset_cpu",
+                    f"{_TRANSFORMER}._streaming_state.offsets",
+                    f"{_TRANSFORMER}.layers.*._streaming_state.offset_cpu",
+                    *masks,
+                    # The main step reads none of the depformer's sampling settings.
+                ),
+                regimes=_LM_UNREAD + tuple(Unread(path) for path in _SAMPLING),
+            ),
             # The sampling switch and its parameters choose the program: each value its own graphs.
             OperatorBinding("depformer_step", method="depformer_step", units=1, modes=_SAMPLING, regimes=_LM_UNREAD),
         ),
@@ -103,25 +127,42 @@ def _mimi_unread(own: str, other: str) -> tuple[Unread, ...]:
     calls move) and its own transformer's host offsets (read only by per-step weights, which Mimi
     has none of). Verified at two values of each per class (the programs compared)."""
     layers = f"self.{own}_transformer.transformer.layers.*"
-    return (Unread(f"self.{other}_transformer"), Unread(f"{layers}._streaming_state.offset_cpu"),
-            Unread(f"{layers}.self_attn._streaming_state.offset_cpu"))
+    return (
+        Unread(f"self.{other}_transformer"),
+        Unread(f"{layers}._streaming_state.offset_cpu"),
+        Unread(f"{layers}.self_attn._streaming_state.offset_cpu"),
+    )
 
 
 def _mimi_binding(masked: bool) -> Binding:
     return Binding(
         regions=(
-            RegionBinding("mimi_encoder_kv", at=("self.encoder_transformer.transformer.layers.*.self_attn._streaming_state.kv_cache.cache",),
-                          write_before_read=True),
-            RegionBinding("mimi_decoder_kv", at=("self.decoder_transformer.transformer.layers.*.self_attn._streaming_state.kv_cache.cache",),
-                          write_before_read=True),
+            RegionBinding(
+                "mimi_encoder_kv",
+                at=("self.encoder_transformer.transformer.layers.*.self_attn._streaming_state.kv_cache.cache",),
+                write_before_read=True,
+            ),
+            RegionBinding(
+                "mimi_decoder_kv",
+                at=("self.decoder_transformer.transformer.layers.*.self_attn._streaming_state.kv_cache.cache",),
+                write_before_read=True,
+            ),
         ),
         operators=(
-            OperatorBinding("mimi_encode", method="encode", units=2,
-                            counters=_mimi_counters("encoder", "downsample", "encoder_transformer", masked=masked),
-                            regimes=_mimi_unread("encoder", "decoder")),
-            OperatorBinding("mimi_decode", method="decode", units=2,
-                            counters=_mimi_counters("decoder", "upsample", "decoder_transformer", masked=masked),
-                            regimes=_mimi_unread("decoder", "encoder")),
+            OperatorBinding(
+                "mimi_encode",
+                method="encode",
+                units=2,
+                counters=_mimi_counters("encoder", "downsample", "encoder_transformer", masked=masked),
+                regimes=_mimi_unread("encoder", "decoder"),
+            ),
+            OperatorBinding(
+                "mimi_decode",
+                method="decode",
+                units=2,
+                counters=_mimi_counters("decoder", "upsample", "decoder_transformer", masked=masked),
+                regimes=_mimi_unread("decoder", "encoder"),
+            ),
         ),
     )
 
@@ -297,8 +338,10 @@ def check_models(models: Any, contract: Contract) -> None:
     for path, module in (("mimi", mimi), ("lm.transformer", lm.transformer)):
         stepped = [n for n, m in module.named_modules() if len(getattr(m, "in_projs", ())) > 1]
         if stepped:
-            raise ValueError(f"{path}: attention with weights per step ({stepped[0]}) selects weights by a host "
-                             "counter that a graph would freeze; only the depformer (fresh state per call) may")
+            raise ValueError(
+                f"{path}: attention with weights per step ({stepped[0]}) selects weights by a host "
+                "counter that a graph would freeze; only the depformer (fresh state per call) may"
+            )
 
 
 def used_codebooks(mimi: Any) -> list[torch.nn.Module]:
@@ -307,5 +350,9 @@ def used_codebooks(mimi: Any) -> list[torch.nn.Module]:
     vendor's first call would; filling the others would hold caches the vendor never makes."""
     from moshi.quantization.vq import ResidualVectorQuantizer
 
-    return [layer._codebook for module in mimi.quantizer.modules() if isinstance(module, ResidualVectorQuantizer)
-            for layer in module.vq.layers[:module.n_q]]
+    return [
+        layer._codebook
+        for module in mimi.quantizer.modules()
+        if isinstance(module, ResidualVectorQuantizer)
+        for layer in module.vq.layers[: module.n_q]
+    ]

@@ -18,8 +18,9 @@ of the model and the graphs keep serving every session. The caller's modules nev
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -117,8 +118,14 @@ class BoundMoshi(Transformed):
     stream's state is the one a session starts from: take `session_state`s inside a session, before
     its first frame (outside one, the resident state is where the last session left it)."""
 
-    def __init__(self, models: MoshiModels, lm_gen: Any, bound: dict[str, BoundModel],
-                 reports: dict[str, TransformReport], streaming: contextlib.ExitStack):
+    def __init__(
+        self,
+        models: MoshiModels,
+        lm_gen: Any,
+        bound: dict[str, BoundModel],
+        reports: dict[str, TransformReport],
+        streaming: contextlib.ExitStack,
+    ):
         self.models, self.lm_gen, self.bound, self.reports = models, lm_gen, bound, reports
         self._streaming = streaming
         self._state: OwnedState | None = None
@@ -129,8 +136,10 @@ class BoundMoshi(Transformed):
         from moshi.utils.compile import no_compile, no_cuda_graph
 
         if self._open:
-            raise RuntimeError("a session is already open on this model: one session at a time (several streams "
-                               "take turns through session_state / swap_in / swap_out)")
+            raise RuntimeError(
+                "a session is already open on this model: one session at a time (several streams "
+                "take turns through session_state / swap_in / swap_out)"
+            )
         mimi, lm_gen = self.models.mimi, self.lm_gen
         encode, decode = self.bound["mimi"].operators["mimi_encode"], self.bound["mimi"].operators["mimi_decode"]
 
@@ -171,9 +180,11 @@ class BoundMoshi(Transformed):
     def report(self) -> TransformReport:
         """The two transforms' reports as one, as they stand now."""
         report = TransformReport.merged(list(self.reports.values()))
-        report.stamps.append("moshi: one session at a time at batch 1; the vendor's glue (LMGen.step) calls the bound "
-                             f"lm_step and depformer_step as its graphed_main and graphed_depth; {WARM_UP_FRAMES} frames "
-                             "of silence streamed in each decoding mode at construction")
+        report.stamps.append(
+            "moshi: one session at a time at batch 1; the vendor's glue (LMGen.step) calls the bound "
+            f"lm_step and depformer_step as its graphed_main and graphed_depth; {WARM_UP_FRAMES} frames "
+            "of silence streamed in each decoding mode at construction"
+        )
         return report
 
     @property
@@ -184,17 +195,24 @@ class BoundMoshi(Transformed):
     def counters(self) -> dict[str, dict]:
         """Per operator: its bound operator's counters (calls, graph calls, verified, stock) and,
         under ``replay``, its replay engine's (captures, replays, eager calls and why)."""
-        return {name: {**op.counters.as_dict(), **({"replay": op.replay.counters.as_dict()} if op.replay else {})}
-                for model in self.bound.values() for name, op in model.operators.items()}
+        return {
+            name: {**op.counters.as_dict(), **({"replay": op.replay.counters.as_dict()} if op.replay else {})}
+            for model in self.bound.values()
+            for name, op in model.operators.items()
+        }
 
     @property
     def state(self) -> OwnedState:
         """The modules' streaming state, every tensor and host counter, as the bound operators hold
         it (they take their device-side counters at one address each at their first call)."""
         if self._state is None:
-            self._state = OwnedState.of({"mimi": self.models.mimi.get_streaming_state(),
-                                         "lm": self.models.lm.get_streaming_state(),
-                                         "lm_gen": self.lm_gen.get_streaming_state()})
+            self._state = OwnedState.of(
+                {
+                    "mimi": self.models.mimi.get_streaming_state(),
+                    "lm": self.models.lm.get_streaming_state(),
+                    "lm_gen": self.lm_gen.get_streaming_state(),
+                }
+            )
         return self._state
 
     def device(self) -> torch.device:
@@ -211,8 +229,9 @@ class BoundMoshi(Transformed):
         self._streaming.close()
 
 
-def bind(models: MoshiModels, lm_gen: Any, contract: Contract, mimi_binding: Binding, lm_binding: Binding,
-         **options: Any) -> tuple[dict[str, BoundModel], dict[str, TransformReport]]:
+def bind(
+    models: MoshiModels, lm_gen: Any, contract: Contract, mimi_binding: Binding, lm_binding: Binding, **options: Any
+) -> tuple[dict[str, BoundModel], dict[str, TransformReport]]:
     """Mimi and a streaming `LMGen` transformed from their bindings on the one pipeline (`options`
     are `transform`'s), keyed "mimi" and "lm"; the vendor's glue (`LMGen.step`) then calls the bound
     LM steps where it calls its own CUDA-graph wrappers, as its `graphed_main` and `graphed_depth`."""
@@ -230,8 +249,9 @@ def replays(bound: dict[str, BoundModel]) -> dict[str, Any]:
     return {name: op.replay for model in bound.values() for name, op in model.operators.items() if op.replay is not None}
 
 
-def transform_moshi(models: MoshiModels, contract: Contract, *, audit: bool, replay: bool,
-                    budget: int) -> tuple[BoundMoshi, TransformReport]:
+def transform_moshi(
+    models: MoshiModels, contract: Contract, *, audit: bool, replay: bool, budget: int
+) -> tuple[BoundMoshi, TransformReport]:
     """The family's hook (`Family.compose`): `models` (Mimi + LM, one device) for one session at a
     time, each model transformed from its binding on the one pipeline. The lazily derived codebook
     caches the calls read are filled in `models` first, as the vendor's first call would. It then
@@ -239,12 +259,13 @@ def transform_moshi(models: MoshiModels, contract: Contract, *, audit: bool, rep
     so every class is verified (and on a GPU captured) and the state settled before the first
     session."""
     if contract.symbols()["slots"] != 1:
-        raise ValueError(f"contract quantity slots={contract.symbols()['slots']}: transform() streams one session "
-                         "at batch 1; sessions as slots of one batch: models/moshi_slots.py transform_slots")
+        raise ValueError(
+            f"contract quantity slots={contract.symbols()['slots']}: transform() streams one session "
+            "at batch 1; sessions as slots of one batch: models/moshi_slots.py transform_slots"
+        )
     models, lm_gen, streaming = streaming_copy(models, contract, 1, use_sampling=True)
     try:
-        bound, reports = bind(models, lm_gen, contract, MIMI_BINDING, MOSHI_LM_BINDING,
-                              audit=audit, replay=replay, budget=budget)
+        bound, reports = bind(models, lm_gen, contract, MIMI_BINDING, MOSHI_LM_BINDING, audit=audit, replay=replay, budget=budget)
         transformed = BoundMoshi(models, lm_gen, bound, reports, streaming)
         device = transformed.device()
         silence = torch.zeros(1, models.mimi.channels, models.mimi.frame_size, device=device)

@@ -104,10 +104,7 @@ class MoshiCheckpoint:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> MoshiCheckpoint:
-        fields = {
-            key: Path(value) if key in _PATH_FIELDS and value is not None else value
-            for key, value in data["info"].items()
-        }
+        fields = {key: Path(value) if key in _PATH_FIELDS and value is not None else value for key, value in data["info"].items()}
         return cls(data["source"], loaders.CheckpointInfo(**fields))
 
 
@@ -135,12 +132,16 @@ def locate(source: str | Path) -> MoshiCheckpoint:
     if path.is_dir():
         return _from_directory(text, path)
     if path.exists():
-        raise CheckpointNotFound(f"Moshi checkpoint {text!r} is a file; expected a directory holding {_listing()} "
-                                 "or a Hugging Face hub repo id such as kyutai/moshiko-pytorch-bf16")
+        raise CheckpointNotFound(
+            f"Moshi checkpoint {text!r} is a file; expected a directory holding {_listing()} "
+            "or a Hugging Face hub repo id such as kyutai/moshiko-pytorch-bf16"
+        )
     if not _REPO_ID.fullmatch(text):
-        raise CheckpointNotFound(f"Moshi checkpoint {text!r}: no such directory, and not a hub repo id (owner/name); "
-                                 f"expected a directory holding {_listing()} or a repo id such as "
-                                 "kyutai/moshiko-pytorch-bf16")
+        raise CheckpointNotFound(
+            f"Moshi checkpoint {text!r}: no such directory, and not a hub repo id (owner/name); "
+            f"expected a directory holding {_listing()} or a repo id such as "
+            "kyutai/moshiko-pytorch-bf16"
+        )
     return _from_hub(text)
 
 
@@ -168,8 +169,9 @@ def _read_config(path: Path, where: str) -> dict[str, Any]:
     except json.JSONDecodeError as error:
         raise CheckpointUnsupported(f"{where}: {CONFIG_NAME} is not JSON ({error})") from None
     if not isinstance(raw, dict):
-        raise CheckpointUnsupported(f"{where}: {CONFIG_NAME} holds a {type(raw).__name__}; expected an object of "
-                                    "the LM's keyword arguments")
+        raise CheckpointUnsupported(
+            f"{where}: {CONFIG_NAME} holds a {type(raw).__name__}; expected an object of the LM's keyword arguments"
+        )
     return raw
 
 
@@ -202,8 +204,7 @@ def _from_directory(source: str, directory: Path) -> MoshiCheckpoint:
     paths = {key: directory / name for key, name in names.items()}
     if not config_path.is_file():
         # What from_hf_repo builds for a repository without config.json (it would ask the hub for one).
-        return MoshiCheckpoint(source, loaders.CheckpointInfo(paths["moshi_weights"], paths["mimi_weights"],
-                                                              paths["tokenizer"]))
+        return MoshiCheckpoint(source, loaders.CheckpointInfo(paths["moshi_weights"], paths["mimi_weights"], paths["tokenizer"]))
     # Every file is given as a local path, so from_hf_repo never uses the repo argument.
     return MoshiCheckpoint(source, loaders.CheckpointInfo.from_hf_repo(str(directory), config_path=config_path, **paths))
 

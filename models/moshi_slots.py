@@ -38,7 +38,8 @@ depformer's codebooks), with one temperature, top-k and sampling switch for the 
 slot's draws depend on the batch size, its row, and every tick the runtime ran before (joins and
 idle ticks included), not on a seed of its own; this runtime seeds the batch's generator once
 (`seed`; the device's default generator, the one the vendor draws from) and swaps it in for its
-ticks, so nothing else in the process draws from it or is disturbed by it. Greedy decoding (`sampling=False`) draws nothing, and a slot's tokens then
+ticks, so nothing else in the process draws from it or is disturbed by it. Greedy decoding (`sampling=False`) draws nothing, and
+a slot's tokens then
 depend only on its own inputs. What is bit-identical, then: every slot's tokens and PCM against
 the vendor's own batched loop at the same B, with the same ticks, joins and seed
 (`vendor_ticks`, the reference here). Against the vendor's batch-1 loop a slot's results are not
@@ -62,8 +63,9 @@ with first audio p95 209 ms and a server start-up of 28.7 s
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -152,8 +154,9 @@ def _check_tick(tick: Tick, slots: int, frame_size: int) -> None:
             raise ValueError(f"frames[{slot}]: a frame is {frame_size} float32 samples, shape ({frame_size},); got {got}")
 
 
-def vendor_ticks(models: MoshiModels, slots: int, ticks: Sequence[Tick], *, sampling: bool, seed: int,
-                 cuda_graphs: bool = False) -> Iterator[TickOutput]:
+def vendor_ticks(
+    models: MoshiModels, slots: int, ticks: Sequence[Tick], *, sampling: bool, seed: int, cuda_graphs: bool = False
+) -> Iterator[TickOutput]:
     """The vendor's own batched loop, the reference of `MoshiSlots`: `mimi.streaming(B)` and
     `LMGen(support_out_of_sync=True).streaming(B)` entered afresh, the default generators seeded
     with `seed`, then per tick: `reset_streaming(joins)`, `set_exec_mask(live)` on Mimi and the
@@ -186,12 +189,12 @@ def vendor_ticks(models: MoshiModels, slots: int, ticks: Sequence[Tick], *, samp
             speaking = (tokens[:, :, 0] >= 0).all(dim=1)
             mimi.set_exec_mask(speaking)
             pcm = mimi.decode(tokens[:, 1:].clamp(min=0))
-            yield TickOutput(tuple(sorted(tick.frames)), tuple(speaking.nonzero().flatten().tolist()),
-                             tokens[:, :, 0], pcm[:, 0])
+            yield TickOutput(tuple(sorted(tick.frames)), tuple(speaking.nonzero().flatten().tolist()), tokens[:, :, 0], pcm[:, 0])
 
 
-def vendor_slots(models: MoshiModels, slots: int, ticks: Sequence[Tick], *, sampling: bool, seed: int,
-                 cuda_graphs: bool = False) -> list[TickOutput]:
+def vendor_slots(
+    models: MoshiModels, slots: int, ticks: Sequence[Tick], *, sampling: bool, seed: int, cuda_graphs: bool = False
+) -> list[TickOutput]:
     """Every output of `vendor_ticks`."""
     return list(vendor_ticks(models, slots, ticks, sampling=sampling, seed=seed, cuda_graphs=cuda_graphs))
 
@@ -230,8 +233,10 @@ class MoshiSlots:
         """The two transforms' reports as one, as they stand now, and what the runtime is."""
         report = TransformReport.merged(list(self.reports.values()))
         stages = ", ".join(f"{name} K={len(op.classes)}" for name, op in report.operators.items())
-        report.stamps.append(f"slots: batch of {self.slots}, {stages}; the vendor's glue calls the bound lm_step "
-                             "and depformer_step as its graphed_main and graphed_depth")
+        report.stamps.append(
+            f"slots: batch of {self.slots}, {stages}; the vendor's glue calls the bound lm_step "
+            "and depformer_step as its graphed_main and graphed_depth"
+        )
         return report
 
     @contextlib.contextmanager
@@ -283,8 +288,11 @@ class MoshiSlots:
         """Per stage: its replay engine's counters (on a GPU), else its bound operator's (calls,
         graph calls, verified, stock)."""
         engines = replays(self.bound)
-        return {name: (engines[name] if name in engines else op).counters.as_dict()
-                for model in self.bound.values() for name, op in model.operators.items()}
+        return {
+            name: (engines[name] if name in engines else op).counters.as_dict()
+            for model in self.bound.values()
+            for name, op in model.operators.items()
+        }
 
     def addresses(self) -> list[int]:
         """Where every tensor the stages' graphs read as state lives (regions and device-side
@@ -300,8 +308,9 @@ class MoshiSlots:
             self.streaming.close()
 
 
-def transform_slots(models: MoshiModels, contract: Contract, *, sampling: bool, seed: int,
-                    replay: bool = True) -> tuple[MoshiSlots, TransformReport]:
+def transform_slots(
+    models: MoshiModels, contract: Contract, *, sampling: bool, seed: int, replay: bool = True
+) -> tuple[MoshiSlots, TransformReport]:
     """A `MoshiSlots` at the contract's batch (quantity `slots`) on `models`' weights (shared, not
     copied; the lazily derived codebook caches the calls read are filled in `models` first, as the
     vendor's first call would), on the one pipeline of every model: Mimi and `LMGen` transformed

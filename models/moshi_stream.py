@@ -107,28 +107,34 @@ class MoshiConfig:
 
 
 def _small_mimi() -> dict[str, Any]:
-    mimi = {key: dict(value) if isinstance(value, dict) else value
-            for key, value in loaders._mimi_config.items()}
+    mimi = {key: dict(value) if isinstance(value, dict) else value for key, value in loaders._mimi_config.items()}
     mimi["seanet"].update(n_filters=8, dimension=128)
     mimi["quantizer"].update(dimension=64, input_dimension=128, output_dimension=128)
     mimi["transformer"].update(
-        d_model=128, num_heads=2, num_layers=2, dim_feedforward=256,
-        input_dimension=128, output_dimensions=[128],
+        d_model=128,
+        num_heads=2,
+        num_layers=2,
+        dim_feedforward=256,
+        input_dimension=128,
+        output_dimensions=[128],
     )
     return mimi
 
 
-FULL = MoshiConfig(
-    mimi=loaders._mimi_config, lm_kwargs=loaders._lm_kwargs, lm_dtype=torch.bfloat16
-)
+FULL = MoshiConfig(mimi=loaders._mimi_config, lm_kwargs=loaders._lm_kwargs, lm_dtype=torch.bfloat16)
 
 # Ring capacities, codebook counts, delays, vocabularies and sampling widths stay real; widths,
 # depths and head counts shrink.
 SMALL = MoshiConfig(
     mimi=_small_mimi(),
-    lm_kwargs=loaders._lm_kwargs | dict(
-        dim=128, num_heads=4, num_layers=2,
-        depformer_dim=64, depformer_dim_feedforward=128, depformer_num_heads=4,
+    lm_kwargs=loaders._lm_kwargs
+    | dict(
+        dim=128,
+        num_heads=4,
+        num_layers=2,
+        depformer_dim=64,
+        depformer_dim_feedforward=128,
+        depformer_num_heads=4,
         depformer_num_layers=2,
     ),
     lm_dtype=torch.float32,
@@ -159,9 +165,7 @@ def build_models(config: MoshiConfig = SMALL, device: str | torch.device = "cpu"
         torch.manual_seed(config.seed)
         num_codebooks = config.lm_kwargs["dep_q"]
         mimi = loaders.get_mimi(None, config.mimi, device=device, num_codebooks=num_codebooks)
-        lm = loaders.get_moshi_lm(
-            None, lm_kwargs=config.lm_kwargs, device=device, dtype=config.lm_dtype
-        )
+        lm = loaders.get_moshi_lm(None, lm_kwargs=config.lm_kwargs, device=device, dtype=config.lm_dtype)
         _draw_codebooks(mimi)
         for model in (mimi, lm):
             for param in model.parameters():
@@ -192,8 +196,7 @@ def streaming_copy(models: MoshiModels, contract: Any, batch: int, **lm_gen_opti
         for codebook in used_codebooks(models.mimi):
             if codebook._embedding is None:
                 codebook.embedding  # noqa: B018 - fills the vendor's lazily derived codebook cache
-    shared = {id(t): t for module in (models.mimi, models.lm)
-              for t in itertools.chain(module.parameters(), module.buffers())}
+    shared = {id(t): t for module in (models.mimi, models.lm) for t in itertools.chain(module.parameters(), module.buffers())}
     models = copy.deepcopy(models, shared)
     lm_gen = LMGen(models.lm, **lm_gen_options)
     streaming = ExitStack()
@@ -300,7 +303,11 @@ def _tiny_mimi() -> dict[str, Any]:
     mimi["seanet"].update(n_filters=4, dimension=32, n_residual_layers=0)
     mimi["quantizer"].update(dimension=8, input_dimension=32, output_dimension=32)
     mimi["transformer"].update(
-        d_model=32, num_layers=1, dim_feedforward=64, input_dimension=32, output_dimensions=[32],
+        d_model=32,
+        num_layers=1,
+        dim_feedforward=64,
+        input_dimension=32,
+        output_dimensions=[32],
     )
     return mimi
 
@@ -318,8 +325,13 @@ def _tiny_mimi() -> dict[str, Any]:
 # and the 80 ms frame.
 TINY = MoshiConfig(
     mimi=_tiny_mimi(),
-    lm_kwargs=SMALL.lm_kwargs | dict(
-        dim=32, num_layers=1, depformer_dim=32, depformer_dim_feedforward=64, depformer_num_layers=1,
+    lm_kwargs=SMALL.lm_kwargs
+    | dict(
+        dim=32,
+        num_layers=1,
+        depformer_dim=32,
+        depformer_dim_feedforward=64,
+        depformer_num_layers=1,
     ),
     lm_dtype=torch.float32,
 )

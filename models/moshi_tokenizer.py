@@ -43,8 +43,12 @@ def stand_in_tokenizer(card: int) -> bytes:
     lines = ["moshi listens and speaks at once", "a duplex model keeps its clock"] * 4
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=model, vocab_size=40, hard_vocab_limit=False,
-        minloglevel=2, num_threads=1,
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        vocab_size=40,
+        hard_vocab_limit=False,
+        minloglevel=2,
+        num_threads=1,
     )
     return padded_tokenizer(model.getvalue(), card)
 

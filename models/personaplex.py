@@ -38,9 +38,10 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -57,13 +58,31 @@ from cadence_fx.contract import (
     Rate,
     Region,
 )
-from cadence_fx.passes.retention import RingCache
 from cadence_fx.guards import Unread
+from cadence_fx.passes.retention import RingCache
 
 # FULL and TINY come from the module's __getattr__ (the vendor loaders run on first use).
-__all__ = ["FULL", "LM_BINDING", "MIMI_BINDING", "TINY", "BoundPersonaPlex", "PersonaPlexConfig", "PersonaPlexModels",  # noqa: F822
-           "StreamOutput", "build_models", "role_prompt", "check_models", "contract_for", "lm_gen", "personaplex_contract", "stream_reference",
-           "transform_personaplex", "used_codebooks", "user_phase", "vendor_loop"]
+__all__ = [
+    "FULL",  # noqa: F822
+    "LM_BINDING",
+    "MIMI_BINDING",
+    "TINY",  # noqa: F822
+    "BoundPersonaPlex",
+    "PersonaPlexConfig",
+    "PersonaPlexModels",
+    "StreamOutput",
+    "build_models",
+    "role_prompt",
+    "check_models",
+    "contract_for",
+    "lm_gen",
+    "personaplex_contract",
+    "stream_reference",
+    "transform_personaplex",
+    "used_codebooks",
+    "user_phase",
+    "vendor_loop",
+]
 
 #: The vendor's package under the import name `.ci/install` gives it.
 VENDOR = "personaplex_moshi"
@@ -126,17 +145,46 @@ def personaplex_contract(
             "depformer_head_dim": depformer_dim // depformer_heads,
         },
         regions=(
-            Region("mimi_encoder_kv", dims=("mimi_layers", 2, "slots", "mimi_heads", "mimi_step", "mimi_head_dim"), axis=4,
-                   clock="mimi_step", stride=2, dtype="float32", lifetime=Lifetime.PER_STREAM,
-                   retention=RingCache(mimi_context)),
-            Region("mimi_decoder_kv", dims=("mimi_layers", 2, "slots", "mimi_heads", "mimi_step", "mimi_head_dim"), axis=4,
-                   clock="mimi_step", stride=2, dtype="float32", lifetime=Lifetime.PER_STREAM,
-                   retention=RingCache(mimi_context)),
-            Region("lm_kv", dims=("lm_layers", 2, "slots", "lm_heads", "frame", "lm_head_dim"), axis=4,
-                   clock="frame", stride=1, dtype=lm_dtype, lifetime=Lifetime.PER_STREAM, retention=RingCache(lm_context)),
-            Region("depformer_kv", dims=("depformer_layers", 2, "slots", "depformer_heads", "codebook", "depformer_head_dim"),
-                   axis=4, clock="codebook", stride=1, dtype=lm_dtype, lifetime=Lifetime.PER_STREAM,
-                   retention=RingCache(codebooks)),
+            Region(
+                "mimi_encoder_kv",
+                dims=("mimi_layers", 2, "slots", "mimi_heads", "mimi_step", "mimi_head_dim"),
+                axis=4,
+                clock="mimi_step",
+                stride=2,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=RingCache(mimi_context),
+            ),
+            Region(
+                "mimi_decoder_kv",
+                dims=("mimi_layers", 2, "slots", "mimi_heads", "mimi_step", "mimi_head_dim"),
+                axis=4,
+                clock="mimi_step",
+                stride=2,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=RingCache(mimi_context),
+            ),
+            Region(
+                "lm_kv",
+                dims=("lm_layers", 2, "slots", "lm_heads", "frame", "lm_head_dim"),
+                axis=4,
+                clock="frame",
+                stride=1,
+                dtype=lm_dtype,
+                lifetime=Lifetime.PER_STREAM,
+                retention=RingCache(lm_context),
+            ),
+            Region(
+                "depformer_kv",
+                dims=("depformer_layers", 2, "slots", "depformer_heads", "codebook", "depformer_head_dim"),
+                axis=4,
+                clock="codebook",
+                stride=1,
+                dtype=lm_dtype,
+                lifetime=Lifetime.PER_STREAM,
+                retention=RingCache(codebooks),
+            ),
         ),
         operators=(
             Operator("mimi_encode", "mimi_encoder_kv", steady=2),
@@ -153,11 +201,19 @@ def contract_for(config: PersonaPlexConfig) -> Contract:
     """The contract of a `PersonaPlexConfig` (`FULL` gives the default contract)."""
     lm, mimi = config.lm_kwargs, config.transformer
     return personaplex_contract(
-        mimi_context=mimi["context"], lm_context=lm["context"], codebooks=lm["dep_q"],
-        mimi_layers=mimi["num_layers"], mimi_heads=mimi["num_heads"], mimi_dim=mimi["d_model"],
-        lm_layers=lm["num_layers"], lm_heads=lm["num_heads"], lm_dim=lm["dim"],
-        depformer_layers=lm["depformer_num_layers"], depformer_heads=lm["depformer_num_heads"],
-        depformer_dim=lm["depformer_dim"], lm_dtype=str(config.lm_dtype).removeprefix("torch."),
+        mimi_context=mimi["context"],
+        lm_context=lm["context"],
+        codebooks=lm["dep_q"],
+        mimi_layers=mimi["num_layers"],
+        mimi_heads=mimi["num_heads"],
+        mimi_dim=mimi["d_model"],
+        lm_layers=lm["num_layers"],
+        lm_heads=lm["num_heads"],
+        lm_dim=lm["dim"],
+        depformer_layers=lm["depformer_num_layers"],
+        depformer_heads=lm["depformer_num_heads"],
+        depformer_dim=lm["depformer_dim"],
+        lm_dtype=str(config.lm_dtype).removeprefix("torch."),
     )
 
 
@@ -178,16 +234,19 @@ _SAMPLING = ("self.use_sampling", "self.temp", "self.top_k")
 #: - the main transformer's host offsets (`offset_cpu`), read only by weights per step, which the
 #:   main transformer has none of (the depformer, which has, enters a fresh streaming state at 0
 #:   inside every call).
-_LM_UNREAD = tuple(Unread(path) for path in (
-    "self._streaming_state.offset",
-    "self.text_prompt_tokens",
-    "self.voice_prompt",
-    "self.voice_prompt_audio",
-    "self.voice_prompt_cache",
-    "self.voice_prompt_embeddings",
-    f"{_TRANSFORMER}.layers.*._streaming_state.offset_cpu",
-    f"{_ATTENTION}.offset_cpu",
-))
+_LM_UNREAD = tuple(
+    Unread(path)
+    for path in (
+        "self._streaming_state.offset",
+        "self.text_prompt_tokens",
+        "self.voice_prompt",
+        "self.voice_prompt_audio",
+        "self.voice_prompt_cache",
+        "self.voice_prompt_embeddings",
+        f"{_TRANSFORMER}.layers.*._streaming_state.offset_cpu",
+        f"{_ATTENTION}.offset_cpu",
+    )
+)
 
 #: The main step (`lm_model.forward_codes`) reads nothing of `LMGen` but its `lm_model`: the
 #: sampling switch a session sets, the depformer's mode, is unread by it too.
@@ -200,11 +259,17 @@ LM_BINDING = Binding(
         RegionBinding("depformer_kv", per_call=True),  # `depformer_step` enters `depformer.streaming(B)` itself
     ),
     operators=(
-        OperatorBinding("lm_step", method="lm_model.forward_codes", units=1, counters=(
-            f"{_ATTENTION}.kv_cache.end_offset",
-            f"{_ATTENTION}.offset",
-            f"{_TRANSFORMER}._streaming_state.offset",
-        ), regimes=_MAIN_UNREAD),
+        OperatorBinding(
+            "lm_step",
+            method="lm_model.forward_codes",
+            units=1,
+            counters=(
+                f"{_ATTENTION}.kv_cache.end_offset",
+                f"{_ATTENTION}.offset",
+                f"{_TRANSFORMER}._streaming_state.offset",
+            ),
+            regimes=_MAIN_UNREAD,
+        ),
         # The sampling switch and its parameters choose the program: each value its own graphs.
         OperatorBinding("depformer_step", method="depformer_step", units=1, modes=_SAMPLING, regimes=_LM_UNREAD),
     ),
@@ -227,24 +292,43 @@ def _mimi_unread(own: str, other: str) -> tuple[Unread, ...]:
     only by weights per step, which Mimi has none of."""
     layers = f"self.{own}_transformer.transformer.layers.*"
     resample = {"encoder": "downsample", "decoder": "upsample"}[other]
-    return (Unread(f"self.{other}"), Unread(f"self.{resample}"), Unread(f"self.{other}_transformer"),
-            Unread(f"{layers}._streaming_state.offset_cpu"), Unread(f"{layers}.self_attn._streaming_state.offset_cpu"))
+    return (
+        Unread(f"self.{other}"),
+        Unread(f"self.{resample}"),
+        Unread(f"self.{other}_transformer"),
+        Unread(f"{layers}._streaming_state.offset_cpu"),
+        Unread(f"{layers}.self_attn._streaming_state.offset_cpu"),
+    )
 
 
 MIMI_BINDING = Binding(
     regions=(
-        RegionBinding("mimi_encoder_kv", at=("self.encoder_transformer.transformer.layers.*.self_attn._streaming_state.kv_cache.cache",),
-                      write_before_read=True),
-        RegionBinding("mimi_decoder_kv", at=("self.decoder_transformer.transformer.layers.*.self_attn._streaming_state.kv_cache.cache",),
-                      write_before_read=True),
+        RegionBinding(
+            "mimi_encoder_kv",
+            at=("self.encoder_transformer.transformer.layers.*.self_attn._streaming_state.kv_cache.cache",),
+            write_before_read=True,
+        ),
+        RegionBinding(
+            "mimi_decoder_kv",
+            at=("self.decoder_transformer.transformer.layers.*.self_attn._streaming_state.kv_cache.cache",),
+            write_before_read=True,
+        ),
     ),
     operators=(
-        OperatorBinding("mimi_encode", method="encode", units=2,
-                        counters=_mimi_counters("encoder", "downsample", "encoder_transformer"),
-                        regimes=_mimi_unread("encoder", "decoder")),
-        OperatorBinding("mimi_decode", method="decode", units=2,
-                        counters=_mimi_counters("decoder", "upsample", "decoder_transformer"),
-                        regimes=_mimi_unread("decoder", "encoder")),
+        OperatorBinding(
+            "mimi_encode",
+            method="encode",
+            units=2,
+            counters=_mimi_counters("encoder", "downsample", "encoder_transformer"),
+            regimes=_mimi_unread("encoder", "decoder"),
+        ),
+        OperatorBinding(
+            "mimi_decode",
+            method="decode",
+            units=2,
+            counters=_mimi_counters("decoder", "upsample", "decoder_transformer"),
+            regimes=_mimi_unread("decoder", "encoder"),
+        ),
     ),
 )
 
@@ -270,12 +354,16 @@ def check_models(models: PersonaPlexModels, contract: Contract) -> None:
         if symbols[name] != actual:
             raise ValueError(f"contract quantity {name}={symbols[name]} but the model has {actual}: declare {name}={actual}")
     if DTYPES[contract.region("lm_kv").dtype] != next(lm.parameters()).dtype:
-        raise ValueError(f"region 'lm_kv' declares {contract.region('lm_kv').dtype}, the LM runs in {next(lm.parameters()).dtype}")
+        raise ValueError(
+            f"region 'lm_kv' declares {contract.region('lm_kv').dtype}, the LM runs in {next(lm.parameters()).dtype}"
+        )
     for path, module in (("mimi", mimi), ("lm.transformer", lm.transformer)):
         stepped = [n for n, m in module.named_modules() if getattr(m, "weights_per_step", 0)]
         if stepped:
-            raise ValueError(f"{path}: weights per step ({stepped[0]}) selects weights by a host counter that a graph "
-                             "would freeze; only the depformer (fresh state per call) may")
+            raise ValueError(
+                f"{path}: weights per step ({stepped[0]}) selects weights by a host counter that a graph "
+                "would freeze; only the depformer (fresh state per call) may"
+            )
 
 
 # -- a random-weight build -----------------------------------------------------------------------
@@ -290,8 +378,12 @@ def _vendor(name: str) -> Any:
 def _full_config() -> dict[str, Any]:
     loaders = _vendor("models.loaders")
     # `get_moshi_lm` copies `_lm_kwargs` and sets dep_q = 16 before building.
-    return dict(seanet=dict(loaders._seanet_kwargs), quantizer=dict(loaders._quantizer_kwargs),
-                transformer=dict(loaders._transformer_kwargs), lm_kwargs=dict(loaders._lm_kwargs, dep_q=16))
+    return dict(
+        seanet=dict(loaders._seanet_kwargs),
+        quantizer=dict(loaders._quantizer_kwargs),
+        transformer=dict(loaders._transformer_kwargs),
+        lm_kwargs=dict(loaders._lm_kwargs, dep_q=16),
+    )
 
 
 @dataclass(frozen=True)
@@ -320,10 +412,18 @@ def _tiny() -> PersonaPlexConfig:
     full = _full_config()
     full["seanet"].update(n_filters=4, dimension=32)
     full["quantizer"].update(dimension=8, input_dimension=32, output_dimension=32)
-    full["transformer"].update(d_model=32, num_heads=2, num_layers=1, dim_feedforward=64, input_dimension=32,
-                               output_dimensions=[32])
-    full["lm_kwargs"].update(dim=32, num_heads=4, num_layers=1, depformer_dim=32, depformer_dim_feedforward=64,
-                             depformer_num_heads=4, depformer_num_layers=1)
+    full["transformer"].update(
+        d_model=32, num_heads=2, num_layers=1, dim_feedforward=64, input_dimension=32, output_dimensions=[32]
+    )
+    full["lm_kwargs"].update(
+        dim=32,
+        num_heads=4,
+        num_layers=1,
+        depformer_dim=32,
+        depformer_dim_feedforward=64,
+        depformer_num_heads=4,
+        depformer_num_layers=1,
+    )
     return PersonaPlexConfig(**full, lm_dtype=torch.float32)
 
 
@@ -363,9 +463,17 @@ def build_models(config: PersonaPlexConfig, device: str | torch.device = "cpu") 
         decoder_transformer = modules.transformer.ProjectedTransformer(device=device, **config.transformer)
         quantizer = quantization.SplitResidualVectorQuantizer(**config.quantizer)
         mimi = compression.MimiModel(
-            encoder, decoder, quantizer, channels=1, sample_rate=SAMPLE_RATE, frame_rate=12.5,
-            encoder_frame_rate=SAMPLE_RATE / encoder.hop_length, causal=True, resample_method="conv",
-            encoder_transformer=encoder_transformer, decoder_transformer=decoder_transformer,
+            encoder,
+            decoder,
+            quantizer,
+            channels=1,
+            sample_rate=SAMPLE_RATE,
+            frame_rate=12.5,
+            encoder_frame_rate=SAMPLE_RATE / encoder.hop_length,
+            causal=True,
+            resample_method="conv",
+            encoder_transformer=encoder_transformer,
+            decoder_transformer=decoder_transformer,
         ).to(device=device)
         mimi.eval()
         mimi.set_num_codebooks(8)
@@ -406,13 +514,27 @@ def lm_gen(lm: Any, *, sampling: bool) -> Any:
     """An `LMGen` as the vendor's `offline.py` makes one (its defaults otherwise: temperatures 0.8
     and 0.7, top-k 250 and 25): half a second of silence after each prompt, Mimi's rates."""
     LMGen = _vendor("models.lm").LMGen
-    return LMGen(lm, device=lm.device, use_sampling=sampling, audio_silence_frame_cnt=int(0.5 * 12.5),
-                 sample_rate=SAMPLE_RATE, frame_rate=12.5)
+    return LMGen(
+        lm,
+        device=lm.device,
+        use_sampling=sampling,
+        audio_silence_frame_cnt=int(0.5 * 12.5),
+        sample_rate=SAMPLE_RATE,
+        frame_rate=12.5,
+    )
 
 
 @torch.no_grad()
-def vendor_loop(mimi: Any, gen: Any, pcm: torch.Tensor, *, seed: int, text_prompt_tokens: Sequence[int],
-                voice_prompt: str | None = None, voice_prompt_embeddings: str | None = None) -> StreamOutput:
+def vendor_loop(
+    mimi: Any,
+    gen: Any,
+    pcm: torch.Tensor,
+    *,
+    seed: int,
+    text_prompt_tokens: Sequence[int],
+    voice_prompt: str | None = None,
+    voice_prompt_embeddings: str | None = None,
+) -> StreamOutput:
     """The vendor's session (`offline.py` `run_inference`, steps 6 to 9), on streaming `mimi` and
     `gen`, unchanged: the default generators seeded with `seed`, then `personaplex_prompt.prime`
     (the voice prompt loaded where given, from a wav file or from saved embeddings, the text prompt
@@ -424,8 +546,13 @@ def vendor_loop(mimi: Any, gen: Any, pcm: torch.Tensor, *, seed: int, text_promp
     from .personaplex_prompt import prime
 
     torch.manual_seed(seed)
-    prime(mimi, gen, text_prompt_tokens=text_prompt_tokens, voice_prompt=voice_prompt,
-          voice_prompt_embeddings=voice_prompt_embeddings)
+    prime(
+        mimi,
+        gen,
+        text_prompt_tokens=text_prompt_tokens,
+        voice_prompt=voice_prompt,
+        voice_prompt_embeddings=voice_prompt_embeddings,
+    )
     return user_phase(mimi, gen, pcm)
 
 
@@ -444,15 +571,21 @@ def user_phase(mimi: Any, gen: Any, pcm: torch.Tensor) -> StreamOutput:
     return StreamOutput(tokens=torch.cat(tokens, dim=-1), pcm=torch.cat(out, dim=-1))
 
 
-def stream_reference(models: PersonaPlexModels, pcm: torch.Tensor, *, sampling: bool, seed: int,
-                     text_prompt_tokens: Sequence[int], voice_prompt: str | None = None) -> StreamOutput:
+def stream_reference(
+    models: PersonaPlexModels,
+    pcm: torch.Tensor,
+    *,
+    sampling: bool,
+    seed: int,
+    text_prompt_tokens: Sequence[int],
+    voice_prompt: str | None = None,
+) -> StreamOutput:
     """PersonaPlex's own loop on `models` as they are, batch 1: `vendor_loop` on a fresh `LMGen`,
     both models streaming, the vendor's lazily compiled kernels run eagerly (`no_compile`)."""
     no_compile = _vendor("utils.compile").no_compile
     gen = lm_gen(models.lm, sampling=sampling)
     with no_compile(), models.mimi.streaming(1), gen.streaming(1):
-        return vendor_loop(models.mimi, gen, pcm, seed=seed, text_prompt_tokens=text_prompt_tokens,
-                           voice_prompt=voice_prompt)
+        return vendor_loop(models.mimi, gen, pcm, seed=seed, text_prompt_tokens=text_prompt_tokens, voice_prompt=voice_prompt)
 
 
 # -- transformed ---------------------------------------------------------------------------------
@@ -469,8 +602,9 @@ class BoundPersonaPlex:
     reports: dict[str, Any]
     streaming: ExitStack
 
-    def stream(self, pcm: torch.Tensor, *, sampling: bool, seed: int, text_prompt_tokens: Sequence[int],
-               voice_prompt: str | None = None) -> StreamOutput:
+    def stream(
+        self, pcm: torch.Tensor, *, sampling: bool, seed: int, text_prompt_tokens: Sequence[int], voice_prompt: str | None = None
+    ) -> StreamOutput:
         """As `stream_reference` computes it, on the bound operators."""
         compile_ = _vendor("utils.compile")
         gen = self.lm_gen
@@ -478,11 +612,18 @@ class BoundPersonaPlex:
         # The vendor's own CUDA-graph wrappers off (its flag, read on every call): the bound operators
         # replay instead, the glue between them runs eagerly, as the vendor's does.
         with compile_.no_compile(), compile_.no_cuda_graph():
-            return vendor_loop(self.bound["mimi"], gen, pcm, seed=seed, text_prompt_tokens=text_prompt_tokens,
-                               voice_prompt=voice_prompt)
+            return vendor_loop(
+                self.bound["mimi"], gen, pcm, seed=seed, text_prompt_tokens=text_prompt_tokens, voice_prompt=voice_prompt
+            )
 
-    def prompt_state(self, *, voice: str, text_prompt_tokens: Sequence[int], voice_prompt: str | None = None,
-                     voice_prompt_embeddings: str | None = None) -> Any:
+    def prompt_state(
+        self,
+        *,
+        voice: str,
+        text_prompt_tokens: Sequence[int],
+        voice_prompt: str | None = None,
+        voice_prompt_embeddings: str | None = None,
+    ) -> Any:
         """The vendor's priming stepped once on the bound operators (`personaplex_prompt.prime`),
         its state captured (`personaplex_prompt.capture`, keyed by `voice` and the role's tokens).
         The caller's generators are left as they were (priming draws, and throws its draws away)."""
@@ -490,10 +631,18 @@ class BoundPersonaPlex:
 
         compile_ = _vendor("utils.compile")
         device = self.models.lm.device
-        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []), \
-                compile_.no_compile(), compile_.no_cuda_graph():
-            prime(self.bound["mimi"], self.lm_gen, text_prompt_tokens=text_prompt_tokens, voice_prompt=voice_prompt,
-                  voice_prompt_embeddings=voice_prompt_embeddings)
+        with (
+            torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []),
+            compile_.no_compile(),
+            compile_.no_cuda_graph(),
+        ):
+            prime(
+                self.bound["mimi"],
+                self.lm_gen,
+                text_prompt_tokens=text_prompt_tokens,
+                voice_prompt=voice_prompt,
+                voice_prompt_embeddings=voice_prompt_embeddings,
+            )
         return capture(self.lm_gen, voice=voice, role=text_prompt_tokens)
 
     def stream_primed(self, state: Any, pcm: torch.Tensor, *, sampling: bool, generator: torch.Tensor) -> StreamOutput:
@@ -561,8 +710,12 @@ def used_codebooks(mimi: Any) -> list[torch.nn.Module]:
     ships 32 levels and streams 8). A transform fills their lazily derived caches first, as the
     vendor's first call would; filling the others would hold caches the vendor never makes."""
     ResidualVectorQuantizer = _vendor("quantization.vq").ResidualVectorQuantizer
-    return [layer._codebook for module in mimi.quantizer.modules() if isinstance(module, ResidualVectorQuantizer)
-            for layer in module.vq.layers[:module.n_q]]
+    return [
+        layer._codebook
+        for module in mimi.quantizer.modules()
+        if isinstance(module, ResidualVectorQuantizer)
+        for layer in module.vq.layers[: module.n_q]
+    ]
 
 
 def _prime_mimi(mimi: Any, bound: Any) -> None:

@@ -21,9 +21,10 @@ from __future__ import annotations
 import contextlib
 import tarfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -43,8 +44,12 @@ _SIZES = threading.Lock()  # the loaders' module-level sizes are set for one loa
 def _sizes(config: PersonaPlexConfig) -> Iterator[Any]:
     """The vendor's loaders with `config`'s sizes in their module-level dictionaries, for one call."""
     loaders = _vendor("models.loaders")
-    names = {"_seanet_kwargs": config.seanet, "_quantizer_kwargs": config.quantizer,
-             "_transformer_kwargs": config.transformer, "_lm_kwargs": config.lm_kwargs}
+    names = {
+        "_seanet_kwargs": config.seanet,
+        "_quantizer_kwargs": config.quantizer,
+        "_transformer_kwargs": config.transformer,
+        "_lm_kwargs": config.lm_kwargs,
+    }
     with _SIZES:
         saved = {name: getattr(loaders, name) for name in names}
         try:
@@ -70,12 +75,16 @@ class PersonaPlexCheckpoint:
     def locate(cls, directory: str | Path) -> PersonaPlexCheckpoint:
         folder = Path(directory)
         if not folder.is_dir():
-            raise ValueError(f"PersonaPlex checkpoint {str(directory)!r} is not a folder (expected the layout of "
-                             f"nvidia/personaplex-7b-v1: {LM_NAME}, {MIMI_NAME}, {TOKENIZER_NAME}, {VOICES_ARCHIVE})")
+            raise ValueError(
+                f"PersonaPlex checkpoint {str(directory)!r} is not a folder (expected the layout of "
+                f"nvidia/personaplex-7b-v1: {LM_NAME}, {MIMI_NAME}, {TOKENIZER_NAME}, {VOICES_ARCHIVE})"
+            )
         missing = [name for name in (LM_NAME, MIMI_NAME, TOKENIZER_NAME) if not (folder / name).is_file()]
         if missing:
-            raise ValueError(f"PersonaPlex checkpoint {str(folder)!r} has no {', '.join(missing)} (the layout of "
-                             f"nvidia/personaplex-7b-v1: {LM_NAME}, {MIMI_NAME}, {TOKENIZER_NAME}, {VOICES_ARCHIVE})")
+            raise ValueError(
+                f"PersonaPlex checkpoint {str(folder)!r} has no {', '.join(missing)} (the layout of "
+                f"nvidia/personaplex-7b-v1: {LM_NAME}, {MIMI_NAME}, {TOKENIZER_NAME}, {VOICES_ARCHIVE})"
+            )
         return cls(folder, folder / LM_NAME, folder / MIMI_NAME, folder / TOKENIZER_NAME, _voices(folder))
 
     def load(self, config: PersonaPlexConfig, device: str | torch.device = "cpu") -> PersonaPlexModels:
@@ -87,12 +96,14 @@ class PersonaPlexCheckpoint:
                 lm = loaders.get_moshi_lm(str(self.lm), device=device, dtype=config.lm_dtype)
             except RuntimeError as error:
                 first = next((line.strip() for line in str(error).splitlines() if "size mismatch" in line), str(error))
-                raise ValueError(f"PersonaPlex checkpoint {str(self.directory)!r} is not at this configuration's sizes: "
-                                 f"{first}") from None
+                raise ValueError(
+                    f"PersonaPlex checkpoint {str(self.directory)!r} is not at this configuration's sizes: {first}"
+                ) from None
         unloaded = [name for name, tensor in lm.state_dict().items() if tensor.is_meta]
         if unloaded:  # `get_moshi_lm` loads with strict=False: a key the file lacks stays unallocated
-            raise ValueError(f"PersonaPlex checkpoint {str(self.lm)!r} lacks {len(unloaded)} of the LM's weights, "
-                             f"{unloaded[0]} first")
+            raise ValueError(
+                f"PersonaPlex checkpoint {str(self.lm)!r} lacks {len(unloaded)} of the LM's weights, {unloaded[0]} first"
+            )
         return PersonaPlexModels(mimi=mimi, lm=lm, config=config)
 
     def tokenize(self, text: str) -> list[int]:

@@ -157,8 +157,12 @@ def mask_transformer(transformer: Any, batch: int) -> torch.Tensor:
             if module.weights_per_step or not module.causal or module.context is None:
                 raise ValueError("a masked attention is causal, with a context and no weights per step")
             ring = module._streaming_state.kv_cache
-            module._streaming_state = RowState(offset=torch.zeros(batch, dtype=torch.long, device=device), exec=exec_mask,
-                                               cache=ring.cache, end=torch.zeros(batch, dtype=torch.long, device=device))
+            module._streaming_state = RowState(
+                offset=torch.zeros(batch, dtype=torch.long, device=device),
+                exec=exec_mask,
+                cache=ring.cache,
+                end=torch.zeros(batch, dtype=torch.long, device=device),
+            )
             module.forward = types.MethodType(_attention_forward, module)
     transformer._streaming_state = RowState(offset=torch.zeros(batch, dtype=torch.long, device=device), exec=exec_mask)
     transformer.forward = types.MethodType(_transformer_forward, transformer)
@@ -167,8 +171,11 @@ def mask_transformer(transformer: Any, batch: int) -> torch.Tensor:
 
 def row_states(transformer: Any) -> dict[str, RowState]:
     """Every `RowState` of a masked transformer, by module name (`""`: the transformer)."""
-    return {name: module._streaming_state for name, module in transformer.named_modules()
-            if isinstance(getattr(module, "_streaming_state", None), RowState)}
+    return {
+        name: module._streaming_state
+        for name, module in transformer.named_modules()
+        if isinstance(getattr(module, "_streaming_state", None), RowState)
+    }
 
 
 def set_exec(exec_mask: torch.Tensor, rows: torch.Tensor) -> None:

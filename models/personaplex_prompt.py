@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -159,13 +160,15 @@ def restore(gen: Any, state: PromptState) -> None:
         live = values[path]
         if not isinstance(live, torch.Tensor):
             raise ValueError(f"LMGen state {path!r} is a {type(live).__name__}, the prompt state holds a tensor")
-        target = live if _ring_end(values, path) is None else live[..., :saved.shape[-2], :]
+        target = live if _ring_end(values, path) is None else live[..., : saved.shape[-2], :]
         if target.shape != saved.shape or live.dtype != saved.dtype:
-            raise ValueError(f"LMGen state {path!r} is {live.dtype} {tuple(live.shape)}; the prompt state holds "
-                             f"{saved.dtype} {tuple(saved.shape)} (another model size or batch)")
+            raise ValueError(
+                f"LMGen state {path!r} is {live.dtype} {tuple(live.shape)}; the prompt state holds "
+                f"{saved.dtype} {tuple(saved.shape)} (another model size or batch)"
+            )
     for path, saved in state.tensors.items():
         live = values[path]
-        target = live if _ring_end(values, path) is None else live[..., :saved.shape[-2], :]
+        target = live if _ring_end(values, path) is None else live[..., : saved.shape[-2], :]
         target.copy_(saved)
     owners = {module: s for module, s in gen.get_streaming_state().items()}
     calls = {path: max(state.steps - 1, 0) for path in counts}
@@ -175,8 +178,14 @@ def restore(gen: Any, state: PromptState) -> None:
 
 
 @torch.no_grad()
-def prime(mimi: Any, gen: Any, *, text_prompt_tokens: Sequence[int], voice_prompt: str | None = None,
-          voice_prompt_embeddings: str | None = None) -> None:
+def prime(
+    mimi: Any,
+    gen: Any,
+    *,
+    text_prompt_tokens: Sequence[int],
+    voice_prompt: str | None = None,
+    voice_prompt_embeddings: str | None = None,
+) -> None:
     """The vendor's priming, as `vendor_loop` runs it (`offline.py`): the voice prompt loaded where
     given (a WAV: `load_voice_prompt`; saved embeddings: `load_voice_prompt_embeddings`), the role
     tokens set, Mimi and the `LMGen` reset, `step_system_prompts`, Mimi reset. Both stream at batch 1."""

@@ -33,8 +33,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -171,20 +172,28 @@ class PersonaPlexSlots:
 
     def _paths(self) -> dict[str, tuple[str, str]]:
         """The vendor's `state_of` path of each piece of a row: `(row-state name, field)`."""
-        paths = {":cache": ("", "cache"), ":provided": ("", "provided"), ":initial": ("", "initial"),
-                 "lm_model.transformer:offset": ("transformer", "offset")}
+        paths = {
+            ":cache": ("", "cache"),
+            ":provided": ("", "provided"),
+            ":initial": ("", "initial"),
+            "lm_model.transformer:offset": ("transformer", "offset"),
+        }
         for name, state in self.rows.items():
             if state.cache is not None:
                 prefix = f"lm_model.transformer.{name}:"
-                paths |= {prefix + "kv_cache.cache": (name, "cache"), prefix + "kv_cache.end_offset": (name, "end"),
-                          prefix + "offset": (name, "offset")}
+                paths |= {
+                    prefix + "kv_cache.cache": (name, "cache"),
+                    prefix + "kv_cache.end_offset": (name, "end"),
+                    prefix + "offset": (name, "offset"),
+                }
         return paths
 
     def _restore(self, slot: int, state: PromptState) -> None:
         paths = self._paths()
         if set(state.tensors) != set(paths) or set(state.host) != {":offset"}:
-            raise ValueError(f"the prompt state does not fit these slots: it holds {sorted(state.tensors)}, "
-                             f"the slots take {sorted(paths)}")
+            raise ValueError(
+                f"the prompt state does not fit these slots: it holds {sorted(state.tensors)}, the slots take {sorted(paths)}"
+            )
         for path, (name, field) in paths.items():
             saved = state.tensors[path]
             if name == "":
@@ -195,14 +204,16 @@ class PersonaPlexSlots:
                 target = getattr(self, field)[slot]
                 saved = saved[0]
             elif field == "cache":
-                target = self.rows[name].cache[:, slot, :, :saved.shape[3]]
+                target = self.rows[name].cache[:, slot, :, : saved.shape[3]]
                 saved = saved[:, 0]
             else:
                 target = getattr(self.rows["" if name == "transformer" else name], field)[slot]
                 saved = saved[0]
             if target.shape != saved.shape or target.dtype != saved.dtype:
-                raise ValueError(f"prompt state {path!r} is {saved.dtype} {tuple(saved.shape)}; a slot's is "
-                                 f"{target.dtype} {tuple(target.shape)} (another model size)")
+                raise ValueError(
+                    f"prompt state {path!r} is {saved.dtype} {tuple(saved.shape)}; a slot's is "
+                    f"{target.dtype} {tuple(target.shape)} (another model size)"
+                )
             target.copy_(saved)
         self.offsets[slot] = state.steps
 
@@ -215,12 +226,12 @@ class PersonaPlexSlots:
         tensors = {}
         for path, (name, field) in self._paths().items():
             if name == "":
-                value = self.initial if field == "initial" else getattr(self, field)[slot:slot + 1]
+                value = self.initial if field == "initial" else getattr(self, field)[slot : slot + 1]
             elif field == "cache":
                 end = min(int(self.rows[name].end[slot]), self.rows[name].cache.shape[3])
-                value = self.rows[name].cache[:, slot:slot + 1, :, :end]
+                value = self.rows[name].cache[:, slot : slot + 1, :, :end]
             else:
-                value = getattr(self.rows["" if name == "transformer" else name], field)[slot:slot + 1]
+                value = getattr(self.rows["" if name == "transformer" else name], field)[slot : slot + 1]
             tensors[path] = value.detach().clone()
         host = {":offset": int(self.offsets[slot])}
         key = (str(voice), tuple(int(t) for t in role))
@@ -247,8 +258,10 @@ class PersonaPlexSlots:
             if self.queues[slot] is None:
                 raise ValueError(f"frames[{slot}]: slot {slot} holds no session (join it first)")
             if self.queues[slot]:
-                raise ValueError(f"frames[{slot}]: slot {slot} is priming ({len(self.queues[slot])} prompt steps left); "
-                                 "it takes user frames once primed")
+                raise ValueError(
+                    f"frames[{slot}]: slot {slot} is priming ({len(self.queues[slot])} prompt steps left); "
+                    "it takes user frames once primed"
+                )
             if not isinstance(frame, torch.Tensor) or frame.shape != (FRAME_SIZE,) or frame.dtype != torch.float32:
                 got = f"{frame.dtype} {tuple(frame.shape)}" if isinstance(frame, torch.Tensor) else type(frame).__name__
                 raise ValueError(f"frames[{slot}]: a frame is {FRAME_SIZE} float32 samples, shape ({FRAME_SIZE},); got {got}")
@@ -268,10 +281,10 @@ class PersonaPlexSlots:
                 out, speaking = self._call(rows, codes if call == 0 else {}, steps)
                 for slot in users if call == 0 else ():
                     if speaking[slot]:
-                        pcm = self._mimi(slot).decode(out[slot:slot + 1, AGENT])
+                        pcm = self._mimi(slot).decode(out[slot : slot + 1, AGENT])
                         outputs[slot] = SlotOutput(out[slot, :, 0].clone(), pcm[0, 0].clone())
             for slot in priming:
-                del self.queues[slot][:self.prompt_rate]
+                del self.queues[slot][: self.prompt_rate]
         self.ticks += 1
         return outputs
 
@@ -286,8 +299,9 @@ class PersonaPlexSlots:
         self.cache[batch, k, positions] = torch.where(keep, values, self.cache[batch, k, positions])
         self.provided[batch, k, positions] |= keep
 
-    def _call(self, rows: Sequence[int], codes: Mapping[int, torch.Tensor],
-              steps: Mapping[int, PromptStep]) -> tuple[torch.Tensor, list[bool]]:
+    def _call(
+        self, rows: Sequence[int], codes: Mapping[int, torch.Tensor], steps: Mapping[int, PromptStep]
+    ) -> tuple[torch.Tensor, list[bool]]:
         """One `LMGen.step` for the executing `rows`, masked: user rows with their codes, priming
         rows with their prompt step. Returns `out` `(B, 17, 1)` and, per row, whether it is an
         output (`LMGen.step` did not return None)."""
@@ -335,16 +349,18 @@ class PersonaPlexSlots:
         sample_token = _vendor("utils.sampling").sample_token
         sampled_text = sample_token(text_logits.float(), gen.use_sampling, gen.temp_text, gen.top_k_text)[:, 0, 0]
         next_text = torch.where(provided_[:, 0, 0], target_[:, 0, 0], sampled_text)
-        audio = gen.depformer_step(next_text, transformer_out, target_[:, lm.audio_offset:, 0], provided_[:, lm.audio_offset:, 0])
+        audio = gen.depformer_step(
+            next_text, transformer_out, target_[:, lm.audio_offset :, 0], provided_[:, lm.audio_offset :, 0]
+        )
         # process_transformer_output: the input position's flags cleared, the sampled tokens kept where not provided.
         self.provided.scatter_(2, inputs_at, self.provided.gather(2, inputs_at) & ~run.view(B, 1, 1))
         kept = self.provided.gather(2, target_at)[:, :, 0]
         cached = self.cache.gather(2, target_at)[:, :, 0]
-        sampled = torch.cat([sampled_text.view(B, 1), audio, cached[:, lm.dep_q + 1:]], dim=1)
+        sampled = torch.cat([sampled_text.view(B, 1), audio, cached[:, lm.dep_q + 1 :]], dim=1)
         new = torch.where(run.view(B, 1) & ~kept, sampled, cached)
         self.cache.scatter_(2, target_at, new.view(B, -1, 1))
         talking = run & (self.offsets > self.max_delay)
-        index = (self.offsets.view(B, 1) - self.max_delay + self.delays[:lm.dep_q + 1].view(1, -1)) % CT
+        index = (self.offsets.view(B, 1) - self.max_delay + self.delays[: lm.dep_q + 1].view(1, -1)) % CT
         out = self.cache.gather(2, index.view(B, -1, 1))
         self.offsets += run.long()
         return out, talking.tolist()

@@ -29,8 +29,9 @@ own length, so it shares no call) and keeps the prompt state for the row's reset
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -89,22 +90,32 @@ def _unstack(value: torch.Tensor, key: str, n: int) -> list[torch.Tensor]:
     axis = ROW_AXIS[key]
     index = (slice(None),) * axis
     if key.startswith("estimator"):
-        return [torch.cat([value[index + (slice(i, i + 1),)], value[index + (slice(n + i, n + i + 1),)]], dim=axis)
-                for i in range(n)]
+        return [
+            torch.cat([value[index + (slice(i, i + 1),)], value[index + (slice(n + i, n + i + 1),)]], dim=axis) for i in range(n)
+        ]
     return [value[index + (slice(i, i + 1),)].clone() for i in range(n)]
 
 
 class BatchedStreams:
     """Rows of Token2Wav streams over one flow and one HiFT, batched per class at `capacity`."""
 
-    def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, *, capacity: int, n_timesteps: int = N_TIMESTEPS,
-                 precision: Precision = FLOAT32):
+    def __init__(
+        self,
+        flow: torch.nn.Module,
+        hift: torch.nn.Module,
+        *,
+        capacity: int,
+        n_timesteps: int = N_TIMESTEPS,
+        precision: Precision = FLOAT32,
+    ):
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"capacity must be a positive int (rows a call), got {capacity!r}")
         precision.check_device(flow.decoder.rand_noise.device)
         if flow.decoder.rand_noise.dtype != precision.flow_dtype:
-            raise ValueError(f"precision {precision.name!r} runs the flow in {precision.flow_dtype}, "
-                             f"the flow given is {flow.decoder.rand_noise.dtype}")
+            raise ValueError(
+                f"precision {precision.name!r} runs the flow in {precision.flow_dtype}, "
+                f"the flow given is {flow.decoder.rand_noise.dtype}"
+            )
         if getattr(flow.decoder.estimator, "use_cuda_graph", False):
             raise ValueError("the flow's DiT has the vendor's CUDA-graph branch on (batch 2 only): build it without")
         self.flow, self.hift, self.capacity, self.n_timesteps = flow, hift, capacity, n_timesteps
@@ -163,9 +174,11 @@ class BatchedStreams:
 
     def _reset_vocoder(self, row: Row) -> None:
         row.chunks = 0
-        row.hift = dict(mel=torch.zeros(1, row.prompt.mels.shape[2], 0, device=self.device),
-                        source=torch.zeros(1, 1, 0, device=self.device),
-                        speech=torch.zeros(1, 0, device=self.device))
+        row.hift = dict(
+            mel=torch.zeros(1, row.prompt.mels.shape[2], 0, device=self.device),
+            source=torch.zeros(1, 1, 0, device=self.device),
+            speech=torch.zeros(1, 0, device=self.device),
+        )
 
     # -- one chunk for any rows ---------------------------------------------------------------------
 
@@ -181,8 +194,9 @@ class BatchedStreams:
             raise ValueError(f"streams {stray!r} flush but have no chunk in this step")
         for key, tokens in chunks.items():
             if tokens.dim() != 2 or tokens.shape[0] != 1 or tokens.dtype not in (torch.int32, torch.int64):
-                raise ValueError(f"stream {key!r}: a chunk is (1, 28) integer speech tokens, got "
-                                 f"{tuple(tokens.shape)} {tokens.dtype}")
+                raise ValueError(
+                    f"stream {key!r}: a chunk is (1, 28) integer speech tokens, got {tuple(tokens.shape)} {tokens.dtype}"
+                )
         groups: dict[tuple, list[Hashable]] = {}
         for key in chunks:
             groups.setdefault(row_class(self.rows[key], key in last), []).append(key)
@@ -190,7 +204,7 @@ class BatchedStreams:
         for cls in sorted(groups, key=repr):
             keys = groups[cls]
             for start in range(0, len(keys), self.capacity):
-                part = keys[start:start + self.capacity]
+                part = keys[start : start + self.capacity]
                 self.calls.append((cls, tuple(part)))
                 outs.update(self._call(part, [chunks[k] for k in part], dict(cls)["f"] == 56))
         return outs
@@ -207,7 +221,7 @@ class BatchedStreams:
         out = {}
         for i, (key, row) in enumerate(zip(keys, rows)):
             row.chunks += 1
-            out[key] = ChunkOut(mel=mel[i:i + 1].clone(), speech=speech[i])
+            out[key] = ChunkOut(mel=mel[i : i + 1].clone(), speech=speech[i])
         return out
 
     def _flow_chunk(self, rows: list[Row], tokens: torch.Tensor, last_chunk: bool):
@@ -218,14 +232,23 @@ class BatchedStreams:
         spk = flow.spk_embed_affine_layer(F.normalize(spk, dim=1))
         token = flow.input_embedding(tokens)
         h, conformer_cnn, conformer_att = flow.encoder.forward_chunk(
-            xs=token, last_chunk=last_chunk, cnn_cache=cache["conformer_cnn_cache"], att_cache=cache["conformer_att_cache"])
+            xs=token, last_chunk=last_chunk, cnn_cache=cache["conformer_cnn_cache"], att_cache=cache["conformer_att_cache"]
+        )
         h = flow.encoder_proj(h)
         cond = torch.zeros_like(h)
         mel, estimator_cnn, estimator_att = self._cfm(
-            h.transpose(1, 2).contiguous(), spk, cond.transpose(1, 2).contiguous(),
-            cache["estimator_cnn_cache"], cache["estimator_att_cache"])
-        new = {"conformer_cnn_cache": conformer_cnn, "conformer_att_cache": conformer_att,
-               "estimator_cnn_cache": estimator_cnn, "estimator_att_cache": estimator_att}
+            h.transpose(1, 2).contiguous(),
+            spk,
+            cond.transpose(1, 2).contiguous(),
+            cache["estimator_cnn_cache"],
+            cache["estimator_att_cache"],
+        )
+        new = {
+            "conformer_cnn_cache": conformer_cnn,
+            "conformer_att_cache": conformer_att,
+            "estimator_cnn_cache": estimator_cnn,
+            "estimator_att_cache": estimator_att,
+        }
         prompt_frames = rows[0].prompt.mels.shape[1]
         for key, axis in (("estimator_att_cache", 4), ("conformer_att_cache", 3)):
             if new[key].shape[axis] > prompt_frames + RETAINED:
@@ -237,7 +260,7 @@ class BatchedStreams:
         """`CausalConditionalCFM.forward_chunk` and `solve_euler_chunk` for n rows (n CFG pairs)."""
         cfm, estimator, n = self.flow.decoder, self.flow.decoder.estimator, mu.shape[0]
         offset = att_cache.shape[4]
-        z = cfm.rand_noise[:, :, offset:offset + mu.size(2)] * 1.0
+        z = cfm.rand_noise[:, :, offset : offset + mu.size(2)] * 1.0
         t_span = torch.linspace(0, 1, self.n_timesteps + 1, device=mu.device, dtype=mu.dtype)
         t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
         t, dt = t_span[0].unsqueeze(dim=0), t_span[1] - t_span[0]
@@ -252,10 +275,17 @@ class BatchedStreams:
                 step_cnn, step_att = cnn_cache[step - 1], att_cache[step - 1]
                 estimator.cnn_cache_buffer = step_cnn.new_zeros(step_cnn.shape)
                 estimator.att_cache_buffer = step_att.new_zeros(
-                    (*step_att.shape[:3], step_att.shape[3] + mu.shape[2], step_att.shape[4]))
+                    (*step_att.shape[:3], step_att.shape[3] + mu.shape[2], step_att.shape[4])
+                )
                 dphi_dt, step_new_cnn, step_new_att = estimator.forward_chunk(
-                    x=x.repeat(2, 1, 1), mu=mu_in, t=t.repeat(2 * n), spks=spks_in, cond=cond_in,
-                    cnn_cache=step_cnn, att_cache=step_att)
+                    x=x.repeat(2, 1, 1),
+                    mu=mu_in,
+                    t=t.repeat(2 * n),
+                    spks=spks_in,
+                    cond=cond_in,
+                    cnn_cache=step_cnn,
+                    att_cache=step_att,
+                )
                 dphi_dt, cfg_dphi_dt = dphi_dt.chunk(2, dim=0)
                 dphi_dt = (1.0 + cfm.inference_cfg_rate) * dphi_dt - cfm.inference_cfg_rate * cfg_dphi_dt
                 x = x + dt * dphi_dt
@@ -278,9 +308,12 @@ class BatchedStreams:
             speech = self.fade_in_out(speech, cached, self.window)
         outs = []
         for i, row in enumerate(rows):
-            row.hift = dict(mel=mel[i:i + 1, :, -MEL_CACHE:].clone(), source=source[i:i + 1, :, -SOURCE_CACHE:].clone(),
-                            speech=speech[i:i + 1, -SOURCE_CACHE:].clone())
-            own = speech[i:i + 1]
+            row.hift = dict(
+                mel=mel[i : i + 1, :, -MEL_CACHE:].clone(),
+                source=source[i : i + 1, :, -SOURCE_CACHE:].clone(),
+                speech=speech[i : i + 1, -SOURCE_CACHE:].clone(),
+            )
+            own = speech[i : i + 1]
             if not last_chunk:
                 own = own[:, :-SOURCE_CACHE]
                 if first:

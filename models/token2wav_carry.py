@@ -16,7 +16,8 @@ What the hook adds (`transform_flow`) is what no binding can say: the vendor pro
 scratch buffers as stock envelopes (16 steps x 16 blocks x 1000 frames); the state rule
 (`passes/state.py`) sizes them to demand on the transformed copy (`ENVELOPES`). Another lane's
 transform, or another flow of the same structure, reuses its exports (`cadence_fx.pipeline.export.EXPORTS`).
-Warm-up turns at construction allocate the carries and verify every class (`WARM_UP_TURNS`). HiFT retains nothing itself (its caches are its caller's inputs), so it runs
+Warm-up turns at construction allocate the carries and verify every class (`WARM_UP_TURNS`). HiFT retains nothing itself (its
+caches are its caller's inputs), so it runs
 through one exact-shape replay of its call, with its own catalog (`hift_classes`).
 
 A turn reset writes the prompt state, kept once and shared by every turn (it is only ever read),
@@ -60,8 +61,9 @@ FLOW_BINDING = Binding(
     regions=(
         RegionBinding("estimator_att_cache", at=("att_cache",), out=("return.2",), caller_trims=True, operators=("cfm_loop",)),
         RegionBinding("estimator_cnn_cache", at=("cnn_cache",), out=("return.1",), operators=("cfm_loop",)),
-        RegionBinding("conformer_att_cache", at=("att_cache",), out=("return.2",), caller_trims=True,
-                      operators=("conformer_encoder",)),
+        RegionBinding(
+            "conformer_att_cache", at=("att_cache",), out=("return.2",), caller_trims=True, operators=("conformer_encoder",)
+        ),
     ),
     operators=(
         OperatorBinding("cfm_loop", method="decoder.forward_chunk", units=("mu", 2)),
@@ -201,7 +203,9 @@ def _check_model(flow: torch.nn.Module, contract: Contract) -> None:
             raise ValueError(f"contract quantity {name}={symbols[name]} but the flow has {actual}: declare {name}={actual}")
 
 
-def transform_flow(model, contract: Contract, *, audit: bool, replay: bool, budget: int) -> tuple[TransformedFlow, TransformReport]:
+def transform_flow(
+    model, contract: Contract, *, audit: bool, replay: bool, budget: int
+) -> tuple[TransformedFlow, TransformReport]:
     """The family's hook (`Family.compose`): `model` is the flow, or (flow, hift) to replay the
     vocoder too. The flow is copied around the caller's weights, its envelopes sized to demand,
     bound from `FLOW_BINDING` on the one pipeline and warmed up; the caller's flow is left untouched."""
@@ -222,8 +226,9 @@ def transform_flow(model, contract: Contract, *, audit: bool, replay: bool, budg
         hift = copy.deepcopy(stock_hift)
         if replay and not audit:
             window = catalog.region("hift_source_cache").bound
-            hift = ExactShapeReplay(hift, hift_classes(hift, catalog, window), name="hift",
-                                    hooks=[Piecewise(), HostConstantHoist()], inference=True)
+            hift = ExactShapeReplay(
+                hift, hift_classes(hift, catalog, window), name="hift", hooks=[Piecewise(), HostConstantHoist()], inference=True
+            )
             report.replays["hift"] = hift
     transformed = TransformedFlow(flow, hift, bound, contract, report)
     _warm_up(transformed)
@@ -300,7 +305,11 @@ def demo(depth: str, blocks: int, chunks: int) -> bool:
 
     print(f"building the vendor Token2Wav flow ({depth} depth, random weights)...", file=sys.stderr, flush=True)
     flow, contract, prompt_tokens = reference_flow(depth)
-    print("transforming (state rule, the flow's binding on the one pipeline, a warm-up turn per class)...", file=sys.stderr, flush=True)
+    print(
+        "transforming (state rule, the flow's binding on the one pipeline, a warm-up turn per class)...",
+        file=sys.stderr,
+        flush=True,
+    )
     transformed, report = transform(flow, contract, audit=True)
     prompt = random_prompt(0, n_tokens=prompt_tokens)
     stock, carried = StockStream(flow, None, prompt), CarryStream(transformed, prompt)
@@ -318,6 +327,8 @@ def demo(depth: str, blocks: int, chunks: int) -> bool:
     print()
     print(report)
     before, after = sum(b for b, _ in report.managed_bytes().values()), sum(a for _, a in report.managed_bytes().values())
-    print(f"\nall {blocks * chunks} chunks bit-identical to the vendor stream: {exact}; "
-          f"managed state {format_bytes(before)} -> {format_bytes(after)}")
+    print(
+        f"\nall {blocks * chunks} chunks bit-identical to the vendor stream: {exact}; "
+        f"managed state {format_bytes(before)} -> {format_bytes(after)}"
+    )
     return exact

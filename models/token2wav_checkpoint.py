@@ -44,8 +44,8 @@ from typing import Any
 import torch
 import yaml
 
-from .vendor import placeholders, token2wav_vendor
 from .token2wav_stream import Prompt
+from .vendor import placeholders, token2wav_vendor
 
 __all__ = [
     "ASSET_DIR",
@@ -103,8 +103,7 @@ PROMPT_VERSION = "1"
 SPEAKER_DIM, MEL_BINS = 192, 80
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_HOW_TO_DOWNLOAD = (f"download them with: hf download {REPO_ID} --include '{ASSET_DIR}/*' "
-                    f"--local-dir DIR, then pass DIR")
+_HOW_TO_DOWNLOAD = f"download them with: hf download {REPO_ID} --include '{ASSET_DIR}/*' --local-dir DIR, then pass DIR"
 
 
 class CheckpointError(ValueError):
@@ -159,8 +158,10 @@ def locate_checkpoint(
             if not missing:
                 return _checked(Token2WavCheckpoint(str(weights), assets, root), reference_voice)
             if len(missing) < len(files):  # a checkpoint folder, incomplete: say what it lacks
-                raise CheckpointError(f"{assets} lacks {', '.join(missing)} of the MiniCPM-o 4.5 Token2Wav checkpoint "
-                                      f"(needed here: {', '.join(files)}); {_HOW_TO_DOWNLOAD}")
+                raise CheckpointError(
+                    f"{assets} lacks {', '.join(missing)} of the MiniCPM-o 4.5 Token2Wav checkpoint "
+                    f"(needed here: {', '.join(files)}); {_HOW_TO_DOWNLOAD}"
+                )
         raise CheckpointError(
             f"{weights} holds no MiniCPM-o 4.5 Token2Wav checkpoint: looked for {', '.join(files)} in "
             f"{' and '.join(str(assets) for assets, _ in candidates)}; {_HOW_TO_DOWNLOAD}"
@@ -250,8 +251,7 @@ def read_flow_config(path: str | Path) -> FlowConfig:
             config = yaml.load(stream, Loader=_FlowConfigLoader)
     except yaml.YAMLError as error:
         raise CheckpointError(
-            f"{path} is not a MiniCPM-o Token2Wav flow.yaml: {error}. cadence-fx reads only the tags "
-            f"{', '.join(FLOW_CLASSES)}"
+            f"{path} is not a MiniCPM-o Token2Wav flow.yaml: {error}. cadence-fx reads only the tags {', '.join(FLOW_CLASSES)}"
         ) from None
     flow = config.get("flow") if isinstance(config, dict) else None
     if not isinstance(flow, FlowConfig) or flow.tag != next(iter(FLOW_CLASSES)):

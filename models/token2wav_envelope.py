@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -74,44 +75,101 @@ class OpClass:
 _ROW = "one call a row, a fresh contiguous copy each"
 _FIXED = "padded to the capacity's rows: one shape per class"
 OP_CLASSES: tuple[OpClass, ...] = (
-    OpClass("linear", (F.linear,), (0,),
-            cpu=f"{_ROW} (every projection and MLP, adaLN, the timestep MLP, the speaker projection, HiFT's source merge)",
-            cuda=f"{_FIXED}, under pin_deterministic(algorithms=True); a linear of one vector a row: {_ROW} (padded, "
-                 "oneDNN gave such rows other bits by position on the CPU)"),
-    OpClass("matmul", (torch.matmul, torch.Tensor.matmul, torch.bmm), (0, 1),
-            cpu=f"{_ROW} (the conformer's scores, relative-position term and values; operands of 3+ dims)",
-            cuda=_FIXED),
-    OpClass("attention", (F.scaled_dot_product_attention,), (0, 1, 2, 3),
-            cpu=f"{_ROW} (the DiT's SDPA, no mask, each row attending its own cache)",
-            cuda=f"{_FIXED}; the backend is chosen by shape, so one backend"),
-    OpClass("conv1d", (torch.conv1d, F.conv1d), (0,),
-            cpu=f"{_ROW} (DiT causal convs, conformer pre-lookahead and upsample, HiFT)",
-            cuda=f"{_FIXED}; cudnn.deterministic on, benchmark off (an algorithm per shape, never autotuned)"),
-    OpClass("conv_transpose1d", (torch.conv_transpose1d, F.conv_transpose1d), (0,),
-            cpu=f"{_ROW} (HiFT's upsampling)", cuda=f"{_FIXED}; as conv1d"),
-    OpClass("norms", (F.layer_norm, torch.softmax, torch.Tensor.softmax, F.softmax, F.normalize), (0,),
-            cpu=f"{_ROW} (layer norm, softmax, the speaker embedding's L2 norm)", cuda=_FIXED),
-    OpClass("spectral", (torch.stft, torch.istft), (0,),
-            cpu=f"{_ROW} (HiFT's source analysis and synthesis)", cuda=f"{_FIXED}; cuFFT plans are per shape"),
-    OpClass("scan and resample", (torch.cumsum, torch.Tensor.cumsum, F.interpolate), (0,),
-            cpu=f"{_ROW} (HiFT's sine source: phase cumsum along time, linear and nearest resampling)", cuda=_FIXED),
-    OpClass("elementwise", (), (),
-            cpu="left as it runs (additions, activations, exp/sin, concatenation, slicing, the cross-fade): each "
-                "output element is its inputs' function alone; the stream tests check it holds at every batch "
-                "size they run",
-            cuda="left as it runs; same argument, checked by the cuda tests"),
-    OpClass("random draws", (torch.rand, torch.randn, torch.rand_like, torch.randn_like), (),
-            cpu="each row drawn from its stream's StreamRng (seed, offset), never the process generator; any other "
-                "random op under the envelope is refused",
-            cuda="each row's StreamRng: a Philox generator seeded per draw with splitmix64(seed, offset)"),
+    OpClass(
+        "linear",
+        (F.linear,),
+        (0,),
+        cpu=f"{_ROW} (every projection and MLP, adaLN, the timestep MLP, the speaker projection, HiFT's source merge)",
+        cuda=f"{_FIXED}, under pin_deterministic(algorithms=True); a linear of one vector a row: {_ROW} (padded, "
+        "oneDNN gave such rows other bits by position on the CPU)",
+    ),
+    OpClass(
+        "matmul",
+        (torch.matmul, torch.Tensor.matmul, torch.bmm),
+        (0, 1),
+        cpu=f"{_ROW} (the conformer's scores, relative-position term and values; operands of 3+ dims)",
+        cuda=_FIXED,
+    ),
+    OpClass(
+        "attention",
+        (F.scaled_dot_product_attention,),
+        (0, 1, 2, 3),
+        cpu=f"{_ROW} (the DiT's SDPA, no mask, each row attending its own cache)",
+        cuda=f"{_FIXED}; the backend is chosen by shape, so one backend",
+    ),
+    OpClass(
+        "conv1d",
+        (torch.conv1d, F.conv1d),
+        (0,),
+        cpu=f"{_ROW} (DiT causal convs, conformer pre-lookahead and upsample, HiFT)",
+        cuda=f"{_FIXED}; cudnn.deterministic on, benchmark off (an algorithm per shape, never autotuned)",
+    ),
+    OpClass(
+        "conv_transpose1d",
+        (torch.conv_transpose1d, F.conv_transpose1d),
+        (0,),
+        cpu=f"{_ROW} (HiFT's upsampling)",
+        cuda=f"{_FIXED}; as conv1d",
+    ),
+    OpClass(
+        "norms",
+        (F.layer_norm, torch.softmax, torch.Tensor.softmax, F.softmax, F.normalize),
+        (0,),
+        cpu=f"{_ROW} (layer norm, softmax, the speaker embedding's L2 norm)",
+        cuda=_FIXED,
+    ),
+    OpClass(
+        "spectral",
+        (torch.stft, torch.istft),
+        (0,),
+        cpu=f"{_ROW} (HiFT's source analysis and synthesis)",
+        cuda=f"{_FIXED}; cuFFT plans are per shape",
+    ),
+    OpClass(
+        "scan and resample",
+        (torch.cumsum, torch.Tensor.cumsum, F.interpolate),
+        (0,),
+        cpu=f"{_ROW} (HiFT's sine source: phase cumsum along time, linear and nearest resampling)",
+        cuda=_FIXED,
+    ),
+    OpClass(
+        "elementwise",
+        (),
+        (),
+        cpu="left as it runs (additions, activations, exp/sin, concatenation, slicing, the cross-fade): each "
+        "output element is its inputs' function alone; the stream tests check it holds at every batch "
+        "size they run",
+        cuda="left as it runs; same argument, checked by the cuda tests",
+    ),
+    OpClass(
+        "random draws",
+        (torch.rand, torch.randn, torch.rand_like, torch.randn_like),
+        (),
+        cpu="each row drawn from its stream's StreamRng (seed, offset), never the process generator; any other "
+        "random op under the envelope is refused",
+        cuda="each row's StreamRng: a Philox generator seeded per draw with splitmix64(seed, offset)",
+    ),
 )
 
 _PADDED: dict[Callable[..., Any], OpClass] = {f: c for c in OP_CLASSES if c.name != "random draws" for f in c.functions}
 _DRAWS = {torch.rand: torch.rand, torch.randn: torch.randn, torch.rand_like: torch.rand, torch.randn_like: torch.randn}
-_REFUSED_DRAWS = (torch.randint, torch.randint_like, torch.normal, torch.bernoulli, torch.multinomial, torch.poisson,
-                  torch.randperm, torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.random_,
-                  torch.Tensor.exponential_, torch.Tensor.bernoulli_, torch.Tensor.geometric_,
-                  torch.Tensor.log_normal_, torch.Tensor.cauchy_)
+_REFUSED_DRAWS = (
+    torch.randint,
+    torch.randint_like,
+    torch.normal,
+    torch.bernoulli,
+    torch.multinomial,
+    torch.poisson,
+    torch.randperm,
+    torch.Tensor.uniform_,
+    torch.Tensor.normal_,
+    torch.Tensor.random_,
+    torch.Tensor.exponential_,
+    torch.Tensor.bernoulli_,
+    torch.Tensor.geometric_,
+    torch.Tensor.log_normal_,
+    torch.Tensor.cauchy_,
+)
 
 
 def _mix(seed: int, offset: int) -> int:
@@ -171,8 +229,10 @@ class BatchInvariant(TorchFunctionMode):
 
     def _check_rows(self, rows: int, name: str) -> None:
         if rows != 1 and rows % self.streams:
-            raise RuntimeError(f"batch-invariant envelope: {name} got {rows} rows for {self.streams} streams; "
-                               "expected a multiple of the streams (or 1, an operand every stream shares)")
+            raise RuntimeError(
+                f"batch-invariant envelope: {name} got {rows} rows for {self.streams} streams; "
+                "expected a multiple of the streams (or 1, an operand every stream shares)"
+            )
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -181,8 +241,10 @@ class BatchInvariant(TorchFunctionMode):
         if func in _DRAWS:
             return self._draw(func, args, kwargs)
         if func in _REFUSED_DRAWS:
-            raise RuntimeError(f"batch-invariant envelope: {getattr(func, '__name__', func)} would draw from the process "
-                               "generator; only rand, randn, rand_like and randn_like draw per stream (or pass a generator)")
+            raise RuntimeError(
+                f"batch-invariant envelope: {getattr(func, '__name__', func)} would draw from the process "
+                "generator; only rand, randn, rand_like and randn_like draw per stream (or pass a generator)"
+            )
         op = _PADDED.get(func)
         if op is None:
             return func(*args, **kwargs)
@@ -224,9 +286,9 @@ class BatchInvariant(TorchFunctionMode):
             call_args, call_kwargs = list(args), dict(kwargs)
             for i in positions:
                 t = args[i]
-                call_args[i] = (t[r:r + 1] if t.shape[0] == rows else t).clone(memory_format=torch.contiguous_format)
+                call_args[i] = (t[r : r + 1] if t.shape[0] == rows else t).clone(memory_format=torch.contiguous_format)
             if batched_mask and kwargs["attn_mask"].shape[0] == rows:
-                call_kwargs["attn_mask"] = kwargs["attn_mask"][r:r + 1]
+                call_kwargs["attn_mask"] = kwargs["attn_mask"][r : r + 1]
             outs.append(func(*call_args, **call_kwargs))
         self.per_row_calls += 1
         if isinstance(outs[0], tuple):
@@ -242,8 +304,10 @@ class BatchInvariant(TorchFunctionMode):
             shape = tuple(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else tuple(args)
             dtype, device = kwargs.get("dtype") or torch.get_default_dtype(), kwargs.get("device") or "cpu"
         if not shape or shape[0] != self.streams:
-            raise RuntimeError(f"batch-invariant envelope: a draw of shape {shape} under {self.streams} stream(s); "
-                               "expected one row per stream along dimension 0")
+            raise RuntimeError(
+                f"batch-invariant envelope: a draw of shape {shape} under {self.streams} stream(s); "
+                "expected one row per stream along dimension 0"
+            )
         kind = _DRAWS[func]
         rows = [rng.draw(kind, (1, *shape[1:]), dtype=dtype, device=device) for rng in self.rngs]
         return torch.cat(rows) if len(rows) > 1 else rows[0]
@@ -295,5 +359,7 @@ def envelope(capacity: int | None) -> str:
     """One line for a report: which exactness a batched Token2Wav run claims."""
     if capacity is None:
         return "batch-invariant envelope: off (one stream a call, stock kernels, exact to the vendor's stream)"
-    return (f"batch-invariant envelope: capacity {capacity} (every batch-sensitive op at {capacity} rows a stream row, "
-            "noise per stream): each stream exact to the vendor's stream run alone under the same envelope")
+    return (
+        f"batch-invariant envelope: capacity {capacity} (every batch-sensitive op at {capacity} rows a stream row, "
+        "noise per stream): each stream exact to the vendor's stream run alone under the same envelope"
+    )

@@ -34,14 +34,26 @@ class Precision:
     def check_device(self, device: torch.device | str) -> None:
         kind = torch.device(device).type
         if kind not in self.devices:
-            raise ValueError(f"token2wav precision {self.name!r} is the vendor's {'/'.join(self.devices)} configuration "
-                             f"({self.vendor}); it does not exist on {kind!r}: use 'float32' there")
+            raise ValueError(
+                f"token2wav precision {self.name!r} is the vendor's {'/'.join(self.devices)} configuration "
+                f"({self.vendor}); it does not exist on {kind!r}: use 'float32' there"
+            )
 
 
-FLOAT32 = Precision("float32", torch.float32, torch.float32, ("cpu", "cuda"),
-                    "Token2wav(float16=False): the flow in float32 under autocast('cuda', float32)")
-FLOAT16 = Precision("float16", torch.float16, torch.float16, ("cuda",),
-                    "Token2wav(float16=True): flow.half(), the flow under autocast('cuda', float16), HiFT in float32")
+FLOAT32 = Precision(
+    "float32",
+    torch.float32,
+    torch.float32,
+    ("cpu", "cuda"),
+    "Token2wav(float16=False): the flow in float32 under autocast('cuda', float32)",
+)
+FLOAT16 = Precision(
+    "float16",
+    torch.float16,
+    torch.float16,
+    ("cuda",),
+    "Token2wav(float16=True): flow.half(), the flow under autocast('cuda', float16), HiFT in float32",
+)
 PRECISIONS = {p.name: p for p in (FLOAT32, FLOAT16)}
 
 
@@ -51,8 +63,9 @@ def precision(name: str) -> Precision:
     return PRECISIONS[name]
 
 
-def build_models(chosen: Precision, depth: FlowDepth = FULL_DEPTH, *, device: torch.device | str, seed: int = 0,
-                 hift_channels: int = 512) -> tuple[torch.nn.Module, torch.nn.Module]:
+def build_models(
+    chosen: Precision, depth: FlowDepth = FULL_DEPTH, *, device: torch.device | str, seed: int = 0, hift_channels: int = 512
+) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The flow at the configuration's dtype (as ``flow.half()`` leaves it) and HiFT in float32."""
     chosen.check_device(device)
     flow = build_flow(depth, seed=seed, device=device, dtype=chosen.flow_dtype)

@@ -60,8 +60,9 @@ the vendor's does, so one flow serves one stream at a time.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -358,9 +359,7 @@ class StockStream:
                 speech = speech[:, : -self.source_cache_len]
         return ChunkOut(mel=chunk_mel, speech=speech)
 
-    def run(
-        self, chunks: Sequence[torch.Tensor], *, rng_seed: int = 0, last_chunk: bool = True
-    ) -> list[ChunkOut]:
+    def run(self, chunks: Sequence[torch.Tensor], *, rng_seed: int = 0, last_chunk: bool = True) -> list[ChunkOut]:
         """:meth:`setup`, then :meth:`step` per chunk; the final one is the last chunk if ``last_chunk``.
 
         HiFT draws from the default generator on every call, so the CPU generator (and the
@@ -410,6 +409,8 @@ def rebucket_vendor_graphs(estimator: torch.nn.Module, buckets: dict[int, int]) 
             with torch.cuda.graph(graph):
                 out = estimator.blocks_forward_chunk(*static_inputs, new_cnn, new_att)
             estimator.inference_buffers_chunk[chunk_size] = {
-                "static_inputs": static_inputs, "static_outputs": [out, new_cnn, new_att]}
+                "static_inputs": static_inputs,
+                "static_outputs": [out, new_cnn, new_att],
+            }
             estimator.graph_chunk[chunk_size] = graph
     estimator.use_cuda_graph = True

@@ -30,9 +30,10 @@ import importlib.metadata
 import importlib.util
 import sys
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 __all__ = [
     "MINICPMO_UTILS",
@@ -110,9 +111,7 @@ PROMPT_ONLY_IMPORTS = (
         "stepaudio2/token2wav.py Token2wav.__init__ (campplus speaker model); "
         "cosyvoice2/flow/flow_matching.py imports it without using it",
     ),
-    PromptOnlyImport(
-        "hyperpyyaml", ("load_hyperpyyaml",), "stepaudio2/token2wav.py Token2wav.__init__ (reading flow.yaml)"
-    ),
+    PromptOnlyImport("hyperpyyaml", ("load_hyperpyyaml",), "stepaudio2/token2wav.py Token2wav.__init__ (reading flow.yaml)"),
     PromptOnlyImport(
         "librosa.filters",
         ("mel",),
@@ -176,11 +175,7 @@ def register_placeholder(spec: PromptOnlyImport) -> bool:
 
 def placeholders() -> dict[str, str]:
     """Placeholder modules registered in this process: module name -> reason."""
-    return {
-        name: module.__cadence_placeholder__
-        for name, module in sys.modules.items()
-        if isinstance(module, _Placeholder)
-    }
+    return {name: module.__cadence_placeholder__ for name, module in sys.modules.items() if isinstance(module, _Placeholder)}
 
 
 def require(package: VendorPackage) -> None:

@@ -65,13 +65,18 @@ class Carry(torch.nn.Module):
         and strides, `extent` units along the axis and the buffer's size on every other dim."""
         buffer = self._buffers["buffer"]  # straight from the table: `Module.__getattr__` is Python, every call
         held = self.__dict__.get("_held")
-        if (held is not None and held[0] is t and held[1] == self.extent and held[2] is buffer
-                and held[3] == (t.data_ptr(), t.shape, t.stride(), t.dtype, buffer.data_ptr(), buffer.shape, buffer.stride())):
+        if (
+            held is not None
+            and held[0] is t
+            and held[1] == self.extent
+            and held[2] is buffer
+            and held[3] == (t.data_ptr(), t.shape, t.stride(), t.dtype, buffer.data_ptr(), buffer.shape, buffer.stride())
+        ):
             return True  # the very tensor last found to be the view, it and the buffer unchanged, at the same extent
         if t.data_ptr() != buffer.data_ptr() or t.dtype != buffer.dtype or t.stride() != buffer.stride():
             return False
         shape, axis = t.shape, self.axis
-        if shape[axis] == self.extent and shape[:axis] == buffer.shape[:axis] and shape[axis + 1:] == buffer.shape[axis + 1:]:
+        if shape[axis] == self.extent and shape[:axis] == buffer.shape[:axis] and shape[axis + 1 :] == buffer.shape[axis + 1 :]:
             key = (t.data_ptr(), shape, t.stride(), t.dtype, buffer.data_ptr(), buffer.shape, buffer.stride())
             object.__setattr__(self, "_held", (t, self.extent, buffer, key))
             return True
@@ -135,8 +140,6 @@ def stock_trim(cache: torch.Tensor, axis: int, head: int, tail: int) -> torch.Te
     """The stock prompt-head plus recent-tail trim: the first `head` and last `tail` units."""
     prefix = (slice(None),) * axis
     return torch.cat([cache[prefix + (slice(None, head),)], cache[prefix + (slice(-tail, None),)]], dim=axis)
-
-
 
 
 @dataclass(frozen=True)
@@ -208,8 +211,11 @@ def find_retention_sites(gm: torch.fx.GraphModule, inputs: dict[str, str], *, gr
         if not regions:
             continue
         if len(regions) > 1:
-            sites.append(RetentionSite(graph, node.name, ",".join(sorted(regions)), dim, "mixed", False,
-                                       "left in place: concatenates two regions"))
+            sites.append(
+                RetentionSite(
+                    graph, node.name, ",".join(sorted(regions)), dim, "mixed", False, "left in place: concatenates two regions"
+                )
+            )
             continue
         (region,) = regions
         rank = _rank(tensors[0])

@@ -26,8 +26,9 @@ from __future__ import annotations
 import os
 import sys
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -67,7 +68,8 @@ def _device_of(value: Any) -> torch.device | None:
 
 
 _ATEN_TO = frozenset(getattr(torch.ops.aten.to, name) for name in torch.ops.aten.to.overloads()) | {
-    torch.ops.aten._to_copy.default}
+    torch.ops.aten._to_copy.default
+}
 _COPIES = (torch.Tensor.copy_, torch.ops.aten.copy_.default)
 
 
@@ -136,8 +138,9 @@ class _Entry:
 
     def record(self) -> HoistedConstant:
         v = self.device_value
-        return HoistedConstant(self.site, tuple(v.shape), v.dtype, str(v.device),
-                               v.numel() * v.element_size(), shared=not self.written)
+        return HoistedConstant(
+            self.site, tuple(v.shape), v.dtype, str(v.device), v.numel() * v.element_size(), shared=not self.written
+        )
 
 
 class HostConstantHoist:
@@ -158,8 +161,10 @@ class HostConstantHoist:
             if ctx.is_host_data(src):
                 return ctx.cut(f"host copy at {_site()}", _COPY_REASON, func, args, kwargs)
             if self._is_derived(src):
-                ctx.reject(MissReason.HOST_DATA, f"{_site()}: copies to the device a CPU tensor computed "
-                                                 "from per-call host data; a graph would freeze it")
+                ctx.reject(
+                    MissReason.HOST_DATA,
+                    f"{_site()}: copies to the device a CPU tensor computed from per-call host data; a graph would freeze it",
+                )
             key = (_site(), target, src.dtype, tuple(src.shape), src.stride(), _bytes(src))
             return self._serve(ctx, key, func, args, kwargs)
         factory = _host_factory(func, args, kwargs)

@@ -20,8 +20,9 @@ adapter names with `cut_method(owner, "attr", reason)`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -45,10 +46,13 @@ class CutPoint:
         return self.name or getattr(self.target, "__qualname__", repr(self.target))
 
 
-ISTFT = CutPoint(torch.istft, "host sync: istft checks its window envelope on the host", "torch.istft",
-                 torch.ops.aten.istft)
-ITEM = CutPoint(torch.Tensor.item, "host sync: .item() reads a device value on the host "
-                "(baked into the next segment and guarded on every replay)", "Tensor.item", torch.ops.aten.item)
+ISTFT = CutPoint(torch.istft, "host sync: istft checks its window envelope on the host", "torch.istft", torch.ops.aten.istft)
+ITEM = CutPoint(
+    torch.Tensor.item,
+    "host sync: .item() reads a device value on the host (baked into the next segment and guarded on every replay)",
+    "Tensor.item",
+    torch.ops.aten.item,
+)
 DEFAULT_CUTS: tuple[CutPoint, ...] = (ISTFT,)
 
 

@@ -97,7 +97,11 @@ class WindowCarry(Carry):
 
     def _check_retained(self, retained: torch.Tensor) -> None:
         expected = self.view()
-        if retained.data_ptr() != expected.data_ptr() or retained.shape != expected.shape or retained.stride() != expected.stride():
+        if (
+            retained.data_ptr() != expected.data_ptr()
+            or retained.shape != expected.shape
+            or retained.stride() != expected.stride()
+        ):
             raise CarryError(
                 f"{self.site}: the retained state passed in is not this carry's view "
                 f"({tuple(retained.shape)} at {retained.data_ptr():#x}, expected {tuple(expected.shape)} at "
@@ -250,8 +254,14 @@ def _head_and_tail(node: torch.fx.Node) -> tuple[torch.fx.Node, int, int, int] |
         return None
     last = _tail_slice(second)
     source, dim, start, end, step = (*first.args, *(None,) * (5 - len(first.args)))[:5]
-    if last is None or last[0] is not source or start not in (None, 0) or step not in (None, 1) or not isinstance(end, int) \
-            or not 0 < end < _END:
+    if (
+        last is None
+        or last[0] is not source
+        or start not in (None, 0)
+        or step not in (None, 1)
+        or not isinstance(end, int)
+        or not 0 < end < _END
+    ):
         return None
     axis = _axis(source, dim if dim is not None else 0)
     if last[1] != axis or _axis(node, node.args[1] if len(node.args) > 1 else 0) != axis:
@@ -320,8 +330,17 @@ def rewrite_windows(gm: torch.fx.GraphModule, windows: tuple[Window, ...], carri
         cat = tail[0] if tail else leaf
         if tail is None and w.input is not None and leaf.op == "placeholder" and leaf.name == w.input:
             # The step reads the site and leaves it as it came (another operator retains into it).
-            sites.append(RetentionSite(graph, leaf.name, w.region, w.axis, "read", False,
-                                       f"read ({w.site}): the step returns it as it came; the carry passes through"))
+            sites.append(
+                RetentionSite(
+                    graph,
+                    leaf.name,
+                    w.region,
+                    w.axis,
+                    "read",
+                    False,
+                    f"read ({w.site}): the step returns it as it came; the carry passes through",
+                )
+            )
             continue
         attr = "carry_" + "".join(c if c.isalnum() else "_" for c in w.site)
         gm.add_submodule(attr, carries[w.site])
@@ -335,11 +354,14 @@ def rewrite_windows(gm: torch.fx.GraphModule, windows: tuple[Window, ...], carri
             # the concat with an empty state the stock code made itself) is copied into the carry.
             expected = w.live if tail is None else min(w.live, w.keep)
             if _extent(leaf, w.axis) != expected:
-                raise WindowError(f"{graph}: {w.site}: {leaf.name} has extent {_extent(leaf, w.axis)}, "
-                                  f"the catalog class declares {expected}")
+                raise WindowError(
+                    f"{graph}: {w.site}: {leaf.name} has extent {_extent(leaf, w.axis)}, the catalog class declares {expected}"
+                )
             kept = _adopt(gm, output, carry, leaf)
             kind, done = "keep", "the new units, kept whole, copied into the carry in place"
-        elif not w.held and not w.head and tail is not None and tail[1:] == (w.axis, 0, w.keep) and _extent(cat, w.axis) >= w.keep:
+        elif (
+            not w.held and not w.head and tail is not None and tail[1:] == (w.axis, 0, w.keep) and _extent(cat, w.axis) >= w.keep
+        ):
             # The last W of [retained | new] taken from the new units alone, which fill the window
             # (transformers' Mimi: `hidden_states[..., -padding:]`): the same units, copied into the
             # carry after the step's last reader of it.
@@ -349,8 +371,10 @@ def rewrite_windows(gm: torch.fx.GraphModule, windows: tuple[Window, ...], carri
             kept, done = _copy_retained(gm, graph, w, carry, leaf, tail, nodes.get(w.input), output)
             kind = "keep"
         else:
-            raise WindowError(f"{graph}: {w.site}: retention output {leaf.name} is neither a concat of "
-                              f"{w.input} and new units nor new units kept whole")
+            raise WindowError(
+                f"{graph}: {w.site}: retention output {leaf.name} is neither a concat of "
+                f"{w.input} and new units nor new units kept whole"
+            )
         sites.append(RetentionSite(graph, leaf.name, w.region, w.axis, kind, True, f"rewritten ({w.site}): {done}"))
     gm.graph.lint()
     gm.recompile()
@@ -369,11 +393,15 @@ def _rewrite_concat(gm, graph, w: Window, carry, leaf, cat, tail, retained_input
     the slice or the concat itself). Returns (kept node, what was done)."""
     (retained, new), dim = cat.args[0], cat.args[1] if len(cat.args) > 1 else 0
     if retained is not retained_input or _axis(cat, dim) != w.axis:
-        raise WindowError(f"{graph}: {w.site}: {cat.name} concatenates {retained} along axis {_axis(cat, dim)}, "
-                          f"declared {w.input} along axis {w.axis}")
+        raise WindowError(
+            f"{graph}: {w.site}: {cat.name} concatenates {retained} along axis {_axis(cat, dim)}, "
+            f"declared {w.input} along axis {w.axis}"
+        )
     if _extent(cat, w.axis) != w.live:
-        raise WindowError(f"{graph}: {w.site}: operand {cat.name} has extent {_extent(cat, w.axis)} along "
-                          f"axis {w.axis}, the catalog class declares {w.live}")
+        raise WindowError(
+            f"{graph}: {w.site}: operand {cat.name} has extent {_extent(cat, w.axis)} along "
+            f"axis {w.axis}, the catalog class declares {w.live}"
+        )
     _check_retention(graph, w, tail)
     if w.held:
         cat_strides = tuple(cat.meta["val"].stride())
@@ -384,17 +412,24 @@ def _rewrite_concat(gm, graph, w: Window, carry, leaf, cat, tail, retained_input
         if leaf is cat:
             leaf = operand
         with gm.graph.inserting_before(output):
-            kept = gm.graph.call_function(window_evict if tail else window_adopt,
-                                          (carry, operand, w.keep, w.head) if tail else (carry, operand))
-        layout = ("its strides are the stock concat's" if carry_node_strides(gm, carry, w.live) == cat_strides
-                  else f"a strided view of the {w.live}-unit prefix (the stock concat is contiguous)")
-        done = (f"[retained | new] written in place at offset {w.live - _extent(new, w.axis)} of the carry is the "
-                f"operand, {layout}; " + (f"{_kept(w.keep, w.head)} compacted in place after the last reader" if tail
-                                          else "kept whole"))
+            kept = gm.graph.call_function(
+                window_evict if tail else window_adopt, (carry, operand, w.keep, w.head) if tail else (carry, operand)
+            )
+        layout = (
+            "its strides are the stock concat's"
+            if carry_node_strides(gm, carry, w.live) == cat_strides
+            else f"a strided view of the {w.live}-unit prefix (the stock concat is contiguous)"
+        )
+        done = (
+            f"[retained | new] written in place at offset {w.live - _extent(new, w.axis)} of the carry is the "
+            f"operand, {layout}; "
+            + (f"{_kept(w.keep, w.head)} compacted in place after the last reader" if tail else "kept whole")
+        )
     else:
         with gm.graph.inserting_before(output):
             kept = gm.graph.call_function(window_keep, (carry, retained, cat, w.keep if tail else w.live, w.head if tail else 0))
-        done = f"operand concat kept; {_kept(w.keep if tail else w.live, w.head if tail else 0)} copied into the compact carry in place"
+        copied = _kept(w.keep if tail else w.live, w.head if tail else 0)
+        done = f"operand concat kept; {copied} copied into the compact carry in place"
     output.replace_input_with(leaf, kept)
     if tail is not None:
         _erase_trim(gm, leaf)
@@ -407,8 +442,10 @@ def _check_retention(graph: str, w: Window, tail) -> None:
     if tail and (tail[1] != w.axis or tail[3] != w.keep or tail[2] != w.head):
         kept = f"the first {tail[2]} and last {tail[3] - tail[2]}" if tail[2] else f"the last {tail[3]}"
         declared = f"the first {w.head} and last {w.keep - w.head}" if w.head else f"the last {w.keep}"
-        raise WindowError(f"{graph}: {w.site}: the retention keeps {kept} units along axis {tail[1]}, "
-                          f"the region retains {declared} along axis {w.axis}")
+        raise WindowError(
+            f"{graph}: {w.site}: the retention keeps {kept} units along axis {tail[1]}, "
+            f"the region retains {declared} along axis {w.axis}"
+        )
 
 
 def _copy_retained(gm, graph, w: Window, carry, leaf, tail, retained_input, output):
@@ -422,7 +459,10 @@ def _copy_retained(gm, graph, w: Window, carry, leaf, tail, retained_input, outp
     output.replace_input_with(leaf, kept)
     if tail is not None:
         _erase_trim(gm, leaf)
-    return kept, f"built by the step ({operand.name}); {_kept(w.keep, w.head)} copied into the carry in place after the last reader"
+    return (
+        kept,
+        f"built by the step ({operand.name}); {_kept(w.keep, w.head)} copied into the carry in place after the last reader",
+    )
 
 
 def _kept(keep: int, head: int) -> str:

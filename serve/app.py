@@ -50,6 +50,7 @@ REALTIME_SUBPROTOCOL = "realtime"
 # client sends autostart=0 on every connection).
 _FALSE = ("0", "false", "no", "off")
 
+
 def selected_subprotocol(offered: list[str]) -> str | None:
     """The subprotocol the handshake answers with: ``realtime`` when offered; else, for an offer of
     only the key entry (a page that sends its key alone), that entry: a browser fails a handshake

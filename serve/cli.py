@@ -30,10 +30,12 @@ def _serve(args: argparse.Namespace) -> int:
             "and the replicas trust only the ingress's word for it"
         )
     options = dict(args.plugin_option)
-    for flag, value, accepts, what in (("--weights", args.weights, loads_weights, "loads no checkpoint"),
-                                       ("--prompt", args.prompt, takes_prompt, "takes no speaker prompt"),
-                                       ("--slots", args.slots, has_slots, "has no batch of slots"),
-                                       ("--lanes", args.lanes, has_lanes, "has no replay lanes")):
+    for flag, value, accepts, what in (
+        ("--weights", args.weights, loads_weights, "loads no checkpoint"),
+        ("--prompt", args.prompt, takes_prompt, "takes no speaker prompt"),
+        ("--slots", args.slots, has_slots, "has no batch of slots"),
+        ("--lanes", args.lanes, has_lanes, "has no replay lanes"),
+    ):
         if value is None:
             continue
         if not accepts(args.model):
@@ -74,8 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
         ws = base.replace("http", "ws", 1)
         replicas = f" over {len(health['replicas'])} replicas" if "replicas" in health else ""
         print(
-            f"ready: {health['model']} on {ws}/v1/realtime ({health['max_sessions']} session slots{replicas}); "
-            f"page at {base}/",
+            f"ready: {health['model']} on {ws}/v1/realtime ({health['max_sessions']} session slots{replicas}); page at {base}/",
             file=sys.stderr,
             flush=True,
         )
@@ -98,8 +99,10 @@ def _prompt(args: argparse.Namespace) -> int:
     print(f"preparing the prompt state of {wav} with {found.assets}...", file=sys.stderr, flush=True)
     prompt = checkpoint.prepare_prompt(found, wav)
     checkpoint.save_prompt(prompt, args.out, source=str(wav))
-    print(f"wrote {args.out}: {prompt.tokens.shape[1]} speech tokens, {prompt.mels.shape[1]} mel frames, "
-          f"a {prompt.spk.shape[1]}-dim speaker embedding")
+    print(
+        f"wrote {args.out}: {prompt.tokens.shape[1]} speech tokens, {prompt.mels.shape[1]} mel frames, "
+        f"a {prompt.spk.shape[1]}-dim speaker embedding"
+    )
     return 0
 
 
@@ -137,31 +140,53 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=positive_int, default=8000)
     serve.add_argument("--model", choices=plugin_names(), default=DEFAULT_PLUGIN, help="the model plugin to serve")
-    serve.add_argument("--weights", metavar="DIR_OR_REPO",
-                       help="a published checkpoint to serve instead of random weights: a local directory or a "
-                            "Hugging Face hub repo id (moshi-full: kyutai/moshiko-pytorch-bf16; token2wav-full: "
-                            "openbmb/MiniCPM-o-4_5)")
-    serve.add_argument("--max-sessions", type=positive_int,
-                       help="live sessions at once (default: --slots when given, else 16)")
-    serve.add_argument("--slots", type=positive_int, metavar="B",
-                       help="moshi-*: the batch of each tick place, the sessions it ticks in one call; admission "
-                            "is a free slot (default: the batch follows --max-sessions)")
-    serve.add_argument("--lanes", type=positive_int, metavar="L",
-                       help="token2wav*: replay lanes, each its own copy of the flow and graphs on its own thread and "
-                            "CUDA stream, warmed at startup; sessions spread over them, ceil(--max-sessions / L) on "
-                            "each (default: 8 on token2wav-full, 1 on token2wav)")
+    serve.add_argument(
+        "--weights",
+        metavar="DIR_OR_REPO",
+        help="a published checkpoint to serve instead of random weights: a local directory or a "
+        "Hugging Face hub repo id (moshi-full: kyutai/moshiko-pytorch-bf16; token2wav-full: "
+        "openbmb/MiniCPM-o-4_5)",
+    )
+    serve.add_argument("--max-sessions", type=positive_int, help="live sessions at once (default: --slots when given, else 16)")
+    serve.add_argument(
+        "--slots",
+        type=positive_int,
+        metavar="B",
+        help="moshi-*: the batch of each tick place, the sessions it ticks in one call; admission "
+        "is a free slot (default: the batch follows --max-sessions)",
+    )
+    serve.add_argument(
+        "--lanes",
+        type=positive_int,
+        metavar="L",
+        help="token2wav*: replay lanes, each its own copy of the flow and graphs on its own thread and "
+        "CUDA stream, warmed at startup; sessions spread over them, ceil(--max-sessions / L) on "
+        "each (default: 8 on token2wav-full, 1 on token2wav)",
+    )
     serve.add_argument(
         "--max-sessions-per-client", type=positive_int, default=4, help="live sessions one client address may hold"
     )
     serve.add_argument("--idle-ttl", type=float, default=300.0, help="seconds without traffic before a session expires")
     serve.add_argument("--grace", type=float, default=30.0, help="seconds a disconnected session waits for a resume")
-    serve.add_argument("--reply-lead", type=float, default=0.0, metavar="SECONDS",
-                       help="compute a reply at most this far ahead of its playback (0: as fast as the model goes)")
-    serve.add_argument("--prompt", metavar="FILE",
-                       help="token2wav's speaker prompt: a file written by `cadence-fx prompt`, or a WAV "
-                            "(default with --weights: the model's reference voice)")
     serve.add_argument(
-        "--plugin-option", metavar="NAME=VALUE", type=plugin_option, action="append", default=[],
+        "--reply-lead",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="compute a reply at most this far ahead of its playback (0: as fast as the model goes)",
+    )
+    serve.add_argument(
+        "--prompt",
+        metavar="FILE",
+        help="token2wav's speaker prompt: a file written by `cadence-fx prompt`, or a WAV "
+        "(default with --weights: the model's reference voice)",
+    )
+    serve.add_argument(
+        "--plugin-option",
+        metavar="NAME=VALUE",
+        type=plugin_option,
+        action="append",
+        default=[],
         help="a keyword argument of the model plugin (repeatable), e.g. step_delay_s=0.04 for tone",
     )
     serve.add_argument("--ssl-keyfile", metavar="PEM", help="serve https:// and wss:// with this private key")
@@ -199,18 +224,25 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json")
     serve.add_argument(
-        "--ray", action="store_true",
+        "--ray",
+        action="store_true",
         help="serve on Ray Serve (RAY_ADDRESS's cluster, else a local one): replicas of this server behind one "
-             "ingress that routes each session to its replica; --max-sessions is per replica (docs/deployment.md)",
+        "ingress that routes each session to its replica; --max-sessions is per replica (docs/deployment.md)",
     )
-    serve.add_argument("--replicas", type=positive_int,
-                       help="with --ray: how many replicas, one GPU each where the cluster has GPUs "
-                            "(default: one per GPU, or 2 without GPUs)")
+    serve.add_argument(
+        "--replicas",
+        type=positive_int,
+        help="with --ray: how many replicas, one GPU each where the cluster has GPUs (default: one per GPU, or 2 without GPUs)",
+    )
     serve.set_defaults(run=_serve)
 
     prompt = commands.add_parser("prompt", help="prepare MiniCPM-o Token2Wav's speaker prompt from a WAV and save it")
-    prompt.add_argument("--weights", required=True, metavar="DIR_OR_REPO",
-                        help="the checkpoint whose speech tokenizer and speaker model prepare it (a folder or a hub id)")
+    prompt.add_argument(
+        "--weights",
+        required=True,
+        metavar="DIR_OR_REPO",
+        help="the checkpoint whose speech tokenizer and speaker model prepare it (a folder or a hub id)",
+    )
     prompt.add_argument("--wav", help="the prompt's audio (default: the model's reference voice)")
     prompt.add_argument("--out", required=True, help="where to write the prompt file (safetensors)")
     prompt.set_defaults(run=_prompt)

@@ -101,8 +101,7 @@ class ClientReport:
         if self.first_audio_latency_s:
             latencies = sorted(self.first_audio_latency_s)
             line += (
-                f"; first audio {1000 * latencies[len(latencies) // 2]:.0f} ms after the turn ended"
-                f" (median of {len(latencies)})"
+                f"; first audio {1000 * latencies[len(latencies) // 2]:.0f} ms after the turn ended (median of {len(latencies)})"
             )
         if self.errors:
             line += f"; {len(self.errors)} error events (first: {self.errors[0].get('message')})"
@@ -148,7 +147,7 @@ async def _connect(url: str) -> RealtimeSocket:
         raise ClientError(f"{url} did not answer as a WebSocket server ({exc}): ws:// against a TLS server?") from None
     except ConnectionRefusedError:
         raise ClientError(f"could not connect to {url}: connection refused (is `cadence-fx serve` running there?)") from None
-    except (TimeoutError, asyncio.TimeoutError):
+    except TimeoutError:
         raise ClientError(f"could not connect to {url}: no answer within 5 s") from None
     except OSError as exc:
         raise ClientError(f"could not connect to {url}: {exc.strerror or exc}") from None
@@ -214,7 +213,7 @@ async def stream_wav(
         while True:
             try:
                 event = await sock.recv(timeout=2.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if sending_done.is_set() and active == 0:
                     return
                 continue
@@ -250,7 +249,7 @@ async def stream_wav(
             await sock.recv_until("session.closed", timeout=5.0)
     except websockets.ConnectionClosed as exc:
         report.failure = f"the server closed the connection ({exc.rcvd.code if exc.rcvd else 'no close frame'})"
-    except (asyncio.TimeoutError, OSError) as exc:
+    except (TimeoutError, OSError) as exc:
         report.failure = f"the connection failed ({type(exc).__name__})"
     finally:
         await sock.close()

@@ -202,9 +202,9 @@ class DuplexService:
         replay after ``last_server_event_seq`` (or ``session.resync_required``), else an ``ev.Error``."""
         handle = self._handle(True)
         handle._connection.open(resume=True)
-        await handle.submit(ev.SessionResume(
-            session_id=session_id, resume_token=resume_token, last_server_event_seq=last_server_event_seq
-        ))
+        await handle.submit(
+            ev.SessionResume(session_id=session_id, resume_token=resume_token, last_server_event_seq=last_server_event_seq)
+        )
         return handle
 
 

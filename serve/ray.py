@@ -212,8 +212,9 @@ class SessionRouter:
             error = {"type": "server_error", "code": REPLICA_LOST, "message": "no replica is up"}
             return JSONResponse({"error": error}, status_code=503)
         first = listed[0][1]
-        first["data"][0]["replicas"] = [{"replica": r, "plugin": m["data"][0]["plugin"], "memory": m["data"][0]["memory"]}
-                                        for r, m in listed]
+        first["data"][0]["replicas"] = [
+            {"replica": r, "plugin": m["data"][0]["plugin"], "memory": m["data"][0]["memory"]} for r, m in listed
+        ]
         return JSONResponse(first)
 
     async def candidates(self, session_id: str | None) -> list[dict]:
@@ -426,8 +427,7 @@ def application(spec: RaySpec) -> serve.Application:
     """The Ray Serve application: ``spec.replicas`` deployments ``replica-<i>`` and the ingress."""
     options = {"num_cpus": spec.cpus_per_replica, "num_gpus": spec.gpus_per_replica}
     replicas = [
-        SessionReplica.options(name=f"replica-{i}", ray_actor_options=options).bind(i, spec)
-        for i in range(spec.replicas)
+        SessionReplica.options(name=f"replica-{i}", ray_actor_options=options).bind(i, spec) for i in range(spec.replicas)
     ]
     return SessionRouter.options(name="router").bind(replicas, spec)
 

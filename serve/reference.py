@@ -40,18 +40,23 @@ def service_blocks() -> dict[str, str]:
     from cadence_fx.serve.session import Limits
 
     commands = ["| command | tier | fields |", "|---|---|---|"] + [
-        f"| `{name}` | {cls.TIER} | {_fields(cls)} |" for name, cls in events.COMMANDS.items()]
+        f"| `{name}` | {cls.TIER} | {_fields(cls)} |" for name, cls in events.COMMANDS.items()
+    ]
     served = ["| event | tier | replayed on resume | fields |", "|---|---|---|---|"] + [
-        f"| `{name}` | {cls.TIER} | {'yes' if cls.JOURNALED else 'no'} | {_fields(cls)} |"
-        for name, cls in events.EVENTS.items()]
+        f"| `{name}` | {cls.TIER} | {'yes' if cls.JOURNALED else 'no'} | {_fields(cls)} |" for name, cls in events.EVENTS.items()
+    ]
     not_sent = sorted(set(_ga_types(RealtimeServerEvent)) - set(events.EVENTS))
     not_read = sorted(set(_ga_types(RealtimeClientEvent)) - set(events.COMMANDS))
-    ga = [f"GA server events never sent ({len(not_sent)}): " + ", ".join(f"`{t}`" for t in not_sent) + ".", "",
-          "GA client events answered with `unknown_event_type` "
-          f"({len(not_read)}): " + (", ".join(f"`{t}`" for t in not_read) or "none") + "."]
+    ga = [
+        f"GA server events never sent ({len(not_sent)}): " + ", ".join(f"`{t}`" for t in not_sent) + ".",
+        "",
+        "GA client events answered with `unknown_event_type` "
+        f"({len(not_read)}): " + (", ".join(f"`{t}`" for t in not_read) or "none") + ".",
+    ]
     defaults = Limits()
     limits = ["| limit | default |", "|---|---|"] + [
-        f"| `{f.name}` | `{getattr(defaults, f.name)}` |" for f in dataclasses.fields(Limits)]
+        f"| `{f.name}` | `{getattr(defaults, f.name)}` |" for f in dataclasses.fields(Limits)
+    ]
     return {
         "commands": "\n".join(commands),
         "events": "\n".join(served),

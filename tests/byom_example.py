@@ -30,9 +30,18 @@ LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 8
 
 def build_model(device: str = "cpu") -> tuple[MistralForCausalLM, MistralConfig]:
     torch.manual_seed(0)
-    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-                           num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                           sliding_window=WINDOW, max_position_embeddings=512, attn_implementation="sdpa")
+    config = MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        sliding_window=WINDOW,
+        max_position_embeddings=512,
+        attn_implementation="sdpa",
+    )
     return MistralForCausalLM(config).eval().to(device), config
 
 
@@ -43,9 +52,16 @@ def contract() -> Contract:
         rates=(Rate("token", "call", TOKENS_PER_CALL, name="tokens_per_call"),),
         quantities={"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM},
         regions=(
-            Region("kv", dims=("layers", 2, 1, "kv_heads", "token", "head_dim"), axis=4, clock="token",
-                   stride=TOKENS_PER_CALL, dtype="float32", lifetime=Lifetime.PER_STREAM,
-                   retention=SlidingWindow(window=WINDOW - 1)),
+            Region(
+                "kv",
+                dims=("layers", 2, 1, "kv_heads", "token", "head_dim"),
+                axis=4,
+                clock="token",
+                stride=TOKENS_PER_CALL,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=SlidingWindow(window=WINDOW - 1),
+            ),
         ),
         operators=(Operator("decoder_step", "kv", steady=TOKENS_PER_CALL),),
         admission=Admission("token", max_per_call=TOKENS_PER_CALL),
@@ -57,8 +73,12 @@ def binding() -> Binding:
     return Binding(
         regions=(RegionBinding("kv", at=("cache.layers.*.keys", "cache.layers.*.values")),),
         operators=(
-            OperatorBinding("decoder_step", method="forward", units=("input_ids", 1),
-                            counters=("cache.layers.*.cumulative_length", "cache.layers.*.is_initialized")),
+            OperatorBinding(
+                "decoder_step",
+                method="forward",
+                units=("input_ids", 1),
+                counters=("cache.layers.*.cumulative_length", "cache.layers.*.is_initialized"),
+            ),
         ),
     )
 
@@ -70,7 +90,7 @@ def stream(model, config, tokens: torch.Tensor, *, positions: bool = True):
     with torch.no_grad():
         for t in range(0, tokens.shape[1], TOKENS_PER_CALL):
             kwargs = {"position_ids": torch.arange(t, t + TOKENS_PER_CALL, device=tokens.device)[None]} if positions else {}
-            out = model(input_ids=tokens[:, t:t + TOKENS_PER_CALL], cache=cache, use_cache=True, **kwargs)
+            out = model(input_ids=tokens[:, t : t + TOKENS_PER_CALL], cache=cache, use_cache=True, **kwargs)
             logits.append(out.logits)
             addresses.append(tuple(t.data_ptr() for layer in cache.layers for t in (layer.keys, layer.values)))
     return logits, addresses

@@ -70,11 +70,15 @@ def vendor_token2wav(assets: Path, *, seed: int, on_cpu: bool):
     module = importlib.import_module("stepaudio2.token2wav")
     patch = pytest.MonkeyPatch()
     patch.setattr(module, "s3tokenizer", types.SimpleNamespace(load_model=lambda path: torch.nn.Identity()))
-    patch.setattr(module, "onnxruntime", types.SimpleNamespace(
-        SessionOptions=types.SimpleNamespace,
-        GraphOptimizationLevel=types.SimpleNamespace(ORT_ENABLE_ALL=None),
-        InferenceSession=lambda *args, **kwargs: None,
-    ))
+    patch.setattr(
+        module,
+        "onnxruntime",
+        types.SimpleNamespace(
+            SessionOptions=types.SimpleNamespace,
+            GraphOptimizationLevel=types.SimpleNamespace(ORT_ENABLE_ALL=None),
+            InferenceSession=lambda *args, **kwargs: None,
+        ),
+    )
     if on_cpu:
         patch.setattr(torch.nn.Module, "cuda", lambda self, device=None: self)
         patch.setattr(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)

@@ -5,14 +5,15 @@ contract-and-binding pairs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
+import test_binding_static_cache as static_cache
+import test_byom_probe as probe
 import torch
 from transformers import DynamicCache
 
-import test_byom_probe as probe
-import test_binding_static_cache as static_cache
 from cadence_fx import Binding, Contract, derive
 
 
@@ -89,29 +90,53 @@ CASES: dict[str, Case] = {
     "mistral": Case(_mistral, dict(tokens_per_call=2), positions=None),
     "qwen3": Case(lambda: hand_written(probe.qwen3_streams, "cpu", 2), dict(tokens_per_call=STEP, max_tokens=12)),
     "gpt2": Case(lambda: hand_written(probe.gpt2_streams, "cpu", 2), dict(tokens_per_call=STEP, max_tokens=8)),
-    **{family: Case(lambda family=family: _decoder(family), dict(tokens_per_call=STEP, max_tokens=12))
-       for family in sorted(probe.MORE_DECODERS)},
+    **{
+        family: Case(lambda family=family: _decoder(family), dict(tokens_per_call=STEP, max_tokens=12))
+        for family in sorted(probe.MORE_DECODERS)
+    },
     "gemma3": Case(lambda: hand_written(probe.gemma3_streams, "cpu", 2), dict(tokens_per_call=STEP, max_tokens=12)),
-    "whisper": Case(lambda: hand_written(probe.whisper_streams, "cpu", 2), dict(tokens_per_call=STEP, max_tokens=8),
-                    stream="encoder_decoder", positions="decoder_position_ids"),
-    "bart": Case(lambda: _seq2seq("bart"), dict(tokens_per_call=STEP, max_tokens=8, encoder_frames=probe.ENCODER_FRAMES),
-                 stream="encoder_decoder", positions=None),
-    "t5": Case(lambda: _seq2seq("t5"), dict(tokens_per_call=STEP, max_tokens=8, encoder_frames=probe.ENCODER_FRAMES),
-               stream="encoder_decoder", positions=None),
+    "whisper": Case(
+        lambda: hand_written(probe.whisper_streams, "cpu", 2),
+        dict(tokens_per_call=STEP, max_tokens=8),
+        stream="encoder_decoder",
+        positions="decoder_position_ids",
+    ),
+    "bart": Case(
+        lambda: _seq2seq("bart"),
+        dict(tokens_per_call=STEP, max_tokens=8, encoder_frames=probe.ENCODER_FRAMES),
+        stream="encoder_decoder",
+        positions=None,
+    ),
+    "t5": Case(
+        lambda: _seq2seq("t5"),
+        dict(tokens_per_call=STEP, max_tokens=8, encoder_frames=probe.ENCODER_FRAMES),
+        stream="encoder_decoder",
+        positions=None,
+    ),
     "mamba": Case(lambda: hand_written(probe.mamba_streams, "cpu", 2), dict(tokens_per_call=STEP), positions=None),
     "jamba": Case(lambda: hand_written(probe.jamba_streams), dict(tokens_per_call=STEP, max_tokens=12), positions=None),
-    "deepseek_v3": Case(lambda: hand_written(probe.test_deepseek_v3_latent_attention_binds_its_two_cache_widths_as_two_regions),
-                        dict(tokens_per_call=STEP, max_tokens=12)),
-    "kyutai_stt": Case(lambda: _kyutai(),
-                       dict(tokens_per_call=1), codebooks=(3,), vocab=16),
-    "moshi": Case(lambda: hand_written(
-        probe.test_moshi_text_transformer_refuses_its_first_call_and_streams_its_sliding_cache_on_the_exported_steps),
-        dict(tokens_per_call=STEP)),
-    "csm": Case(lambda: hand_written(
-        probe.test_csm_backbone_refuses_every_class_and_streams_one_frame_of_codes_a_call_exact_on_the_stock_code),
-        dict(tokens_per_call=1, max_tokens=probe.CSM_CALLS), codebooks=(2,), vocab=16),
-    "llama_static": Case(_static, dict(tokens_per_call=static_cache.STEP, max_tokens=static_cache.CAPACITY, cache="static"),
-                         stream="static"),
+    "deepseek_v3": Case(
+        lambda: hand_written(probe.test_deepseek_v3_latent_attention_binds_its_two_cache_widths_as_two_regions),
+        dict(tokens_per_call=STEP, max_tokens=12),
+    ),
+    "kyutai_stt": Case(lambda: _kyutai(), dict(tokens_per_call=1), codebooks=(3,), vocab=16),
+    "moshi": Case(
+        lambda: hand_written(
+            probe.test_moshi_text_transformer_refuses_its_first_call_and_streams_its_sliding_cache_on_the_exported_steps
+        ),
+        dict(tokens_per_call=STEP),
+    ),
+    "csm": Case(
+        lambda: hand_written(
+            probe.test_csm_backbone_refuses_every_class_and_streams_one_frame_of_codes_a_call_exact_on_the_stock_code
+        ),
+        dict(tokens_per_call=1, max_tokens=probe.CSM_CALLS),
+        codebooks=(2,),
+        vocab=16,
+    ),
+    "llama_static": Case(
+        _static, dict(tokens_per_call=static_cache.STEP, max_tokens=static_cache.CAPACITY, cache="static"), stream="static"
+    ),
 }
 
 
@@ -128,7 +153,7 @@ def _expand(path: str, counts: dict[str, int]) -> set[str]:
             else:
                 start, stop, *step = (int(x) if x else None for x in segment[1:-1].split(":"))
                 chosen = range(count)[slice(start, stop, step[0] if step else None)]
-            rest = ".".join(segments[i + 1:])
+            rest = ".".join(segments[i + 1 :])
             return set().union(*(_expand(f"{prefix}.{j}" + (f".{rest}" if rest else ""), counts) for j in chosen))
     return {path}
 
@@ -155,15 +180,28 @@ def comparable(model: Any, contract: Contract, binding: Binding) -> dict[str, An
     for rb in binding.regions:
         region, derived = contract.region(rb.region), catalog.region(rb.region)
         paths = frozenset().union(*(_expand(p, counts) for p in rb.at))
-        regions[paths] = dict(shape=derived.shape, lower=derived.lower, bound=derived.bound, retention=region.retention,
-                              stride=region.stride, dtype=region.dtype, axis=region.axis, holds_call=region.holds_call,
-                              clock_kind=None if region.clock is None else next(c.kind for c in contract.clocks
-                                                                                 if c.name == region.clock))
+        regions[paths] = dict(
+            shape=derived.shape,
+            lower=derived.lower,
+            bound=derived.bound,
+            retention=region.retention,
+            stride=region.stride,
+            dtype=region.dtype,
+            axis=region.axis,
+            holds_call=region.holds_call,
+            clock_kind=None if region.clock is None else next(c.kind for c in contract.clocks if c.name == region.clock),
+        )
     (ob,) = binding.operators
     (op,) = contract.operators
-    operator = dict(method=ob.method, units=ob.units, steady=op.steady, flush=op.flush, admission=contract.admission.max_per_call,
-                    classes=tuple((c.call, c.extent, c.flush) for c in catalog.operator(op.name).classes),
-                    region=frozenset().union(*(_expand(p, counts) for p in binding.region(op.region).at)))
+    operator = dict(
+        method=ob.method,
+        units=ob.units,
+        steady=op.steady,
+        flush=op.flush,
+        admission=contract.admission.max_per_call,
+        classes=tuple((c.call, c.extent, c.flush) for c in catalog.operator(op.name).classes),
+        region=frozenset().union(*(_expand(p, counts) for p in binding.region(op.region).at)),
+    )
     counters = frozenset().union(*(_expand(p, counts) for p in ob.counters)) if ob.counters else frozenset()
     return dict(regions=regions, operator=operator, counters=counters, regimes=ob.regimes, modes=ob.modes, verify=binding.verify)
 
@@ -178,8 +216,11 @@ def differences(hand: dict[str, Any], derived: dict[str, Any]) -> list[str]:
             lines.append(f"{name}: {'only derived' if h is None else 'only hand-written'}")
             continue
         lines += [f"{name}.{key}: {h[key]!r} -> {d[key]!r}" for key in h if h[key] != d[key]]
-    lines += [f"operator.{key}: {hand['operator'][key]!r} -> {derived['operator'][key]!r}"
-              for key in hand["operator"] if hand["operator"][key] != derived["operator"][key]]
+    lines += [
+        f"operator.{key}: {hand['operator'][key]!r} -> {derived['operator'][key]!r}"
+        for key in hand["operator"]
+        if hand["operator"][key] != derived["operator"][key]
+    ]
     lines += [f"counter only hand-written: {p}" for p in sorted(hand["counters"] - derived["counters"])]
     lines += [f"counter only derived: {p}" for p in sorted(derived["counters"] - hand["counters"])]
     for key in ("regimes", "modes", "verify"):

@@ -33,16 +33,30 @@ import yaml
 from torch import nn
 
 _DEFAULTS = {
-    "encoder_layer_config": "tdnn-dtc", "encoder_input_dim": 256, "encoder_output_dim": 256,
-    "transformer_input_dim": 256, "transformer_output_dim": 4, "transformer_attention_dim": 256,
-    "transformer_attention_heads": 4, "transformer_linear_units": 1024, "transformer_num_blocks": 6,
-    "transformer_dropout_rate": 0.1, "transformer_attention_dropout_rate": 0.0,
-    "transformer_positional_dropout_rate": 0.1, "transformer_input_layer": "linear",
-    "transformer_pos_enc_class": "abs-enc", "transformer_normalize_before": True,
-    "transformer_concat_after": False, "transformer_positionwise_layer_type": "linear",
-    "transformer_positionwise_conv_kernel_size": 1, "transformer_chunk_size": -1,
-    "transformer_left_chunks": -1, "transformer_dynamic_chunks": True,
-    "subsampling_rate": 4, "subsampling_input_dim": 256, "subsampling_output_dim": 256,
+    "encoder_layer_config": "tdnn-dtc",
+    "encoder_input_dim": 256,
+    "encoder_output_dim": 256,
+    "transformer_input_dim": 256,
+    "transformer_output_dim": 4,
+    "transformer_attention_dim": 256,
+    "transformer_attention_heads": 4,
+    "transformer_linear_units": 1024,
+    "transformer_num_blocks": 6,
+    "transformer_dropout_rate": 0.1,
+    "transformer_attention_dropout_rate": 0.0,
+    "transformer_positional_dropout_rate": 0.1,
+    "transformer_input_layer": "linear",
+    "transformer_pos_enc_class": "abs-enc",
+    "transformer_normalize_before": True,
+    "transformer_concat_after": False,
+    "transformer_positionwise_layer_type": "linear",
+    "transformer_positionwise_conv_kernel_size": 1,
+    "transformer_chunk_size": -1,
+    "transformer_left_chunks": -1,
+    "transformer_dynamic_chunks": True,
+    "subsampling_rate": 4,
+    "subsampling_input_dim": 256,
+    "subsampling_output_dim": 256,
     "subsampling_dropout_rate": 0.1,
 }
 
@@ -168,8 +182,8 @@ class MultiHeadedAttention(nn.Module):
             key_buffer = torch.cat([kept[0], k], dim=2)
             value_buffer = torch.cat([kept[1], v], dim=2)
         if key_buffer.size(2) > self.buffersize:
-            buffer[buffer_index][0] = key_buffer[:, :, -self.buffersize:, :]
-            buffer[buffer_index][1] = value_buffer[:, :, -self.buffersize:, :]
+            buffer[buffer_index][0] = key_buffer[:, :, -self.buffersize :, :]
+            buffer[buffer_index][1] = value_buffer[:, :, -self.buffersize :, :]
         else:
             buffer[buffer_index] = [key_buffer, value_buffer]
         buffer_index += 1
@@ -225,23 +239,32 @@ class Transformer(nn.Module):
         d = args.transformer_attention_dim
         self.num_blocks = args.transformer_num_blocks
         self.normalize_before = args.transformer_normalize_before
-        self.embed = nn.Sequential(nn.Linear(args.transformer_input_dim, d), nn.LayerNorm(d),
-                                   nn.Dropout(args.transformer_dropout_rate), nn.ReLU())
-        self.pe = RelPositionalEncoding(d, args.transformer_positional_dropout_rate, args.transformer_chunk_size,
-                                        args.transformer_left_chunks)
-        self.encoders = nn.Sequential(*[
-            TransformerLayer(
-                d,
-                MultiHeadedAttention(args.transformer_attention_heads, d, args.transformer_attention_dropout_rate,
-                                     args.transformer_chunk_size, args.transformer_left_chunks,
-                                     args.transformer_pos_enc_class),
-                PositionwiseFeedForward(d, args.transformer_linear_units, args.transformer_dropout_rate),
-                args.transformer_dropout_rate,
-                args.transformer_normalize_before,
-                args.transformer_concat_after,
-            )
-            for _ in range(self.num_blocks)
-        ])
+        self.embed = nn.Sequential(
+            nn.Linear(args.transformer_input_dim, d), nn.LayerNorm(d), nn.Dropout(args.transformer_dropout_rate), nn.ReLU()
+        )
+        self.pe = RelPositionalEncoding(
+            d, args.transformer_positional_dropout_rate, args.transformer_chunk_size, args.transformer_left_chunks
+        )
+        self.encoders = nn.Sequential(
+            *[
+                TransformerLayer(
+                    d,
+                    MultiHeadedAttention(
+                        args.transformer_attention_heads,
+                        d,
+                        args.transformer_attention_dropout_rate,
+                        args.transformer_chunk_size,
+                        args.transformer_left_chunks,
+                        args.transformer_pos_enc_class,
+                    ),
+                    PositionwiseFeedForward(d, args.transformer_linear_units, args.transformer_dropout_rate),
+                    args.transformer_dropout_rate,
+                    args.transformer_normalize_before,
+                    args.transformer_concat_after,
+                )
+                for _ in range(self.num_blocks)
+            ]
+        )
         if self.normalize_before:
             self.after_norm = nn.LayerNorm(d)
 

@@ -53,8 +53,13 @@ def moshi_lm() -> Subject:
 
     def call(m, state, n, generator):
         lm = m.model.lm_model
-        frame = torch.cat([torch.randint(0, lm.text_card, (1, 1, 1), generator=generator),
-                           torch.randint(0, lm.card, (1, lm.num_codebooks - 1, 1), generator=generator)], dim=1)
+        frame = torch.cat(
+            [
+                torch.randint(0, lm.text_card, (1, 1, 1), generator=generator),
+                torch.randint(0, lm.card, (1, lm.num_codebooks - 1, 1), generator=generator),
+            ],
+            dim=1,
+        )
         torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=generator)))  # the depformer samples
         out, text_logits = m.lm_step(frame)
         return out, text_logits, m.depformer_step(text_logits[:, 0, 0].argmax(dim=-1), out)
@@ -96,8 +101,14 @@ def freeze_omni() -> Subject:
 
     config = FreezeOmniEncoderConfig.small()
     stock, encoder = build_encoder(config), build_encoder(config)
-    contract = freeze_omni_contract(blocks=config.num_blocks, d_model=config.attention_dim, heads=config.attention_heads,
-                                    chunk_frames=config.chunk_size, left_chunks=config.left_chunks, lorder=config.lorder)
+    contract = freeze_omni_contract(
+        blocks=config.num_blocks,
+        d_model=config.attention_dim,
+        heads=config.attention_heads,
+        chunk_frames=config.chunk_size,
+        left_chunks=config.left_chunks,
+        lorder=config.lorder,
+    )
     bound, report = transform(encoder, contract, BINDING)
 
     def new_state(m):
@@ -106,13 +117,14 @@ def freeze_omni() -> Subject:
     def call(m, held, n, generator):
         window, buffer, pe_index = held.value
         new = torch.randn(1, config.chunk_frames, 80, generator=generator)
-        window = torch.cat([window[:, -config.chunk_overlap:], new], dim=1)
+        window = torch.cat([window[:, -config.chunk_overlap :], new], dim=1)
         ys, buffer, pe_index = m.infer(window, buffer, pe_index)
         held.value = (window, buffer, pe_index)
         return ys
 
-    return Subject("freeze_omni", stock, bound, report, new_state, call, lambda h: h.value, units=config.chunk_size,
-                   keep=Held.kept)
+    return Subject(
+        "freeze_omni", stock, bound, report, new_state, call, lambda h: h.value, units=config.chunk_size, keep=Held.kept
+    )
 
 
 TOKEN2WAV_CHUNK, TOKEN2WAV_FLUSH = 50, 56  # mel frames of a chunk of 28 tokens, and of a last (flushing) one
@@ -143,11 +155,23 @@ def token2wav() -> Subject:
 
     def state_of(stream):
         envelopes = type(stream) is StockStream
-        return {k: v[:stream.n_timesteps, :depth] if envelopes and k.startswith("estimator") else v
-                for k, v in stream.stream_cache.items()}
+        return {
+            k: v[: stream.n_timesteps, :depth] if envelopes and k.startswith("estimator") else v
+            for k, v in stream.stream_cache.items()
+        }
 
-    return Subject("token2wav", stock, transformed, report, new_state, call, state_of, units=TOKEN2WAV_CHUNK,
-                   odd=(TOKEN2WAV_FLUSH,), streams=1)
+    return Subject(
+        "token2wav",
+        stock,
+        transformed,
+        report,
+        new_state,
+        call,
+        state_of,
+        units=TOKEN2WAV_CHUNK,
+        odd=(TOKEN2WAV_FLUSH,),
+        streams=1,
+    )
 
 
 FAMILIES = {"token2wav": token2wav, "moshi_lm": moshi_lm, "moshi_mimi": moshi_mimi, "freeze_omni": freeze_omni}

@@ -4,7 +4,7 @@ depths (`fuzz_families.py`). Each entry builds its subject (a transform) when ca
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from fuzz_families import FAMILIES
 from fuzz_probes import PROBES

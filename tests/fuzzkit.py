@@ -24,8 +24,9 @@ import contextlib
 import enum
 import random
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -84,8 +85,14 @@ class Outcome:
     refused: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"calls": self.calls, "wrong": self.wrong, "first_wrong": self.first_wrong, "classes": self.classes,
-                "stock_by_reason": dict(sorted(self.stock_by_reason.items())), "refused": self.refused}
+        return {
+            "calls": self.calls,
+            "wrong": self.wrong,
+            "first_wrong": self.first_wrong,
+            "classes": self.classes,
+            "stock_by_reason": dict(sorted(self.stock_by_reason.items())),
+            "refused": self.refused,
+        }
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -272,7 +279,7 @@ class Rolling(nn.Module):
             if cache.seen < WINDOW:
                 cache.frames[:, cache.seen] = y[:, t]
             else:
-                cache.frames.copy_(torch.cat([cache.frames[:, 1:], y[:, t:t + 1]], dim=1))
+                cache.frames.copy_(torch.cat([cache.frames[:, 1:], y[:, t : t + 1]], dim=1))
             cache.seen += 1
         return torch.softmax(y @ cache.frames.transpose(1, 2), dim=-1) @ cache.frames
 
@@ -293,7 +300,7 @@ class Sinks(nn.Module):
             if cache.seen < WINDOW:
                 cache.frames[:, cache.seen] = y[:, t]
             else:
-                history = torch.cat([cache.frames[:, SINKS + 1:], y[:, t:t + 1]], dim=1)
+                history = torch.cat([cache.frames[:, SINKS + 1 :], y[:, t : t + 1]], dim=1)
                 cache.frames[:, SINKS:] = history
             cache.seen += 1
         scale = 1.0 / (1 + min(cache.seen, WINDOW))
@@ -323,8 +330,18 @@ def _buffer_contract(family: str) -> Contract:
         clocks=(Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
         rates=(Rate("frame", "call", 1, name="frames_per_call"),),
         quantities={"dim": DIM},
-        regions=(Region("frames", dims=(1, "frame", "dim"), axis=1, clock="frame", stride=1, dtype="float32",
-                        lifetime=Lifetime.PER_STREAM, retention=RingCache(WINDOW)),),
+        regions=(
+            Region(
+                "frames",
+                dims=(1, "frame", "dim"),
+                axis=1,
+                clock="frame",
+                stride=1,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=RingCache(WINDOW),
+            ),
+        ),
         operators=(Operator("step", "frames", steady=1),),
         admission=Admission("frame", max_per_call=1),
         interactivity=Interactivity(stages=(family,)),
@@ -332,16 +349,17 @@ def _buffer_contract(family: str) -> Contract:
 
 
 def _buffer_subject(name: str, model: nn.Module, regime) -> Subject:
-    binding = Binding(regions=(RegionBinding("frames", at=("cache.frames",)),),
-                      operators=(OperatorBinding("step", units=("x", 1), counters=("cache.seen",), regimes=(regime,)),))
+    binding = Binding(
+        regions=(RegionBinding("frames", at=("cache.frames",)),),
+        operators=(OperatorBinding("step", units=("x", 1), counters=("cache.seen",), regimes=(regime,)),),
+    )
     bound, report = transform(model, _buffer_contract(name), binding)
 
     def call(m, state, units, generator):
         return m(torch.randn(1, units, DIM, generator=generator), state)
 
     # the model keeps no state of its own: the one module serves as the stock copy
-    return Subject(name, model, bound, report, lambda m: Buffer(), call, lambda s: s, units=1, odd=(2, 3),
-                   takes_none=True)
+    return Subject(name, model, bound, report, lambda m: Buffer(), call, lambda s: s, units=1, odd=(2, 3), takes_none=True)
 
 
 def rolling() -> Subject:

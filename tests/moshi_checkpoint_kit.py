@@ -25,8 +25,12 @@ def _text_tokenizer(card: int) -> bytes:
     lines = ["moshi listens and speaks at once", "a duplex model keeps its clock", "eighty milliseconds a frame"] * 8
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=model, vocab_size=40, hard_vocab_limit=False,
-        minloglevel=2, num_threads=1,
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        vocab_size=40,
+        hard_vocab_limit=False,
+        minloglevel=2,
+        num_threads=1,
     )
     return padded_tokenizer(model.getvalue(), card)
 
@@ -37,8 +41,7 @@ def write_checkpoint(directory: Path, models: MoshiModels) -> Path:
     and, for a size other than the vendor's default, `config.json` (the LM's keyword arguments and
     `mimi_config_name`) with Mimi's configuration beside it."""
     directory.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in models.lm.state_dict().items()},
-              directory / loaders.MOSHI_NAME)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in models.lm.state_dict().items()}, directory / loaders.MOSHI_NAME)
     save_file({k: v.contiguous() for k, v in models.mimi.state_dict().items()}, directory / loaders.MIMI_NAME)
     (directory / loaders.TEXT_TOKENIZER_NAME).write_bytes(_text_tokenizer(models.lm.text_card))
     config = models.config

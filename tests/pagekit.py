@@ -69,5 +69,4 @@ class Page(HTMLParser):
 
     def external(self) -> list[str]:
         """src and href values that leave the page."""
-        return [v for _, attrs in self.elements for k, v in attrs.items()
-                if k in ("src", "href") and not v.startswith("#")]
+        return [v for _, attrs in self.elements for k, v in attrs.items() if k in ("src", "href") and not v.startswith("#")]

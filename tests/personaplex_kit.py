@@ -19,8 +19,10 @@ import torch
 from cadence_fx.models import personaplex
 from cadence_fx.models.personaplex import FRAME_SIZE, SAMPLE_RATE
 
-ROLE = ("You work for a bicycle repair shop and your name is Ada. Information: the shop opens at nine, "
-        "a tune-up costs forty dollars and takes two days.")
+ROLE = (
+    "You work for a bicycle repair shop and your name is Ada. Information: the shop opens at nine, "
+    "a tune-up costs forty dollars and takes two days."
+)
 VOICE_SECONDS = 1.0
 VOICE_FRAMES = math.ceil(VOICE_SECONDS * SAMPLE_RATE / FRAME_SIZE)  # the vendor pads the last frame: 13
 SILENCE_FRAMES = 6  # `audio_silence_frame_cnt`, int(0.5 * 12.5), after each prompt
@@ -44,8 +46,14 @@ def role_prompt_tokens(role: str = ROLE) -> tuple[list[int], str]:
 
     text = wrap_with_system_tags(role)
     model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter([text]), model_writer=model, vocab_size=200,
-                                             model_type="bpe", hard_vocab_limit=False, minloglevel=2)
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter([text]),
+        model_writer=model,
+        vocab_size=200,
+        model_type="bpe",
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
     processor = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
     tokens = processor.encode(text)
     return tokens, processor.decode(tokens)
@@ -60,16 +68,24 @@ def write_checkpoint(folder: Path, models: personaplex.PersonaPlexModels) -> Non
     import sphn
     from safetensors.torch import save_file
 
-    from cadence_fx.models.personaplex_prompt import prime
     from cadence_fx.models.moshi_tokenizer import padded_tokenizer
+    from cadence_fx.models.personaplex_prompt import prime
 
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in models.lm.state_dict().items()},
-              str(folder / "model.safetensors"))
-    save_file({k: v.contiguous() for k, v in models.mimi.state_dict().items()},
-              str(folder / "tokenizer-e351c8d8-checkpoint125.safetensors"))
+    save_file(
+        {k: v.to(torch.bfloat16).contiguous() for k, v in models.lm.state_dict().items()}, str(folder / "model.safetensors")
+    )
+    save_file(
+        {k: v.contiguous() for k, v in models.mimi.state_dict().items()},
+        str(folder / "tokenizer-e351c8d8-checkpoint125.safetensors"),
+    )
     text = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter([personaplex.role_prompt(ROLE)] * 4),
-                                             model_writer=text, vocab_size=120, hard_vocab_limit=False, minloglevel=2)
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter([personaplex.role_prompt(ROLE)] * 4),
+        model_writer=text,
+        vocab_size=120,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
     (folder / "tokenizer_spm_32k_3.model").write_bytes(padded_tokenizer(text.getvalue(), models.lm.text_card))
     # The vendor saves a WAV's embeddings next to it while it primes (`save_voice_prompt_embeddings`).
     wav = folder / "ADA.wav"

@@ -51,11 +51,24 @@ def test_two_streams_equal_the_stock_model_bit_for_bit(model_and_tokens, transfo
     # The second stream's first call copies the first stream's 4 sites out of the carries into its
     # cache (still alive: a cache holds cycles until the collector runs), so the carries are the
     # second stream's alone.
-    assert counters == {"calls": 2 * CALLS, "graph_calls": 11, "verified": 10, "stock": 6, "adopted": 24, "evicted": 4,
-                        "stock_by_reason": {"verification": 1, "refused": 1, "guard:cache.layers.0.cumulative_length": 4}}
+    assert counters == {
+        "calls": 2 * CALLS,
+        "graph_calls": 11,
+        "verified": 10,
+        "stock": 6,
+        "adopted": 24,
+        "evicted": 4,
+        "stock_by_reason": {"verification": 1, "refused": 1, "guard:cache.layers.0.cumulative_length": 4},
+    }
     classes = [cls.name for cls in report.operators["decoder_step"].classes.values()]
-    assert classes == ["decoder_step[n=2,L=0]", "decoder_step[n=2,L=2]", "decoder_step[n=2,L=4]", "decoder_step[n=2,L=4]#2",
-                       "decoder_step[n=2,L=4]#3", "decoder_step[n=2,L=4]#4"]
+    assert classes == [
+        "decoder_step[n=2,L=0]",
+        "decoder_step[n=2,L=2]",
+        "decoder_step[n=2,L=4]",
+        "decoder_step[n=2,L=4]#2",
+        "decoder_step[n=2,L=4]#3",
+        "decoder_step[n=2,L=4]#4",
+    ]
     refused = [cls.name for cls in report.operators["decoder_step"].classes.values() if cls.refused]
     assert refused == ["decoder_step[n=2,L=0]"]  # in both streams
     assert {s.kind for s in report.sites} == {"keep", "append"} and all(s.rewritten for s in report.sites)
@@ -95,24 +108,34 @@ def test_a_graph_that_bakes_a_host_value_is_never_replayed_at_another_value_in_a
 def test_a_binding_that_does_not_fit_is_refused_naming_the_field(model_and_tokens):
     model, _, _ = model_and_tokens
     with pytest.raises(BindingError, match=r"binding.regions\[0\].region: the contract declares no region 'cache'"):
-        transform(model, contract(), Binding(regions=(RegionBinding("cache", ("cache.layers.*.keys",)),),
-                                             operators=binding().operators))
+        transform(
+            model, contract(), Binding(regions=(RegionBinding("cache", ("cache.layers.*.keys",)),), operators=binding().operators)
+        )
     with pytest.raises(BindingError, match=r"binding.operators\[0\].method: MistralForCausalLM has no 'step'"):
         transform(model, contract(), dataclasses.replace(binding(), operators=(OperatorBinding("decoder_step", "step"),)))
-    with pytest.raises(BindingError, match=r"binding.regions\[0\].at: 'past.layers.\*.keys' starts at 'past', which is "
-                                           r"not an argument of forward"):
+    with pytest.raises(
+        BindingError,
+        match=r"binding.regions\[0\].at: 'past.layers.\*.keys' starts at 'past', which is "
+        r"not an argument of forward",
+    ):
         transform(model, contract(), dataclasses.replace(binding(), regions=(RegionBinding("kv", ("past.layers.*.keys",)),)))
     with pytest.raises(BindingError, match=r"binding.operators\[0\].operator: the contract declares no operator 'decode'"):
         transform(model, contract(), dataclasses.replace(binding(), operators=(OperatorBinding("decode"),)))
-    with pytest.raises(BindingError, match=r"binding.regions\[0\].per_call: region 'kv' retains by SlidingWindow: only "
-                                           r"a RingCache or InPlace region \(a fixed extent\) can be allocated afresh each call"):
+    with pytest.raises(
+        BindingError,
+        match=r"binding.regions\[0\].per_call: region 'kv' retains by SlidingWindow: only "
+        r"a RingCache or InPlace region \(a fixed extent\) can be allocated afresh each call",
+    ):
         transform(model, contract(), dataclasses.replace(binding(), regions=(RegionBinding("kv", per_call=True),)))
 
 
 def test_a_budget_refusal_names_the_flag_that_lifts_it(model_and_tokens):
     model, _, _ = model_and_tokens
-    with pytest.raises(ValueError, match=r"K = 3 exceeds the budget of 2 classes; raise the budget \(transform\(\.\.\., "
-                                         r"budget=N\), `--budget N` on the CLI\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"K = 3 exceeds the budget of 2 classes; raise the budget \(transform\(\.\.\., "
+        r"budget=N\), `--budget N` on the CLI\)",
+    ):
         transform(model, contract(), binding(), budget=2)
 
 
@@ -155,8 +178,12 @@ def test_two_interleaved_streams_share_the_graphs_through_their_session_states(m
                     bound.swap_in(states[i])
                 else:
                     bound.reset()
-                out = bound(input_ids=source[:, t:t + TOKENS_PER_CALL], position_ids=torch.arange(t, t + TOKENS_PER_CALL)[None],
-                            cache=caches[i], use_cache=True)
+                out = bound(
+                    input_ids=source[:, t : t + TOKENS_PER_CALL],
+                    position_ids=torch.arange(t, t + TOKENS_PER_CALL)[None],
+                    cache=caches[i],
+                    use_cache=True,
+                )
                 actual[i].append(out.logits)
                 states.setdefault(i, bound.session_state(seed=i))
                 bound.swap_out(states[i])
@@ -164,7 +191,10 @@ def test_two_interleaved_streams_share_the_graphs_through_their_session_states(m
         assert all(torch.equal(a, e) for a, e in zip(actual[i], expected[i], strict=True))
     # the first call (another program) and, for each stream, the two lengths past the four captured
     assert report.operators["decoder_step"].counters.stock_by_reason == {
-        "verification": 1, "refused": 1, "guard:cache.layers.0.cumulative_length": 4}
+        "verification": 1,
+        "refused": 1,
+        "guard:cache.layers.0.cumulative_length": 4,
+    }
 
 
 def test_session_states_wait_for_the_first_call(model_and_tokens):

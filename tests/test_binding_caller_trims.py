@@ -56,7 +56,7 @@ class Vendor(nn.Module):
     def encode(self, x: torch.Tensor, att_cache: torch.Tensor | None = None, last: bool = False):
         new = self.enc(x) if not last else torch.cat([self.enc(x), self.enc(x[:, -1:])], dim=1)
         full = new if att_cache is None else torch.cat([att_cache, new.flip(1)], dim=1)
-        return full.cumsum(1)[:, -new.shape[1]:], full
+        return full.cumsum(1)[:, -new.shape[1] :], full
 
 
 def trim(cache: torch.Tensor) -> torch.Tensor:
@@ -68,8 +68,16 @@ def trim(cache: torch.Tensor) -> torch.Tensor:
 
 def contract() -> Contract:
     def region(name: str) -> Region:
-        return Region(name, dims=(1, "frame", "dim"), axis=1, clock="frame", stride=STEP, dtype="float32",
-                      lifetime=Lifetime.PER_TURN, retention=PromptPlusHistory(prompt=PROMPT, history=HISTORY))
+        return Region(
+            name,
+            dims=(1, "frame", "dim"),
+            axis=1,
+            clock="frame",
+            stride=STEP,
+            dtype="float32",
+            lifetime=Lifetime.PER_TURN,
+            retention=PromptPlusHistory(prompt=PROMPT, history=HISTORY),
+        )
 
     return Contract(
         family="caller_trims",
@@ -77,8 +85,10 @@ def contract() -> Contract:
         rates=(Rate("frame", "call", STEP, name="frames_per_call"),),
         quantities={"dim": DIM},
         regions=(region("decoder_cache"), region("encoder_cache")),
-        operators=(Operator("decode", "decoder_cache", steady=STEP),
-                   Operator("encode", "encoder_cache", steady=STEP, flush=(LAST,))),
+        operators=(
+            Operator("decode", "decoder_cache", steady=STEP),
+            Operator("encode", "encoder_cache", steady=STEP, flush=(LAST,)),
+        ),
         admission=Admission("frame", max_per_call=LAST),
         interactivity=Interactivity(stages=("encoder", "decoder")),
     )
@@ -89,8 +99,10 @@ BINDING = Binding(
         RegionBinding("decoder_cache", at=("att_cache",), out=("return.1",), caller_trims=True, operators=("decode",)),
         RegionBinding("encoder_cache", at=("att_cache",), out=("return.1",), caller_trims=True, operators=("encode",)),
     ),
-    operators=(OperatorBinding("decode", method="decode", units=("x", 1)),
-               OperatorBinding("encode", method="encode", units=STEP, flush="last")),
+    operators=(
+        OperatorBinding("decode", method="decode", units=("x", 1)),
+        OperatorBinding("encode", method="encode", units=STEP, flush="last"),
+    ),
 )
 
 
@@ -104,7 +116,7 @@ def stream(model, frames: torch.Tensor, prompt: torch.Tensor):
         dec_cache, enc_cache = trim(dec_cache).clone(), trim(enc_cache).clone()  # the setup's copy, as Token2Wav keeps it
         for i in range(CHUNKS):
             last = i == CHUNKS - 1
-            x = frames[:, i * STEP:(i + 1) * STEP]
+            x = frames[:, i * STEP : (i + 1) * STEP]
             h, enc_cache = model.encode(x, enc_cache, last)
             y, dec_cache = model.decode(h, dec_cache) if not last else model.decode(h[:, :STEP], dec_cache)
             enc_cache, dec_cache = trim(enc_cache), trim(dec_cache)
@@ -128,21 +140,32 @@ def test_the_callers_trim_runs_on_carries_bit_identical_to_the_stock_loop(data):
         actual, addresses = stream(bound, *data)
         assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
         # the first chunk's cache is the setup's (adopted into the carry): every later one is the carry's view
-        assert addresses == {"encode": {report.carries["encoder_cache"].address},
-                             "decode": {report.carries["decoder_cache"].address}}
+        assert addresses == {
+            "encode": {report.carries["encoder_cache"].address},
+            "decode": {report.carries["decoder_cache"].address},
+        }
     for name in ("encode", "decode"):
         op = report.operators[name]
         assert op.counters.stock_by_reason == {"not_in_catalog": 2}  # each stream's prompt call
         assert all(cls.refused is None for cls in op.classes.values())
     # The flush flag picks the encoder's flush class (3 units); its trim keeps the first 6 and last 4.
     assert sorted(report.operators["encode"].classes[k].name for k in report.operators["encode"].classes) == [
-        "encode[n=2,L=10]", "encode[n=2,L=6]", "encode[n=2,L=8]", "encode[n=3,L=10](flush)"]
+        "encode[n=2,L=10]",
+        "encode[n=2,L=6]",
+        "encode[n=2,L=8]",
+        "encode[n=3,L=10](flush)",
+    ]
     # decode's cache comes out of its scratch buffer, which the window pass does not follow: its kept
     # units are copied into the carry; encode's is a concat of its cache the pass rewrites in place.
     assert sorted({(s.graph, s.kind, s.rewritten) for s in report.sites}) == [
-        ("decode[n=2,L=10]", "keep", True), ("decode[n=2,L=6]", "keep", True), ("decode[n=2,L=8]", "keep", True),
-        ("encode[n=2,L=10]", "append", True), ("encode[n=2,L=6]", "append", True), ("encode[n=2,L=8]", "append", True),
-        ("encode[n=3,L=10](flush)", "append", True)]
+        ("decode[n=2,L=10]", "keep", True),
+        ("decode[n=2,L=6]", "keep", True),
+        ("decode[n=2,L=8]", "keep", True),
+        ("encode[n=2,L=10]", "append", True),
+        ("encode[n=2,L=6]", "append", True),
+        ("encode[n=2,L=8]", "append", True),
+        ("encode[n=3,L=10](flush)", "append", True),
+    ]
     # the carries are named by region and path: both paths are `att_cache`
     assert sorted(bound.carries) == ["decoder_cache:att_cache", "encoder_cache:att_cache"]
 
@@ -185,22 +208,49 @@ def test_an_array_that_differs_only_where_its_repr_elides_is_another_structure(d
     assert sum("of a model of the same structure reused" in s for s in report.stamps) == 0
 
 
-@pytest.mark.parametrize("binding, field, message", [
-    (Binding(regions=(RegionBinding("decoder_cache", at=("att_cache",), caller_trims=True, operators=("decode",)),),
-             operators=(OperatorBinding("decode", method="decode", units=("x", 1)),)),
-     "regions[0].caller_trims", "a caller trims a state the call returns (`out`)"),
-    (Binding(regions=(RegionBinding("decoder_cache", at=("att_cache",), out=("return.1",), operators=("encode",)),),
-             operators=(OperatorBinding("decode", method="decode", units=("x", 1)),)),
-     "regions[0].operators[0]", "'encode' is not a bound operator; bound: ['decode']"),
-    (Binding(regions=(RegionBinding("decoder_cache", at=("att_cache",), out=("return.1",), operators=("decode",)),
-                      RegionBinding("encoder_cache", at=("att_cache",), out=("return.1",), operators=("decode",))),
-             operators=(OperatorBinding("decode", method="decode", units=("x", 1)),
-                        OperatorBinding("encode", method="encode", units=STEP))),
-     "regions[1].operators", "'encoder_cache' is operator 'encode''s own region"),
-    (Binding(regions=(RegionBinding("encoder_cache", at=("att_cache",), out=("return.1",)),),
-             operators=(OperatorBinding("encode", method="encode", units=("x", 1), flush="last"),)),
-     "operators[0].flush", "a flush flag gives an int `units` the contract's one flush size"),
-])
+@pytest.mark.parametrize(
+    "binding, field, message",
+    [
+        (
+            Binding(
+                regions=(RegionBinding("decoder_cache", at=("att_cache",), caller_trims=True, operators=("decode",)),),
+                operators=(OperatorBinding("decode", method="decode", units=("x", 1)),),
+            ),
+            "regions[0].caller_trims",
+            "a caller trims a state the call returns (`out`)",
+        ),
+        (
+            Binding(
+                regions=(RegionBinding("decoder_cache", at=("att_cache",), out=("return.1",), operators=("encode",)),),
+                operators=(OperatorBinding("decode", method="decode", units=("x", 1)),),
+            ),
+            "regions[0].operators[0]",
+            "'encode' is not a bound operator; bound: ['decode']",
+        ),
+        (
+            Binding(
+                regions=(
+                    RegionBinding("decoder_cache", at=("att_cache",), out=("return.1",), operators=("decode",)),
+                    RegionBinding("encoder_cache", at=("att_cache",), out=("return.1",), operators=("decode",)),
+                ),
+                operators=(
+                    OperatorBinding("decode", method="decode", units=("x", 1)),
+                    OperatorBinding("encode", method="encode", units=STEP),
+                ),
+            ),
+            "regions[1].operators",
+            "'encoder_cache' is operator 'encode''s own region",
+        ),
+        (
+            Binding(
+                regions=(RegionBinding("encoder_cache", at=("att_cache",), out=("return.1",)),),
+                operators=(OperatorBinding("encode", method="encode", units=("x", 1), flush="last"),),
+            ),
+            "operators[0].flush",
+            "a flush flag gives an int `units` the contract's one flush size",
+        ),
+    ],
+)
 def test_a_binding_misusing_the_new_fields_is_refused_naming_the_field(binding, field, message):
     with pytest.raises(BindingError) as error:
         transform(Vendor().eval(), contract(), binding)

@@ -49,7 +49,7 @@ class Smoother(nn.Module):
         full = x if cache.kept is None else torch.cat([cache.kept, x], dim=1)
         cache.kept = full[:, -WINDOW:]
         cache.calls += 1
-        out = full.cumsum(1)[:, -x.shape[1]:]
+        out = full.cumsum(1)[:, -x.shape[1] :]
         return (out, cache.calls) if self.returns_count else out
 
 
@@ -59,16 +59,28 @@ def contract() -> Contract:
         clocks=(Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
         rates=(Rate("frame", "call", STEP, name="frames_per_call"),),
         quantities={"dim": DIM},
-        regions=(Region("window", dims=(1, "frame", "dim"), axis=1, clock="frame", stride=STEP, dtype="float32",
-                        lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=WINDOW)),),
+        regions=(
+            Region(
+                "window",
+                dims=(1, "frame", "dim"),
+                axis=1,
+                clock="frame",
+                stride=STEP,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=SlidingWindow(window=WINDOW),
+            ),
+        ),
         operators=(Operator("smooth", "window", steady=STEP),),
         admission=Admission("frame", max_per_call=STEP),
         interactivity=Interactivity(stages=("smoother",)),
     )
 
 
-BINDING = Binding(regions=(RegionBinding("window", at=("cache.kept",)),),
-                  operators=(OperatorBinding("smooth", units=("x", 1), counters=("cache.calls",)),))
+BINDING = Binding(
+    regions=(RegionBinding("window", at=("cache.kept",)),),
+    operators=(OperatorBinding("smooth", units=("x", 1), counters=("cache.calls",)),),
+)
 
 
 def stream(model, frames, *, positions: bool):
@@ -76,7 +88,7 @@ def stream(model, frames, *, positions: bool):
     with torch.no_grad():
         for call in range(CALLS):
             kwargs = {"position": call} if positions else {}
-            outputs.append(model(frames[:, call * STEP:(call + 1) * STEP], cache, **kwargs))
+            outputs.append(model(frames[:, call * STEP : (call + 1) * STEP], cache, **kwargs))
     return outputs
 
 
@@ -100,10 +112,14 @@ def test_a_position_passed_as_an_int_stops_capturing_after_a_few_variants_and_sa
     assert len(op.classes) == 2 + VARIANTS
     assert op.counters.stock_by_reason == {"guard:cache.calls": CALLS - 2 - VARIANTS}
     (stamp,) = [s for s in report.stamps if "variants captured" in s]
-    assert stamp.startswith(f"smooth[n={STEP},L={WINDOW}]: {VARIANTS} variants captured and this call differs from each "
-                            f"(cache.calls is 6, smooth[n={STEP},L={WINDOW}] was captured at 2")
-    assert stamp.endswith("pass a value that changes every call as a tensor, or declare the counter's regime in the "
-                          "binding (`OperatorBinding.regimes`)")
+    assert stamp.startswith(
+        f"smooth[n={STEP},L={WINDOW}]: {VARIANTS} variants captured and this call differs from each "
+        f"(cache.calls is 6, smooth[n={STEP},L={WINDOW}] was captured at 2"
+    )
+    assert stamp.endswith(
+        "pass a value that changes every call as a tensor, or declare the counter's regime in the "
+        "binding (`OperatorBinding.regimes`)"
+    )
 
 
 def test_a_host_value_the_call_returns_is_right_in_every_class():
@@ -140,7 +156,7 @@ class Starter(nn.Module):
         full = x if cache.kept is None else torch.cat([cache.kept, x], dim=1)
         cache.kept = full[:, -WINDOW:]
         cache.flags["started"] = True
-        return full.cumsum(1)[:, -x.shape[1]:]
+        return full.cumsum(1)[:, -x.shape[1] :]
 
 
 def test_a_counter_the_call_sets_is_each_stream_s_own_value_not_the_verified_call_s_object():
@@ -149,13 +165,14 @@ def test_a_counter_the_call_sets_is_each_stream_s_own_value_not_the_verified_cal
     later stream's cache shared the first stream's dict: resetting one stream's flags reset all."""
     frames = torch.randn(1, CALLS * STEP, DIM, generator=torch.Generator().manual_seed(3))
     model = Starter().eval()
-    binding = Binding(regions=BINDING.regions,
-                      operators=(OperatorBinding("smooth", units=("x", 1), counters=("cache.flags",)),), verify=1)
+    binding = Binding(
+        regions=BINDING.regions, operators=(OperatorBinding("smooth", units=("x", 1), counters=("cache.flags",)),), verify=1
+    )
     bound, report = transform(model, contract(), binding)
 
     def stream(m, cache):
         with torch.no_grad():
-            return [m(frames[:, call * STEP:(call + 1) * STEP], cache) for call in range(CALLS)]
+            return [m(frames[:, call * STEP : (call + 1) * STEP], cache) for call in range(CALLS)]
 
     expected = stream(model, FlaggedCache())
     first, second = FlaggedCache(), FlaggedCache()

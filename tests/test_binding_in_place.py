@@ -48,14 +48,13 @@ class PaddedConvStack(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, conv in enumerate(self.convs):
             full = torch.cat([self.pads[i], x], dim=-1)
-            self.pads[i].copy_(full[..., -(KERNEL - 1):])
+            self.pads[i].copy_(full[..., -(KERNEL - 1) :])
             x = torch.tanh(conv(full))
         return x
 
 
 def contract(**region) -> Contract:
-    fields = dict(dims=("layers", 1, "channels", KERNEL - 1), dtype="float32", lifetime=Lifetime.PER_STREAM,
-                  retention=InPlace())
+    fields = dict(dims=("layers", 1, "channels", KERNEL - 1), dtype="float32", lifetime=Lifetime.PER_STREAM, retention=InPlace())
     fields.update(region)
     return Contract(
         family="padded_conv",
@@ -69,8 +68,9 @@ def contract(**region) -> Contract:
     )
 
 
-BINDING = Binding(regions=(RegionBinding("pads", at=("self.pads",)),),
-                  operators=(OperatorBinding("conv_step", units=("x", 2)),), verify=2)
+BINDING = Binding(
+    regions=(RegionBinding("pads", at=("self.pads",)),), operators=(OperatorBinding("conv_step", units=("x", 2)),), verify=2
+)
 
 
 def test_an_in_place_region_derives_one_class_at_its_fixed_shape():
@@ -80,19 +80,39 @@ def test_an_in_place_region_derives_one_class_at_its_fixed_shape():
     assert region.shape == (LAYERS, 1, CHANNELS, KERNEL - 1)
     assert region.bytes == 4 * LAYERS * CHANNELS * (KERNEL - 1)
     op = catalog.operator("conv_step")
-    assert (op.width, op.grid, [(c.call, c.extent, c.flush) for c in op.classes]) == (1, (KERNEL - 1,), [(STEP, KERNEL - 1, False)])
+    assert (op.width, op.grid, [(c.call, c.extent, c.flush) for c in op.classes]) == (
+        1,
+        (KERNEL - 1,),
+        [(STEP, KERNEL - 1, False)],
+    )
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("clock", "frame", "regions[0].clock: an InPlace region has one fixed shape and advances along no "
-                       "clock: leave `clock` unset, got 'frame'"),
-    ("axis", 3, "regions[0].axis: an InPlace region has one fixed shape and advances along no clock: "
-                "leave `axis` unset, got 3"),
-    ("stride", 1, "regions[0].stride: an InPlace region has one fixed shape and advances along no "
-                  "clock: leave `stride` unset, got 1"),
-    ("dims", ("layers", 1, "channels", "frame"), "regions[0].dims[3]: an InPlace region's dims are "
-                                                 "fixed: ['frame'] is not a quantity or named rate of the contract"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        (
+            "clock",
+            "frame",
+            "regions[0].clock: an InPlace region has one fixed shape and advances along no "
+            "clock: leave `clock` unset, got 'frame'",
+        ),
+        (
+            "axis",
+            3,
+            "regions[0].axis: an InPlace region has one fixed shape and advances along no clock: leave `axis` unset, got 3",
+        ),
+        (
+            "stride",
+            1,
+            "regions[0].stride: an InPlace region has one fixed shape and advances along no clock: leave `stride` unset, got 1",
+        ),
+        (
+            "dims",
+            ("layers", 1, "channels", "frame"),
+            "regions[0].dims[3]: an InPlace region's dims are fixed: ['frame'] is not a quantity or named rate of the contract",
+        ),
+    ],
+)
 def test_an_in_place_region_that_names_a_clock_is_refused_by_field(field, value, message):
     with pytest.raises(ContractError) as refused:
         contract(**{field: value})
@@ -102,15 +122,16 @@ def test_an_in_place_region_that_names_a_clock_is_refused_by_field(field, value,
 def test_an_operator_on_an_in_place_region_counts_its_units_in_the_admission_clock():
     with pytest.raises(ContractError) as refused:
         Contract(**{**contract().__dict__, "operators": (Operator("conv_step", "pads", steady=STEP + 1),)})
-    assert str(refused.value).startswith(f"operators[0].steady: {STEP + 1} frame per call is {STEP + 1} "
-                                         f"frame, outside the admission predicate 0 < n <= {STEP}")
+    assert str(refused.value).startswith(
+        f"operators[0].steady: {STEP + 1} frame per call is {STEP + 1} frame, outside the admission predicate 0 < n <= {STEP}"
+    )
 
 
 def stream(model: nn.Module, frames: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     outputs, pads = [], []
     with torch.no_grad():
         for t in range(0, frames.shape[-1], STEP):
-            outputs.append(model(frames[..., t:t + STEP]))
+            outputs.append(model(frames[..., t : t + STEP]))
             pads.append(model.pads.clone())
     return outputs, pads
 
@@ -129,8 +150,14 @@ def test_a_padding_cache_written_with_copy_streams_on_its_carry_bit_identically(
     op = report.operators["conv_step"]
     assert [cls.name for cls in op.classes.values()] == [f"conv_step[n={STEP},L={KERNEL - 1}]"]
     # The model's buffer is adopted into the carry once; from then on it is the carry's view.
-    assert op.counters.as_dict() == {"calls": 14, "graph_calls": 14, "verified": 2, "stock": 0, "adopted": 1,
-                                     "stock_by_reason": {}}
+    assert op.counters.as_dict() == {
+        "calls": 14,
+        "graph_calls": 14,
+        "verified": 2,
+        "stock": 0,
+        "adopted": 1,
+        "stock_by_reason": {},
+    }
     assert model.pads.data_ptr() == report.carries["pads"].buffer.data_ptr()
     assert [(s.kind, s.rewritten) for s in report.sites] == [("ring", False)]
     assert report.sites[0].reason.startswith("self.pads: written in place by the step")
@@ -140,7 +167,7 @@ def test_the_same_buffer_as_a_ring_needs_a_clock_the_model_does_not_have():
     """What the kind replaces: as a RingCache along the frames it really advances by, the padding
     cache (KERNEL - 1 frames) is refused, since a ring must hold a whole call (STEP frames)."""
     with pytest.raises(ContractError) as refused:
-        contract(dims=("layers", 1, "channels", "frame"), axis=3, clock="frame", stride=STEP,
-                 retention=RingCache(KERNEL - 1))
-    assert str(refused.value) == (f"regions[0].retention.capacity: retention bound {KERNEL - 1} is below the "
-                                  f"chunk (stride {STEP}) (rule C2)")
+        contract(dims=("layers", 1, "channels", "frame"), axis=3, clock="frame", stride=STEP, retention=RingCache(KERNEL - 1))
+    assert str(refused.value) == (
+        f"regions[0].retention.capacity: retention bound {KERNEL - 1} is below the chunk (stride {STEP}) (rule C2)"
+    )

@@ -40,8 +40,18 @@ def contract() -> Contract:
         clocks=(Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
         rates=(Rate("frame", "call", STEP, name="frames_per_call"),),
         quantities={"dim": DIM},
-        regions=(Region("window", dims=(1, "frame", "dim"), axis=1, clock="frame", stride=STEP, dtype="float32",
-                        lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=WINDOW)),),
+        regions=(
+            Region(
+                "window",
+                dims=(1, "frame", "dim"),
+                axis=1,
+                clock="frame",
+                stride=STEP,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=SlidingWindow(window=WINDOW),
+            ),
+        ),
         operators=(Operator("smooth", "window", steady=STEP),),
         admission=Admission("frame", max_per_call=STEP),
         interactivity=Interactivity(stages=("switched",)),
@@ -62,12 +72,14 @@ class Switched(nn.Module):
         full = x if cache.kept is None else torch.cat([cache.kept, x], dim=1)
         cache.kept = full[:, -WINDOW:]
         out = full.cumsum(1) if self.summing else full.cummax(1).values
-        return out[:, -x.shape[1]:]
+        return out[:, -x.shape[1] :]
 
 
 def binding(modes: tuple[str, ...]) -> Binding:
-    return Binding(regions=(RegionBinding("window", at=("cache.kept",)),),
-                   operators=(OperatorBinding("smooth", units=("x", 1), modes=modes),))
+    return Binding(
+        regions=(RegionBinding("window", at=("cache.kept",)),),
+        operators=(OperatorBinding("smooth", units=("x", 1), modes=modes),),
+    )
 
 
 SWITCHES = [True, False, False, True, True, False, True, False, True]
@@ -78,7 +90,7 @@ def stream(model, switch, frames, switches=SWITCHES):
     with torch.no_grad():
         for call, summing in enumerate(switches):
             switch.summing = summing
-            outputs.append(model(frames[:, call * STEP:(call + 1) * STEP], cache))
+            outputs.append(model(frames[:, call * STEP : (call + 1) * STEP], cache))
     return outputs
 
 
@@ -137,7 +149,7 @@ class Reciprocal(nn.Module):
     def forward(self, x: torch.Tensor, cache: Cache):
         full = x if cache.kept is None else torch.cat([cache.kept, x], dim=1)
         cache.kept = full[:, -WINDOW:]
-        return full[:, -x.shape[1]:] / torch.full_like(x, self.scale)
+        return full[:, -x.shape[1] :] / torch.full_like(x, self.scale)
 
 
 def test_modes_equal_to_python_but_not_the_same_program_are_classes_apart():
@@ -151,12 +163,16 @@ def test_modes_equal_to_python_but_not_the_same_program_are_classes_apart():
     with torch.no_grad():
         for call, scale in enumerate(scales):
             model.scale = stock.scale = scale
-            chunk = frames[:, call * STEP:(call + 1) * STEP]
+            chunk = frames[:, call * STEP : (call + 1) * STEP]
             outputs.append(bound(chunk, cache))
             expected.append(stock(chunk, stock_cache))
     assert all(torch.equal(a, e) for a, e in zip(outputs, expected, strict=True))
-    assert sorted(bound.calls) == ["smooth[n=2,L=0]{self.scale=0.0}", "smooth[n=2,L=2]{self.scale=0.0}",
-                                   "smooth[n=2,L=4]{self.scale=-0.0}", "smooth[n=2,L=4]{self.scale=0.0}"]
+    assert sorted(bound.calls) == [
+        "smooth[n=2,L=0]{self.scale=0.0}",
+        "smooth[n=2,L=2]{self.scale=0.0}",
+        "smooth[n=2,L=4]{self.scale=-0.0}",
+        "smooth[n=2,L=4]{self.scale=0.0}",
+    ]
     # Past the first visits of each class (verified: one each at L=0 and L=2, two at each mode of
     # L=4), every call went through the replay engine (eager without CUDA),
     # never missing it: the engine keys each call with its modes as the pipeline named it.

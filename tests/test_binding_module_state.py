@@ -6,8 +6,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cadence_fx import (Admission, Binding, Clock, ClockKind, Contract, Interactivity, Lifetime, Operator,
-                        OperatorBinding, Rate, Region, RegionBinding, SlidingWindow, transform)
+from cadence_fx import (
+    Admission,
+    Binding,
+    Clock,
+    ClockKind,
+    Contract,
+    Interactivity,
+    Lifetime,
+    Operator,
+    OperatorBinding,
+    Rate,
+    Region,
+    RegionBinding,
+    SlidingWindow,
+    transform,
+)
 
 WIDTH, HEADS, WINDOW, STEP, LAYERS = 16, 2, 6, 2, 3
 
@@ -44,8 +58,18 @@ CONTRACT = Contract(
     clocks=(Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
     rates=(Rate("frame", "call", STEP, name="frames_per_call"),),
     quantities={"layers": LAYERS, "heads": HEADS, "head_dim": WIDTH // HEADS},
-    regions=(Region("kv", dims=("layers", 2, 1, "heads", "frame", "head_dim"), axis=4, clock="frame", stride=STEP,
-                    dtype="float32", lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=WINDOW)),),
+    regions=(
+        Region(
+            "kv",
+            dims=("layers", 2, 1, "heads", "frame", "head_dim"),
+            axis=4,
+            clock="frame",
+            stride=STEP,
+            dtype="float32",
+            lifetime=Lifetime.PER_STREAM,
+            retention=SlidingWindow(window=WINDOW),
+        ),
+    ),
     operators=(Operator("stack_step", "kv", steady=STEP),),
     admission=Admission("frame", max_per_call=STEP),
     interactivity=Interactivity(stages=("stack",)),
@@ -62,12 +86,12 @@ def test_state_in_module_buffers_streams_bit_for_bit_on_carries():
     frames = torch.randn(1, 10 * STEP, WIDTH, generator=torch.Generator().manual_seed(1))
     fresh = {name: buffer.clone() for name, buffer in model.named_buffers()}
     with torch.no_grad():
-        expected = [model(frames[:, t:t + STEP]) for t in range(0, frames.shape[1], STEP)]
+        expected = [model(frames[:, t : t + STEP]) for t in range(0, frames.shape[1], STEP)]
     for name, buffer in fresh.items():  # a new stream: the stock model's empty state back
         model.get_submodule(name.rsplit(".", 1)[0]).register_buffer(name.rsplit(".", 1)[1], buffer)
     bound, report = transform(model, CONTRACT, BINDING)
     with torch.no_grad():
-        actual = [bound(frames[:, t:t + STEP]) for t in range(0, frames.shape[1], STEP)]
+        actual = [bound(frames[:, t : t + STEP]) for t in range(0, frames.shape[1], STEP)]
     assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
     op = report.operators["stack_step"]
     assert [cls.name for cls in op.classes.values()] == [f"stack_step[n=2,L={e}]" for e in (0, 2, 4, 6)]

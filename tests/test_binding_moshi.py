@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from cadence_fx import BindingError, RegionBinding, transform
-from cadence_fx.models.moshi import MIMI_BINDING, MOSHI_LM_BINDING
-from cadence_fx.models.moshi import contract_for
+from cadence_fx.models.moshi import MIMI_BINDING, MOSHI_LM_BINDING, contract_for
 from cadence_fx.models.moshi_stream import FRAME_SIZE, TINY, LMGen, build_models, no_compile, random_pcm
 
 FRAMES = 6
@@ -58,8 +57,9 @@ def run_lm(device: str, streams: int):
         for seed in range(streams):
             tokens = frames(lm_gen.lm_model, seed)
             expected, _ = stream(stock.lm_model.forward_text, stock.depformer_step, stock, tokens, device, seed)
-            actual, addresses = stream(bound.operators["lm_step"], bound.operators["depformer_step"], lm_gen,
-                                       tokens, device, seed)
+            actual, addresses = stream(
+                bound.operators["lm_step"], bound.operators["depformer_step"], lm_gen, tokens, device, seed
+            )
             for got, want in zip(actual, expected, strict=True):
                 assert all(torch.equal(a, e) for a, e in zip(got, want, strict=True))
             assert len(addresses) == 1  # every frame of every stream on the same ring
@@ -75,16 +75,32 @@ def test_the_lm_steps_stream_bit_identically_through_the_pipeline_from_their_bin
     # The depformer's sampling switch and parameters are its modes: the class is the one sampling.
     assert [cls.name for cls in depformer.classes.values()] == [DEPFORMER]
     # The first frame adopts each layer's ring and its three device-side offsets into the carries.
-    assert lm.counters.as_dict() == {"calls": 2 * FRAMES, "graph_calls": 2 * FRAMES, "verified": 2, "stock": 0,
-                                     "adopted": 4, "stock_by_reason": {}}
+    assert lm.counters.as_dict() == {
+        "calls": 2 * FRAMES,
+        "graph_calls": 2 * FRAMES,
+        "verified": 2,
+        "stock": 0,
+        "adopted": 4,
+        "stock_by_reason": {},
+    }
     # The depformer's ring lives inside each call: nothing to adopt, every call through its graph.
-    assert depformer.counters.as_dict() == {"calls": 2 * FRAMES, "graph_calls": 2 * FRAMES, "verified": 2, "stock": 0,
-                                            "adopted": 0, "stock_by_reason": {}}
+    assert depformer.counters.as_dict() == {
+        "calls": 2 * FRAMES,
+        "graph_calls": 2 * FRAMES,
+        "verified": 2,
+        "stock": 0,
+        "adopted": 0,
+        "stock_by_reason": {},
+    }
     # The ring's path starts at the model, so both operators bind it; only the main step writes it.
     ring = "self.lm_model.transformer.layers.0.self_attn._streaming_state.kv_cache.cache"
     assert [(s.graph, s.kind, s.rewritten, s.reason) for s in report.sites] == [
-        ("lm_step[n=1,L=3000]", "ring", False,
-         f"{ring}: written in place by the step (scatter__1): the carry is the ring, nothing to rewrite"),
+        (
+            "lm_step[n=1,L=3000]",
+            "ring",
+            False,
+            f"{ring}: written in place by the step (scatter__1): the carry is the ring, nothing to rewrite",
+        ),
         (DEPFORMER, "ring", False, f"{ring}: not written by the step: passed through at its address"),
     ]
 
@@ -96,23 +112,42 @@ def test_the_lm_steps_replay_every_steady_frame_on_one_ring():
     # The first two frames ever are verified beside the stock call; every later one replays, the
     # depformer's sampling included.
     for name in ("lm_step", "depformer_step"):
-        assert report.replays[name].counters.as_dict() == {"calls": 3 * FRAMES - 2, "captures": 1,
-                                                           "replays": 3 * FRAMES - 2, "eager": 0,
-                                                           "invalidations": 0, "fallbacks": {}}
+        assert report.replays[name].counters.as_dict() == {
+            "calls": 3 * FRAMES - 2,
+            "captures": 1,
+            "replays": 3 * FRAMES - 2,
+            "eager": 0,
+            "invalidations": 0,
+            "fallbacks": {},
+        }
 
 
 def test_a_per_call_region_is_declared_without_paths_and_only_for_a_ring():
     lm_gen = LMGen(build_models(TINY).lm)
     contract = contract_for(TINY)
     regions = MOSHI_LM_BINDING.regions
-    with pytest.raises(BindingError, match=r"binding.regions\[1\]: region 'depformer_kv' is per_call \(allocated inside "
-                                           r"each call\): it has no paths to keep, got at=\('self.x',\) out=\(\)"):
-        transform(lm_gen, contract, dataclasses.replace(
-            MOSHI_LM_BINDING, regions=(regions[0], RegionBinding("depformer_kv", at=("self.x",), per_call=True))))
-    with pytest.raises(BindingError, match=r"binding.regions\[2\].per_call: region 'mimi_decoder_kv' is allocated inside "
-                                           r"each call of its operator, but no bound operator has it as its region"):
-        transform(lm_gen, contract, dataclasses.replace(
-            MOSHI_LM_BINDING, regions=(*regions, RegionBinding("mimi_decoder_kv", per_call=True))))
+    with pytest.raises(
+        BindingError,
+        match=r"binding.regions\[1\]: region 'depformer_kv' is per_call \(allocated inside "
+        r"each call\): it has no paths to keep, got at=\('self.x',\) out=\(\)",
+    ):
+        transform(
+            lm_gen,
+            contract,
+            dataclasses.replace(
+                MOSHI_LM_BINDING, regions=(regions[0], RegionBinding("depformer_kv", at=("self.x",), per_call=True))
+            ),
+        )
+    with pytest.raises(
+        BindingError,
+        match=r"binding.regions\[2\].per_call: region 'mimi_decoder_kv' is allocated inside "
+        r"each call of its operator, but no bound operator has it as its region",
+    ):
+        transform(
+            lm_gen,
+            contract,
+            dataclasses.replace(MOSHI_LM_BINDING, regions=(*regions, RegionBinding("mimi_decoder_kv", per_call=True))),
+        )
 
 
 def mimi_stream(encode, decode, mimi, pcm: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], set]:
@@ -120,10 +155,12 @@ def mimi_stream(encode, decode, mimi, pcm: torch.Tensor) -> tuple[list[tuple[tor
     outputs, addresses = [], set()
     with torch.no_grad():
         for start in range(0, pcm.shape[-1], FRAME_SIZE):
-            codes = encode(pcm[..., start:start + FRAME_SIZE])
+            codes = encode(pcm[..., start : start + FRAME_SIZE])
             outputs.append((codes, decode(codes)))
-            rings = [t.transformer.layers[0].self_attn._streaming_state.kv_cache.cache
-                     for t in (mimi.encoder_transformer, mimi.decoder_transformer)]
+            rings = [
+                t.transformer.layers[0].self_attn._streaming_state.kv_cache.cache
+                for t in (mimi.encoder_transformer, mimi.decoder_transformer)
+            ]
             addresses.add(tuple(ring.data_ptr() for ring in rings))
     return outputs, addresses
 
@@ -183,13 +220,27 @@ def test_mimi_replays_every_steady_frame():
     # encode: its first call ever (the codebooks' tables not computed yet) is a class of its own,
     # verified only; the steady class is verified twice, then replays
     for name, verified in (("mimi_encode", 3), ("mimi_decode", 2)):
-        assert report.replays[name].counters.as_dict() == {"calls": 3 * FRAMES - verified, "captures": 1,
-                                                           "replays": 3 * FRAMES - verified, "eager": 0,
-                                                           "invalidations": 0, "fallbacks": {}}
+        assert report.replays[name].counters.as_dict() == {
+            "calls": 3 * FRAMES - verified,
+            "captures": 1,
+            "replays": 3 * FRAMES - verified,
+            "eager": 0,
+            "invalidations": 0,
+            "fallbacks": {},
+        }
 
 
 def test_a_deep_pattern_has_no_out_counterpart():
     mimi = build_models(TINY).mimi
     with pytest.raises(BindingError, match=r"binding.regions\[0\].out: '\*\*' matches paths of any depth"):
-        transform(mimi, contract_for(TINY), dataclasses.replace(MIMI_BINDING, regions=(
-            RegionBinding("mimi_encoder_kv", at=("self.**.cache",), out=("return.**.cache",)), MIMI_BINDING.regions[1])))
+        transform(
+            mimi,
+            contract_for(TINY),
+            dataclasses.replace(
+                MIMI_BINDING,
+                regions=(
+                    RegionBinding("mimi_encoder_kv", at=("self.**.cache",), out=("return.**.cache",)),
+                    MIMI_BINDING.regions[1],
+                ),
+            ),
+        )

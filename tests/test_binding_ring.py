@@ -59,8 +59,18 @@ def contract() -> Contract:
         clocks=(Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
         rates=(Rate("frame", "call", STEP, name="frames_per_call"),),
         quantities={"layers": LAYERS, "dim": DIM},
-        regions=(Region("rings", dims=("layers", 1, "frame", "dim"), axis=2, clock="frame", stride=STEP,
-                        dtype="float32", lifetime=Lifetime.PER_STREAM, retention=RingCache(CAPACITY)),),
+        regions=(
+            Region(
+                "rings",
+                dims=("layers", 1, "frame", "dim"),
+                axis=2,
+                clock="frame",
+                stride=STEP,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=RingCache(CAPACITY),
+            ),
+        ),
         operators=(Operator("mix", "rings", steady=STEP),),
         admission=Admission("frame", max_per_call=STEP),
         interactivity=Interactivity(stages=("mixer",)),
@@ -68,22 +78,25 @@ def contract() -> Contract:
 
 
 # The write position is a device-side counter the step advances in place: bound, it is state too.
-BINDING = Binding(regions=(RegionBinding("rings", at=("state.rings.*",)),),
-                  operators=(OperatorBinding("mix", units=("x", 1), counters=("state.position",)),))
+BINDING = Binding(
+    regions=(RegionBinding("rings", at=("state.rings.*",)),),
+    operators=(OperatorBinding("mix", units=("x", 1), counters=("state.position",)),),
+)
 
 
 def stream(model, frames: torch.Tensor, state: RingState):
     outputs, addresses = [], set()
     with torch.no_grad():
         for t in range(0, frames.shape[1], STEP):
-            outputs.append(model(frames[:, t:t + STEP], state))
+            outputs.append(model(frames[:, t : t + STEP], state))
             addresses.add(tuple(ring.data_ptr() for ring in state.rings))
     return outputs, addresses
 
 
 # The same, saying the rings are written before they are read: verified and certified without a copy.
-WRITE_BEFORE_READ = Binding(regions=(RegionBinding("rings", at=("state.rings.*",), write_before_read=True),),
-                            operators=BINDING.operators)
+WRITE_BEFORE_READ = Binding(
+    regions=(RegionBinding("rings", at=("state.rings.*",), write_before_read=True),), operators=BINDING.operators
+)
 
 
 def run(device: str, binding: Binding = BINDING):
@@ -110,8 +123,14 @@ def test_a_ring_written_in_place_is_the_carry_and_streams_bit_identically():
     assert [cls.name for cls in op.classes.values()] == [f"mix[n={STEP},L={CAPACITY}]"]
     # The user's rings and position were adopted once (into the carries and the counter's own
     # tensor); every call ran the exported graph.
-    assert op.counters.as_dict() == {"calls": 27, "graph_calls": 27, "verified": 2, "stock": 0, "adopted": LAYERS + 1,
-                                     "stock_by_reason": {}}
+    assert op.counters.as_dict() == {
+        "calls": 27,
+        "graph_calls": 27,
+        "verified": 2,
+        "stock": 0,
+        "adopted": LAYERS + 1,
+        "stock_by_reason": {},
+    }
     assert state.position.data_ptr() == op.held["state.position"].data_ptr()
     assert [(s.kind, s.rewritten) for s in report.sites] == [("ring", False)] * LAYERS
     assert all(s.reason.startswith(f"state.rings.{i}: written in place by the step") for i, s in enumerate(report.sites))
@@ -128,22 +147,32 @@ def test_a_ring_written_in_place_replays_on_one_address(binding):
         assert len(addresses) == 1
     engine = report.replays["mix"]
     # Two verified calls, then every call replays (the first one captures).
-    assert engine.counters.as_dict() == {"calls": 25, "captures": 1, "replays": 25, "eager": 0, "invalidations": 0,
-                                         "fallbacks": {}}
+    assert engine.counters.as_dict() == {
+        "calls": 25,
+        "captures": 1,
+        "replays": 25,
+        "eager": 0,
+        "invalidations": 0,
+        "fallbacks": {},
+    }
 
 
 def test_state_the_binding_does_not_declare_is_refused_by_name_and_the_stream_stays_exact():
     model = RingMixer().eval()
     frames = torch.randn(1, 9 * STEP, DIM, generator=torch.Generator().manual_seed(1))
     expected, _ = stream(model, frames, RingState())
-    undeclared = Binding(regions=(RegionBinding("rings", at=("state.rings.*",)),), operators=(OperatorBinding("mix", units=("x", 1)),))
+    undeclared = Binding(
+        regions=(RegionBinding("rings", at=("state.rings.*",)),), operators=(OperatorBinding("mix", units=("x", 1)),)
+    )
     bound, report = transform(model, contract(), undeclared)
     actual, _ = stream(bound, frames, RingState())
     assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
     (cls,) = report.operators["mix"].classes.values()
-    assert cls.refused == ("the step reads state.position: state the binding does not declare, which a graph would "
-                           "freeze as a constant; bind it (a region's `at`, or the operator's `counters` for a position "
-                           "or length the step moves)")
+    assert cls.refused == (
+        "the step reads state.position: state the binding does not declare, which a graph would "
+        "freeze as a constant; bind it (a region's `at`, or the operator's `counters` for a position "
+        "or length the step moves)"
+    )
     assert report.operators["mix"].counters.stock_by_reason == {"refused": 9}
 
 
@@ -157,6 +186,7 @@ def _ring_copies(monkeypatch) -> list[str]:
             if type(self) is torch.Tensor and tuple(self.shape[-2:]) == (CAPACITY, DIM):
                 copies.append(kind)
             return method(self, *args, **kwargs)
+
         return wrapper
 
     monkeypatch.setattr(torch.Tensor, "clone", counted("clone", clone))
@@ -182,8 +212,14 @@ def test_a_ring_written_before_read_is_verified_without_a_copy(monkeypatch, writ
     assert (seen == {tuple(addresses)}) == write_before_read
     assert seen == {tuple(carry.address for carry in bound.carries.values())}
     op = report.operators["mix"]
-    assert op.counters.as_dict() == {"calls": 9, "graph_calls": 9, "verified": 2, "stock": 0, "adopted": LAYERS + 1,
-                                     "stock_by_reason": {}}
+    assert op.counters.as_dict() == {
+        "calls": 9,
+        "graph_calls": 9,
+        "verified": 2,
+        "stock": 0,
+        "adopted": LAYERS + 1,
+        "stock_by_reason": {},
+    }
     # Without the declaration each of the 2 verified calls runs the exported step and the stock
     # code traced (their programs compared), then the stock code untraced, each on a copy of every
     # ring, and the replay engine's certification probe snapshots every ring twice (as the state
@@ -197,10 +233,13 @@ def test_a_ring_written_before_read_is_verified_without_a_copy(monkeypatch, writ
 def test_write_before_read_is_refused_where_the_region_is_not_a_ring_written_in_place():
     from cadence_fx import BindingError
 
-    returned = Binding(regions=(RegionBinding("rings", at=("state",), out=("return.1",), write_before_read=True),),
-                       operators=BINDING.operators)
+    returned = Binding(
+        regions=(RegionBinding("rings", at=("state",), out=("return.1",), write_before_read=True),), operators=BINDING.operators
+    )
     with pytest.raises(BindingError) as refused:
         transform(RingMixer().eval(), contract(), returned)
-    assert str(refused.value) == ("binding.regions[0].write_before_read: region 'rings': only a region written in place at a "
-                                  "fixed extent (a RingCache or InPlace, no `out`) is written before it is read; it retains by "
-                                  "RingCache and is returned (('return.1',))")
+    assert str(refused.value) == (
+        "binding.regions[0].write_before_read: region 'rings': only a region written in place at a "
+        "fixed extent (a RingCache or InPlace, no `out`) is written before it is read; it retains by "
+        "RingCache and is returned (('return.1',))"
+    )

@@ -69,17 +69,27 @@ def contract() -> Contract:
         clocks=(Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
         rates=(Rate("frame", "call", STEP, name="frames_per_call"),),
         quantities={"layers": LAYERS, "heads": HEADS, "head_dim": HEAD_DIM},
-        regions=(Region("kv", dims=("layers", 2, 1, "heads", "frame", "head_dim"), axis=4, clock="frame", stride=STEP,
-                        dtype="float32", lifetime=Lifetime.PER_STREAM,
-                        retention=PromptPlusHistory(prompt=SINKS, history=HISTORY)),),
+        regions=(
+            Region(
+                "kv",
+                dims=("layers", 2, 1, "heads", "frame", "head_dim"),
+                axis=4,
+                clock="frame",
+                stride=STEP,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=PromptPlusHistory(prompt=SINKS, history=HISTORY),
+            ),
+        ),
         operators=(Operator("step", "kv", steady=STEP),),
         admission=Admission("frame", max_per_call=SINKS),
         interactivity=Interactivity(stages=("decoder",)),
     )
 
 
-BINDING = Binding(regions=(RegionBinding("kv", at=("cache.keys.*", "cache.values.*")),),
-                  operators=(OperatorBinding("step", units=("x", 1)),))
+BINDING = Binding(
+    regions=(RegionBinding("kv", at=("cache.keys.*", "cache.values.*")),), operators=(OperatorBinding("step", units=("x", 1)),)
+)
 
 
 def stream(model, frames: torch.Tensor):
@@ -88,7 +98,7 @@ def stream(model, frames: torch.Tensor):
     with torch.no_grad():
         outputs.append(model(frames[:, :SINKS], cache))
         for t in range(SINKS, frames.shape[1], STEP):
-            outputs.append(model(frames[:, t:t + STEP], cache))
+            outputs.append(model(frames[:, t : t + STEP], cache))
             addresses.add(tuple(t.data_ptr() for t in (*cache.keys, *cache.values)))
     return outputs, addresses
 

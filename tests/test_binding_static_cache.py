@@ -32,9 +32,17 @@ LAYERS, KV_HEADS, HEAD_DIM, CAPACITY, STEP, TOKENS = 2, 2, 8, 16, 2, 14
 
 def build_model(device: str):
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-                         num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                         max_position_embeddings=64, attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(config).eval().to(device), config
 
 
@@ -43,8 +51,18 @@ CONTRACT = Contract(
     clocks=(Clock("token", ClockKind.TOKENS), Clock("call", ClockKind.CALLS)),
     rates=(Rate("token", "call", STEP, name="tokens_per_call"),),
     quantities={"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM},
-    regions=(Region("kv", dims=("layers", 2, 1, "kv_heads", "token", "head_dim"), axis=4, clock="token", stride=STEP,
-                    dtype="float32", lifetime=Lifetime.PER_STREAM, retention=RingCache(CAPACITY)),),
+    regions=(
+        Region(
+            "kv",
+            dims=("layers", 2, 1, "kv_heads", "token", "head_dim"),
+            axis=4,
+            clock="token",
+            stride=STEP,
+            dtype="float32",
+            lifetime=Lifetime.PER_STREAM,
+            retention=RingCache(CAPACITY),
+        ),
+    ),
     operators=(Operator("decoder_step", "kv", steady=STEP),),
     admission=Admission("token", max_per_call=STEP),
     interactivity=Interactivity(stages=("decoder",)),
@@ -53,8 +71,11 @@ CONTRACT = Contract(
 # `cumulative_length` (a device tensor each call advances in place) are the counters.
 BINDING = Binding(
     regions=(RegionBinding("kv", at=("cache.layers.*.keys", "cache.layers.*.values")),),
-    operators=(OperatorBinding("decoder_step", units=("input_ids", 1),
-                               counters=("cache.layers.*.is_initialized", "cache.layers.*.cumulative_length")),),
+    operators=(
+        OperatorBinding(
+            "decoder_step", units=("input_ids", 1), counters=("cache.layers.*.is_initialized", "cache.layers.*.cumulative_length")
+        ),
+    ),
 )
 
 
@@ -64,8 +85,13 @@ def stream(model, config, tokens: torch.Tensor):
     with torch.no_grad():
         for t in range(0, tokens.shape[1], STEP):
             position = torch.arange(t, t + STEP, device=tokens.device)
-            out = model(input_ids=tokens[:, t:t + STEP], cache=cache, cache_position=position,
-                        position_ids=position[None], use_cache=True)
+            out = model(
+                input_ids=tokens[:, t : t + STEP],
+                cache=cache,
+                cache_position=position,
+                position_ids=position[None],
+                use_cache=True,
+            )
             logits.append(out.logits)
             addresses.add(tuple(t.data_ptr() for layer in cache.layers for t in (layer.keys, layer.values)))
     return logits, addresses
@@ -95,13 +121,26 @@ def test_a_static_cache_decoder_streams_bit_identically_and_says_why_its_graphs_
     # export leaves the model's settings the very objects they were, so the guards read the same
     # paths whether this export ran or a kept one was reused).
     assert [cls.name for cls in op.classes.values()] == [f"decoder_step[n={STEP},L={CAPACITY}]"]
-    assert all(cls.refused.startswith("verification: program: the exported step is not the program the stock call "
-                                      "runs: op 1: the stock call ran aten.eq.Scalar(") for cls in op.classes.values())
-    assert op.counters.as_dict() == {"calls": 14, "graph_calls": 1, "verified": 0, "stock": 14, "adopted": 18, "evicted": 6,
-                                     "stock_by_reason": {"not_in_catalog": 2, "verification": 1, "refused": 11}}
+    assert all(
+        cls.refused.startswith(
+            "verification: program: the exported step is not the program the stock call "
+            "runs: op 1: the stock call ran aten.eq.Scalar("
+        )
+        for cls in op.classes.values()
+    )
+    assert op.counters.as_dict() == {
+        "calls": 14,
+        "graph_calls": 1,
+        "verified": 0,
+        "stock": 14,
+        "adopted": 18,
+        "evicted": 6,
+        "stock_by_reason": {"not_in_catalog": 2, "verification": 1, "refused": 11},
+    }
     assert [(s.kind, s.rewritten) for s in report.sites] == [("ring", False)] * (2 * LAYERS)
-    assert report.sites[0].reason == ("cache.layers.0.keys: written in place by the step (index_copy_): "
-                                      "the carry is the ring, nothing to rewrite")
+    assert report.sites[0].reason == (
+        "cache.layers.0.keys: written in place by the step (index_copy_): the carry is the ring, nothing to rewrite"
+    )
 
 
 @pytest.mark.cuda

@@ -50,24 +50,35 @@ def contract() -> Contract:
         clocks=(Clock("sample", ClockKind.SAMPLES), Clock("call", ClockKind.CALLS)),
         rates=(Rate("sample", "call", HOP, name="hop"),),
         quantities={"channels": CHANNELS},
-        regions=(Region("context", dims=(1, "channels", "sample"), axis=2, clock="sample", stride=HOP, dtype="float32",
-                        lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=CONTEXT, initial=CONTEXT),
-                        holds_call=False),),
+        regions=(
+            Region(
+                "context",
+                dims=(1, "channels", "sample"),
+                axis=2,
+                clock="sample",
+                stride=HOP,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=SlidingWindow(window=CONTEXT, initial=CONTEXT),
+                holds_call=False,
+            ),
+        ),
         operators=(Operator("conv", "context", steady=HOP),),
         admission=Admission("sample", max_per_call=HOP),
         interactivity=Interactivity(stages=("conv",)),
     )
 
 
-BINDING = Binding(regions=(RegionBinding("context", at=("state",), out=("return.1",)),),
-                  operators=(OperatorBinding("conv", units=("x", 2)),))
+BINDING = Binding(
+    regions=(RegionBinding("context", at=("state",), out=("return.1",)),), operators=(OperatorBinding("conv", units=("x", 2)),)
+)
 
 
 def stream(model, signal):
     state, outputs = None, []
     with torch.no_grad():
         for t in range(0, signal.shape[2], HOP):
-            y, state = model(signal[:, :, t:t + HOP], state, gain=0.5)
+            y, state = model(signal[:, :, t : t + HOP], state, gain=0.5)
             outputs.append(y)
     return outputs, state
 
@@ -101,6 +112,12 @@ def test_a_tensor_state_argument_replays_on_cuda():
         actual, _ = stream(bound, signal)
         assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
     # 7 steady calls a stream: the first two ever are verified, the 12 others replay.
-    assert report.replays["conv"].counters.as_dict() == {"calls": 12, "captures": 1, "replays": 12, "eager": 0,
-                                                         "invalidations": 0, "fallbacks": {}}
+    assert report.replays["conv"].counters.as_dict() == {
+        "calls": 12,
+        "captures": 1,
+        "replays": 12,
+        "eager": 0,
+        "invalidations": 0,
+        "fallbacks": {},
+    }
     print("adopted", report.operators["conv"].counters.adopted)

@@ -49,12 +49,12 @@ class EncoderDecoder(nn.Module):
 
     def encode(self, x: torch.Tensor, memory: Window) -> torch.Tensor:
         full = retain(memory, self.enc(x), ENC_WINDOW)
-        return full.cumsum(1)[:, -x.shape[1]:]
+        return full.cumsum(1)[:, -x.shape[1] :]
 
     def decode(self, y: torch.Tensor, history: Window, memory: Window) -> torch.Tensor:
         full = retain(history, self.dec(y), DEC_WINDOW)
         scores = torch.softmax(full @ memory.kept.transpose(1, 2), dim=-1)
-        return (scores @ memory.kept)[:, -y.shape[1]:]
+        return (scores @ memory.kept)[:, -y.shape[1] :]
 
 
 def contract() -> Contract:
@@ -64,10 +64,26 @@ def contract() -> Contract:
         rates=(Rate("frame", "call", ENC_STEP, name="frames_per_call"), Rate("token", "call", 1)),
         quantities={"dim": DIM},
         regions=(
-            Region("memory", dims=(1, "frame", "dim"), axis=1, clock="frame", stride=ENC_STEP, dtype="float32",
-                   lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=ENC_WINDOW)),
-            Region("history", dims=(1, "token", "dim"), axis=1, clock="token", stride=1, dtype="float32",
-                   lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=DEC_WINDOW)),
+            Region(
+                "memory",
+                dims=(1, "frame", "dim"),
+                axis=1,
+                clock="frame",
+                stride=ENC_STEP,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=SlidingWindow(window=ENC_WINDOW),
+            ),
+            Region(
+                "history",
+                dims=(1, "token", "dim"),
+                axis=1,
+                clock="token",
+                stride=1,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=SlidingWindow(window=DEC_WINDOW),
+            ),
         ),
         operators=(Operator("encode", "memory", steady=ENC_STEP), Operator("decode", "history", steady=1)),
         admission=Admission("frame", max_per_call=ENC_STEP),
@@ -77,8 +93,10 @@ def contract() -> Contract:
 
 BINDING = Binding(
     regions=(RegionBinding("memory", at=("memory.kept",)), RegionBinding("history", at=("history.kept",))),
-    operators=(OperatorBinding("encode", method="encode", units=("x", 1)),
-               OperatorBinding("decode", method="decode", units=("y", 1))),
+    operators=(
+        OperatorBinding("encode", method="encode", units=("x", 1)),
+        OperatorBinding("decode", method="decode", units=("y", 1)),
+    ),
 )
 
 
@@ -86,8 +104,8 @@ def stream(model, frames, tokens):
     memory, history, outputs = Window(), Window(), []
     with torch.no_grad():
         for call in range(CALLS):
-            outputs.append(model.encode(frames[:, call * ENC_STEP:(call + 1) * ENC_STEP], memory))
-            outputs.append(model.decode(tokens[:, call:call + 1], history, memory))
+            outputs.append(model.encode(frames[:, call * ENC_STEP : (call + 1) * ENC_STEP], memory))
+            outputs.append(model.decode(tokens[:, call : call + 1], history, memory))
     return outputs, memory, history
 
 
@@ -127,10 +145,22 @@ def test_two_operators_replay_on_cuda_with_the_shared_region_aliased():
         assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
     # encode: its steady class (4 frames retained) is met 5 times a stream: 2 verified, 8 replayed.
     # decode: its steady class (3 tokens retained, over 4 frames of memory) 4 times a stream: 6 replayed.
-    assert report.replays["encode"].counters.as_dict() == {"calls": 8, "captures": 1, "replays": 8, "eager": 0,
-                                                           "invalidations": 0, "fallbacks": {}}
-    assert report.replays["decode"].counters.as_dict() == {"calls": 6, "captures": 1, "replays": 6, "eager": 0,
-                                                           "invalidations": 0, "fallbacks": {}}
+    assert report.replays["encode"].counters.as_dict() == {
+        "calls": 8,
+        "captures": 1,
+        "replays": 8,
+        "eager": 0,
+        "invalidations": 0,
+        "fallbacks": {},
+    }
+    assert report.replays["decode"].counters.as_dict() == {
+        "calls": 6,
+        "captures": 1,
+        "replays": 6,
+        "eager": 0,
+        "invalidations": 0,
+        "fallbacks": {},
+    }
 
 
 def test_a_region_no_operator_reaches_is_refused_naming_the_arguments():
@@ -144,4 +174,5 @@ def test_a_region_no_operator_reaches_is_refused_naming_the_arguments():
         transform(EncoderDecoder(), contract(), stray)
     assert str(error.value) == (
         "binding.regions[1].at: ('past.kept',): no operator's method takes the arguments these paths start at, so no "
-        "operator would keep this region; the methods' arguments: {'encode': ['memory', 'x']}")
+        "operator would keep this region; the methods' arguments: {'encode': ['memory', 'x']}"
+    )

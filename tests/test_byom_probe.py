@@ -24,17 +24,54 @@ import torch
 import transformers
 from torch import nn
 from torch.utils import _pytree as pytree
-from transformers import (CsmConfig, CsmForConditionalGeneration, DynamicCache, EncoderDecoderCache, Gemma3ForCausalLM,
-                          Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, KyutaiSpeechToTextConfig,
-                          KyutaiSpeechToTextForConditionalGeneration, MambaConfig, MambaForCausalLM, MimiConfig,
-                          MimiModel, MoshiConfig, MoshiForCausalLM, Qwen3Config, Qwen3ForCausalLM, RwkvConfig,
-                          RwkvForCausalLM, WhisperConfig, WhisperForConditionalGeneration)
+from transformers import (
+    CsmConfig,
+    CsmForConditionalGeneration,
+    DynamicCache,
+    EncoderDecoderCache,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    KyutaiSpeechToTextConfig,
+    KyutaiSpeechToTextForConditionalGeneration,
+    MambaConfig,
+    MambaForCausalLM,
+    MimiConfig,
+    MimiModel,
+    MoshiConfig,
+    MoshiForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    RwkvConfig,
+    RwkvForCausalLM,
+    WhisperConfig,
+    WhisperForConditionalGeneration,
+)
+from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.mimi.modeling_mimi import MimiConv1dPaddingCache
 from transformers.models.rwkv import modeling_rwkv
-from transformers.modeling_outputs import BaseModelOutput
 
-from cadence_fx import (Admission, Binding, BindingError, Clock, ClockKind, Contract, ContractError, Interactivity,
-                        InPlace, Lifetime, Operator, OperatorBinding, Rate, Region, RegionBinding, RingCache, SlidingWindow, transform)
+from cadence_fx import (
+    Admission,
+    Binding,
+    BindingError,
+    Clock,
+    ClockKind,
+    Contract,
+    ContractError,
+    InPlace,
+    Interactivity,
+    Lifetime,
+    Operator,
+    OperatorBinding,
+    Rate,
+    Region,
+    RegionBinding,
+    RingCache,
+    SlidingWindow,
+    transform,
+)
 from cadence_fx.binding import get_path, resolve, set_path
 
 STEP = 2  # tokens (or frames) a call
@@ -44,8 +81,16 @@ CUDA_STREAMS = 3
 # the two kernels may round differently (measured on the H200 for Mistral, tests/test_binding_cuda.py),
 # and verification then refuses that class: the stream stays exact on the stock code.
 FIRST = "decoder_step[n=2,L=0]"
-TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, max_position_embeddings=128, attn_implementation="sdpa")
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=128,
+    attn_implementation="sdpa",
+)
 KV_DIMS = ("layers", 2, 1, "kv_heads", "token", "head_dim")  # [layer, keys|values] x one layer's cache
 
 
@@ -56,8 +101,18 @@ def kv_contract(family: str, layers: int, kv_heads: int, tokens: int) -> Contrac
         clocks=(Clock("token", ClockKind.TOKENS), Clock("call", ClockKind.CALLS)),
         rates=(Rate("token", "call", STEP, name="tokens_per_call"),),
         quantities={"layers": layers, "kv_heads": kv_heads, "head_dim": 8},
-        regions=(Region("kv", dims=KV_DIMS, axis=4, clock="token", stride=STEP, dtype="float32",
-                        lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=tokens)),),
+        regions=(
+            Region(
+                "kv",
+                dims=KV_DIMS,
+                axis=4,
+                clock="token",
+                stride=STEP,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=SlidingWindow(window=tokens),
+            ),
+        ),
         operators=(Operator("decoder_step", "kv", steady=STEP),),
         admission=Admission("token", max_per_call=STEP),
         interactivity=Interactivity(stages=("decoder",)),
@@ -75,8 +130,9 @@ DYNAMIC_CACHE = Binding(
 
 def layer_addresses(layers, prefix: str) -> dict[str, int]:
     """Where each layer's keys and values are, by their binding path."""
-    return {f"{prefix}.{i}.{kind}": getattr(layer, kind).data_ptr() for i, layer in enumerate(layers)
-            for kind in ("keys", "values")}
+    return {
+        f"{prefix}.{i}.{kind}": getattr(layer, kind).data_ptr() for i, layer in enumerate(layers) for kind in ("keys", "values")
+    }
 
 
 def stream_dynamic(model, config, tokens: torch.Tensor, sizes: list[int]) -> tuple[list[torch.Tensor], list[dict[str, int]]]:
@@ -85,8 +141,12 @@ def stream_dynamic(model, config, tokens: torch.Tensor, sizes: list[int]) -> tup
     cache, logits, addresses, t = DynamicCache(config=config), [], [], 0
     with torch.no_grad():
         for n in sizes:
-            out = model(input_ids=tokens[:, t:t + n], position_ids=torch.arange(t, t + n, device=tokens.device)[None],
-                        cache=cache, use_cache=True)
+            out = model(
+                input_ids=tokens[:, t : t + n],
+                position_ids=torch.arange(t, t + n, device=tokens.device)[None],
+                cache=cache,
+                use_cache=True,
+            )
             logits.append(out.logits)
             addresses.append(layer_addresses(cache.layers, "cache.layers"))
             t += n
@@ -124,9 +184,16 @@ def streamed(model, contract: Contract, binding: Binding, stream, streams: int):
     return bound, report
 
 
-def assert_replay_counters(report, visits: dict[str, int], streams: int, device: str, may_refuse: frozenset = frozenset(),
-                           later: frozenset = frozenset(), operator: str | None = None,
-                           stock_by_reason: dict | None = None):
+def assert_replay_counters(
+    report,
+    visits: dict[str, int],
+    streams: int,
+    device: str,
+    may_refuse: frozenset = frozenset(),
+    later: frozenset = frozenset(),
+    operator: str | None = None,
+    stock_by_reason: dict | None = None,
+):
     """The replay engine's counters after `streams` streams that each visit the catalog classes
     `visits` (class name -> calls a stream, in the order first met). Every binding here verifies
     one visit (`Binding(verify=1)`), two for a class that moves a host counter (the pipeline
@@ -151,11 +218,23 @@ def assert_replay_counters(report, visits: dict[str, int], streams: int, device:
     engine = {name: (streams - (name in later)) * n - verified[name] for name, n in visits.items() if name not in refused}
     calls = sum(engine.values())
     if device == "cuda":
-        expected = {"calls": calls, "captures": sum(1 for n in engine.values() if n), "replays": calls, "eager": 0,
-                    "invalidations": 0, "fallbacks": {}}
+        expected = {
+            "calls": calls,
+            "captures": sum(1 for n in engine.values() if n),
+            "replays": calls,
+            "eager": 0,
+            "invalidations": 0,
+            "fallbacks": {},
+        }
     else:
-        expected = {"calls": calls, "captures": 0, "replays": 0, "eager": calls, "invalidations": 0,
-                    "fallbacks": {"no_cuda": calls} if calls else {}}
+        expected = {
+            "calls": calls,
+            "captures": 0,
+            "replays": 0,
+            "eager": calls,
+            "invalidations": 0,
+            "fallbacks": {"no_cuda": calls} if calls else {},
+        }
     assert report.replays[op.ob.operator].counters.as_dict() == expected
 
 
@@ -167,8 +246,9 @@ def qwen3(device: str = "cpu") -> tuple[Qwen3ForCausalLM, Qwen3Config]:
 
 def gpt2(device: str = "cpu") -> tuple[GPT2LMHeadModel, GPT2Config]:
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2,
-                        attn_implementation="sdpa")
+    config = GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa"
+    )
     return GPT2LMHeadModel(config).eval().to(device), config
 
 
@@ -182,8 +262,13 @@ QWEN3_CLASSES = {f"decoder_step[n=2,L={e}]": 1 for e in (0, 2, 4, 6, 8, 10)}  # 
 def qwen3_streams(device: str, streams: int):
     model, config = qwen3(device)
     tokens, sizes = random_tokens(12, device), [STEP] * 6
-    return streamed(model, kv_contract("qwen3_full", 2, 2, tokens=12), DYNAMIC_CACHE,
-                    lambda m: stream_dynamic(m, config, tokens, sizes), streams)
+    return streamed(
+        model,
+        kv_contract("qwen3_full", 2, 2, tokens=12),
+        DYNAMIC_CACHE,
+        lambda m: stream_dynamic(m, config, tokens, sizes),
+        streams,
+    )
 
 
 # The first call (nothing cached) is refused: traced, transformers takes another position/mask path
@@ -196,8 +281,15 @@ FIRSTS = frozenset({FIRST})
 def test_qwen3_full_attention_refuses_its_first_call_and_streams_the_rest_on_the_exported_steps():
     _, report = qwen3_streams("cpu", streams=2)
     op = report.operators["decoder_step"]
-    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 11, "verified": 5, "stock": 2, "adopted": 8,
-                                     "evicted": 4, "stock_by_reason": {"verification": 1, "refused": 1}}
+    assert op.counters.as_dict() == {
+        "calls": 12,
+        "graph_calls": 11,
+        "verified": 5,
+        "stock": 2,
+        "adopted": 8,
+        "evicted": 4,
+        "stock_by_reason": {"verification": 1, "refused": 1},
+    }
     assert_replay_counters(report, QWEN3_CLASSES, streams=2, device="cpu", may_refuse=FIRSTS)
 
 
@@ -215,8 +307,9 @@ GPT2_CLASSES = {f"decoder_step[n=2,L={e}]": 1 for e in (0, 2, 4, 6)}  # 4 calls 
 def gpt2_streams(device: str, streams: int):
     model, config = gpt2(device)
     tokens, sizes = random_tokens(8, device), [STEP] * 4
-    return streamed(model, kv_contract("gpt2", 2, 4, tokens=8), DYNAMIC_CACHE,
-                    lambda m: stream_dynamic(m, config, tokens, sizes), streams)
+    return streamed(
+        model, kv_contract("gpt2", 2, 4, tokens=8), DYNAMIC_CACHE, lambda m: stream_dynamic(m, config, tokens, sizes), streams
+    )
 
 
 def test_gpt2_streams_bit_identically_through_the_same_cache_binding():
@@ -225,8 +318,14 @@ def test_gpt2_streams_bit_identically_through_the_same_cache_binding():
     aten.arange"); it runs the stock code in both streams, whose 4 sites are adopted."""
     _, report = gpt2_streams("cpu", streams=2)
     assert report.operators["decoder_step"].counters.as_dict() == {
-        "calls": 8, "graph_calls": 7, "verified": 3, "stock": 2, "adopted": 8, "evicted": 4,
-        "stock_by_reason": {"verification": 1, "refused": 1}}
+        "calls": 8,
+        "graph_calls": 7,
+        "verified": 3,
+        "stock": 2,
+        "adopted": 8,
+        "evicted": 4,
+        "stock_by_reason": {"verification": 1, "refused": 1},
+    }
     assert_replay_counters(report, GPT2_CLASSES, streams=2, device="cpu", may_refuse=frozenset({FIRST}))
 
 
@@ -242,36 +341,104 @@ def test_gpt2_replays_every_call_after_its_class_is_verified_on_cuda():
 # heads each layer stores, the tiny config). Bloom has no SDPA path in transformers: eager attention.
 _DECODER = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, max_position_embeddings=128)
 MORE_DECODERS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", 2,
-              dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2, head_dim=8)),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", 2,
-             dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2, pad_token_id=0)),
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        2,
+        dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2, head_dim=8),
+    ),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        2,
+        dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2, pad_token_id=0),
+    ),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", 4, dict(_DECODER, intermediate_size=64, num_hidden_layers=2)),
     "opt": ("OPTConfig", "OPTForCausalLM", 4, dict(_DECODER, ffn_dim=64, num_hidden_layers=2, word_embed_proj_dim=32)),
-    "falcon": ("FalconConfig", "FalconForCausalLM", 4,
-               dict(_DECODER, num_hidden_layers=2, num_kv_heads=4, new_decoder_architecture=True)),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", 2,
-              dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2)),
-    "granite": ("GraniteConfig", "GraniteForCausalLM", 2,
-                dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2)),
-    "stablelm": ("StableLmConfig", "StableLmForCausalLM", 2,
-                 dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2)),
+    "falcon": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        4,
+        dict(_DECODER, num_hidden_layers=2, num_kv_heads=4, new_decoder_architecture=True),
+    ),
+    "olmo2": (
+        "Olmo2Config",
+        "Olmo2ForCausalLM",
+        2,
+        dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2),
+    ),
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        2,
+        dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2),
+    ),
+    "stablelm": (
+        "StableLmConfig",
+        "StableLmForCausalLM",
+        2,
+        dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2),
+    ),
     "bloom": ("BloomConfig", "BloomForCausalLM", 4, dict(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)),
-    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", 4,
-                    dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=128, multi_query=False)),
-    "gptj": ("GPTJConfig", "GPTJForCausalLM", 4, dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=128, rotary_dim=4)),
-    "codegen": ("CodeGenConfig", "CodeGenForCausalLM", 4,
-                dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=128, rotary_dim=4)),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", 2,  # mixture of experts: 2 of 4 routed a token
-                dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2, head_dim=8,
-                     num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", 2,
-                  dict(_DECODER, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                       num_hidden_layers=2, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)),
-    "cohere": ("CohereConfig", "CohereForCausalLM", 2,
-               dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2)),
-    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", 2,
-                   dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2)),
+    "gpt_bigcode": (
+        "GPTBigCodeConfig",
+        "GPTBigCodeForCausalLM",
+        4,
+        dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=128, multi_query=False),
+    ),
+    "gptj": (
+        "GPTJConfig",
+        "GPTJForCausalLM",
+        4,
+        dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=128, rotary_dim=4),
+    ),
+    "codegen": (
+        "CodeGenConfig",
+        "CodeGenForCausalLM",
+        4,
+        dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=128, rotary_dim=4),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        2,  # mixture of experts: 2 of 4 routed a token
+        dict(
+            _DECODER,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        2,
+        dict(
+            _DECODER,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+        ),
+    ),
+    "cohere": (
+        "CohereConfig",
+        "CohereForCausalLM",
+        2,
+        dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2),
+    ),
+    "starcoder2": (
+        "Starcoder2Config",
+        "Starcoder2ForCausalLM",
+        2,
+        dict(_DECODER, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2),
+    ),
 }
 
 
@@ -280,12 +447,34 @@ MORE_DECODERS = {
 # program), or (Falcon, Bloom) the stock call sets each layer's `device`, a host value the binding
 # does not declare. The mixtures of experts' steady classes are refused too: the stock call runs
 # `aten._grouped_mm`, the traced one transformers' `grouped_mm_fallback`; every call runs the stock code.
-_REFUSED_ONCE = ({"calls": 12, "graph_calls": 11, "verified": 5, "stock": 2, "adopted": 8, "evicted": 4,
-                  "stock_by_reason": {"verification": 1, "refused": 1}}, QWEN3_CLASSES)
-_ALL_REFUSED = ({"calls": 12, "graph_calls": 6, "verified": 0, "stock": 12, "adopted": 48, "evicted": 4,
-                 "stock_by_reason": {"verification": 6, "refused": 6}}, QWEN3_CLASSES)
-MORE_DECODERS_RESULTS = {**{family: _REFUSED_ONCE for family in MORE_DECODERS},
-                         **dict.fromkeys(("mixtral", "qwen2_moe"), _ALL_REFUSED)}
+_REFUSED_ONCE = (
+    {
+        "calls": 12,
+        "graph_calls": 11,
+        "verified": 5,
+        "stock": 2,
+        "adopted": 8,
+        "evicted": 4,
+        "stock_by_reason": {"verification": 1, "refused": 1},
+    },
+    QWEN3_CLASSES,
+)
+_ALL_REFUSED = (
+    {
+        "calls": 12,
+        "graph_calls": 6,
+        "verified": 0,
+        "stock": 12,
+        "adopted": 48,
+        "evicted": 4,
+        "stock_by_reason": {"verification": 6, "refused": 6},
+    },
+    QWEN3_CLASSES,
+)
+MORE_DECODERS_RESULTS = {
+    **{family: _REFUSED_ONCE for family in MORE_DECODERS},
+    **dict.fromkeys(("mixtral", "qwen2_moe"), _ALL_REFUSED),
+}
 
 
 @pytest.mark.parametrize("family", sorted(MORE_DECODERS))
@@ -295,12 +484,23 @@ def test_more_transformers_decoders_stream_bit_identically_from_the_same_binding
     config = getattr(transformers, config_class)(**kwargs, attn_implementation="eager" if family == "bloom" else "sdpa")
     model = getattr(transformers, model_class)(config).eval()
     tokens, sizes = random_tokens(12), [STEP] * 6
-    _, report = streamed(model, kv_contract(family, 2, kv_heads, tokens=12), DYNAMIC_CACHE,
-                         lambda m: stream_dynamic(m, config, tokens, sizes), streams=2)
+    _, report = streamed(
+        model,
+        kv_contract(family, 2, kv_heads, tokens=12),
+        DYNAMIC_CACHE,
+        lambda m: stream_dynamic(m, config, tokens, sizes),
+        streams=2,
+    )
     counters, visits = MORE_DECODERS_RESULTS[family]
     assert report.operators["decoder_step"].counters.as_dict() == counters
-    assert_replay_counters(report, visits, streams=2, device="cpu", may_refuse=frozenset(visits) if family in ("mixtral", "qwen2_moe") else FIRSTS,
-                           stock_by_reason=counters["stock_by_reason"])
+    assert_replay_counters(
+        report,
+        visits,
+        streams=2,
+        device="cpu",
+        may_refuse=frozenset(visits) if family in ("mixtral", "qwen2_moe") else FIRSTS,
+        stock_by_reason=counters["stock_by_reason"],
+    )
 
 
 CHANNELS, KERNEL, CONV_LAYERS = 8, 3, 3
@@ -322,7 +522,7 @@ class CausalConvStack(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, conv in enumerate(self.convs):
             full = torch.cat([self.contexts[i], x], dim=-1)
-            self.contexts[i] = full[..., -(KERNEL - 1):]
+            self.contexts[i] = full[..., -(KERNEL - 1) :]
             x = torch.tanh(conv(full))
         return x
 
@@ -340,7 +540,7 @@ def conv_stack_streams(device: str, streams: int):
         outputs, addresses = [], []
         with torch.no_grad():
             for t in range(0, frames.shape[-1], STEP):
-                outputs.append(m(frames[..., t:t + STEP]))
+                outputs.append(m(frames[..., t : t + STEP]))
                 addresses.append({f"self.contexts.{i}": c.data_ptr() for i, c in enumerate(model.contexts)})
         return outputs, addresses
 
@@ -349,15 +549,28 @@ def conv_stack_streams(device: str, streams: int):
         clocks=(Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
         rates=(Rate("frame", "call", STEP, name="frames_per_call"),),
         quantities={"layers": CONV_LAYERS, "channels": CHANNELS},
-        regions=(Region("conv_context", dims=("layers", 1, "channels", "frame"), axis=3, clock="frame", stride=STEP,
-                        dtype="float32", lifetime=Lifetime.PER_STREAM,
-                        retention=SlidingWindow(window=KERNEL - 1, initial=KERNEL - 1), holds_call=False),),
+        regions=(
+            Region(
+                "conv_context",
+                dims=("layers", 1, "channels", "frame"),
+                axis=3,
+                clock="frame",
+                stride=STEP,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=SlidingWindow(window=KERNEL - 1, initial=KERNEL - 1),
+                holds_call=False,
+            ),
+        ),
         operators=(Operator("vocoder_step", "conv_context", steady=STEP),),
         admission=Admission("frame", max_per_call=STEP),
         interactivity=Interactivity(stages=("vocoder",)),
     )
-    binding = Binding(regions=(RegionBinding("conv_context", at=("self.contexts.*",)),),
-                      operators=(OperatorBinding("vocoder_step", units=("x", 2)),), verify=1)
+    binding = Binding(
+        regions=(RegionBinding("conv_context", at=("self.contexts.*",)),),
+        operators=(OperatorBinding("vocoder_step", units=("x", 2)),),
+        verify=1,
+    )
     return streamed(model, contract, binding, stream, streams)
 
 
@@ -366,8 +579,14 @@ def test_a_causal_conv_stack_with_its_contexts_in_a_list_attribute_streams_on_ca
     op = report.operators["vocoder_step"]
     # each stream's fresh zero contexts are copied into the carries: 3 a stream; the list holds
     # the carries' views from then on, one address each (`streamed`)
-    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 12, "verified": 1, "stock": 0, "adopted": 6,
-                                     "stock_by_reason": {}}
+    assert op.counters.as_dict() == {
+        "calls": 12,
+        "graph_calls": 12,
+        "verified": 1,
+        "stock": 0,
+        "adopted": 6,
+        "stock_by_reason": {},
+    }
     assert [(s.kind, s.rewritten) for s in report.sites] == [("append", True)] * CONV_LAYERS
     assert_replay_counters(report, CONV_CLASSES, streams=2, device="cpu")
 
@@ -395,11 +614,27 @@ def encoder_decoder(family: str) -> tuple[Contract, Binding]:
         rates=(Rate("token", "call", STEP, name="tokens_per_call"),),
         quantities={"layers": 2, "heads": 4, "head_dim": 8},
         regions=(
-            Region("self_kv", dims=("layers", 2, 1, "heads", "token", "head_dim"), axis=4, clock="token", stride=STEP,
-                   dtype="float32", lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=WHISPER_TOKENS)),
+            Region(
+                "self_kv",
+                dims=("layers", 2, 1, "heads", "token", "head_dim"),
+                axis=4,
+                clock="token",
+                stride=STEP,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=SlidingWindow(window=WHISPER_TOKENS),
+            ),
             # constant for the stream; `stride` must be positive though no call appends to it
-            Region("cross_kv", dims=("layers", 2, 1, "heads", "frame", "head_dim"), axis=4, clock="frame", stride=1,
-                   dtype="float32", lifetime=Lifetime.PER_STREAM, retention=RingCache(ENCODER_FRAMES)),
+            Region(
+                "cross_kv",
+                dims=("layers", 2, 1, "heads", "frame", "head_dim"),
+                axis=4,
+                clock="frame",
+                stride=1,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=RingCache(ENCODER_FRAMES),
+            ),
         ),
         operators=(Operator("decoder_step", "self_kv", steady=STEP),),
         admission=Admission("token", max_per_call=STEP),
@@ -407,12 +642,23 @@ def encoder_decoder(family: str) -> tuple[Contract, Binding]:
     )
     layers = "cache.{}_attention_cache.layers.*.{}"
     binding = Binding(
-        regions=(RegionBinding("self_kv", at=(layers.format("self", "keys"), layers.format("self", "values"))),
-                 RegionBinding("cross_kv", at=(layers.format("cross", "keys"), layers.format("cross", "values")))),
-        operators=(OperatorBinding("decoder_step", units=("decoder_input_ids", 1),
-                                   # `is_updated` is a dict keyed by layer index (ints)
-                                   counters=(layers.format("self", "is_initialized"), layers.format("cross", "is_initialized"),
-                                             "cache.is_updated.0", "cache.is_updated.1")),),
+        regions=(
+            RegionBinding("self_kv", at=(layers.format("self", "keys"), layers.format("self", "values"))),
+            RegionBinding("cross_kv", at=(layers.format("cross", "keys"), layers.format("cross", "values"))),
+        ),
+        operators=(
+            OperatorBinding(
+                "decoder_step",
+                units=("decoder_input_ids", 1),
+                # `is_updated` is a dict keyed by layer index (ints)
+                counters=(
+                    layers.format("self", "is_initialized"),
+                    layers.format("cross", "is_initialized"),
+                    "cache.is_updated.0",
+                    "cache.is_updated.1",
+                ),
+            ),
+        ),
         verify=1,
     )
     return contract, binding
@@ -421,7 +667,9 @@ def encoder_decoder(family: str) -> tuple[Contract, Binding]:
 def encoder_decoder_stream(config, device: str, **call):
     """The stock stream of an encoder-decoder model over a fixed encoding: WHISPER_TOKENS decoder
     tokens, STEP a call, into one `EncoderDecoderCache`; `call` adds keywords (positions)."""
-    encoded = BaseModelOutput(last_hidden_state=torch.randn(1, ENCODER_FRAMES, 32, generator=torch.Generator().manual_seed(2)).to(device))
+    encoded = BaseModelOutput(
+        last_hidden_state=torch.randn(1, ENCODER_FRAMES, 32, generator=torch.Generator().manual_seed(2)).to(device)
+    )
     tokens = random_tokens(WHISPER_TOKENS, device)
 
     def stream(m):
@@ -429,10 +677,15 @@ def encoder_decoder_stream(config, device: str, **call):
         with torch.no_grad():
             for t in range(0, WHISPER_TOKENS, STEP):
                 extra = {name: value(t) for name, value in call.items()}
-                logits.append(m(encoder_outputs=encoded, decoder_input_ids=tokens[:, t:t + STEP], use_cache=True,
-                                cache=cache, **extra).logits)
-                addresses.append(layer_addresses(cache.self_attention_cache.layers, "cache.self_attention_cache.layers")
-                                 | layer_addresses(cache.cross_attention_cache.layers, "cache.cross_attention_cache.layers"))
+                logits.append(
+                    m(
+                        encoder_outputs=encoded, decoder_input_ids=tokens[:, t : t + STEP], use_cache=True, cache=cache, **extra
+                    ).logits
+                )
+                addresses.append(
+                    layer_addresses(cache.self_attention_cache.layers, "cache.self_attention_cache.layers")
+                    | layer_addresses(cache.cross_attention_cache.layers, "cache.cross_attention_cache.layers")
+                )
         return logits, addresses
 
     return stream
@@ -440,13 +693,26 @@ def encoder_decoder_stream(config, device: str, **call):
 
 def whisper_streams(device: str, streams: int):
     torch.manual_seed(0)
-    config = WhisperConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=4,
-                           decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
-                           max_source_positions=ENCODER_FRAMES, max_target_positions=32, attn_implementation="sdpa",
-                           pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    config = WhisperConfig(
+        vocab_size=64,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        num_mel_bins=8,
+        max_source_positions=ENCODER_FRAMES,
+        max_target_positions=32,
+        attn_implementation="sdpa",
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+    )
     model = WhisperForConditionalGeneration(config).eval().to(device)
-    stream = encoder_decoder_stream(config, device,
-                                    decoder_position_ids=lambda t: torch.arange(t, t + STEP, device=device)[None])
+    stream = encoder_decoder_stream(config, device, decoder_position_ids=lambda t: torch.arange(t, t + STEP, device=device)[None])
     return streamed(model, *encoder_decoder("whisper_decoder"), stream, streams)
 
 
@@ -456,8 +722,15 @@ def test_a_whisper_decoder_streams_with_an_encoder_decoder_cache():
     # the first call (nothing cached) is refused: traced, transformers takes another mask path
     # (verification: program, op 3: aten.native_layer_norm against aten.arange); it runs the stock
     # code in both streams, whose retained state (self- and cross-attention, 10 sites) is adopted
-    assert op.counters.as_dict() == {"calls": 8, "graph_calls": 7, "verified": 3, "stock": 2, "adopted": 20,
-                                     "evicted": 8, "stock_by_reason": {"verification": 1, "refused": 1}}
+    assert op.counters.as_dict() == {
+        "calls": 8,
+        "graph_calls": 7,
+        "verified": 3,
+        "stock": 2,
+        "adopted": 20,
+        "evicted": 8,
+        "stock_by_reason": {"verification": 1, "refused": 1},
+    }
     assert_replay_counters(report, WHISPER_CLASSES, streams=2, device="cpu", may_refuse=frozenset({FIRST}))
 
 
@@ -469,13 +742,34 @@ def test_a_whisper_decoder_replays_every_call_after_its_class_is_verified_on_cud
 
 
 SEQ2SEQ = {  # 2 decoder layers (and 2 encoder layers: `DynamicCache(config=)` counts T5's from `num_layers`), 4 heads of 8
-    "bart": lambda: transformers.BartForConditionalGeneration(transformers.BartConfig(
-        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-        encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, attn_implementation="sdpa")),
+    "bart": lambda: transformers.BartForConditionalGeneration(
+        transformers.BartConfig(
+            vocab_size=64,
+            d_model=32,
+            encoder_layers=1,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=64,
+            attn_implementation="sdpa",
+        )
+    ),
     # relative position buckets, from the cache's length: each class (one length) exports its own
-    "t5": lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
-        decoder_start_token_id=0, pad_token_id=0)),
+    "t5": lambda: transformers.T5ForConditionalGeneration(
+        transformers.T5Config(
+            vocab_size=64,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+        )
+    ),
 }
 
 
@@ -487,9 +781,15 @@ def test_bart_and_t5_decoders_bind_as_whisper_does(family):
     # Without positions passed, every class is refused: traced, BART's positions (aten.arange against
     # the stock call's aten.ones) and T5's (aten.arange where the stock call runs aten.pow) take
     # another code path (verification: program); every call runs the stock code, exact.
-    assert report.operators["decoder_step"].counters.as_dict() == {"calls": 8, "graph_calls": 4, "verified": 0, "stock": 8,
-                                                                   "adopted": 56, "evicted": 8,
-                                                                   "stock_by_reason": {"verification": 4, "refused": 4}}
+    assert report.operators["decoder_step"].counters.as_dict() == {
+        "calls": 8,
+        "graph_calls": 4,
+        "verified": 0,
+        "stock": 8,
+        "adopted": 56,
+        "evicted": 8,
+        "stock_by_reason": {"verification": 4, "refused": 4},
+    }
     assert_replay_counters(report, WHISPER_CLASSES, streams=2, device="cpu", may_refuse=frozenset(WHISPER_CLASSES))
 
 
@@ -519,8 +819,14 @@ def test_a_stream_past_the_bound_runs_the_stock_code_instead_of_overflowing_the_
     assert [cls.name for cls in op.classes.values()] == [f"decoder_step[n=2,L={e}]" for e in (0, 2, 4, 6, 8)]
     # the call at L=10 of each stream is no class (the window keeps at most 8 + 2): stock; the first
     # call is refused (verification: program, transformers' traced position path) in each stream
-    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 9, "verified": 4, "stock": 4, "adopted": 8,
-                                     "stock_by_reason": {"verification": 1, "refused": 1, "not_in_catalog": 2}}
+    assert op.counters.as_dict() == {
+        "calls": 12,
+        "graph_calls": 9,
+        "verified": 4,
+        "stock": 4,
+        "adopted": 8,
+        "stock_by_reason": {"verification": 1, "refused": 1, "not_in_catalog": 2},
+    }
 
 
 GEMMA_WINDOW = 5  # a sliding layer's cache keeps its last GEMMA_WINDOW - 1 tokens
@@ -529,8 +835,9 @@ GEMMA_CLASSES = {f"decoder_step[n=2,L={e}]": 1 for e in (0, 2, 4, 6, 8, 10)}  # 
 
 def gemma3_streams(device: str, streams: int):
     torch.manual_seed(0)
-    config = Gemma3TextConfig(num_hidden_layers=4, sliding_window=GEMMA_WINDOW,
-                              layer_types=["sliding_attention", "full_attention"] * 2, **TINY)
+    config = Gemma3TextConfig(
+        num_hidden_layers=4, sliding_window=GEMMA_WINDOW, layer_types=["sliding_attention", "full_attention"] * 2, **TINY
+    )
     model = Gemma3ForCausalLM(config).eval().to(device)
     tokens, sizes = random_tokens(12, device), [STEP] * 6
     contract = Contract(
@@ -538,19 +845,44 @@ def gemma3_streams(device: str, streams: int):
         clocks=(Clock("token", ClockKind.TOKENS), Clock("call", ClockKind.CALLS)),
         rates=(Rate("token", "call", STEP, name="tokens_per_call"),),
         quantities={"layers": 2, "kv_heads": 2, "head_dim": 8},  # of each kind
-        regions=(Region("kv_full", dims=KV_DIMS, axis=4, clock="token", stride=STEP, dtype="float32",
-                        lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=12)),
-                 Region("kv_sliding", dims=KV_DIMS, axis=4, clock="token", stride=STEP, dtype="float32",
-                        lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=GEMMA_WINDOW - 1))),
+        regions=(
+            Region(
+                "kv_full",
+                dims=KV_DIMS,
+                axis=4,
+                clock="token",
+                stride=STEP,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=SlidingWindow(window=12),
+            ),
+            Region(
+                "kv_sliding",
+                dims=KV_DIMS,
+                axis=4,
+                clock="token",
+                stride=STEP,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=SlidingWindow(window=GEMMA_WINDOW - 1),
+            ),
+        ),
         operators=(Operator("decoder_step", "kv_full", steady=STEP),),
         admission=Admission("token", max_per_call=STEP),
         interactivity=Interactivity(stages=("decoder",)),
     )
     binding = Binding(
-        regions=(RegionBinding("kv_full", at=("cache.layers.[1::2].keys", "cache.layers.[1::2].values")),
-                 RegionBinding("kv_sliding", at=("cache.layers.[0::2].keys", "cache.layers.[0::2].values"))),
-        operators=(OperatorBinding("decoder_step", units=("input_ids", 1),
-                                   counters=("cache.layers.*.is_initialized", "cache.layers.[0::2].cumulative_length")),),
+        regions=(
+            RegionBinding("kv_full", at=("cache.layers.[1::2].keys", "cache.layers.[1::2].values")),
+            RegionBinding("kv_sliding", at=("cache.layers.[0::2].keys", "cache.layers.[0::2].values")),
+        ),
+        operators=(
+            OperatorBinding(
+                "decoder_step",
+                units=("input_ids", 1),
+                counters=("cache.layers.*.is_initialized", "cache.layers.[0::2].cumulative_length"),
+            ),
+        ),
         verify=1,
     )
     return streamed(model, contract, binding, lambda m: stream_dynamic(m, config, tokens, sizes), streams)
@@ -568,8 +900,15 @@ def test_gemma3_hybrid_layers_stream_on_the_exported_steps_while_the_sliding_lay
     # The first call (nothing cached) is refused: traced, transformers takes another position path
     # (verification: program, op 2), in each stream. The other classes are verified once each.
     assert {cls.name: cls.refused is None for cls in op.classes.values()} == {name: name != FIRST for name in GEMMA_CLASSES}
-    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 11, "verified": 5, "stock": 2, "adopted": 16,
-                                     "evicted": 8, "stock_by_reason": {"verification": 1, "refused": 1}}
+    assert op.counters.as_dict() == {
+        "calls": 12,
+        "graph_calls": 11,
+        "verified": 5,
+        "stock": 2,
+        "adopted": 16,
+        "evicted": 8,
+        "stock_by_reason": {"verification": 1, "refused": 1},
+    }
     assert_replay_counters(report, GEMMA_CLASSES, streams=2, device="cpu", may_refuse=FIRSTS)
 
 
@@ -591,8 +930,9 @@ def test_a_host_flag_the_binding_leaves_out_is_guarded_and_the_stream_stays_exac
     model, config = gpt2()
     tokens, sizes = random_tokens(7), [STEP, STEP, STEP, 1]
     expected, _ = stream_dynamic(model, config, tokens, sizes)
-    binding = Binding(regions=DYNAMIC_CACHE.regions,
-                      operators=(OperatorBinding("decoder_step", units=("input_ids", 1)),), verify=1)
+    binding = Binding(
+        regions=DYNAMIC_CACHE.regions, operators=(OperatorBinding("decoder_step", units=("input_ids", 1)),), verify=1
+    )
     bound, report = transform(model, kv_contract("gpt2", 2, 4, tokens=8), binding)
     assert exact(stream_dynamic(bound, config, tokens, sizes)[0], expected)
     assert exact(stream_dynamic(bound, config, tokens, sizes)[0], expected)
@@ -604,12 +944,20 @@ def test_a_host_flag_the_binding_leaves_out_is_guarded_and_the_stream_stays_exac
     assert list(refused) == ["decoder_step[n=2,L=0]", "decoder_step[n=2,L=2]", "decoder_step[n=2,L=4]"]
     assert refused["decoder_step[n=2,L=0]"].startswith(
         "verification: program: the exported step is not the program the stock call runs: op 3: the stock call ran "
-        "aten.native_layer_norm.default(")
+        "aten.native_layer_norm.default("
+    )
     assert refused["decoder_step[n=2,L=2]"] is None and refused["decoder_step[n=2,L=4]"] is None
     # the refused first call ran its graph beside the stock call once; every stock call's retained
     # state (4 sites) is then taken into the carries
-    assert op.counters.as_dict() == {"calls": 8, "graph_calls": 5, "verified": 2, "stock": 4, "adopted": 16,
-                                     "evicted": 4, "stock_by_reason": {"verification": 1, "refused": 1, "not_in_catalog": 2}}
+    assert op.counters.as_dict() == {
+        "calls": 8,
+        "graph_calls": 5,
+        "verified": 2,
+        "stock": 4,
+        "adopted": 16,
+        "evicted": 4,
+        "stock_by_reason": {"verification": 1, "refused": 1, "not_in_catalog": 2},
+    }
 
 
 def test_a_contract_shape_the_first_call_contradicts_is_an_error_naming_the_site():
@@ -622,8 +970,10 @@ def test_a_contract_shape_the_first_call_contradicts_is_an_error_naming_the_site
     bound, _ = transform(model, kv_contract("gpt2", 2, 2, tokens=8), DYNAMIC_CACHE)
     with pytest.raises(ValueError) as error:
         stream_dynamic(bound, config, random_tokens(2), [STEP])
-    assert str(error.value) == ("decoder_step: after the call cache.layers.0.keys holds torch.float32 (1, 4, 2, 8), "
-                                "the contract declares torch.float32 (1, 2) x extent x (8,)")
+    assert str(error.value) == (
+        "decoder_step: after the call cache.layers.0.keys holds torch.float32 (1, 4, 2, 8), "
+        "the contract declares torch.float32 (1, 2) x extent x (8,)"
+    )
 
 
 def test_a_counter_path_the_state_does_not_have_is_a_binding_error_naming_the_counter():
@@ -632,14 +982,23 @@ def test_a_counter_path_the_state_does_not_have_is_a_binding_error_naming_the_co
     call with a bare `AttributeError: 'DynamicLayer' object has no attribute 'cumulative_length'`
     from deep in binding.resolve; it now names the binding field and the path."""
     model, config = qwen3()
-    binding = Binding(regions=DYNAMIC_CACHE.regions, operators=(
-        OperatorBinding("decoder_step", units=("input_ids", 1),
-                        counters=("cache.layers.*.cumulative_length", "cache.layers.*.is_initialized")),))
+    binding = Binding(
+        regions=DYNAMIC_CACHE.regions,
+        operators=(
+            OperatorBinding(
+                "decoder_step",
+                units=("input_ids", 1),
+                counters=("cache.layers.*.cumulative_length", "cache.layers.*.is_initialized"),
+            ),
+        ),
+    )
     bound, _ = transform(model, kv_contract("qwen3_full", 2, 2, tokens=8), binding)
     with pytest.raises(BindingError) as error:
         stream_dynamic(bound, config, random_tokens(2), [STEP])
-    assert str(error.value) == ("binding.operators[0].counters[0]: 'cache.layers.*.cumulative_length' does not resolve "
-                                "on this call's arguments: 'DynamicLayer' object has no attribute 'cumulative_length'")
+    assert str(error.value) == (
+        "binding.operators[0].counters[0]: 'cache.layers.*.cumulative_length' does not resolve "
+        "on this call's arguments: 'DynamicLayer' object has no attribute 'cumulative_length'"
+    )
 
 
 MAMBA_KERNEL, MAMBA_STATE, MAMBA_INNER = 4, 8, 64
@@ -655,8 +1014,9 @@ def mamba_streams(device: str, streams: int):
     it is an InPlace region (one fixed shape, no clock). Neither shape ever changes: the carry is
     the state itself."""
     torch.manual_seed(0)
-    config = MambaConfig(vocab_size=64, hidden_size=32, state_size=MAMBA_STATE, num_hidden_layers=2, expand=2,
-                         conv_kernel=MAMBA_KERNEL)
+    config = MambaConfig(
+        vocab_size=64, hidden_size=32, state_size=MAMBA_STATE, num_hidden_layers=2, expand=2, conv_kernel=MAMBA_KERNEL
+    )
     model = MambaForCausalLM(config).eval().to(device)
     tokens = random_tokens(12, device)
 
@@ -664,9 +1024,14 @@ def mamba_streams(device: str, streams: int):
         cache, logits, addresses = DynamicCache(config=config), [], []
         with torch.no_grad():
             for t in range(0, tokens.shape[1], STEP):
-                logits.append(m(input_ids=tokens[:, t:t + STEP], cache=cache, use_cache=True).logits)
-                addresses.append({f"cache.layers.{i}.{kind}.0": getattr(layer, kind)[0].data_ptr()
-                                  for i, layer in enumerate(cache.layers) for kind in ("conv_states", "recurrent_states")})
+                logits.append(m(input_ids=tokens[:, t : t + STEP], cache=cache, use_cache=True).logits)
+                addresses.append(
+                    {
+                        f"cache.layers.{i}.{kind}.0": getattr(layer, kind)[0].data_ptr()
+                        for i, layer in enumerate(cache.layers)
+                        for kind in ("conv_states", "recurrent_states")
+                    }
+                )
         return logits, addresses
 
     contract = Contract(
@@ -674,17 +1039,33 @@ def mamba_streams(device: str, streams: int):
         clocks=(Clock("token", ClockKind.TOKENS), Clock("call", ClockKind.CALLS)),
         rates=(Rate("token", "call", STEP, name="tokens_per_call"),),
         quantities={"layers": 2, "inner": MAMBA_INNER, "state": MAMBA_STATE},
-        regions=(Region("conv", dims=("layers", 1, "inner", "token"), axis=3, clock="token", stride=STEP, dtype="float32",
-                        lifetime=Lifetime.PER_STREAM, retention=RingCache(MAMBA_KERNEL)),
-                 Region("scan", dims=("layers", 1, "inner", "state"), dtype="float32", lifetime=Lifetime.PER_STREAM,
-                        retention=InPlace())),
+        regions=(
+            Region(
+                "conv",
+                dims=("layers", 1, "inner", "token"),
+                axis=3,
+                clock="token",
+                stride=STEP,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=RingCache(MAMBA_KERNEL),
+            ),
+            Region(
+                "scan", dims=("layers", 1, "inner", "state"), dtype="float32", lifetime=Lifetime.PER_STREAM, retention=InPlace()
+            ),
+        ),
         operators=(Operator("decoder_step", "conv", steady=STEP),),
         admission=Admission("token", max_per_call=STEP),
         interactivity=Interactivity(stages=("decoder",)),
     )
-    binding = Binding(regions=(RegionBinding("conv", at=("cache.layers.*.conv_states.0",)),
-                               RegionBinding("scan", at=("cache.layers.*.recurrent_states.0",))),
-                      operators=(OperatorBinding("decoder_step", units=("input_ids", 1)),), verify=1)
+    binding = Binding(
+        regions=(
+            RegionBinding("conv", at=("cache.layers.*.conv_states.0",)),
+            RegionBinding("scan", at=("cache.layers.*.recurrent_states.0",)),
+        ),
+        operators=(OperatorBinding("decoder_step", units=("input_ids", 1)),),
+        verify=1,
+    )
     return streamed(model, contract, binding, stream, streams)
 
 
@@ -693,8 +1074,15 @@ def test_a_mamba_decoder_streams_its_fixed_size_states_in_place():
     op = report.operators["decoder_step"]
     # the first call of each stream runs stock and allocates the states; its 4 tensors are adopted
     # (the first stream's states are copied out when the second stream's first call makes its own: 4)
-    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 10, "verified": 1, "stock": 2, "adopted": 8,
-                                     "evicted": 4, "stock_by_reason": {"not_in_catalog": 2}}
+    assert op.counters.as_dict() == {
+        "calls": 12,
+        "graph_calls": 10,
+        "verified": 1,
+        "stock": 2,
+        "adopted": 8,
+        "evicted": 4,
+        "stock_by_reason": {"not_in_catalog": 2},
+    }
     assert [(s.kind, s.rewritten) for s in report.sites] == [("ring", False)] * 4
     assert_replay_counters(report, MAMBA_CLASSES, streams=2, device="cpu")
 
@@ -710,18 +1098,43 @@ def deepseek_v3():
     """DeepSeek-V3 (tiny), its contract and binding: (model, config, contract, binding)."""
     torch.manual_seed(0)
     config = transformers.DeepseekV3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
-        max_position_embeddings=128, attn_implementation="sdpa")
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        max_position_embeddings=128,
+        attn_implementation="sdpa",
+    )
     model = transformers.DeepseekV3ForCausalLM(config).eval()
 
     def region(name: str, width: str) -> Region:
-        return Region(name, dims=("layers", 1, 1, "token", width), axis=3, clock="token", stride=STEP, dtype="float32",
-                      lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=12))
+        return Region(
+            name,
+            dims=("layers", 1, 1, "token", width),
+            axis=3,
+            clock="token",
+            stride=STEP,
+            dtype="float32",
+            lifetime=Lifetime.PER_STREAM,
+            retention=SlidingWindow(window=12),
+        )
 
     contract = Contract(
-        family="deepseek_v3", clocks=(Clock("token", ClockKind.TOKENS), Clock("call", ClockKind.CALLS)),
+        family="deepseek_v3",
+        clocks=(Clock("token", ClockKind.TOKENS), Clock("call", ClockKind.CALLS)),
         rates=(Rate("token", "call", STEP, name="tokens_per_call"),),
         quantities={"layers": 2, "latent": 16, "rope": 4},
         regions=(region("latent", "latent"), region("rope_keys", "rope")),
@@ -729,10 +1142,11 @@ def deepseek_v3():
         admission=Admission("token", max_per_call=STEP),
         interactivity=Interactivity(stages=("decoder",)),
     )
-    binding = Binding(regions=(RegionBinding("latent", at=("cache.layers.*.keys",)),
-                               RegionBinding("rope_keys", at=("cache.layers.*.values",))),
-                      operators=(OperatorBinding("decoder_step", units=("input_ids", 1),
-                                                 counters=("cache.layers.*.is_initialized",)),), verify=1)
+    binding = Binding(
+        regions=(RegionBinding("latent", at=("cache.layers.*.keys",)), RegionBinding("rope_keys", at=("cache.layers.*.values",))),
+        operators=(OperatorBinding("decoder_step", units=("input_ids", 1), counters=("cache.layers.*.is_initialized",)),),
+        verify=1,
+    )
     return model, config, contract, binding
 
 
@@ -746,18 +1160,28 @@ def test_deepseek_v3_latent_attention_binds_its_two_cache_widths_as_two_regions(
     # Every class is refused (verification: program): the first, traced, takes another position path;
     # the others' mixture of experts runs `aten._grouped_mm` in the stock call, transformers'
     # `grouped_mm_fallback` traced. Every call runs the stock code, exact.
-    assert report.operators["decoder_step"].counters.as_dict() == {"calls": 12, "graph_calls": 6, "verified": 0, "stock": 12,
-                                                                   "adopted": 48, "evicted": 4,
-                                                                   "stock_by_reason": {"verification": 6, "refused": 6}}
+    assert report.operators["decoder_step"].counters.as_dict() == {
+        "calls": 12,
+        "graph_calls": 6,
+        "verified": 0,
+        "stock": 12,
+        "adopted": 48,
+        "evicted": 4,
+        "stock_by_reason": {"verification": 6, "refused": 6},
+    }
     assert sorted(report.carries) == ["latent", "rope_keys"]
     # each at its own width, 12 retained tokens plus the call's 2 (the region holds the call's units)
     assert report.carries["latent"].buffer.shape == (2, 1, 1, 14, 16)
     assert report.carries["rope_keys"].buffer.shape == (2, 1, 1, 14, 4)
 
 
-JAMBA_COUNTERS = ("cache.layers.[1::2].is_initialized", "cache.layers.[0::2].is_conv_states_initialized",
-                  "cache.layers.[0::2].is_recurrent_states_initialized", "cache.layers.[0::2].has_previous_state",
-                  "cache.layers.[0::2].conv_kernel_size")
+JAMBA_COUNTERS = (
+    "cache.layers.[1::2].is_initialized",
+    "cache.layers.[0::2].is_conv_states_initialized",
+    "cache.layers.[0::2].is_recurrent_states_initialized",
+    "cache.layers.[0::2].has_previous_state",
+    "cache.layers.[0::2].conv_kernel_size",
+)
 
 
 def jamba_streams(counters: tuple[str, ...] = JAMBA_COUNTERS, streams: int = 2):
@@ -768,10 +1192,23 @@ def jamba_streams(counters: tuple[str, ...] = JAMBA_COUNTERS, streams: int = 2):
     bound as counters."""
     torch.manual_seed(0)
     config = transformers.JambaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=100, expert_layer_offset=99,
-        num_experts=1, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, max_position_embeddings=128,
-        attn_implementation="sdpa")
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=100,
+        expert_layer_offset=99,
+        num_experts=1,
+        mamba_d_state=4,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        max_position_embeddings=128,
+        attn_implementation="sdpa",
+    )
     model = transformers.JambaForCausalLM(config).eval()
     tokens = random_tokens(12)
 
@@ -779,14 +1216,16 @@ def jamba_streams(counters: tuple[str, ...] = JAMBA_COUNTERS, streams: int = 2):
         cache, logits, addresses = DynamicCache(config=config), [], []
         with torch.no_grad():
             for t in range(0, tokens.shape[1], STEP):
-                logits.append(m(input_ids=tokens[:, t:t + STEP], cache=cache, use_cache=True).logits)
+                logits.append(m(input_ids=tokens[:, t : t + STEP], cache=cache, use_cache=True).logits)
                 where = {}
                 for i, layer in enumerate(cache.layers):
                     if i % 2:
                         where |= {f"cache.layers.{i}.{kind}": getattr(layer, kind).data_ptr() for kind in ("keys", "values")}
                     else:
-                        where |= {f"cache.layers.{i}.{kind}.0": getattr(layer, kind)[0].data_ptr()
-                                  for kind in ("conv_states", "recurrent_states")}
+                        where |= {
+                            f"cache.layers.{i}.{kind}.0": getattr(layer, kind)[0].data_ptr()
+                            for kind in ("conv_states", "recurrent_states")
+                        }
                 addresses.append(where)
         return logits, addresses
 
@@ -795,27 +1234,67 @@ def jamba_streams(counters: tuple[str, ...] = JAMBA_COUNTERS, streams: int = 2):
         clocks=(Clock("token", ClockKind.TOKENS), Clock("state", ClockKind.TOKENS), Clock("call", ClockKind.CALLS)),
         rates=(Rate("token", "call", STEP, name="tokens_per_call"),),
         quantities={"attention_layers": 2, "mamba_layers": 2, "kv_heads": 2, "head_dim": 8, "inner": 64},
-        regions=(Region("kv", dims=("attention_layers", 2, 1, "kv_heads", "token", "head_dim"), axis=4, clock="token",
-                        stride=STEP, dtype="float32", lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=12)),
-                 Region("conv", dims=("mamba_layers", 1, "inner", "token"), axis=3, clock="token", stride=STEP,
-                        dtype="float32", lifetime=Lifetime.PER_STREAM, retention=RingCache(4)),
-                 Region("scan", dims=("mamba_layers", 1, "inner", "state"), axis=3, clock="state", stride=1,
-                        dtype="float32", lifetime=Lifetime.PER_STREAM, retention=RingCache(4))),
+        regions=(
+            Region(
+                "kv",
+                dims=("attention_layers", 2, 1, "kv_heads", "token", "head_dim"),
+                axis=4,
+                clock="token",
+                stride=STEP,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=SlidingWindow(window=12),
+            ),
+            Region(
+                "conv",
+                dims=("mamba_layers", 1, "inner", "token"),
+                axis=3,
+                clock="token",
+                stride=STEP,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=RingCache(4),
+            ),
+            Region(
+                "scan",
+                dims=("mamba_layers", 1, "inner", "state"),
+                axis=3,
+                clock="state",
+                stride=1,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=RingCache(4),
+            ),
+        ),
         operators=(Operator("decoder_step", "kv", steady=STEP),),
         admission=Admission("token", max_per_call=STEP),
         interactivity=Interactivity(stages=("decoder",)),
     )
-    binding = Binding(regions=(RegionBinding("kv", at=("cache.layers.[1::2].keys", "cache.layers.[1::2].values")),
-                               RegionBinding("conv", at=("cache.layers.[0::2].conv_states.0",)),
-                               RegionBinding("scan", at=("cache.layers.[0::2].recurrent_states.0",))),
-                      operators=(OperatorBinding("decoder_step", units=("input_ids", 1), counters=counters),), verify=1)
+    binding = Binding(
+        regions=(
+            RegionBinding("kv", at=("cache.layers.[1::2].keys", "cache.layers.[1::2].values")),
+            RegionBinding("conv", at=("cache.layers.[0::2].conv_states.0",)),
+            RegionBinding("scan", at=("cache.layers.[0::2].recurrent_states.0",)),
+        ),
+        operators=(OperatorBinding("decoder_step", units=("input_ids", 1), counters=counters),),
+        verify=1,
+    )
     return streamed(model, contract, binding, stream, streams=streams)
 
 
-JAMBA_COUNTS = {"calls": 12, "graph_calls": 11, "verified": 5, "stock": 2, "adopted": 20, "evicted": 8,
-                "stock_by_reason": {"verification": 1, "refused": 1}}
-JAMBA_REFUSAL = ("decoder_step[n=2,L=0]: refused, verification: program: the exported step is not the program the stock "
-                 "call runs: op 3: the stock call ran aten.pow.Tensor_Scalar(")
+JAMBA_COUNTS = {
+    "calls": 12,
+    "graph_calls": 11,
+    "verified": 5,
+    "stock": 2,
+    "adopted": 20,
+    "evicted": 8,
+    "stock_by_reason": {"verification": 1, "refused": 1},
+}
+JAMBA_REFUSAL = (
+    "decoder_step[n=2,L=0]: refused, verification: program: the exported step is not the program the stock "
+    "call runs: op 3: the stock call ran aten.pow.Tensor_Scalar("
+)
 
 
 def test_a_hybrid_attention_and_mamba_decoder_refuses_its_first_call_and_streams_three_regions_on_the_exported_steps():
@@ -854,7 +1333,11 @@ class ConformerBlock(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.ff, self.qkv, self.out = nn.Linear(CONF_DIM, CONF_DIM), nn.Linear(CONF_DIM, 3 * CONF_DIM), nn.Linear(CONF_DIM, CONF_DIM)
+        self.ff, self.qkv, self.out = (
+            nn.Linear(CONF_DIM, CONF_DIM),
+            nn.Linear(CONF_DIM, 3 * CONF_DIM),
+            nn.Linear(CONF_DIM, CONF_DIM),
+        )
         self.depthwise = nn.Conv1d(CONF_DIM, CONF_DIM, CONF_KERNEL, groups=CONF_DIM)
         self.pointwise, self.norm = nn.Linear(CONF_DIM, CONF_DIM), nn.LayerNorm(CONF_DIM)
 
@@ -871,7 +1354,7 @@ class ConformerBlock(nn.Module):
         x = x + self.out(attended.transpose(1, 2).reshape(b, t, CONF_DIM))
         full = torch.cat([conv_cache, x.transpose(1, 2)], dim=2)
         x = x + self.pointwise(self.depthwise(full).transpose(1, 2))
-        return self.norm(x), full[:, :, -(CONF_KERNEL - 1):], kv[:, :, :, -CONF_WINDOW:]
+        return self.norm(x), full[:, :, -(CONF_KERNEL - 1) :], kv[:, :, :, -CONF_WINDOW:]
 
 
 # 6 calls a stream: the window fills in two calls, then 4 of the steady class
@@ -887,7 +1370,7 @@ def conformer_streams(device: str, streams: int):
         conv, kv, outputs = torch.zeros(1, CONF_DIM, CONF_KERNEL - 1, device=device), None, []
         with torch.no_grad():
             for t in range(0, frames.shape[1], STEP):
-                y, conv, kv = m(frames[:, t:t + STEP], conv, kv)
+                y, conv, kv = m(frames[:, t : t + STEP], conv, kv)
                 outputs.append(y)
         return outputs + [conv, kv]  # the state as returned last (see `streamed_returning`)
 
@@ -896,18 +1379,41 @@ def conformer_streams(device: str, streams: int):
         clocks=(Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
         rates=(Rate("frame", "call", STEP, name="frames_per_call"),),
         quantities={"channels": CONF_DIM, "heads": CONF_HEADS, "head_dim": CONF_HEAD_DIM},
-        regions=(Region("kv", dims=(2, 1, "heads", "frame", "head_dim"), axis=3, clock="frame", stride=STEP,
-                        dtype="float32", lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=CONF_WINDOW)),
-                 Region("conv", dims=(1, "channels", "frame"), axis=2, clock="frame", stride=STEP, dtype="float32",
-                        lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=CONF_KERNEL - 1, initial=CONF_KERNEL - 1),
-                        holds_call=False)),
+        regions=(
+            Region(
+                "kv",
+                dims=(2, 1, "heads", "frame", "head_dim"),
+                axis=3,
+                clock="frame",
+                stride=STEP,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=SlidingWindow(window=CONF_WINDOW),
+            ),
+            Region(
+                "conv",
+                dims=(1, "channels", "frame"),
+                axis=2,
+                clock="frame",
+                stride=STEP,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=SlidingWindow(window=CONF_KERNEL - 1, initial=CONF_KERNEL - 1),
+                holds_call=False,
+            ),
+        ),
         operators=(Operator("block_step", "kv", steady=STEP),),
         admission=Admission("frame", max_per_call=STEP),
         interactivity=Interactivity(stages=("encoder",)),
     )
-    binding = Binding(regions=(RegionBinding("kv", at=("kv_cache",), out=("return.2",)),
-                               RegionBinding("conv", at=("conv_cache",), out=("return.1",))),
-                      operators=(OperatorBinding("block_step", units=("x", 1)),), verify=1)
+    binding = Binding(
+        regions=(
+            RegionBinding("kv", at=("kv_cache",), out=("return.2",)),
+            RegionBinding("conv", at=("conv_cache",), out=("return.1",)),
+        ),
+        operators=(OperatorBinding("block_step", units=("x", 1)),),
+        verify=1,
+    )
     return streamed_returning(model, contract, binding, stream, streams)
 
 
@@ -915,8 +1421,14 @@ def test_a_functional_conformer_block_streams_both_caches_through_its_returned_s
     _, report = conformer_streams("cpu", streams=2)
     op = report.operators["block_step"]
     # each stream's fresh zero convolution context is taken into its carry once
-    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 12, "verified": 3, "stock": 0, "adopted": 2,
-                                     "stock_by_reason": {}}
+    assert op.counters.as_dict() == {
+        "calls": 12,
+        "graph_calls": 12,
+        "verified": 3,
+        "stock": 0,
+        "adopted": 2,
+        "stock_by_reason": {},
+    }
     assert_replay_counters(report, CONFORMER_CLASSES, streams=2, device="cpu")
 
 
@@ -960,7 +1472,7 @@ def lstm_streams(device: str, streams: int):
         state, outputs = None, []
         with torch.no_grad():
             for t in range(0, frames.shape[1], STEP):
-                y, state = m(frames[:, t:t + STEP], state)
+                y, state = m(frames[:, t : t + STEP], state)
                 outputs.append(y)
         return outputs + list(state)
 
@@ -969,14 +1481,27 @@ def lstm_streams(device: str, streams: int):
         clocks=(Clock("frame", ClockKind.FRAMES), Clock("state", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
         rates=(Rate("frame", "call", STEP, name="frames_per_call"), Rate("state", "frame", 1)),
         quantities={"layers": LSTM_LAYERS},
-        regions=(Region("hidden", dims=(2, "layers", 1, "state"), axis=3, clock="state", stride=STEP, dtype="float32",
-                        lifetime=Lifetime.PER_STREAM, retention=RingCache(LSTM_HIDDEN)),),
+        regions=(
+            Region(
+                "hidden",
+                dims=(2, "layers", 1, "state"),
+                axis=3,
+                clock="state",
+                stride=STEP,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=RingCache(LSTM_HIDDEN),
+            ),
+        ),
         operators=(Operator("lstm_step", "hidden", steady=STEP),),
         admission=Admission("frame", max_per_call=STEP),
         interactivity=Interactivity(stages=("encoder",)),
     )
-    binding = Binding(regions=(RegionBinding("hidden", at=("state.0", "state.1"), out=("return.1.0", "return.1.1")),),
-                      operators=(OperatorBinding("lstm_step", units=("x", 1)),), verify=1)
+    binding = Binding(
+        regions=(RegionBinding("hidden", at=("state.0", "state.1"), out=("return.1.0", "return.1.1")),),
+        operators=(OperatorBinding("lstm_step", units=("x", 1)),),
+        verify=1,
+    )
     return streamed_returning(model, contract, binding, stream, streams)
 
 
@@ -989,8 +1514,14 @@ def test_an_lstm_step_streams_its_hidden_state_tuple_as_a_ring():
     op = report.operators["lstm_step"]
     # the step returns new tensors: each call's returned (h, c) is copied into the carries at the next
     # call; each stream's first call passes state=None: no sites to count, stock (`no_state_yet`)
-    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 10, "verified": 1, "stock": 2, "adopted": 20,
-                                     "stock_by_reason": {"no_state_yet": 2}}
+    assert op.counters.as_dict() == {
+        "calls": 12,
+        "graph_calls": 10,
+        "verified": 1,
+        "stock": 2,
+        "adopted": 20,
+        "stock_by_reason": {"no_state_yet": 2},
+    }
     assert [(s.kind, s.rewritten) for s in report.sites] == [("ring", False)] * 2
     assert_replay_counters(report, LSTM_CLASSES, streams=2, device="cpu")
 
@@ -1017,7 +1548,10 @@ class LegacyAttention(nn.Module):
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         mask = torch.arange(k.shape[2], device=x.device)[None, :] <= (k.shape[2] - t + torch.arange(t, device=x.device))[:, None]
         attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return x + self.out(attended.transpose(1, 2).reshape(b, t, LEGACY_DIM)), (k[:, :, -LEGACY_WINDOW:], v[:, :, -LEGACY_WINDOW:])
+        return x + self.out(attended.transpose(1, 2).reshape(b, t, LEGACY_DIM)), (
+            k[:, :, -LEGACY_WINDOW:],
+            v[:, :, -LEGACY_WINDOW:],
+        )
 
 
 class LegacyDecoder(nn.Module):
@@ -1051,14 +1585,16 @@ def legacy_streams(device: str, streams: int):
         past, outputs = None, []
         with torch.no_grad():
             for t in range(0, tokens.shape[1], STEP):
-                logits, past = m(tokens[:, t:t + STEP], past_key_values=past)
+                logits, past = m(tokens[:, t : t + STEP], past_key_values=past)
                 outputs.append(logits)
         return outputs + [x for kv in past for x in kv]
 
     contract = kv_contract("legacy_past_key_values", 2, 2, tokens=LEGACY_WINDOW)
-    binding = Binding(regions=(RegionBinding("kv", at=("past_key_values.*.0", "past_key_values.*.1"),
-                                             out=("return.1.*.0", "return.1.*.1")),),
-                      operators=(OperatorBinding("decoder_step", units=("input_ids", 1)),), verify=1)
+    binding = Binding(
+        regions=(RegionBinding("kv", at=("past_key_values.*.0", "past_key_values.*.1"), out=("return.1.*.0", "return.1.*.1")),),
+        operators=(OperatorBinding("decoder_step", units=("input_ids", 1)),),
+        verify=1,
+    )
     return streamed_returning(model, contract, binding, stream, streams)
 
 
@@ -1071,8 +1607,14 @@ def test_a_legacy_tuple_of_tuples_past_key_values_streams_from_none():
     _, report = legacy_streams("cpu", streams=2)
     op = report.operators["decoder_step"]
     # each stream's first stock call's returned state (4 sites) is taken into the carries at its next call
-    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 10, "verified": 2, "stock": 2, "adopted": 8,
-                                     "stock_by_reason": {"no_state_yet": 2}}
+    assert op.counters.as_dict() == {
+        "calls": 12,
+        "graph_calls": 10,
+        "verified": 2,
+        "stock": 2,
+        "adopted": 8,
+        "stock_by_reason": {"no_state_yet": 2},
+    }
     assert_replay_counters(report, LEGACY_CLASSES, streams=2, device="cpu")
 
 
@@ -1095,8 +1637,14 @@ def rwkv_streams(device: str, streams: int):
     axis: as Mamba's scan state, a `state` clock of its own (and, the operator's region being this
     one, a rate to the token clock), a RingCache of the hidden size."""
     torch.manual_seed(0)
-    config = RwkvConfig(vocab_size=64, hidden_size=RWKV_HIDDEN, num_hidden_layers=2, attention_hidden_size=RWKV_HIDDEN,
-                        intermediate_size=64, context_length=64)
+    config = RwkvConfig(
+        vocab_size=64,
+        hidden_size=RWKV_HIDDEN,
+        num_hidden_layers=2,
+        attention_hidden_size=RWKV_HIDDEN,
+        intermediate_size=64,
+        context_length=64,
+    )
     model = RwkvForCausalLM(config).eval().to(device)
     tokens = random_tokens(6 * STEP, device)
 
@@ -1104,7 +1652,7 @@ def rwkv_streams(device: str, streams: int):
         state, outputs = None, []
         with torch.no_grad():
             for t in range(0, tokens.shape[1], STEP):
-                out = m(input_ids=tokens[:, t:t + STEP], state=state, use_cache=True)
+                out = m(input_ids=tokens[:, t : t + STEP], state=state, use_cache=True)
                 state = out.state
                 outputs.append(out.logits)
         return outputs + list(state)
@@ -1114,14 +1662,27 @@ def rwkv_streams(device: str, streams: int):
         clocks=(Clock("token", ClockKind.TOKENS), Clock("state", ClockKind.TOKENS), Clock("call", ClockKind.CALLS)),
         rates=(Rate("token", "call", STEP, name="tokens_per_call"), Rate("state", "token", 1)),
         quantities={"layers": 2},
-        regions=(Region("state", dims=(5, 1, "state", "layers"), axis=2, clock="state", stride=STEP, dtype="float32",
-                        lifetime=Lifetime.PER_STREAM, retention=RingCache(RWKV_HIDDEN)),),
+        regions=(
+            Region(
+                "state",
+                dims=(5, 1, "state", "layers"),
+                axis=2,
+                clock="state",
+                stride=STEP,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=RingCache(RWKV_HIDDEN),
+            ),
+        ),
         operators=(Operator("decoder_step", "state", steady=STEP),),
         admission=Admission("token", max_per_call=STEP),
         interactivity=Interactivity(stages=("decoder",)),
     )
-    binding = Binding(regions=(RegionBinding("state", at=("state.*",)),),
-                      operators=(OperatorBinding("decoder_step", units=("input_ids", 1)),), verify=1)
+    binding = Binding(
+        regions=(RegionBinding("state", at=("state.*",)),),
+        operators=(OperatorBinding("decoder_step", units=("input_ids", 1)),),
+        verify=1,
+    )
     return streamed_returning(model, contract, binding, stream, streams)
 
 
@@ -1131,8 +1692,15 @@ def test_rwkv_streams_its_state_list_in_place_from_none():
     # each stream's state, made by its first (stock) call, is taken into the carries once (5 sites)
     # every stream's first call passes state=None (`no_state_yet`); the first stream's state is copied
     # out (5 sites) when the second stream's is taken in
-    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 10, "verified": 1, "stock": 2, "adopted": 10,
-                                     "evicted": 5, "stock_by_reason": {"no_state_yet": 2}}
+    assert op.counters.as_dict() == {
+        "calls": 12,
+        "graph_calls": 10,
+        "verified": 1,
+        "stock": 2,
+        "adopted": 10,
+        "evicted": 5,
+        "stock_by_reason": {"no_state_yet": 2},
+    }
     assert [(s.kind, s.rewritten) for s in report.sites] == [("ring", False)] * 5
     assert_replay_counters(report, RWKV_CLASSES, streams=2, device="cpu")
 
@@ -1180,7 +1748,7 @@ class CodecDecoder(nn.Module):
 
     def decode_step(self, *, frames: torch.Tensor, context: torch.Tensor, gain: float = 1.0):
         full = torch.cat([context, frames], dim=-1)
-        return self.output(audio=torch.tanh(self.conv(full)) * gain, context=full[..., -(KERNEL - 1):])
+        return self.output(audio=torch.tanh(self.conv(full)) * gain, context=full[..., -(KERNEL - 1) :])
 
 
 CODEC_CLASSES = {"decode_step[n=2,L=2]": 6}  # 6 calls a stream, all of one class
@@ -1195,7 +1763,7 @@ def codec_streams(device: str, streams: int, output: type = DecodeOutput):
         context, outputs = torch.zeros(1, CODEC_CHANNELS, KERNEL - 1, device=device), []
         with torch.no_grad():
             for t in range(0, frames.shape[-1], STEP):
-                out = m.decode_step(frames=frames[..., t:t + STEP], context=context, gain=0.5)
+                out = m.decode_step(frames=frames[..., t : t + STEP], context=context, gain=0.5)
                 assert isinstance(out, output)
                 context = out.context
                 outputs.append(out.audio)
@@ -1206,15 +1774,28 @@ def codec_streams(device: str, streams: int, output: type = DecodeOutput):
         clocks=(Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
         rates=(Rate("frame", "call", STEP, name="frames_per_call"),),
         quantities={"channels": CODEC_CHANNELS},
-        regions=(Region("context", dims=(1, "channels", "frame"), axis=2, clock="frame", stride=STEP, dtype="float32",
-                        lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=KERNEL - 1, initial=KERNEL - 1),
-                        holds_call=False),),
+        regions=(
+            Region(
+                "context",
+                dims=(1, "channels", "frame"),
+                axis=2,
+                clock="frame",
+                stride=STEP,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=SlidingWindow(window=KERNEL - 1, initial=KERNEL - 1),
+                holds_call=False,
+            ),
+        ),
         operators=(Operator("decode_step", "context", steady=STEP),),
         admission=Admission("frame", max_per_call=STEP),
         interactivity=Interactivity(stages=("decoder",)),
     )
-    binding = Binding(regions=(RegionBinding("context", at=("context",), out=("return.context",)),),
-                      operators=(OperatorBinding("decode_step", method="decode_step", units=("frames", 2)),), verify=1)
+    binding = Binding(
+        regions=(RegionBinding("context", at=("context",), out=("return.context",)),),
+        operators=(OperatorBinding("decode_step", method="decode_step", units=("frames", 2)),),
+        verify=1,
+    )
     return streamed_returning(model, contract, binding, stream, streams)
 
 
@@ -1222,8 +1803,14 @@ def test_a_keyword_only_method_returning_a_registered_dataclass_streams_on_its_g
     _, report = codec_streams("cpu", streams=2)
     op = report.operators["decode_step"]
     # each stream's fresh zero context is taken into the carry once
-    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 12, "verified": 1, "stock": 0, "adopted": 2,
-                                     "stock_by_reason": {}}
+    assert op.counters.as_dict() == {
+        "calls": 12,
+        "graph_calls": 12,
+        "verified": 1,
+        "stock": 0,
+        "adopted": 2,
+        "stock_by_reason": {},
+    }
     assert_replay_counters(report, CODEC_CLASSES, streams=2, device="cpu")
 
 
@@ -1235,9 +1822,11 @@ def test_a_returned_object_pytree_cannot_flatten_refuses_its_class_saying_how_to
     _, report = codec_streams("cpu", streams=2, output=OpaqueDecodeOutput)
     op = report.operators["decode_step"]
     assert {cls.name: cls.refused for cls in op.classes.values()} == {
-        "decode_step[n=2,L=2]": "the call returns an object of type OpaqueDecodeOutput holding tensors, which torch's pytree does not "
-                                "flatten; register it (torch.utils._pytree.register_dataclass(OpaqueDecodeOutput) for a "
-                                "dataclass) or return a tuple, list or dict"}
+        "decode_step[n=2,L=2]": "the call returns an object of type OpaqueDecodeOutput holding tensors, "
+        "which torch's pytree does not "
+        "flatten; register it (torch.utils._pytree.register_dataclass(OpaqueDecodeOutput) for a "
+        "dataclass) or return a tuple, list or dict"
+    }
     assert op.counters.stock_by_reason == {"refused": 12}
 
 
@@ -1259,37 +1848,73 @@ def test_a_state_clock_no_rate_links_to_the_admission_clock_is_an_error_saying_t
             clocks=(Clock("frame", ClockKind.FRAMES), Clock("state", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
             rates=(Rate("frame", "call", STEP, name="frames_per_call"),),
             quantities={"layers": LSTM_LAYERS},
-            regions=(Region("hidden", dims=(2, "layers", 1, "state"), axis=3, clock="state", stride=STEP, dtype="float32",
-                            lifetime=Lifetime.PER_STREAM, retention=RingCache(LSTM_HIDDEN)),),
+            regions=(
+                Region(
+                    "hidden",
+                    dims=(2, "layers", 1, "state"),
+                    axis=3,
+                    clock="state",
+                    stride=STEP,
+                    dtype="float32",
+                    lifetime=Lifetime.PER_STREAM,
+                    retention=RingCache(LSTM_HIDDEN),
+                ),
+            ),
             operators=(Operator("lstm_step", "hidden", steady=STEP),),
             admission=Admission("frame", max_per_call=STEP),
             interactivity=Interactivity(stages=("encoder",)),
         )
-    assert str(error.value) == ("operators[0].steady: no declared rate converts 'state' into 'frame': the call is counted "
-                                "in the clock of the operator's region 'hidden', the admission in 'frame'; declare a Rate "
-                                "that links them (rule C1)")
+    assert str(error.value) == (
+        "operators[0].steady: no declared rate converts 'state' into 'frame': the call is counted "
+        "in the clock of the operator's region 'hidden', the admission in 'frame'; declare a Rate "
+        "that links them (rule C1)"
+    )
 
 
 MIMI_CALLS, MIMI_WINDOW = 6, 5  # a sliding layer's cache keeps its last MIMI_WINDOW - 1 tokens
 # The encoder's padded convolutions with a left context (padding 2), grouped by channels and rate;
 # its two 1x1 convolutions (layers 2 and 5) keep an empty one, left unbound.
 # name: (the layers' path, their leading dims, channels, clock)
-MIMI_CONVS = {"conv_in": ("0", (), 1, "sample"), "conv_4": ("[1:4:2]", (2,), 4, "sample"),
-              "conv_8": ("[4:7:2]", (2,), 8, "half"), "conv_16": ("[7:9]", (2,), 16, "token")}
+MIMI_CONVS = {
+    "conv_in": ("0", (), 1, "sample"),
+    "conv_4": ("[1:4:2]", (2,), 4, "sample"),
+    "conv_8": ("[4:7:2]", (2,), 8, "half"),
+    "conv_16": ("[7:9]", (2,), 16, "token"),
+}
 # 6 calls a stream: L=0, L=2, then the steady class L=4 at cumulative_length 4, 6, 8 and 10, a host
 # counter guarded by its value (no regime declared): a variant at each (`#2`..`#4`, the most a class has)
-MIMI_CLASSES = {f"{op}[n=2,L={e}]{variant}": 1 for op in ("encode", "decode")
-                for e, variant in ((0, ""), (2, ""), (4, ""), (4, "#2"), (4, "#3"), (4, "#4"))}
+MIMI_CLASSES = {
+    f"{op}[n=2,L={e}]{variant}": 1
+    for op in ("encode", "decode")
+    for e, variant in ((0, ""), (2, ""), (4, ""), (4, "#2"), (4, "#3"), (4, "#4"))
+}
 
 
 def mimi() -> tuple[MimiModel, MimiConfig]:
     """transformers' Mimi codec: 8 samples a frame, 2 encoder (and decoder) transformer tokens a frame."""
     torch.manual_seed(0)
-    config = MimiConfig(hidden_size=16, num_filters=4, num_residual_layers=1, upsampling_ratios=[2, 2], kernel_size=3,
-                        last_kernel_size=3, residual_kernel_size=3, codebook_size=16, codebook_dim=16, num_quantizers=2,
-                        vector_quantization_hidden_dimension=16, upsample_groups=16, num_hidden_layers=2,
-                        intermediate_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
-                        sliding_window=MIMI_WINDOW, max_position_embeddings=64, attn_implementation="sdpa")
+    config = MimiConfig(
+        hidden_size=16,
+        num_filters=4,
+        num_residual_layers=1,
+        upsampling_ratios=[2, 2],
+        kernel_size=3,
+        last_kernel_size=3,
+        residual_kernel_size=3,
+        codebook_size=16,
+        codebook_dim=16,
+        num_quantizers=2,
+        vector_quantization_hidden_dimension=16,
+        upsample_groups=16,
+        num_hidden_layers=2,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=MIMI_WINDOW,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
     return MimiModel(config).eval(), config
 
 
@@ -1299,22 +1924,44 @@ def mimi_padding_cache(model: MimiModel) -> MimiConv1dPaddingCache:
     encoder = model.encoder
     convs = [encoder.encoder_seanet.get_submodule(name) for name in encoder.encoder_seanet._conv1d_layer_names]
     convs.append(encoder.downsample)
-    return MimiConv1dPaddingCache(len(convs), [int(c.padding_total) for c in convs], [c.pad_mode for c in convs],
-                                  [c.in_channels for c in convs])
+    return MimiConv1dPaddingCache(
+        len(convs), [int(c.padding_total) for c in convs], [c.pad_mode for c in convs], [c.in_channels for c in convs]
+    )
 
 
 def mimi_contract(config: MimiConfig) -> Contract:
-    kv = dict(dims=KV_DIMS, axis=4, clock="token", stride=STEP, dtype="float32", lifetime=Lifetime.PER_STREAM,
-              retention=SlidingWindow(window=config.sliding_window - 1))
+    kv = dict(
+        dims=KV_DIMS,
+        axis=4,
+        clock="token",
+        stride=STEP,
+        dtype="float32",
+        lifetime=Lifetime.PER_STREAM,
+        retention=SlidingWindow(window=config.sliding_window - 1),
+    )
     strides = {"sample": 4 * STEP, "half": 2 * STEP, "token": STEP}  # units of each clock a frame brings
-    convs = tuple(Region(name, dims=(*lead, 1, channels, clock), axis=len(lead) + 2, clock=clock, stride=strides[clock],
-                         dtype="float32", lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=2, initial=2),
-                         holds_call=False)
-                  for name, (_, lead, channels, clock) in MIMI_CONVS.items())
+    convs = tuple(
+        Region(
+            name,
+            dims=(*lead, 1, channels, clock),
+            axis=len(lead) + 2,
+            clock=clock,
+            stride=strides[clock],
+            dtype="float32",
+            lifetime=Lifetime.PER_STREAM,
+            retention=SlidingWindow(window=2, initial=2),
+            holds_call=False,
+        )
+        for name, (_, lead, channels, clock) in MIMI_CONVS.items()
+    )
     return Contract(
         family="mimi",
-        clocks=(Clock("sample", ClockKind.SAMPLES), Clock("half", ClockKind.SAMPLES), Clock("token", ClockKind.FRAMES),
-                Clock("call", ClockKind.CALLS)),
+        clocks=(
+            Clock("sample", ClockKind.SAMPLES),
+            Clock("half", ClockKind.SAMPLES),
+            Clock("token", ClockKind.FRAMES),
+            Clock("call", ClockKind.CALLS),
+        ),
         rates=(Rate("token", "call", STEP, name="tokens_per_call"), Rate("sample", "token", 4), Rate("half", "token", 2)),
         quantities={"layers": 2, "kv_heads": 2, "head_dim": 8},
         regions=(Region("encoder_kv", **kv), Region("decoder_kv", **kv), *convs),
@@ -1332,10 +1979,15 @@ def mimi_binding(verify: int) -> Binding:
         return f"{cache}_cache.layers.*.is_initialized", f"{cache}_cache.layers.*.cumulative_length"
 
     return Binding(
-        regions=(kv("encoder"), kv("decoder"),
-                 *(RegionBinding(name, at=(f"padding_cache.padding_cache.{at}",)) for name, (at, *_) in MIMI_CONVS.items())),
-        operators=(OperatorBinding("encode", method="encode", units=STEP, counters=counters("encoder")),
-                   OperatorBinding("decode", method="decode", units=STEP, counters=counters("decoder"))),
+        regions=(
+            kv("encoder"),
+            kv("decoder"),
+            *(RegionBinding(name, at=(f"padding_cache.padding_cache.{at}",)) for name, (at, *_) in MIMI_CONVS.items()),
+        ),
+        operators=(
+            OperatorBinding("encode", method="encode", units=STEP, counters=counters("encoder")),
+            OperatorBinding("decode", method="decode", units=STEP, counters=counters("decoder")),
+        ),
         verify=verify,
     )
 
@@ -1352,18 +2004,30 @@ def mimi_stream(config: MimiConfig, audio: torch.Tensor, padding_cache, position
         with torch.no_grad():
             for i in range(MIMI_CALLS):
                 at = dict(position_ids=torch.arange(i * STEP, (i + 1) * STEP)[None]) if positions else {}
-                encoded = m.encode(audio[..., i * config.frame_size:(i + 1) * config.frame_size], encoder_cache=encoder_cache,
-                                   padding_cache=padding, use_streaming=True, return_dict=True, **at)
+                encoded = m.encode(
+                    audio[..., i * config.frame_size : (i + 1) * config.frame_size],
+                    encoder_cache=encoder_cache,
+                    padding_cache=padding,
+                    use_streaming=True,
+                    return_dict=True,
+                    **at,
+                )
                 padding = encoded.padding_cache
                 decoded = m.decode(encoded.audio_codes, decoder_cache=decoder_cache, return_dict=True, **at)
                 kept = [padding.padding_cache[i] for i in (0, 1, 3, 4, 6, 7, 8)]
-                kept += [getattr(layer, kind) for cache in (encoder_cache, decoder_cache) for layer in cache.layers
-                         for kind in ("keys", "values")]
+                kept += [
+                    getattr(layer, kind)
+                    for cache in (encoder_cache, decoder_cache)
+                    for layer in cache.layers
+                    for kind in ("keys", "values")
+                ]
                 # cloned now: the transformed model's retained tensors are its carries, which the next call overwrites
                 outputs += [x.clone() for x in (encoded.audio_codes, decoded.audio_values, *kept)]
-                addresses.append(layer_addresses(encoder_cache.layers, "encoder_cache.layers")
-                                 | layer_addresses(decoder_cache.layers, "decoder_cache.layers")
-                                 | {f"padding_cache.padding_cache.{i}": padding.padding_cache[i].data_ptr() for i in (0, 1, 3, 4, 6, 7, 8)})
+                addresses.append(
+                    layer_addresses(encoder_cache.layers, "encoder_cache.layers")
+                    | layer_addresses(decoder_cache.layers, "decoder_cache.layers")
+                    | {f"padding_cache.padding_cache.{i}": padding.padding_cache[i].data_ptr() for i in (0, 1, 3, 4, 6, 7, 8)}
+                )
         return outputs, addresses
 
     return stream
@@ -1392,19 +2056,41 @@ def test_mimi_refuses_its_first_encode_and_decode_and_streams_the_rest_frame_by_
         assert addresses == [{path: carry.address for path, carry in bound.carries.items()}] * MIMI_CALLS
     # each stream's first (stock) call's sites are adopted: the encoder's 11 (4 key and value, 7 left
     # contexts), the decoder's 4
-    assert report.operators["encode"].counters.as_dict() == {"calls": 12, "graph_calls": 11, "verified": 5, "stock": 2,
-                                                             "adopted": 22, "stock_by_reason": {"verification": 1, "refused": 1}}
-    assert report.operators["decode"].counters.as_dict() == {"calls": 12, "graph_calls": 11, "verified": 5, "stock": 2,
-                                                             "adopted": 8, "evicted": 4,
-                                                             "stock_by_reason": {"verification": 1, "refused": 1}}
+    assert report.operators["encode"].counters.as_dict() == {
+        "calls": 12,
+        "graph_calls": 11,
+        "verified": 5,
+        "stock": 2,
+        "adopted": 22,
+        "stock_by_reason": {"verification": 1, "refused": 1},
+    }
+    assert report.operators["decode"].counters.as_dict() == {
+        "calls": 12,
+        "graph_calls": 11,
+        "verified": 5,
+        "stock": 2,
+        "adopted": 8,
+        "evicted": 4,
+        "stock_by_reason": {"verification": 1, "refused": 1},
+    }
     for name in ("encode", "decode"):
-        assert_replay_counters(report, {k: v for k, v in MIMI_CLASSES.items() if k.startswith(name)}, streams=2,
-                               device="cpu", operator=name, may_refuse=frozenset({f"{name}[n=2,L=0]"}))
+        assert_replay_counters(
+            report,
+            {k: v for k, v in MIMI_CLASSES.items() if k.startswith(name)},
+            streams=2,
+            device="cpu",
+            operator=name,
+            may_refuse=frozenset({f"{name}[n=2,L=0]"}),
+        )
     # at the steady class: the encoder's 4 key and value sites appended then evicted in place, its 7
     # left contexts (each the last 2 units of its convolution's new input) copied into their carries
     assert [(s.kind, s.region) for s in report.sites if s.graph == "encode[n=2,L=4]"] == (
-        [("append", "encoder_kv")] * 4 + [("keep", "conv_in")] + [("keep", "conv_4")] * 2 + [("keep", "conv_8")] * 2
-        + [("keep", "conv_16")] * 2)
+        [("append", "encoder_kv")] * 4
+        + [("keep", "conv_in")]
+        + [("keep", "conv_4")] * 2
+        + [("keep", "conv_8")] * 2
+        + [("keep", "conv_16")] * 2
+    )
 
 
 @pytest.mark.parametrize("verify", [2, 1])
@@ -1431,11 +2117,24 @@ def test_mimi_positions_left_to_the_cache_make_a_variant_of_the_steady_class_at_
         assert list(refused) == [f"{name}[n=2,L=0]"]
         assert refused[f"{name}[n=2,L=0]"].startswith(
             f"verification: program: the exported step is not the program the stock call runs: op {op_at}: the stock call "
-            "ran aten._to_copy.default(")
-        assert op.counters.as_dict() == {"calls": 12, "graph_calls": 11, "verified": 5 * verify, "stock": 2, **adopted,
-                                         "stock_by_reason": {"verification": 1, "refused": 1}}
-        assert_replay_counters(report, {k: v for k, v in MIMI_CLASSES.items() if k.startswith(name)}, streams=2,
-                               device="cpu", operator=name, may_refuse=frozenset({f"{name}[n=2,L=0]"}))
+            "ran aten._to_copy.default("
+        )
+        assert op.counters.as_dict() == {
+            "calls": 12,
+            "graph_calls": 11,
+            "verified": 5 * verify,
+            "stock": 2,
+            **adopted,
+            "stock_by_reason": {"verification": 1, "refused": 1},
+        }
+        assert_replay_counters(
+            report,
+            {k: v for k, v in MIMI_CLASSES.items() if k.startswith(name)},
+            streams=2,
+            device="cpu",
+            operator=name,
+            may_refuse=frozenset({f"{name}[n=2,L=0]"}),
+        )
 
 
 def test_mimi_with_the_padding_cache_the_model_makes_runs_the_stock_code_saying_why():
@@ -1451,43 +2150,88 @@ def test_mimi_with_the_padding_cache_the_model_makes_runs_the_stock_code_saying_
         assert exact(stream(bound)[0], expected)
     op = report.operators["encode"]
     # the steady class at each value of `cumulative_length` (a guarded host counter), each refused alike
-    assert [cls.name for cls in op.classes.values()] == ["encode[n=2,L=2]", "encode[n=2,L=4]", "encode[n=2,L=4]#2",
-                                                         "encode[n=2,L=4]#3", "encode[n=2,L=4]#4"]
-    assert all(cls.refused.startswith("torch.export failed: GuardOnDataDependentSymNode: Could not guard on "
-                                      "data-dependent expression") for cls in op.classes.values())
+    assert [cls.name for cls in op.classes.values()] == [
+        "encode[n=2,L=2]",
+        "encode[n=2,L=4]",
+        "encode[n=2,L=4]#2",
+        "encode[n=2,L=4]#3",
+        "encode[n=2,L=4]#4",
+    ]
+    assert all(
+        cls.refused.startswith("torch.export failed: GuardOnDataDependentSymNode: Could not guard on data-dependent expression")
+        for cls in op.classes.values()
+    )
     # each stream's first call: no padding cache to count the sites in yet (the call makes it); every
     # later call's state (11 sites) is taken into the carries after its stock call, and once more at
     # the call that allocates them
-    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 0, "verified": 0, "stock": 12, "adopted": 132,
-                                     "stock_by_reason": {"no_state_yet": 2, "refused": 10}}
+    assert op.counters.as_dict() == {
+        "calls": 12,
+        "graph_calls": 0,
+        "verified": 0,
+        "stock": 12,
+        "adopted": 132,
+        "stock_by_reason": {"no_state_yet": 2, "refused": 10},
+    }
     # the decoder's first call is refused (its export takes another position path), its other classes stream
     assert report.operators["decode"].counters.stock_by_reason == {"verification": 1, "refused": 1}
 
 
 # The audio codec a speech LM builds beside its transformer (a Mimi), unused by the decoder steps here.
-TINY_CODEC = dict(model_type="mimi", hidden_size=16, num_filters=4, num_residual_layers=1, upsampling_ratios=[2, 2],
-                  kernel_size=3, last_kernel_size=3, residual_kernel_size=3, codebook_size=16, codebook_dim=16,
-                  num_quantizers=2, vector_quantization_hidden_dimension=16, upsample_groups=16, num_hidden_layers=1,
-                  intermediate_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=8)
+TINY_CODEC = dict(
+    model_type="mimi",
+    hidden_size=16,
+    num_filters=4,
+    num_residual_layers=1,
+    upsampling_ratios=[2, 2],
+    kernel_size=3,
+    last_kernel_size=3,
+    residual_kernel_size=3,
+    codebook_size=16,
+    codebook_dim=16,
+    num_quantizers=2,
+    vector_quantization_hidden_dimension=16,
+    upsample_groups=16,
+    num_hidden_layers=1,
+    intermediate_size=32,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=8,
+)
 KYUTAI_CALLS, KYUTAI_WINDOW = 8, 6  # a sliding layer's cache keeps its last KYUTAI_WINDOW - 1 frames
 # the steady class L=5 at cumulative_length 5, 6 and 7 (a host counter guarded by its value): three variants
 KYUTAI_CLASSES = {f"decoder_step[n=1,L={e}]": 1 for e in range(6)} | {f"decoder_step[n=1,L=5]#{v}": 1 for v in (2, 3)}
 
 
 def kyutai_refusal(op_at: int) -> str:
-    return (f"verification: program: the exported step is not the program the stock call runs: op {op_at}: the stock call "
-            "ran aten.pow.Tensor_Scalar(")
+    return (
+        f"verification: program: the exported step is not the program the stock call runs: op {op_at}: the stock call "
+        "ran aten.pow.Tensor_Scalar("
+    )
 
 
 def kyutai() -> tuple[KyutaiSpeechToTextForConditionalGeneration, KyutaiSpeechToTextConfig]:
     """transformers' Kyutai speech-to-text: each frame is one text token and 2 codebooks' codes,
     summed into one embedding; its audio codec (a Mimi) is not run here, the codes are fed directly."""
     torch.manual_seed(0)
-    config = KyutaiSpeechToTextConfig(codebook_vocab_size=17, vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-                                      sliding_window=KYUTAI_WINDOW, ffn_dim=64, num_codebooks=2, audio_bos_token_id=16,
-                                      audio_pad_token_id=64 + 2 * 17, pad_token_id=3, bos_token_id=1,
-                                      codec_config=TINY_CODEC, attn_implementation="sdpa")
+    config = KyutaiSpeechToTextConfig(
+        codebook_vocab_size=17,
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        sliding_window=KYUTAI_WINDOW,
+        ffn_dim=64,
+        num_codebooks=2,
+        audio_bos_token_id=16,
+        audio_pad_token_id=64 + 2 * 17,
+        pad_token_id=3,
+        bos_token_id=1,
+        codec_config=TINY_CODEC,
+        attn_implementation="sdpa",
+    )
     return KyutaiSpeechToTextForConditionalGeneration(config).eval(), config
 
 
@@ -1496,15 +2240,20 @@ def kyutai_stream(config: KyutaiSpeechToTextConfig, positions: bool):
     DynamicCache (sliding layers). Returns the logits and every retained tensor after each call,
     and where each site is."""
     generator = torch.Generator().manual_seed(1)
-    frames = torch.cat([torch.randint(0, 64, (1, KYUTAI_CALLS, 1), generator=generator),
-                        torch.randint(0, 16, (1, KYUTAI_CALLS, 2), generator=generator)], dim=-1)
+    frames = torch.cat(
+        [
+            torch.randint(0, 64, (1, KYUTAI_CALLS, 1), generator=generator),
+            torch.randint(0, 16, (1, KYUTAI_CALLS, 2), generator=generator),
+        ],
+        dim=-1,
+    )
 
     def stream(m):
         cache, outputs, addresses = DynamicCache(config=config), [], []
         with torch.no_grad():
             for t in range(KYUTAI_CALLS):
                 at = dict(position_ids=torch.tensor([[t]])) if positions else {}
-                outputs.append(m(input_ids=frames[:, t:t + 1], cache=cache, use_cache=True, **at).logits)
+                outputs.append(m(input_ids=frames[:, t : t + 1], cache=cache, use_cache=True, **at).logits)
                 # cloned now: the transformed model's retained tensors are its carries, which the next call overwrites
                 outputs += [getattr(layer, kind).clone() for layer in cache.layers for kind in ("keys", "values")]
                 addresses.append(layer_addresses(cache.layers, "cache.layers"))
@@ -1519,9 +2268,18 @@ def kyutai_contract(config: KyutaiSpeechToTextConfig) -> Contract:
         clocks=(Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
         rates=(Rate("frame", "call", 1, name="frames_per_call"),),
         quantities={"layers": 2, "kv_heads": 2, "head_dim": 8},
-        regions=(Region("kv", dims=("layers", 2, 1, "kv_heads", "frame", "head_dim"), axis=4, clock="frame", stride=1,
-                        dtype="float32", lifetime=Lifetime.PER_STREAM,
-                        retention=SlidingWindow(window=config.sliding_window - 1)),),
+        regions=(
+            Region(
+                "kv",
+                dims=("layers", 2, 1, "kv_heads", "frame", "head_dim"),
+                axis=4,
+                clock="frame",
+                stride=1,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=SlidingWindow(window=config.sliding_window - 1),
+            ),
+        ),
         operators=(Operator("decoder_step", "kv", steady=1),),
         admission=Admission("frame", max_per_call=1),
         interactivity=Interactivity(stages=("decoder",)),
@@ -1530,8 +2288,11 @@ def kyutai_contract(config: KyutaiSpeechToTextConfig) -> Contract:
 
 KYUTAI_BINDING = Binding(
     regions=(RegionBinding("kv", at=("cache.layers.*.keys", "cache.layers.*.values")),),
-    operators=(OperatorBinding("decoder_step", units=("input_ids", 1),
-                               counters=("cache.layers.*.is_initialized", "cache.layers.*.cumulative_length")),),
+    operators=(
+        OperatorBinding(
+            "decoder_step", units=("input_ids", 1), counters=("cache.layers.*.is_initialized", "cache.layers.*.cumulative_length")
+        ),
+    ),
     verify=1,
 )
 
@@ -1553,8 +2314,15 @@ def test_kyutai_speech_to_text_refuses_every_class_and_decodes_frame_by_frame_ex
         assert addresses == [{path: carry.address for path, carry in bound.carries.items()}] * KYUTAI_CALLS
     op = report.operators["decoder_step"]
     assert all(cls.refused.startswith(kyutai_refusal(5)) for cls in op.classes.values())
-    assert op.counters.as_dict() == {"calls": 16, "graph_calls": 8, "verified": 0, "stock": 16, "adopted": 64, "evicted": 4,
-                                     "stock_by_reason": {"verification": 8, "refused": 8}}
+    assert op.counters.as_dict() == {
+        "calls": 16,
+        "graph_calls": 8,
+        "verified": 0,
+        "stock": 16,
+        "adopted": 64,
+        "evicted": 4,
+        "stock_by_reason": {"verification": 8, "refused": 8},
+    }
     assert_replay_counters(report, KYUTAI_CLASSES, streams=2, device="cpu", may_refuse=frozenset(KYUTAI_CLASSES))
     assert [(s.kind, s.region) for s in report.sites if s.graph == "decoder_step[n=1,L=5]"] == [("append", "kv")] * 4
 
@@ -1574,30 +2342,59 @@ def test_kyutai_positions_left_to_the_cache_refuse_every_class_as_with_positions
     op = report.operators["decoder_step"]
     assert [cls.name for cls in op.classes.values()] == list(KYUTAI_CLASSES)
     assert all(cls.refused.startswith(kyutai_refusal(7)) for cls in op.classes.values())
-    assert op.counters.as_dict() == {"calls": 16, "graph_calls": 8, "verified": 0, "stock": 16, "adopted": 64, "evicted": 4,
-                                     "stock_by_reason": {"verification": 8, "refused": 8}}
+    assert op.counters.as_dict() == {
+        "calls": 16,
+        "graph_calls": 8,
+        "verified": 0,
+        "stock": 16,
+        "adopted": 64,
+        "evicted": 4,
+        "stock_by_reason": {"verification": 8, "refused": 8},
+    }
 
 
 MOSHI_WINDOW = 5  # a sliding layer's cache keeps its last MOSHI_WINDOW - 1 tokens
 # the steady class L=4 at cumulative_length 4, 6, 8 and 10 (a host counter guarded by its value): four variants
-MOSHI_CLASSES = {"decoder_step[n=2,L=0]": 1, "decoder_step[n=2,L=2]": 1, "decoder_step[n=2,L=4]": 1,
-                 **{f"decoder_step[n=2,L=4]#{v}": 1 for v in (2, 3, 4)}}
+MOSHI_CLASSES = {
+    "decoder_step[n=2,L=0]": 1,
+    "decoder_step[n=2,L=2]": 1,
+    "decoder_step[n=2,L=4]": 1,
+    **{f"decoder_step[n=2,L=4]#{v}": 1 for v in (2, 3, 4)},
+}
 
 
 def moshi_text():
     """transformers' MoshiForCausalLM (tiny), its contract and binding: (model, config, contract, binding)."""
     torch.manual_seed(0)
-    config = MoshiConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=8, ffn_dim=64, sliding_window=MOSHI_WINDOW, max_position_embeddings=64,
-                         audio_vocab_size=16, num_codebooks=2, audio_encoder_config=TINY_CODEC,
-                         attn_implementation="sdpa")
+    config = MoshiConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        ffn_dim=64,
+        sliding_window=MOSHI_WINDOW,
+        max_position_embeddings=64,
+        audio_vocab_size=16,
+        num_codebooks=2,
+        audio_encoder_config=TINY_CODEC,
+        attn_implementation="sdpa",
+    )
     model = MoshiForCausalLM(config).eval()
     contract = kv_contract("moshi_text", 2, 2, tokens=12)
     contract = replace(contract, regions=(replace(contract.regions[0], retention=SlidingWindow(window=MOSHI_WINDOW - 1)),))
-    binding = Binding(regions=DYNAMIC_CACHE.regions,
-                      operators=(OperatorBinding("decoder_step", units=("input_ids", 1),
-                                                 counters=("cache.layers.*.is_initialized", "cache.layers.*.cumulative_length")),),
-                      verify=1)
+    binding = Binding(
+        regions=DYNAMIC_CACHE.regions,
+        operators=(
+            OperatorBinding(
+                "decoder_step",
+                units=("input_ids", 1),
+                counters=("cache.layers.*.is_initialized", "cache.layers.*.cumulative_length"),
+            ),
+        ),
+        verify=1,
+    )
     return model, config, contract, binding
 
 
@@ -1616,8 +2413,14 @@ def test_moshi_text_transformer_refuses_its_first_call_and_streams_its_sliding_c
         cache, outputs, addresses = DynamicCache(config=config), [], []
         with torch.no_grad():
             for t in range(0, 12, STEP):
-                outputs.append(m(input_ids=tokens[:, t:t + STEP], position_ids=torch.arange(t, t + STEP)[None], cache=cache,
-                                 use_cache=True).logits)
+                outputs.append(
+                    m(
+                        input_ids=tokens[:, t : t + STEP],
+                        position_ids=torch.arange(t, t + STEP)[None],
+                        cache=cache,
+                        use_cache=True,
+                    ).logits
+                )
                 outputs += [getattr(layer, kind).clone() for layer in cache.layers for kind in ("keys", "values")]
                 addresses.append(layer_addresses(cache.layers, "cache.layers"))
         return outputs, addresses
@@ -1628,9 +2431,15 @@ def test_moshi_text_transformer_refuses_its_first_call_and_streams_its_sliding_c
         actual, addresses = stream(bound)
         assert exact(actual, expected)
         assert addresses == [{path: carry.address for path, carry in bound.carries.items()}] * 6
-    assert report.operators["decoder_step"].counters.as_dict() == {"calls": 12, "graph_calls": 11, "verified": 5, "stock": 2,
-                                                                  "adopted": 8, "evicted": 4,
-                                                                  "stock_by_reason": {"verification": 1, "refused": 1}}
+    assert report.operators["decoder_step"].counters.as_dict() == {
+        "calls": 12,
+        "graph_calls": 11,
+        "verified": 5,
+        "stock": 2,
+        "adopted": 8,
+        "evicted": 4,
+        "stock_by_reason": {"verification": 1, "refused": 1},
+    }
     assert_replay_counters(report, MOSHI_CLASSES, streams=2, device="cpu", may_refuse=frozenset({FIRST}))
 
 
@@ -1641,21 +2450,57 @@ CSM_CLASSES = {f"decoder_step[n=1,L={e}]": 1 for e in range(CSM_CALLS)}
 def csm():
     """transformers' CSM (tiny) and its backbone's contract: (model, config, contract)."""
     torch.manual_seed(0)
-    depth = dict(num_codebooks=2, backbone_hidden_size=32, vocab_size=16, hidden_size=32, intermediate_size=64,
-                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=3)
-    config = CsmConfig(num_codebooks=2, vocab_size=16, text_vocab_size=32, hidden_size=32, intermediate_size=64,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                       max_position_embeddings=64, pad_token_id=28, codebook_pad_token_id=15, codebook_eos_token_id=0,
-                       bos_token_id=1, audio_token_id=29, audio_eos_token_id=30, depth_decoder_config=depth,
-                       codec_config=TINY_CODEC, attn_implementation="sdpa")
+    depth = dict(
+        num_codebooks=2,
+        backbone_hidden_size=32,
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=3,
+    )
+    config = CsmConfig(
+        num_codebooks=2,
+        vocab_size=16,
+        text_vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        pad_token_id=28,
+        codebook_pad_token_id=15,
+        codebook_eos_token_id=0,
+        bos_token_id=1,
+        audio_token_id=29,
+        audio_eos_token_id=30,
+        depth_decoder_config=depth,
+        codec_config=TINY_CODEC,
+        attn_implementation="sdpa",
+    )
     model = CsmForConditionalGeneration(config).eval()
     contract = Contract(
         family="csm_backbone",
         clocks=(Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
         rates=(Rate("frame", "call", 1, name="frames_per_call"),),
         quantities={"layers": 2, "kv_heads": 2, "head_dim": 8},
-        regions=(Region("kv", dims=("layers", 2, 1, "kv_heads", "frame", "head_dim"), axis=4, clock="frame", stride=1,
-                        dtype="float32", lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=CSM_CALLS)),),
+        regions=(
+            Region(
+                "kv",
+                dims=("layers", 2, 1, "kv_heads", "frame", "head_dim"),
+                axis=4,
+                clock="frame",
+                stride=1,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=SlidingWindow(window=CSM_CALLS),
+            ),
+        ),
         operators=(Operator("decoder_step", "kv", steady=1),),
         admission=Admission("frame", max_per_call=1),
         interactivity=Interactivity(stages=("backbone",)),
@@ -1678,8 +2523,9 @@ def test_csm_backbone_refuses_every_class_and_streams_one_frame_of_codes_a_call_
         cache, outputs, addresses = DynamicCache(config=config), [], []
         with torch.no_grad():
             for t in range(CSM_CALLS):
-                outputs.append(m(input_ids=codes[:, t:t + 1], position_ids=torch.tensor([[t]]), cache=cache,
-                                 use_cache=True).logits)
+                outputs.append(
+                    m(input_ids=codes[:, t : t + 1], position_ids=torch.tensor([[t]]), cache=cache, use_cache=True).logits
+                )
                 outputs += [getattr(layer, kind).clone() for layer in cache.layers for kind in ("keys", "values")]
                 addresses.append(layer_addresses(cache.layers, "cache.layers"))
         return outputs, addresses
@@ -1691,8 +2537,20 @@ def test_csm_backbone_refuses_every_class_and_streams_one_frame_of_codes_a_call_
         assert exact(actual, expected)
         assert addresses == [{path: carry.address for path, carry in bound.carries.items()}] * CSM_CALLS
     op = report.operators["decoder_step"]
-    assert all(cls.refused.startswith("verification: program: the exported step is not the program the stock call runs: "
-                                      "op 3: the stock call ran aten._to_copy.default(") for cls in op.classes.values())
-    assert op.counters.as_dict() == {"calls": 12, "graph_calls": 6, "verified": 0, "stock": 12, "adopted": 48, "evicted": 4,
-                                     "stock_by_reason": {"verification": 6, "refused": 6}}
+    assert all(
+        cls.refused.startswith(
+            "verification: program: the exported step is not the program the stock call runs: "
+            "op 3: the stock call ran aten._to_copy.default("
+        )
+        for cls in op.classes.values()
+    )
+    assert op.counters.as_dict() == {
+        "calls": 12,
+        "graph_calls": 6,
+        "verified": 0,
+        "stock": 12,
+        "adopted": 48,
+        "evicted": 4,
+        "stock_by_reason": {"verification": 6, "refused": 6},
+    }
     assert_replay_counters(report, CSM_CLASSES, streams=2, device="cpu", may_refuse=frozenset(CSM_CLASSES))

@@ -144,8 +144,16 @@ def contracts(draw):
         rates=(Rate("frame", "call", stride),),
         quantities={"width": width},
         regions=(
-            Region("cache", ("width", "frame"), axis=1, clock="frame", stride=stride, dtype=dtype,
-                   lifetime=Lifetime.PER_STREAM, retention=retention),
+            Region(
+                "cache",
+                ("width", "frame"),
+                axis=1,
+                clock="frame",
+                stride=stride,
+                dtype=dtype,
+                lifetime=Lifetime.PER_STREAM,
+                retention=retention,
+            ),
         ),
         operators=(Operator("op", "cache", steady=stride, flush=tuple(flush)),),
         admission=Admission("frame", max_per_call=max([stride, *flush])),

@@ -88,8 +88,7 @@ def test_diff_of_a_family_without_a_reference_model_says_so(capsys):
 
 def test_diff_of_your_own_model_takes_a_factory_and_shows_what_it_saves(capsys, tmp_path):
     page = tmp_path / "own.html"
-    assert main(["diff", "--binding", "byom_example:diff_example", "--chunks", "4", "--device", "cpu",
-                 "--html", str(page)]) == 0
+    assert main(["diff", "--binding", "byom_example:diff_example", "--chunks", "4", "--device", "cpu", "--html", str(page)]) == 0
     out = capsys.readouterr().out
     assert "=== decoder_step[n=2,L=0] ===" in out and "=== decoder_step[n=2,L=4] ===" in out
     # the first call's program differs from the stock call's (refused, its stock result kept)
@@ -105,25 +104,35 @@ def test_diff_defaults_to_the_cpu_without_cuda_and_refuses_cuda_there(capsys, mo
     assert main(["diff", "freeze_omni"]) == 0
     assert capsys.readouterr().out.startswith("on cpu\n")
     assert main(["diff", "freeze_omni", "--device", "cuda"]) == 2
-    assert ("--device cuda: no CUDA device here (torch.cuda.is_available() is False); use --device cpu"
-            in capsys.readouterr().err)
+    assert "--device cuda: no CUDA device here (torch.cuda.is_available() is False); use --device cpu" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, error", [
-    ([], "give a FAMILY or --binding MODULE:FACTORY (one of them)"),
-    (["freeze_omni", "--binding", "byom_example:diff_example"], "give a FAMILY or --binding MODULE:FACTORY (one of them)"),
-    (["--binding", "byom_example", "--chunks", "1"], "--binding: expected MODULE:FACTORY, got 'byom_example'"),
-    (["--binding", "byom_example:nothing", "--chunks", "1"],
-     "--binding byom_example:nothing: module 'byom_example' has no attribute 'nothing'"),
-    (["--binding", "byom_example:diff_example", "--depth", "full"],
-     "--depth sizes a family's reference model; a --binding factory builds its own"),
-    (["--binding", "byom_example:diff_example"],
-     "--binding: a bound model exports each class at its first call, so without a stream there is no graph to "
-     "show; give --chunks N (N calls)"),
-    (["--binding", "byom_example:build_model", "--chunks", "1"],
-     "--binding byom_example:build_model: the factory returned a tuple of 2, expected a tuple (model, contract, "
-     "binding, stream)"),
-])
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        ([], "give a FAMILY or --binding MODULE:FACTORY (one of them)"),
+        (["freeze_omni", "--binding", "byom_example:diff_example"], "give a FAMILY or --binding MODULE:FACTORY (one of them)"),
+        (["--binding", "byom_example", "--chunks", "1"], "--binding: expected MODULE:FACTORY, got 'byom_example'"),
+        (
+            ["--binding", "byom_example:nothing", "--chunks", "1"],
+            "--binding byom_example:nothing: module 'byom_example' has no attribute 'nothing'",
+        ),
+        (
+            ["--binding", "byom_example:diff_example", "--depth", "full"],
+            "--depth sizes a family's reference model; a --binding factory builds its own",
+        ),
+        (
+            ["--binding", "byom_example:diff_example"],
+            "--binding: a bound model exports each class at its first call, so without a stream there is no graph to "
+            "show; give --chunks N (N calls)",
+        ),
+        (
+            ["--binding", "byom_example:build_model", "--chunks", "1"],
+            "--binding byom_example:build_model: the factory returned a tuple of 2, expected a tuple (model, contract, "
+            "binding, stream)",
+        ),
+    ],
+)
 def test_diff_says_what_was_wrong_with_its_model(capsys, argv, error):
     assert main(["diff", "--device", "cpu", *argv]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"cadence-fx diff: error: {error}"

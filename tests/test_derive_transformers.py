@@ -29,8 +29,13 @@ ALLOWED = {
     "mistral": [],  # the README's binding keeps the default verification
     "llama_static": [],
     "mamba": [f"counter only derived: cache.layers.{i}.{flag}" for i in (0, 1) for flag in MAMBA_FLAGS] + [VERIFY],
-    "jamba": [f"{SCAN}.retention: RingCache(capacity=4) -> InPlace()", f"{SCAN}.stride: 1 -> 0", f"{SCAN}.axis: 3 -> None",
-              f"{SCAN}.clock_kind: <ClockKind.TOKENS: 'tokens'> -> None", VERIFY],
+    "jamba": [
+        f"{SCAN}.retention: RingCache(capacity=4) -> InPlace()",
+        f"{SCAN}.stride: 1 -> 0",
+        f"{SCAN}.axis: 3 -> None",
+        f"{SCAN}.clock_kind: <ClockKind.TOKENS: 'tokens'> -> None",
+        VERIFY,
+    ],
 }
 
 
@@ -58,8 +63,10 @@ def test_a_full_attention_layer_without_the_longest_stream_is_refused_by_name():
     model, _, _ = CASES["qwen3"].build()
     with pytest.raises(DeriveError) as error:
         derive_transformers(model, tokens_per_call=2)
-    assert str(error.value) == ("Qwen3ForCausalLM: cache.layers.0 is a full-attention layer (DynamicLayer): its cache "
-                                "grows with the stream and no config field bounds it; pass max_tokens, the longest stream")
+    assert str(error.value) == (
+        "Qwen3ForCausalLM: cache.layers.0 is a full-attention layer (DynamicLayer): its cache "
+        "grows with the stream and no config field bounds it; pass max_tokens, the longest stream"
+    )
 
 
 def test_a_sliding_window_static_cache_is_refused_by_name():
@@ -67,9 +74,11 @@ def test_a_sliding_window_static_cache_is_refused_by_name():
     model, _, _ = CASES["mistral"].build()
     with pytest.raises(DeriveError) as error:
         derive_transformers(model, tokens_per_call=2, max_tokens=16, cache="static")
-    assert str(error.value) == ("MistralForCausalLM: cache.layers.0 is a transformers.cache_utils.StaticSlidingWindowLayer; "
-                                "derived are DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, LinearAttentionLayer "
-                                "from transformers.cache_utils; bind it by hand")
+    assert str(error.value) == (
+        "MistralForCausalLM: cache.layers.0 is a transformers.cache_utils.StaticSlidingWindowLayer; "
+        "derived are DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, LinearAttentionLayer "
+        "from transformers.cache_utils; bind it by hand"
+    )
 
 
 def test_a_model_whose_forward_takes_no_cache_is_refused_by_name():
@@ -77,30 +86,42 @@ def test_a_model_whose_forward_takes_no_cache_is_refused_by_name():
     no cache transformers builds for the config."""
     from transformers import RwkvConfig, RwkvForCausalLM
 
-    model = RwkvForCausalLM(RwkvConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
-                                       intermediate_size=64, context_length=64))
+    model = RwkvForCausalLM(
+        RwkvConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64, context_length=64
+        )
+    )
     with pytest.raises(DeriveError) as error:
         transform(model, tokens_per_call=2)
-    assert str(error.value) == ("RwkvForCausalLM.forward takes no cache argument (cache or past_key_values): its state is "
-                                "no cache transformers builds; bind it by hand (README: Bring your own model)")
+    assert str(error.value) == (
+        "RwkvForCausalLM.forward takes no cache argument (cache or past_key_values): its state is "
+        "no cache transformers builds; bind it by hand (README: Bring your own model)"
+    )
 
 
 def test_an_encoder_decoder_model_without_its_encoder_length_is_refused_by_name():
     model, _, _ = CASES["t5"].build()
     with pytest.raises(DeriveError) as error:
         derive_transformers(model, tokens_per_call=2, max_tokens=8)
-    assert str(error.value) == ("T5ForConditionalGeneration is an encoder-decoder model whose config gives no encoder length "
-                                "(max_source_positions): pass encoder_frames, the frames of the encoder output it decodes "
-                                "against")
+    assert str(error.value) == (
+        "T5ForConditionalGeneration is an encoder-decoder model whose config gives no encoder length "
+        "(max_source_positions): pass encoder_frames, the frames of the encoder output it decodes "
+        "against"
+    )
 
 
-@pytest.mark.parametrize("keywords, message", [
-    (dict(tokens_per_call=0), "tokens_per_call must be an int >= 1, got 0"),
-    (dict(tokens_per_call=2, max_tokens=1), "max_tokens must be an int >= tokens_per_call (2), got 1"),
-    (dict(tokens_per_call=2, cache="paged"), "cache must be 'dynamic' or 'static', got 'paged'"),
-    (dict(tokens_per_call=2, cache="static"), "MistralForCausalLM: a static cache holds max_cache_len tokens; pass "
-                                              "max_tokens, its capacity"),
-])
+@pytest.mark.parametrize(
+    "keywords, message",
+    [
+        (dict(tokens_per_call=0), "tokens_per_call must be an int >= 1, got 0"),
+        (dict(tokens_per_call=2, max_tokens=1), "max_tokens must be an int >= tokens_per_call (2), got 1"),
+        (dict(tokens_per_call=2, cache="paged"), "cache must be 'dynamic' or 'static', got 'paged'"),
+        (
+            dict(tokens_per_call=2, cache="static"),
+            "MistralForCausalLM: a static cache holds max_cache_len tokens; pass max_tokens, its capacity",
+        ),
+    ],
+)
 def test_bad_arguments_are_refused_saying_what_was_expected(keywords, message):
     model, _, _ = CASES["mistral"].build()
     with pytest.raises(DeriveError) as error:
@@ -111,16 +132,17 @@ def test_bad_arguments_are_refused_saying_what_was_expected(keywords, message):
 def test_transform_without_a_contract_needs_a_transformers_model_and_takes_keywords_only_without_one():
     with pytest.raises(TypeError) as error:
         transform(nn.Linear(2, 2))
-    assert str(error.value) == ("no contract given, and Linear is no transformers model whose contract cadence-fx derives: "
-                                "pass transform(model, contract, binding) (README: Bring your own model)")
+    assert str(error.value) == (
+        "no contract given, and Linear is no transformers model whose contract cadence-fx derives: "
+        "pass transform(model, contract, binding) (README: Bring your own model)"
+    )
     with pytest.raises(DeriveError) as error:
         derive_transformers(nn.Linear(2, 2))
     assert str(error.value) == "derive_transformers needs a transformers.PreTrainedModel, got Linear"
     model, contract, binding = CASES["mistral"].build()
     with pytest.raises(TypeError) as error:
         transform(model, contract, binding, tokens_per_call=2)
-    assert str(error.value) == ("transform() got ['tokens_per_call']: keywords of a derived contract, but a contract was "
-                                "given")
+    assert str(error.value) == ("transform() got ['tokens_per_call']: keywords of a derived contract, but a contract was given")
     with pytest.raises(TypeError) as error:
         transform(model, None, binding)
     assert str(error.value) == "a binding was given without its contract: pass transform(model, contract, binding)"
@@ -141,10 +163,17 @@ def test_generate_on_the_transformed_model_runs_the_stock_model_not_the_graphs()
     fast, report = transform(model, tokens_per_call=1)
     prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        assert torch.equal(fast.generate(prompt, max_new_tokens=8, do_sample=False),
-                           stock.generate(prompt, max_new_tokens=8, do_sample=False))
-    assert report.operators["decoder_step"].counters.as_dict() == {"calls": 0, "graph_calls": 0, "verified": 0, "stock": 0,
-                                                                  "adopted": 0, "stock_by_reason": {}}
+        assert torch.equal(
+            fast.generate(prompt, max_new_tokens=8, do_sample=False), stock.generate(prompt, max_new_tokens=8, do_sample=False)
+        )
+    assert report.operators["decoder_step"].counters.as_dict() == {
+        "calls": 0,
+        "graph_calls": 0,
+        "verified": 0,
+        "stock": 0,
+        "adopted": 0,
+        "stock_by_reason": {},
+    }
 
 
 def test_layers_of_one_kind_no_slice_selects_are_refused_by_name():
@@ -152,10 +181,20 @@ def test_layers_of_one_kind_no_slice_selects_are_refused_by_name():
     no slice spells (`[0:2]` and `3`); bound by hand, they are two regions."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    config = Gemma3TextConfig(num_hidden_layers=4, sliding_window=5, vocab_size=64, hidden_size=32, intermediate_size=64,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
-                              layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"])
+    config = Gemma3TextConfig(
+        num_hidden_layers=4,
+        sliding_window=5,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    )
     with pytest.raises(DeriveError) as error:
         derive_transformers(Gemma3ForCausalLM(config), tokens_per_call=2, max_tokens=12)
-    assert str(error.value) == ("Gemma3ForCausalLM: cache.layers: layers [0, 1, 3] are of one kind but no slice "
-                                "selects them; bind them by hand")
+    assert str(error.value) == (
+        "Gemma3ForCausalLM: cache.layers: layers [0, 1, 3] are of one kind but no slice selects them; bind them by hand"
+    )

@@ -41,15 +41,20 @@ def subject(name: str, **derive) -> Subject:
 
     if case.stream == "encoder_decoder":
         frames = case.derive.get("encoder_frames", getattr(config, "max_source_positions", None))
-        encoded = BaseModelOutput(last_hidden_state=torch.randn(1, frames, config.d_model,
-                                                                generator=torch.Generator(device=torch.get_default_device()).manual_seed(2)))
+        encoded = BaseModelOutput(
+            last_hidden_state=torch.randn(
+                1, frames, config.d_model, generator=torch.Generator(device=torch.get_default_device()).manual_seed(2)
+            )
+        )
 
         def new_cache():
             return EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
     elif case.stream == "static":
+
         def new_cache():
             return StaticCache(config=config, max_cache_len=case.derive["max_tokens"])
     else:
+
         def new_cache():
             return DynamicCache(config=config)
 
@@ -67,9 +72,19 @@ def subject(name: str, **derive) -> Subject:
             state.seen += units
         return out.logits
 
-    return Subject(name, stock, bound, report, lambda m: Positioned(new_cache()), call, lambda s: s.cache, units=step,
-                   odd=(3, 1) if step == 2 else (2,), takes_none=case.stream != "static",
-                   limit=case.derive["max_tokens"] if case.stream == "static" else LIMIT)
+    return Subject(
+        name,
+        stock,
+        bound,
+        report,
+        lambda m: Positioned(new_cache()),
+        call,
+        lambda s: s.cache,
+        units=step,
+        odd=(3, 1) if step == 2 else (2,),
+        takes_none=case.stream != "static",
+        limit=case.derive["max_tokens"] if case.stream == "static" else LIMIT,
+    )
 
 
 PROGRAM = "verification: program: the exported step is not the program the stock call runs: "
@@ -95,29 +110,72 @@ GUARD = "guard:cache.layers.0.cumulative_length"
 EXPECTED = {
     # the README's example, positions left to the cache: the steady class at each cumulative_length
     "mistral": ({}, {GUARD: 5, "refused": 2, "verification": 1}, 6, 8, refused([FIRST], 3, "_to_copy.default")),
-    "qwen3": (dict(max_tokens=4), {"not_in_catalog": 8, "refused": 2, "verification": 1}, 3, 5,
-              refused([FIRST], 1, "_to_copy.default")),
-    "gemma3": (dict(max_tokens=4), {"not_in_catalog": 8, "refused": 2, "verification": 1}, 3, 5,
-               refused([FIRST], 2, "_to_copy.default")),
+    "qwen3": (
+        dict(max_tokens=4),
+        {"not_in_catalog": 8, "refused": 2, "verification": 1},
+        3,
+        5,
+        refused([FIRST], 1, "_to_copy.default"),
+    ),
+    "gemma3": (
+        dict(max_tokens=4),
+        {"not_in_catalog": 8, "refused": 2, "verification": 1},
+        3,
+        5,
+        refused([FIRST], 2, "_to_copy.default"),
+    ),
     # the mixture of experts: aten._grouped_mm in the stock call, transformers' fallback traced
-    "deepseek_v3": (dict(max_tokens=4), {"not_in_catalog": 8, "refused": 4, "verification": 3}, 3, 3,
-                    refused([FIRST], 1, "_to_copy.default")
-                    | refused(["decoder_step[n=2,L=2]", "decoder_step[n=2,L=4]"], 164, "_grouped_mm.default")),
-    "whisper": (dict(max_tokens=4), {"not_in_catalog": 8, "refused": 2, "verification": 1}, 3, 5,
-                refused([FIRST], 3, "native_layer_norm.default")),
+    "deepseek_v3": (
+        dict(max_tokens=4),
+        {"not_in_catalog": 8, "refused": 4, "verification": 3},
+        3,
+        3,
+        refused([FIRST], 1, "_to_copy.default")
+        | refused(["decoder_step[n=2,L=2]", "decoder_step[n=2,L=4]"], 164, "_grouped_mm.default"),
+    ),
+    "whisper": (
+        dict(max_tokens=4),
+        {"not_in_catalog": 8, "refused": 2, "verification": 1},
+        3,
+        5,
+        refused([FIRST], 3, "native_layer_norm.default"),
+    ),
     # each stream's first call allocates the states (no class): stock; then one class, on its graph
     "mamba": ({}, {"not_in_catalog": 3}, 1, 12, {}),
-    "jamba": (dict(max_tokens=4), {"not_in_catalog": 8, "refused": 2, "verification": 1}, 3, 5,
-              refused([FIRST], 3, "pow.Tensor_Scalar")),
+    "jamba": (
+        dict(max_tokens=4),
+        {"not_in_catalog": 8, "refused": 2, "verification": 1},
+        3,
+        5,
+        refused([FIRST], 3, "pow.Tensor_Scalar"),
+    ),
     # the stock call reads the length back on the host (aten.eq, then item); the export does not
-    "llama_static": ({}, {"not_in_catalog": 4, "refused": 10, "verification": 1}, 1, 1,
-                     refused(["decoder_step[n=2,L=16]"], 1, "eq.Scalar")),
+    "llama_static": (
+        {},
+        {"not_in_catalog": 4, "refused": 10, "verification": 1},
+        1,
+        1,
+        refused(["decoder_step[n=2,L=16]"], 1, "eq.Scalar"),
+    ),
     # frames of codes: every class refused (traced, the model takes another code path)
-    "kyutai_stt": ({}, {GUARD: 2, "refused": 4, "verification": 9}, 9, 9,
-                   refused([f"decoder_step[n=1,L={e}]" for e in range(6)]
-                           + [f"decoder_step[n=1,L=5]#{v}" for v in (2, 3, 4)], 5, "pow.Tensor_Scalar")),
-    "csm": (dict(max_tokens=4), {"not_in_catalog": 6, "refused": 4, "verification": 5}, 5, 5,
-            refused([f"decoder_step[n=1,L={e}]" for e in range(5)], 3, "_to_copy.default")),
+    "kyutai_stt": (
+        {},
+        {GUARD: 2, "refused": 4, "verification": 9},
+        9,
+        9,
+        refused(
+            [f"decoder_step[n=1,L={e}]" for e in range(6)] + [f"decoder_step[n=1,L=5]#{v}" for v in (2, 3, 4)],
+            5,
+            "pow.Tensor_Scalar",
+        ),
+    ),
+    "csm": (
+        dict(max_tokens=4),
+        {"not_in_catalog": 6, "refused": 4, "verification": 5},
+        5,
+        5,
+        refused([f"decoder_step[n=1,L={e}]" for e in range(5)], 3, "_to_copy.default"),
+    ),
 }
 
 
@@ -130,5 +188,5 @@ def test_a_model_transformed_from_its_config_alone_streams_bit_identically(name)
     assert (outcome.wrong, outcome.first_wrong) == (0, None), outcome.as_dict()
     calls = sum(kind != "reset" for kind, _ in steps)
     assert (outcome.calls, outcome.stock_by_reason, outcome.classes) == (calls, stock_by_reason, classes)
-    assert {cls: reason[:len(why.get(cls, ""))] for cls, reason in outcome.refused.items()} == why
+    assert {cls: reason[: len(why.get(cls, ""))] for cls, reason in outcome.refused.items()} == why
     assert sum(op.counters.graph_calls for op in fuzzed.report.operators.values()) == graph_calls

@@ -13,8 +13,10 @@ from test_derive_transformers_fuzz import SEED, ran, subject
 
 STEPS = 8
 FIRST = "decoder_step[n=2,L=0]"
-MOVED = ("verification: the stock call moved host values the binding does not declare: "
-         "cache.layers.0.device (None -> device(type='cpu'))")
+MOVED = (
+    "verification: the stock call moved host values the binding does not declare: "
+    "cache.layers.0.device (None -> device(type='cpu'))"
+)
 TO_COPY = {FIRST: ran(1, "_to_copy.default")}
 ONCE = {"not_in_catalog": 6, "verification": 1}  # the first call refused, the 6 calls past 2 tokens stock
 TWICE = {"not_in_catalog": 6, "verification": 2}
@@ -49,7 +51,10 @@ def test_every_other_probe_transformed_from_its_config_alone_streams_bit_identic
     outcome = run(fuzzed, steps, SEED)
     assert (outcome.wrong, outcome.first_wrong) == (0, None), outcome.as_dict()
     graphs = 6 if name == "moshi" else 2
-    assert (outcome.calls, outcome.stock_by_reason, outcome.classes) == (sum(k != "reset" for k, _ in steps), stock_by_reason,
-                                                                          graphs)
+    assert (outcome.calls, outcome.stock_by_reason, outcome.classes) == (
+        sum(k != "reset" for k, _ in steps),
+        stock_by_reason,
+        graphs,
+    )
     assert sum(op.counters.graph_calls for op in fuzzed.report.operators.values()) == graphs
-    assert {cls: reason[:len(why.get(cls, ""))] for cls, reason in outcome.refused.items()} == why
+    assert {cls: reason[: len(why.get(cls, ""))] for cls, reason in outcome.refused.items()} == why

@@ -11,9 +11,11 @@ from cadence_fx.models.freeze_omni import freeze_omni_contract
 from cadence_fx.models.freeze_omni_encoder import FreezeOmniEncoderConfig, build_encoder
 
 SMALL = FreezeOmniEncoderConfig.small()
-NOT_PINNED = ("determinism envelope: NOT pinned (cudnn.deterministic=False, cudnn.benchmark=True): eager may not "
-              "repeat itself on a GPU, so neither can the transformed model; call "
-              "cadence_fx.determinism.pin_deterministic() before running any stream")
+NOT_PINNED = (
+    "determinism envelope: NOT pinned (cudnn.deterministic=False, cudnn.benchmark=True): eager may not "
+    "repeat itself on a GPU, so neither can the transformed model; call "
+    "cadence_fx.determinism.pin_deterministic() before running any stream"
+)
 PINNED = "determinism envelope: pinned (cudnn.deterministic=True, cudnn.benchmark=False)"
 
 

@@ -8,15 +8,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 from byom_example import TOKENS_PER_CALL, diff_example
+from pagekit import Page
 
 from cadence_fx import transform
 from cadence_fx.diff import Launches, eager_dispatches, launches, render_savings
 from cadence_fx.diff_page import render_html
-from cadence_fx.replay import Certificate, CutRecord, Signature
-from cadence_fx.transform import TransformReport
 from cadence_fx.models.freeze_omni import freeze_omni_contract
 from cadence_fx.models.freeze_omni_encoder import FreezeOmniEncoderConfig, build_encoder, stream_utterance
-from pagekit import Page
+from cadence_fx.replay import Certificate, CutRecord, Signature
+from cadence_fx.transform import TransformReport
 
 SMALL = FreezeOmniEncoderConfig.small()
 CHUNKS = 3
@@ -77,8 +77,17 @@ def test_the_steady_graph_marks_what_the_window_pass_removed_added_and_rewired(p
     rewired = {"transpose_8", "matmul_2", "transpose_20", "matmul_5", "output"}
     assert page.marked(before, "changed") == page.marked(after, "changed") == rewired
     assert page.marked(after, "added") == CARRIES | {
-        "window_append", "window_append_1", "window_append_2", "window_append_3",
-        "window_evict", "window_evict_1", "window_evict_2", "window_evict_3", "window_keep", "window_keep_1"}
+        "window_append",
+        "window_append_1",
+        "window_append_2",
+        "window_append_3",
+        "window_evict",
+        "window_evict_1",
+        "window_evict_2",
+        "window_evict_3",
+        "window_keep",
+        "window_keep_1",
+    }
     assert page.marked(after, "carry") == CARRIES
     assert page.marked(after, "site") == set()
 
@@ -87,15 +96,22 @@ def test_each_carry_and_its_writes_link_to_the_retention_site_they_implement(pag
     page, _ = page
     site = f"#site-{STEADY}-"
     assert page.links(f"svg-{STEADY}-after") == {
-        "carry_buffer_0_0": site + "slice_3", "window_append": site + "slice_3", "window_evict": site + "slice_3",
-        "carry_buffer_0_1": site + "slice_4", "window_append_1": site + "slice_4",
+        "carry_buffer_0_0": site + "slice_3",
+        "window_append": site + "slice_3",
+        "window_evict": site + "slice_3",
+        "carry_buffer_0_1": site + "slice_4",
+        "window_append_1": site + "slice_4",
         "window_evict_1": site + "slice_4",
-        "carry_buffer_1": site + "slice_5", "window_keep": site + "slice_5",
-        "carry_buffer_2_0": site + "slice_6", "window_append_2": site + "slice_6",
+        "carry_buffer_1": site + "slice_5",
+        "window_keep": site + "slice_5",
+        "carry_buffer_2_0": site + "slice_6",
+        "window_append_2": site + "slice_6",
         "window_evict_2": site + "slice_6",
-        "carry_buffer_2_1": site + "slice_7", "window_append_3": site + "slice_7",
+        "carry_buffer_2_1": site + "slice_7",
+        "window_append_3": site + "slice_7",
         "window_evict_3": site + "slice_7",
-        "carry_buffer_3": site + "slice_8", "window_keep_1": site + "slice_8",
+        "carry_buffer_3": site + "slice_8",
+        "window_keep_1": site + "slice_8",
     }
     assert set(page.values("id")) >= {f"site-{STEADY}-slice_{i}" for i in range(3, 9)}
 
@@ -107,7 +123,13 @@ def test_the_first_graph_keeps_the_new_keys_whole_through_window_adopt(page):
     assert page.marked(before, "removed") == {"slice_3", "slice_4"}
     assert page.marked(before, "site") == kept | {"slice_3", "slice_4"}
     assert page.marked(after, "added") == CARRIES | {
-        "window_adopt", "window_adopt_1", "window_adopt_2", "window_adopt_3", "window_keep", "window_keep_1"}
+        "window_adopt",
+        "window_adopt_1",
+        "window_adopt_2",
+        "window_adopt_3",
+        "window_keep",
+        "window_keep_1",
+    }
     assert page.marked(after, "site") == kept
     site = f"#site-{FIRST}-"
     links = page.links(after)
@@ -140,7 +162,9 @@ def test_each_region_shows_the_stock_state_against_its_carry(page):
     assert page.values("data-memory") == ["attention_kv:8192:8192:0", "conv_left_context:3072:1024:2048"]
     assert [r.stock_bytes for r in report.resizes] == [8192, 3072]
     assert {name: c.buffer.numel() * c.buffer.element_size() for name, c in report.carries.items()} == {
-        "attention_kv": 8192, "conv_left_context": 1024}
+        "attention_kv": 8192,
+        "conv_left_context": 1024,
+    }
     assert "is in its certificate, on a GPU" in page.text
 
 
@@ -163,15 +187,27 @@ def test_a_captured_class_launches_its_segments_cuts_and_copies_instead_of_every
         return (x * 2 + y).relu().sum(0) - y.mean()
 
     graph = _traced(step)
-    certificate = Certificate("step[L=0]", Signature.of(torch.ones(2), torch.ones(2)), admitted=True,
-                              reason="admitted; captured", captured=True, segments=2,
-                              cuts=(CutRecord("nonzero", "data-dependent shape", 1),), copied=("x", "y"),
-                              written_back=("y",))
-    report = TransformReport("toy", catalog=None, graphs={"step[L=0]": (graph, graph)},
-                             replays={"step": SimpleNamespace(certificates={"step[L=0]": certificate})})
+    certificate = Certificate(
+        "step[L=0]",
+        Signature.of(torch.ones(2), torch.ones(2)),
+        admitted=True,
+        reason="admitted; captured",
+        captured=True,
+        segments=2,
+        cuts=(CutRecord("nonzero", "data-dependent shape", 1),),
+        copied=("x", "y"),
+        written_back=("y",),
+    )
+    report = TransformReport(
+        "toy",
+        catalog=None,
+        graphs={"step[L=0]": (graph, graph)},
+        replays={"step": SimpleNamespace(certificates={"step[L=0]": certificate})},
+    )
     (counted,) = launches(report)
-    assert counted == Launches("step[L=0]", eager=6, status="admitted; captured", captured=True, graphs=2, cuts=1,
-                               staged=2, written_back=1)
+    assert counted == Launches(
+        "step[L=0]", eager=6, status="admitted; captured", captured=True, graphs=2, cuts=1, staged=2, written_back=1
+    )
     assert (counted.replay, counted.saved) == (6, 0)  # 2 graphs + 1 cut + 2 staged + 1 written back
 
 
@@ -215,8 +251,10 @@ def test_the_page_of_a_bound_model_shows_its_counters_launches_and_memory(own):
     assert page.values("data-bound") == ["decoder_step"]
     # The first call's export builds the mask another way than the stock call: refused, its stock
     # result kept (its state then adopted into the carries).
-    assert ("bound operator: calls 4, rewritten-graph calls 4, verified against the stock call 3, stock calls 1 "
-            "(by reason: verification 1), states adopted into a carry 4") in page.text
+    assert (
+        "bound operator: calls 4, rewritten-graph calls 4, verified against the stock call 3, stock calls 1 "
+        "(by reason: verification 1), states adopted into a carry 4"
+    ) in page.text
     # 4 calls, each the first of its class: all still verifying, none in the engine yet
     assert page.values("data-launches") == [f"{BOUND[0]}:207:-:-"] + [f"{graph}:191:-:-" for graph in BOUND[1:]]
     assert page.text.count("being verified against the stock call: replays after 1 more visit(s)") == 3
@@ -237,10 +275,20 @@ def test_the_terminal_shows_the_same_figures(own):
 def test_a_captured_classs_certificate_shows_the_device_memory_its_capture_took():
     from cadence_fx.diff_page import _certificate
 
-    certificate = Certificate("step[L=0]", Signature.of(torch.ones(2)), admitted=True, reason="admitted; captured",
-                              captured=True, segments=1, staged_bytes=2048, pool_reserved_bytes=2 * 2**20,
-                              reserved_bytes=3 * 2**20)
+    certificate = Certificate(
+        "step[L=0]",
+        Signature.of(torch.ones(2)),
+        admitted=True,
+        reason="admitted; captured",
+        captured=True,
+        segments=1,
+        staged_bytes=2048,
+        pool_reserved_bytes=2 * 2**20,
+        reserved_bytes=3 * 2**20,
+    )
     page = Page(f"<!DOCTYPE html><html><body>{_certificate(certificate)}</body></html>")
     assert page.errors == []
-    assert ("staged inputs 2.00 KiB (the memory model&#x27;s charge); graph pool grew 2.00 MiB; reserved grew 3.00 MiB "
-            "over the whole capture phase") in page.text
+    assert (
+        "staged inputs 2.00 KiB (the memory model&#x27;s charge); graph pool grew 2.00 MiB; reserved grew 3.00 MiB "
+        "over the whole capture phase"
+    ) in page.text

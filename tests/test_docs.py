@@ -107,9 +107,16 @@ def test_the_contract_reference_names_every_field_of_every_contract_class():
     text = (DOCS / "contract.md").read_text()
     sections = dict(re.findall(r"^### ([^\n]+)\n(.*?)(?=^##)", text, re.S | re.M))
     rows = {title: re.findall(r"^\| `(\w+)` \|(?: `(\w+)` \|)?", body, re.M) for title, body in sections.items()}
-    for cls in (contract_module.Contract, contract_module.Clock, contract_module.Rate, contract_module.Region,
-                contract_module.Admission, contract_module.Operator, contract_module.DeviceConstant,
-                contract_module.Interactivity):
+    for cls in (
+        contract_module.Contract,
+        contract_module.Clock,
+        contract_module.Rate,
+        contract_module.Region,
+        contract_module.Admission,
+        contract_module.Operator,
+        contract_module.DeviceConstant,
+        contract_module.Interactivity,
+    ):
         assert [name for name, _ in rows[f"`{cls.__name__}`"]] == [f.name for f in dataclasses.fields(cls)], cls
     # Every registered policy, in the order they are defined; one with no field has one row, its
     # field column "(none)".
@@ -125,8 +132,11 @@ def test_the_binding_reference_names_every_field_of_every_binding_class():
     import cadence_fx.binding as binding_module
 
     text = (DOCS / "contract.md").read_text()
-    section = text[text.index("## Binding reference"):text.index("## The rules")]
+    section = text[text.index("## Binding reference") : text.index("## The rules")]
     named = re.findall(r"^\| `(\w+)\.(\w+)` \|", section, re.M)
-    expected = [(cls.__name__, f.name) for cls in (binding_module.Binding, binding_module.RegionBinding,
-                                                    binding_module.OperatorBinding) for f in dataclasses.fields(cls)]
+    expected = [
+        (cls.__name__, f.name)
+        for cls in (binding_module.Binding, binding_module.RegionBinding, binding_module.OperatorBinding)
+        for f in dataclasses.fields(cls)
+    ]
     assert sorted(named) == sorted(expected)

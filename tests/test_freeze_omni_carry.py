@@ -58,8 +58,11 @@ def encoder():
 @pytest.fixture(scope="module")
 def streamed(encoder):
     transformed, report = transform(encoder, contract_for(SMALL), audit=True)
-    names = [site(region, layer, part) for layer in range(SMALL.num_blocks)
-             for region, part in (("attention_kv", "keys"), ("attention_kv", "values"), ("conv_left_context", ""))]
+    names = [
+        site(region, layer, part)
+        for layer in range(SMALL.num_blocks)
+        for region, part in (("attention_kv", "keys"), ("attention_kv", "values"), ("conv_left_context", ""))
+    ]
     run = Run()
     generator = torch.Generator().manual_seed(1)
     c = SMALL
@@ -69,7 +72,7 @@ def streamed(encoder):
         stock = (encoder.init_buffers(), encoder.init_pe_index())
         carried = (transformed.init_buffers(), transformed.init_pe_index())
         for new_frames in feats.split(c.chunk_frames, dim=1):
-            window = torch.cat([window[:, -c.chunk_overlap:], new_frames], dim=1)
+            window = torch.cat([window[:, -c.chunk_overlap :], new_frames], dim=1)
             ys, *stock = encoder.infer(window, *stock)
             got, *carried = transformed.infer(window, *carried)
             run.equal.append(torch.equal(ys, got) and torch.equal(stock[1], carried[1]))
@@ -165,10 +168,15 @@ def test_the_diff_report_shows_the_rewritten_sites(streamed):
     # Steady: the K/V concats and every retention slice are gone; the conv concat builds its operand.
     assert _removed(*report.graphs[class_name(4)]) == {"cat": 2 * blocks, "slice": 3 * blocks}
     assert {op: n for op, n in steady.added.items() if not op.startswith("attr")} == {
-        "window_append": 2 * blocks, "window_evict": 2 * blocks, "window_keep": blocks,
+        "window_append": 2 * blocks,
+        "window_evict": 2 * blocks,
+        "window_keep": blocks,
     }
     assert _removed(*report.graphs[class_name(0)]) == {"slice": blocks}
-    assert {op: n for op, n in first.added.items() if not op.startswith("attr")} == {"window_adopt": 2 * blocks, "window_keep": blocks}
+    assert {op: n for op, n in first.added.items() if not op.startswith("attr")} == {
+        "window_adopt": 2 * blocks,
+        "window_keep": blocks,
+    }
     assert sum(n for op, n in steady.added.items() if op.startswith("attr carry_")) == SITES
     text = render_text(list(diffs.values()))
     assert text.count("\n-cat") == 2 * blocks
@@ -180,8 +188,9 @@ def test_the_diff_report_shows_the_rewritten_sites(streamed):
 def test_positional_table_writes_are_not_retention_and_stay(streamed):
     _, report, _ = streamed
     for before, after in report.graphs.values():
-        copies = [[n.args[0].args[1:] for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default]
-                  for gm in (before, after)]
+        copies = [
+            [n.args[0].args[1:] for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default] for gm in (before, after)
+        ]
         assert copies[0] == copies[1] == [(1, 0, 9223372036854775807, 2), (1, 1, 9223372036854775807, 2)]
 
 
@@ -243,8 +252,9 @@ def test_at_the_operating_point_every_held_operand_has_the_stock_concats_strides
 def test_two_left_chunks_give_three_classes_all_bit_identical():
     config = FreezeOmniEncoderConfig.small(left_chunks=2)
     encoder = build_encoder(config)
-    contract = freeze_omni_contract(blocks=config.num_blocks, d_model=config.attention_dim,
-                                    heads=config.attention_heads, left_chunks=2)
+    contract = freeze_omni_contract(
+        blocks=config.num_blocks, d_model=config.attention_dim, heads=config.attention_heads, left_chunks=2
+    )
     transformed, report = transform(encoder, contract, audit=True)
     feats = torch.randn(1, 5 * config.chunk_frames, config.input_dim, generator=torch.Generator().manual_seed(3))
     pairs = zip(stream_utterance(encoder, feats), stream_utterance(transformed, feats), strict=True)
@@ -266,21 +276,39 @@ def test_without_audit_each_class_is_verified_twice_then_runs_its_graph(encoder)
         assert {carry.extent for carry in transformed.carries.values()} == {SMALL.kv_frames, SMALL.lorder}
     op = report.operators["encoder_chunk"]
     # Each utterance starts from init_buffers: fresh conv contexts, adopted into their carries.
-    assert op.counters.as_dict() == {"calls": sum(CHUNKS), "graph_calls": sum(CHUNKS), "verified": 4, "stock": 0,
-                                     "adopted": len(CHUNKS) * SMALL.num_blocks, "stock_by_reason": {}}
+    assert op.counters.as_dict() == {
+        "calls": sum(CHUNKS),
+        "graph_calls": sum(CHUNKS),
+        "verified": 4,
+        "stock": 0,
+        "adopted": len(CHUNKS) * SMALL.num_blocks,
+        "stock_by_reason": {},
+    }
     assert all(cls.refused is None and cls.verify_left == 0 for cls in op.classes.values())
     # The verified calls of each class never reach the engine; without CUDA it runs the others eager.
     engine = op.replay
     assert report.replays == {"encoder_chunk": engine}
     assert sorted(engine.certificates) == [class_name(0), class_name(4)]
     assert all(c.admitted for c in engine.certificates.values())
-    assert engine.counters.as_dict() == {"calls": sum(CHUNKS) - 4, "captures": 0, "replays": 0, "eager": sum(CHUNKS) - 4,
-                                         "invalidations": 0, "fallbacks": {"no_cuda": sum(CHUNKS) - 4}}
+    assert engine.counters.as_dict() == {
+        "calls": sum(CHUNKS) - 4,
+        "captures": 0,
+        "replays": 0,
+        "eager": sum(CHUNKS) - 4,
+        "invalidations": 0,
+        "fallbacks": {"no_cuda": sum(CHUNKS) - 4},
+    }
 
 
-@pytest.mark.parametrize(("left_chunks", "grid"), [
-    (1, (0, 4)), (2, (0, 4, 8)), (4, (0, 4, 8, 12, 16)), (16, tuple(range(0, 68, 4))),
-])
+@pytest.mark.parametrize(
+    ("left_chunks", "grid"),
+    [
+        (1, (0, 4)),
+        (2, (0, 4, 8)),
+        (4, (0, 4, 8, 12, 16)),
+        (16, tuple(range(0, 68, 4))),
+    ],
+)
 def test_the_catalog_of_the_released_encoder_has_one_class_per_left_chunk_and_one_more(left_chunks, grid):
     catalog = derive(encoder_contract(FreezeOmniEncoderConfig.released(left_chunks=left_chunks)))
     op = catalog.operator("encoder_chunk")
@@ -294,14 +322,20 @@ def test_the_conv_feed_forward_adds_its_left_context_whatever_the_left_chunks():
     catalog = derive(encoder_contract(FreezeOmniEncoderConfig(left_chunks=3)))
     assert catalog.operator("encoder_chunk").grid == (0, 4, 8, 12)
     assert [(r.name, r.shape) for r in catalog.regions] == [
-        ("attention_kv", (24, 2, 1, 16, 16, 64)), ("conv_left_context", (24, 1, 1024, 2))]
+        ("attention_kv", (24, 2, 1, 16, 16, 64)),
+        ("conv_left_context", (24, 1, 1024, 2)),
+    ]
 
 
 def test_a_contract_with_a_conv_region_is_refused_for_a_linear_feed_forward():
     config = FreezeOmniEncoderConfig.small(feed_forward="linear")
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             "the contract declares regions ('attention_kv', 'conv_left_context') but the encoder (linear feed-forward) "
-            "keeps ('attention_kv',): derive the contract with encoder_contract(encoder.config)")):
+            "keeps ('attention_kv',): derive the contract with encoder_contract(encoder.config)"
+        ),
+    ):
         transform(build_encoder(config), contract_for(config))
 
 
@@ -316,7 +350,8 @@ def test_the_linear_feed_forward_with_three_left_chunks_carries_keys_and_values_
     blocks = config.num_blocks
     assert sorted((s.graph, s.kind) for s in report.sites) == sorted(
         [(class_name(0), "keep")] * 2 * blocks
-        + [(class_name(extent), "append") for extent in (4, 8, 12) for _ in range(2 * blocks)])
+        + [(class_name(extent), "append") for extent in (4, 8, 12) for _ in range(2 * blocks)]
+    )
     # Until the window is full the concat is kept whole; the last class evicts a chunk a call.
     kept_whole = [s for s in report.sites if s.graph in (class_name(4), class_name(8))]
     assert all(s.reason.endswith("kept whole") for s in kept_whole)

@@ -73,12 +73,18 @@ def train_yaml(left_chunks: int = 3, transformer: dict | None = None) -> dict:
     conf = train["encoder_conf"]
     conf["overview_conf"]["encoder-output-dim"] = 64
     conf["para_conf"]["subsampling"]["subsampling-output-dim"] = 64
-    conf["para_conf"]["transformer"].update({
-        "transformer-attention-dim": 64, "transformer-input-dim": 64, "transformer-output-dim": 64,
-        "transformer-attention-heads": 4, "transformer-linear-units": 128, "transformer-num-blocks": 2,
-        "transformer-left_chunks": left_chunks,
-        **(transformer or {}),
-    })
+    conf["para_conf"]["transformer"].update(
+        {
+            "transformer-attention-dim": 64,
+            "transformer-input-dim": 64,
+            "transformer-output-dim": 64,
+            "transformer-attention-heads": 4,
+            "transformer-linear-units": 128,
+            "transformer-num-blocks": 2,
+            "transformer-left_chunks": left_chunks,
+            **(transformer or {}),
+        }
+    )
     return train
 
 
@@ -89,9 +95,15 @@ def write_release(root, train: dict, *, cmvn_in_checkpoint: bool = True, seed: i
     (folder / "train.yaml").write_text(yaml.safe_dump(train))
     generator = torch.Generator().manual_seed(seed)
     frames = torch.randn(500, 80, generator=generator, dtype=torch.float64) * 3 + 8
-    (folder / "global_cmvn").write_text(json.dumps({
-        "mean_stat": frames.sum(0).tolist(), "var_stat": (frames**2).sum(0).tolist(), "frame_num": 500,
-    }))
+    (folder / "global_cmvn").write_text(
+        json.dumps(
+            {
+                "mean_stat": frames.sum(0).tolist(),
+                "var_stat": (frames**2).sum(0).tolist(),
+                "frame_num": 500,
+            }
+        )
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AudioLLM(SpeechEncoder(GlobalCMVN(torch.randn(80), torch.rand(80) + 0.5), **train["encoder_conf"]))
@@ -99,8 +111,7 @@ def write_release(root, train: dict, *, cmvn_in_checkpoint: bool = True, seed: i
             for name, tensor in model.state_dict().items():
                 if not torch.any(tensor) or torch.all(tensor == 1):  # LayerNorms start at 0 and 1
                     tensor.add_(torch.randn(tensor.shape) * 0.02)
-    state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()
-             if cmvn_in_checkpoint or "global_cmvn" not in k}
+    state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items() if cmvn_in_checkpoint or "global_cmvn" not in k}
     state |= {  # the rest of the audio LLM, which the encoder must leave alone
         "adpter.conv1d2.weight": torch.randn(128, 64, 5, dtype=torch.bfloat16),
         "adpter.project.weight": torch.randn(96, 128, dtype=torch.bfloat16),
@@ -123,7 +134,7 @@ def stock_calls(encoder, x: torch.Tensor):
     window = x.new_zeros(1, c.chunk_frames + c.chunk_overlap, x.size(2))
     buffer, pe_index, calls = encoder.init_buffers(), encoder.init_pe_index(), []
     for new_frames in x.split(c.chunk_frames, dim=1):
-        window = torch.cat([window[:, -c.chunk_overlap:], new_frames], dim=1)
+        window = torch.cat([window[:, -c.chunk_overlap :], new_frames], dim=1)
         out, buffer, pe_index = encoder.infer(window, buffer, pe_index)
         calls.append((out, buffer, int(pe_index)))
     return calls
@@ -148,7 +159,12 @@ def test_the_published_train_yaml_configures_the_released_encoder():
     config = encoder_config(yaml.safe_load(RELEASED_TRAIN_YAML))
     assert config == FreezeOmniEncoderConfig.released()
     assert (config.feed_forward, config.left_chunks, config.normalize_before, config.concat_after, config.pos_enc) == (
-        "linear", 16, True, False, "rel-enc")
+        "linear",
+        16,
+        True,
+        False,
+        "rel-enc",
+    )
 
 
 def test_at_full_size_the_encoder_has_the_vendors_470_keys():
@@ -159,7 +175,8 @@ def test_at_full_size_the_encoder_has_the_vendors_470_keys():
     assert {"encoder." + k: tuple(v.shape) for k, v in ours.items()} == {k: tuple(v.shape) for k, v in vendor.items()}
     assert len(ours) == 470
     assert sorted(k for k in ours if ".feed_forward.w_1." in k) == sorted(
-        f"enc.1.encoders.{i}.feed_forward.w_1.{p}" for i in range(24) for p in ("weight", "bias"))
+        f"enc.1.encoders.{i}.feed_forward.w_1.{p}" for i in range(24) for p in ("weight", "bias")
+    )
 
 
 def test_loaded_weights_stream_bit_identically_to_the_vendor_code(release):
@@ -180,11 +197,18 @@ def test_the_transformed_loaded_encoder_streams_bit_identically_to_the_vendor_co
         assert all(torch.equal(a, b) for a, b in zip(got, vendor, strict=True))
     assert transformed.calls == {class_name(0): 2, class_name(4): 2, class_name(8): 2, class_name(12): 2 * (CHUNKS - 3)}
     assert {name: tuple(carry.buffer.shape) for name, carry in report.carries.items()} == {
-        "attention_kv": (2, 2, 1, 4, 16, 16)}  # 2 blocks, keys and values, 4 heads, 4 x (3 + 1) frames, d_k 16
+        "attention_kv": (2, 2, 1, 4, 16, 16)
+    }  # 2 blocks, keys and values, 4 heads, 4 x (3 + 1) frames, d_k 16
     # The linear feed-forward's buffer list is [kv_0, kv_1]: layer l's keys and values at buffer.l.0 and buffer.l.1.
     assert sorted(transformed.carries) == [f"buffer.{layer}.{part}" for layer in (0, 1) for part in (0, 1)]
     assert report.operators["encoder_chunk"].counters.as_dict() == {
-        "calls": 2 * CHUNKS, "graph_calls": 2 * CHUNKS, "verified": 2 * 4, "stock": 0, "adopted": 0, "stock_by_reason": {}}
+        "calls": 2 * CHUNKS,
+        "graph_calls": 2 * CHUNKS,
+        "verified": 2 * 4,
+        "stock": 0,
+        "adopted": 0,
+        "stock_by_reason": {},
+    }
 
 
 def test_post_norm_and_concat_after_stream_bit_identically_to_the_vendor_code(tmp_path):
@@ -218,14 +242,17 @@ def test_loading_leaves_the_global_rng_alone(release):
 
 def test_a_conv_feed_forward_config_against_linear_weights_names_every_key(tmp_path):
     folder = write_release(tmp_path, train_yaml())
-    wrong = train_yaml(3, {"transformer-positionwise-layer-type": "conv1d-linear",
-                           "transformer-positionwise-conv-kernel_size": 3})
+    wrong = train_yaml(
+        3, {"transformer-positionwise-layer-type": "conv1d-linear", "transformer-positionwise-conv-kernel_size": 3}
+    )
     (folder / "train.yaml").write_text(yaml.safe_dump(wrong))
     layers = (0, 1)
     missing = [f"encoder.enc.1.encoders.{i}.feed_forward.w_1.{j}.{p}" for i in layers for j in (0, 1) for p in ("bias", "weight")]
     unexpected = [f"encoder.enc.1.encoders.{i}.feed_forward.w_1.{p}" for i in layers for p in ("bias", "weight")]
-    message = (f"{folder / 'final.pt'}: its encoder.* entries do not match the encoder that train.yaml configures "
-               f"(2 blocks, conv1d-linear feed-forward): missing {missing}, unexpected {unexpected}")
+    message = (
+        f"{folder / 'final.pt'}: its encoder.* entries do not match the encoder that train.yaml configures "
+        f"(2 blocks, conv1d-linear feed-forward): missing {missing}, unexpected {unexpected}"
+    )
     with pytest.raises(CheckpointError, match=re.escape(message)):
         load_encoder(tmp_path)
 
@@ -233,8 +260,10 @@ def test_a_conv_feed_forward_config_against_linear_weights_names_every_key(tmp_p
 def test_a_checkpoint_without_cmvn_and_without_global_cmvn_is_refused(tmp_path):
     folder = write_release(tmp_path, train_yaml(), cmvn_in_checkpoint=False)
     (folder / "global_cmvn").unlink()
-    with pytest.raises(CheckpointError, match=re.escape(
-            f"{folder / 'final.pt'} has no encoder.global_cmvn.* entries and {folder / 'global_cmvn'} is missing")):
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(f"{folder / 'final.pt'} has no encoder.global_cmvn.* entries and {folder / 'global_cmvn'} is missing"),
+    ):
         load_encoder(tmp_path)
 
 
@@ -243,16 +272,22 @@ def test_a_weight_of_another_shape_is_refused_naming_the_file(tmp_path):
     state = torch.load(folder / "final.pt")
     state["encoder.enc.1.after_norm.weight"] = torch.ones(32, dtype=torch.bfloat16)
     torch.save(state, folder / "final.pt")
-    with pytest.raises(CheckpointError, match=re.escape(
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(
             f"{folder / 'final.pt'}: Error(s) in loading state_dict for FreezeOmniEncoder:\n\tsize mismatch for "
             "enc.1.after_norm.weight: copying a param with shape torch.Size([32]) from checkpoint, the shape in current "
-            "model is torch.Size([64]).")):
+            "model is torch.Size([64])."
+        ),
+    ):
         load_encoder(tmp_path)
 
 
 def test_an_empty_directory_names_the_files_looked_for(tmp_path):
     looked = f"{tmp_path / 'audiollm' / 'final.pt'}, {tmp_path / 'checkpoints' / 'audiollm' / 'final.pt'}"
-    with pytest.raises(CheckpointError, match=re.escape(f"no Freeze-Omni audio LLM checkpoint under {tmp_path}: looked for {looked}")):
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"no Freeze-Omni audio LLM checkpoint under {tmp_path}: looked for {looked}")
+    ):
         load_encoder(tmp_path)
 
 
@@ -268,22 +303,28 @@ def test_the_hub_release_offline_without_a_cached_copy_says_what_it_looked_for(t
         load_encoder(RELEASE_REPO, cache_dir=tmp_path, local_files_only=True)
     assert str(caught.value).startswith(
         "could not fetch checkpoints/audiollm/* (train.yaml, global_cmvn, final.pt: about 750 MB) from the Hugging Face "
-        "hub repository 'VITA-MLLM/Freeze-Omni', and no such local directory exists: LocalEntryNotFoundError: ")
+        "hub repository 'VITA-MLLM/Freeze-Omni', and no such local directory exists: LocalEntryNotFoundError: "
+    )
     assert str(caught.value).endswith("Offline, pass the directory that holds audiollm/final.pt instead")
 
 
 def test_a_source_that_is_neither_a_directory_nor_a_hub_id_is_refused(tmp_path):
-    with pytest.raises(CheckpointError, match=re.escape(f"{str(tmp_path / 'nowhere')!r} is neither a local directory nor "
-                                                        "a hub repository id (owner/name)")):
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(f"{str(tmp_path / 'nowhere')!r} is neither a local directory nor a hub repository id (owner/name)"),
+    ):
         load_encoder(str(tmp_path / "nowhere"))
 
 
-@pytest.mark.parametrize(("entry", "value", "message"), [
-    ("transformer-pos-enc-class", "abs-enc", "pos_enc 'abs-enc': only 'rel-enc' streams"),
-    ("transformer-positionwise-layer-type", "conv1d", "feed_forward 'conv1d': expected one of ('linear', 'conv1d-linear')"),
-    ("transformer-left_chunks", -1, "left_chunks -1: a streaming encoder attends to at least one left chunk"),
-    ("transformer-chunk_size", 8, "transformer-chunk_size is 8, expected 4"),
-])
+@pytest.mark.parametrize(
+    ("entry", "value", "message"),
+    [
+        ("transformer-pos-enc-class", "abs-enc", "pos_enc 'abs-enc': only 'rel-enc' streams"),
+        ("transformer-positionwise-layer-type", "conv1d", "feed_forward 'conv1d': expected one of ('linear', 'conv1d-linear')"),
+        ("transformer-left_chunks", -1, "left_chunks -1: a streaming encoder attends to at least one left chunk"),
+        ("transformer-chunk_size", 8, "transformer-chunk_size is 8, expected 4"),
+    ],
+)
 def test_an_option_the_streaming_path_cannot_run_is_refused(entry, value, message):
     train = copy.deepcopy(yaml.safe_load(RELEASED_TRAIN_YAML))
     train["encoder_conf"]["para_conf"]["transformer"][entry] = value
@@ -301,6 +342,7 @@ def test_an_entry_train_yaml_leaves_out_takes_the_vendors_default():
 def test_a_yes_no_option_that_is_not_a_boolean_is_refused():
     train = yaml.safe_load(RELEASED_TRAIN_YAML)
     train["encoder_conf"]["para_conf"]["transformer"]["transformer-normalize-before"] = "yes please"
-    with pytest.raises(CheckpointError, match=re.escape(
-            "train.yaml: transformer-normalize-before is 'yes please', expected true or false")):
+    with pytest.raises(
+        CheckpointError, match=re.escape("train.yaml: transformer-normalize-before is 'yes please', expected true or false")
+    ):
         encoder_config(train)

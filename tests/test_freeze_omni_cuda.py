@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from cadence_fx import determinism, transform
-from cadence_fx.models.freeze_omni import encoder_contract
-from cadence_fx.models.freeze_omni import reference_encoder
+from cadence_fx.models.freeze_omni import encoder_contract, reference_encoder
 from cadence_fx.models.freeze_omni_encoder import FreezeOmniEncoderConfig, build_encoder, stream_utterance
+
 
 def class_name(extent: int, chunk: int = 4) -> str:
     return f"encoder_chunk[n={chunk},L={extent}]"
@@ -74,8 +74,14 @@ def test_full_size_encoder_replays_both_classes_bit_exact():
     # The first two visits of each class run beside the stock call (verification); every later
     # one goes to the replay engine: the first class's third visit, the steady class's eight last.
     engine = op.replay
-    assert engine.counters.as_dict() == {"calls": sum(CHUNKS) - 4, "captures": 2, "replays": sum(CHUNKS) - 4, "eager": 0,
-                                         "invalidations": 0, "fallbacks": {}}
+    assert engine.counters.as_dict() == {
+        "calls": sum(CHUNKS) - 4,
+        "captures": 2,
+        "replays": sum(CHUNKS) - 4,
+        "eager": 0,
+        "invalidations": 0,
+        "fallbacks": {},
+    }
     assert sorted(engine.certificates) == sorted([class_name(0), class_name(c.kv_frames)])
     assert all(cert.captured for cert in engine.certificates.values())
     assert transformed.calls == {class_name(0): len(CHUNKS), class_name(c.kv_frames): sum(CHUNKS) - len(CHUNKS)}
@@ -104,10 +110,17 @@ def test_full_size_released_configuration_replays_all_seventeen_classes_bit_exac
     assert equal == [True] * sum(chunks)
     assert list(report.carries) == ["attention_kv"]
     assert transformed.calls == {class_name(e): len(chunks) for e in extents[:-1]} | {
-        class_name(extents[-1]): sum(chunks) - len(chunks) * config.left_chunks}
+        class_name(extents[-1]): sum(chunks) - len(chunks) * config.left_chunks
+    }
     engine = report.operators["encoder_chunk"].replay
     engine_calls = sum(chunks) - 2 * len(extents)
-    assert engine.counters.as_dict() == {"calls": engine_calls, "captures": len(extents), "replays": engine_calls,
-                                         "eager": 0, "invalidations": 0, "fallbacks": {}}
+    assert engine.counters.as_dict() == {
+        "calls": engine_calls,
+        "captures": len(extents),
+        "replays": engine_calls,
+        "eager": 0,
+        "invalidations": 0,
+        "fallbacks": {},
+    }
     assert sorted(engine.certificates) == sorted(class_name(e) for e in extents)
     assert all(cert.captured for cert in engine.certificates.values())

@@ -200,16 +200,20 @@ def test_post_norm_drops_the_final_norm_and_concat_after_adds_its_linear():
     keys = set(build_encoder(FreezeOmniEncoderConfig.small(normalize_before=False, concat_after=True)).state_dict())
     assert not any(key.startswith("enc.1.after_norm.") for key in keys)
     assert {key for key in keys if "concat_linear" in key} == {
-        f"enc.1.encoders.{i}.concat_linear.{p}" for i in range(SMALL.num_blocks) for p in ("weight", "bias")}
+        f"enc.1.encoders.{i}.concat_linear.{p}" for i in range(SMALL.num_blocks) for p in ("weight", "bias")
+    }
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    ({"feed_forward": "conv1d"}, "feed_forward 'conv1d': expected one of ('linear', 'conv1d-linear')"),
-    ({"pos_enc": "abs-enc"}, "pos_enc 'abs-enc': only 'rel-enc' streams"),
-    ({"left_chunks": 0}, "left_chunks 0: a streaming encoder attends to at least one left chunk"),
-    ({"conv_kernel_size": 1}, "conv_kernel_size 1: the conv feed-forward needs a kernel of 2 or more"),
-    ({"attention_heads": 5}, "attention_dim 64 is not a multiple of attention_heads 5"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"feed_forward": "conv1d"}, "feed_forward 'conv1d': expected one of ('linear', 'conv1d-linear')"),
+        ({"pos_enc": "abs-enc"}, "pos_enc 'abs-enc': only 'rel-enc' streams"),
+        ({"left_chunks": 0}, "left_chunks 0: a streaming encoder attends to at least one left chunk"),
+        ({"conv_kernel_size": 1}, "conv_kernel_size 1: the conv feed-forward needs a kernel of 2 or more"),
+        ({"attention_heads": 5}, "attention_dim 64 is not a multiple of attention_heads 5"),
+    ],
+)
 def test_a_configuration_the_streaming_path_cannot_run_is_refused(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         FreezeOmniEncoderConfig.small(**overrides)

@@ -26,8 +26,11 @@ from test_byom_probe import MORE_DECODERS
 # streams, then an odd-length call mid-stream, a second stream, and back to the first. The 16
 # decoders of one binding, and the costliest models, stop after the pings; Token2Wav's stock chunk
 # (its vendor envelopes) takes seconds on a CPU: two chunks and a turn reset between them.
-TIERS = {**dict.fromkeys(TOYS, (range(6), 40)),
-         **dict.fromkeys([*MORE_DECODERS, "hf_mimi", "moshi_mimi"], ((4,), 6)), "token2wav": ((4,), 3)}
+TIERS = {
+    **dict.fromkeys(TOYS, (range(6), 40)),
+    **dict.fromkeys([*MORE_DECODERS, "hf_mimi", "moshi_mimi"], ((4,), 6)),
+    "token2wav": ((4,), 3),
+}
 SHORT = ((4,), 12)
 
 # Every class refused by the program comparison (the stock call's ATen program is not the exported
@@ -65,12 +68,16 @@ def test_random_schedules_never_give_a_wrong_output(name):
     # each call of the schedule is one call of every operator (a family's glue calls each once);
     # Token2Wav's first turn setup runs the prompt through each of its operators (stock) once more
     calls = total + (name == "token2wav")
-    assert {name: op.counters.calls - before[name] for name, op in subject.report.operators.items()} == dict.fromkeys(before, calls)
+    assert {name: op.counters.calls - before[name] for name, op in subject.report.operators.items()} == dict.fromkeys(
+        before, calls
+    )
     classes = [cls for op in subject.report.operators.values() for cls in op.classes.values()]
     if name in REFUSED_WHOLE:
         assert _served(subject) == 0 and classes
-        assert all(cls.refused.startswith("verification: program: the exported step is not the program the stock call runs")
-                   for cls in classes), {cls.name: cls.refused for cls in classes}
+        assert all(
+            cls.refused.startswith("verification: program: the exported step is not the program the stock call runs")
+            for cls in classes
+        ), {cls.name: cls.refused for cls in classes}
     else:
         assert _served(subject) > served
 
@@ -103,7 +110,8 @@ def test_two_processes_with_different_histories_are_both_exact():
     tests = str(Path(__file__).parent)
     wrong = []
     for history in ([], [5, 6, 7]):
-        out = subprocess.run([sys.executable, "-c", _PROCESS.format(tests=tests, history=history)],
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", _PROCESS.format(tests=tests, history=history)], capture_output=True, text=True, check=True
+        )
         wrong.append(json.loads(out.stdout.strip().splitlines()[-1]))
     assert wrong == [0, 0]

@@ -80,8 +80,18 @@ def contract() -> Contract:
         clocks=(Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
         rates=(Rate("frame", "call", 1, name="frames_per_call"),),
         quantities={"dim": DIM},
-        regions=(Region("frames", dims=(1, "frame", "dim"), axis=1, clock="frame", stride=1, dtype="float32",
-                        lifetime=Lifetime.PER_STREAM, retention=RingCache(WINDOW)),),
+        regions=(
+            Region(
+                "frames",
+                dims=(1, "frame", "dim"),
+                axis=1,
+                clock="frame",
+                stride=1,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=RingCache(WINDOW),
+            ),
+        ),
         operators=(Operator("step", "frames", steady=1),),
         admission=Admission("frame", max_per_call=1),
         interactivity=Interactivity(stages=("roller",)),
@@ -89,14 +99,16 @@ def contract() -> Contract:
 
 
 def binding(*regimes) -> Binding:
-    return Binding(regions=(RegionBinding("frames", at=("cache.frames",)),),
-                   operators=(OperatorBinding("step", units=("x", 1), counters=("cache.seen",), regimes=tuple(regimes)),))
+    return Binding(
+        regions=(RegionBinding("frames", at=("cache.frames",)),),
+        operators=(OperatorBinding("step", units=("x", 1), counters=("cache.seen",), regimes=tuple(regimes)),),
+    )
 
 
 def stream(model, frames: torch.Tensor, cache: Rolling | None = None) -> list[torch.Tensor]:
     cache = cache or Rolling()
     with torch.no_grad():
-        return [model(frames[:, t:t + 1], cache) for t in range(frames.shape[1])]
+        return [model(frames[:, t : t + 1], cache) for t in range(frames.shape[1])]
 
 
 def frames(calls: int, seed: int) -> torch.Tensor:
@@ -193,9 +205,11 @@ def test_an_int_units_is_checked_against_the_call():
         assert torch.equal(bound(wide, cache), model(wide, stock_cache))
         assert torch.equal(cache.frames, stock_cache.frames) and cache.seen == stock_cache.seen == 2
     assert report.operators["step"].counters.stock_by_reason == {"units": 1}
-    assert ("step: runs the stock code (units): step: the binding's units=1 says every call brings 1 units, but this "
-            "call's inputs differ: ['x'] (1, 2, 4) (the class was captured at (1, 1, 4)); bind units as (argument, axis)"
-            in report.stamps)
+    assert (
+        "step: runs the stock code (units): step: the binding's units=1 says every call brings 1 units, but this "
+        "call's inputs differ: ['x'] (1, 2, 4) (the class was captured at (1, 1, 4)); bind units as (argument, axis)"
+        in report.stamps
+    )
 
 
 def test_a_regime_must_be_one_of_the_kinds():
@@ -232,16 +246,36 @@ def test_two_regions_advancing_at_their_own_strides_under_one_operator_are_rewri
         clocks=(Clock("frame", ClockKind.FRAMES), Clock("pool", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
         rates=(Rate("frame", "call", 2, name="frames_per_call"), Rate("pool", "call", 1, name="pools_per_call")),
         quantities={"dim": DIM},
-        regions=(Region("frames", dims=(1, "frame", "dim"), axis=1, clock="frame", stride=2, dtype="float32",
-                        lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=4)),
-                 Region("summary", dims=(1, "pool", "dim"), axis=1, clock="pool", stride=1, dtype="float32",
-                        lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=3))),
+        regions=(
+            Region(
+                "frames",
+                dims=(1, "frame", "dim"),
+                axis=1,
+                clock="frame",
+                stride=2,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=SlidingWindow(window=4),
+            ),
+            Region(
+                "summary",
+                dims=(1, "pool", "dim"),
+                axis=1,
+                clock="pool",
+                stride=1,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=SlidingWindow(window=3),
+            ),
+        ),
         operators=(Operator("step", "frames", steady=2),),
         admission=Admission("frame", max_per_call=2),
         interactivity=Interactivity(stages=("two_rates",)),
     )
-    binding = Binding(regions=(RegionBinding("frames", at=("cache.frames",)), RegionBinding("summary", at=("cache.summary",))),
-                      operators=(OperatorBinding("step", units=("x", 1)),))
+    binding = Binding(
+        regions=(RegionBinding("frames", at=("cache.frames",)), RegionBinding("summary", at=("cache.summary",))),
+        operators=(OperatorBinding("step", units=("x", 1)),),
+    )
     model = TwoRates().eval()
     bound, report = transform(model, contract, binding)
     x = frames(16, 4)
@@ -249,11 +283,22 @@ def test_two_regions_advancing_at_their_own_strides_under_one_operator_are_rewri
         for _ in range(2):
             cache, stock_cache = {"frames": None, "summary": None}, {"frames": None, "summary": None}
             for t in range(0, 16, 2):
-                assert torch.equal(bound(x[:, t:t + 2], cache), model(x[:, t:t + 2], stock_cache))
+                assert torch.equal(bound(x[:, t : t + 2], cache), model(x[:, t : t + 2], stock_cache))
     op = report.operators["step"]
     # The frames' extents 0, 2, 4; at 4 the summary holds 2 pooled frames on the third call and 3
     # from the fourth on: two programs of that class, each verified.
     assert [(cls.name, cls.refused) for cls in op.classes.values()] == [
-        ("step[n=2,L=0]", None), ("step[n=2,L=2]", None), ("step[n=2,L=4]", None), ("step[n=2,L=4]#2", None)]
-    assert op.counters.as_dict() == {"calls": 16, "graph_calls": 16, "verified": 8, "stock": 0, "adopted": 0, "evicted": 2,
-                                     "stock_by_reason": {}}
+        ("step[n=2,L=0]", None),
+        ("step[n=2,L=2]", None),
+        ("step[n=2,L=4]", None),
+        ("step[n=2,L=4]#2", None),
+    ]
+    assert op.counters.as_dict() == {
+        "calls": 16,
+        "graph_calls": 16,
+        "verified": 8,
+        "stock": 0,
+        "adopted": 0,
+        "evicted": 2,
+        "stock_by_reason": {},
+    }

@@ -62,7 +62,9 @@ def test_timestep_frequency_table_is_detected_and_reported_with_its_site():
 def test_window_attribute_and_harmonic_table_are_both_hoisted():
     _, cert = _certify(Vocoder(), torch.rand(1, 100, 1, device=META))
     assert [(c.shape, c.site.split(" ")[0]) for c in cert.host_constants] == [
-        ((1, 1, 9), "Vocoder.forward"), ((16,), "Vocoder.forward")]
+        ((1, 1, 9), "Vocoder.forward"),
+        ((16,), "Vocoder.forward"),
+    ]
 
 
 def test_a_constant_is_computed_once_and_shared_by_every_class():
@@ -97,7 +99,9 @@ def test_torch_tensor_built_on_the_host_for_the_device_is_hoisted():
 
     _, cert = _certify(f, torch.rand(3, device=META))
     (const,) = cert.host_constants
-    assert const.shape == (3,) and const.site.startswith("test_torch_tensor_built_on_the_host_for_the_device_is_hoisted.<locals>.f")
+    assert const.shape == (3,) and const.site.startswith(
+        "test_torch_tensor_built_on_the_host_for_the_device_is_hoisted.<locals>.f"
+    )
 
 
 def test_cpu_argument_copied_to_the_device_is_a_cut_not_a_constant():

@@ -12,8 +12,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 #: Each layer's package (as installed) and the layers above it, which it may not import.
 ORDER = ["core", "passes", "pipeline", "transform", "models", "serve"]
-PACKAGES = {"passes": "cadence_fx.passes", "pipeline": "cadence_fx.pipeline", "models": "cadence_fx.models",
-            "serve": "cadence_fx.serve"}
+PACKAGES = {
+    "passes": "cadence_fx.passes",
+    "pipeline": "cadence_fx.pipeline",
+    "models": "cadence_fx.models",
+    "serve": "cadence_fx.serve",
+}
 #: The core's modules that stand above the pipeline: the transform, what reports on it, and the
 #: derivation of a `transformers` model's contract and binding (it names the retention policies).
 TRANSFORM = {"cadence_fx.transform", "cadence_fx.diff", "cadence_fx.diff_page", "cadence_fx.hf"}
@@ -48,7 +52,7 @@ def _imported(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             names.add(base)
             names |= {f"{base}.{alias.name}" for alias in node.names}
@@ -56,8 +60,12 @@ def _imported(path: Path) -> set[str]:
 
 
 def _files() -> list[Path]:
-    return sorted(p for folder in ("cadence_fx", "passes", "models", "serve") for p in (ROOT / folder).rglob("*.py")
-                  if p not in APPLICATIONS)
+    return sorted(
+        p
+        for folder in ("cadence_fx", "passes", "models", "serve")
+        for p in (ROOT / folder).rglob("*.py")
+        if p not in APPLICATIONS
+    )
 
 
 def test_each_layer_imports_no_layer_above_it():

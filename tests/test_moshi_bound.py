@@ -102,15 +102,23 @@ def test_counters_show_every_call_through_its_graph(streams):
 def test_each_operator_has_one_class_per_decoding_mode_from_the_catalog(streams):
     transformed, report, *_ = streams
     assert {op.name: op.width for op in report.catalog.operators} == {
-        "mimi_encode": 1, "lm_step": 1, "depformer_step": 1, "mimi_decode": 1,
+        "mimi_encode": 1,
+        "lm_step": 1,
+        "depformer_step": 1,
+        "mimi_decode": 1,
     }
-    assert [cls.name for model in transformed.bound.values() for op in model.operators.values() for cls in op.classes.values()] == [
-        "mimi_encode[n=2,L=250]", "mimi_decode[n=2,L=250]", "lm_step[n=1,L=3000]",
+    assert [
+        cls.name for model in transformed.bound.values() for op in model.operators.values() for cls in op.classes.values()
+    ] == [
+        "mimi_encode[n=2,L=250]",
+        "mimi_decode[n=2,L=250]",
+        "lm_step[n=1,L=3000]",
         f"depformer_step[n=1,L=8]{{self.use_sampling=True, {SAMPLING}}}",
         f"depformer_step[n=1,L=8]{{self.use_sampling=False, {SAMPLING}}}",
     ]
-    assert all(not cls.refused for model in transformed.bound.values() for op in model.operators.values()
-               for cls in op.classes.values())
+    assert all(
+        not cls.refused for model in transformed.bound.values() for op in model.operators.values() for cls in op.classes.values()
+    )
 
 
 def test_the_streaming_state_keeps_one_address_per_tensor_across_sessions(streams):
@@ -166,22 +174,60 @@ def test_replay_off_streams_the_same_through_the_graphs(models):
 def test_a_contract_for_another_model_is_refused(models):
     with pytest.raises(ValueError, match=r"region 'lm_kv' declares bfloat16, the LM runs in torch.float32"):
         transform(models, moshi_contract())
-    with pytest.raises(ValueError, match=r"region 'lm_kv': the binding's paths .* reach 2 tensors .* the contract's "
-                                         r"leading dims \(32,\) ask for 32"):
-        transform(models, moshi_contract(lm_dtype="float32", mimi_layers=2, mimi_heads=2, mimi_dim=128,
-                                         depformer_layers=2, depformer_heads=4, depformer_dim=64))
+    with pytest.raises(
+        ValueError,
+        match=r"region 'lm_kv': the binding's paths .* reach 2 tensors .* the contract's "
+        r"leading dims \(32,\) ask for 32",
+    ):
+        transform(
+            models,
+            moshi_contract(
+                lm_dtype="float32",
+                mimi_layers=2,
+                mimi_heads=2,
+                mimi_dim=128,
+                depformer_layers=2,
+                depformer_heads=4,
+                depformer_dim=64,
+            ),
+        )
     with pytest.raises(ValueError, match=r"contract quantity depformer_layers=7 but the model has 2: declare depformer_layers=2"):
-        transform(models, moshi_contract(
-            lm_dtype="float32", mimi_layers=2, mimi_heads=2, mimi_dim=128, lm_layers=2, lm_heads=4, lm_dim=128,
-            depformer_layers=7, depformer_heads=4, depformer_dim=64))
+        transform(
+            models,
+            moshi_contract(
+                lm_dtype="float32",
+                mimi_layers=2,
+                mimi_heads=2,
+                mimi_dim=128,
+                lm_layers=2,
+                lm_heads=4,
+                lm_dim=128,
+                depformer_layers=7,
+                depformer_heads=4,
+                depformer_dim=64,
+            ),
+        )
 
 
 @pytest.mark.slow
 def test_the_benchmark_smoke_mode_runs_every_arm_bit_exact_on_a_cpu(tmp_path):
     script = Path(__file__).resolve().parents[1] / "bench" / "moshi.py"
     out = tmp_path / "moshi.json"
-    command = [sys.executable, str(script), "--small", "--frames", "10", "--streams", "1", "--warmup-frames", "3",
-               "--repeat-frames", "3", "--out", str(out)]
+    command = [
+        sys.executable,
+        str(script),
+        "--small",
+        "--frames",
+        "10",
+        "--streams",
+        "1",
+        "--warmup-frames",
+        "3",
+        "--repeat-frames",
+        "3",
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     record = json.loads(out.read_text())
@@ -209,7 +255,7 @@ def test_two_streams_taking_turns_on_one_streaming_state_each_equal_the_vendor_a
         for t in range(frames):
             for i, state in enumerate(states):
                 transformed.swap_in(state)
-                codes, out = step(pcms[i][..., t * models.mimi.frame_size:(t + 1) * models.mimi.frame_size])
+                codes, out = step(pcms[i][..., t * models.mimi.frame_size : (t + 1) * models.mimi.frame_size])
                 transformed.swap_out(state)
                 if codes is not None:
                     outputs[i][0].append(codes)

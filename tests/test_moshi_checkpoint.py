@@ -13,8 +13,8 @@ from moshi.utils.compile import no_cuda_graph
 from moshi_checkpoint_kit import stored, vendor_models, write_checkpoint
 
 from cadence_fx import transform
-from cadence_fx.models.moshi_checkpoint import CheckpointNotFound, CheckpointUnsupported, locate
 from cadence_fx.models.moshi import contract_for
+from cadence_fx.models.moshi_checkpoint import CheckpointNotFound, CheckpointUnsupported, locate
 from cadence_fx.models.moshi_stream import FULL, TINY, MoshiConfig, build_models, random_pcm, stream_reference
 
 FRAMES = 10
@@ -68,9 +68,7 @@ def test_the_loader_holds_exactly_the_stored_weights_and_tokenizer(checkpoint, d
 
 
 @pytest.mark.parametrize(("sampling", "seed"), [(True, 7), (False, 0)])
-def test_the_transformed_checkpoint_streams_the_vendors_tokens_and_pcm_bit_for_bit(
-    transformed, directory, bf16, sampling, seed
-):
+def test_the_transformed_checkpoint_streams_the_vendors_tokens_and_pcm_bit_for_bit(transformed, directory, bf16, sampling, seed):
     pcm = random_pcm(FRAMES, seed=seed + 100)
     want = stream_reference(vendor_models(directory, bf16), pcm, sampling=sampling, seed=seed)
     got = transformed.stream(pcm, sampling=sampling, seed=seed)
@@ -153,10 +151,14 @@ def test_offline_without_a_local_copy_names_the_repo_and_every_file(monkeypatch,
     ("config", "problem"),
     [
         ({"model_type": "hibiki"}, "not a plain Moshi checkpoint: model_type is 'hibiki', not 'moshi'"),
-        ({"lora": True, "lora_name": "lora.safetensors"},
-         "not a plain Moshi checkpoint: it carries LoRA weights (lora / lora_name)"),
-        ({"fuser": {"sum": ["control"]}},
-         "not a plain Moshi checkpoint: it is conditioned (fuser), so every step needs condition tensors"),
+        (
+            {"lora": True, "lora_name": "lora.safetensors"},
+            "not a plain Moshi checkpoint: it carries LoRA weights (lora / lora_name)",
+        ),
+        (
+            {"fuser": {"sum": ["control"]}},
+            "not a plain Moshi checkpoint: it is conditioned (fuser), so every step needs condition tensors",
+        ),
         (["dim", 4096], "config.json holds a list; expected an object of the LM's keyword arguments"),
     ],
 )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from moshi.utils.compile import no_cuda_graph
 
 from cadence_fx import determinism, transform

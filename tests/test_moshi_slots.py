@@ -89,7 +89,9 @@ def test_each_slot_speaks_after_its_own_acoustic_delay(both):
     tokens, pcm = ours[1].slot(0)
     assert tokens.shape == (9,) and pcm.shape == (1920,) and bool((tokens >= 0).all())
     assert all(bool((o.tokens[list(o.speaking)] >= 0).all()) for o in ours)
-    assert all(bool((o.tokens[[s for s in range(SLOTS) if s not in o.speaking]] == -2).all()) for o in ours)  # the vendor's ungenerated id
+    assert all(
+        bool((o.tokens[[s for s in range(SLOTS) if s not in o.speaking]] == -2).all()) for o in ours
+    )  # the vendor's ungenerated id
 
 
 def test_sampled_and_greedy_runs_differ(both, models):
@@ -109,7 +111,11 @@ def test_counters_show_every_stage_call_of_warm_up_and_ticks(both):
     ticks = 10
     for name, op in report.operators.items():
         assert {key: op.counters.as_dict()[key] for key in ("calls", "graph_calls", "verified", "stock")} == {
-            "calls": 2 + ticks, "graph_calls": 2 + ticks, "verified": 2, "stock": 0}, name
+            "calls": 2 + ticks,
+            "graph_calls": 2 + ticks,
+            "verified": 2,
+            "stock": 0,
+        }, name
 
     def eager(reason):
         return {"calls": ticks, "captures": 0, "replays": 0, "eager": ticks, "invalidations": 0, "fallbacks": {reason: ticks}}
@@ -144,12 +150,16 @@ def test_each_stage_has_one_class_at_the_batch_bound_from_the_bindings(both):
     assert [stamp for stamp in report.stamps if stamp.startswith("state rule")] == [
         f"state rule: {region} at {shape} ({size}), kept where the model holds it (1 tensor), none allocated; written "
         "before read (the binding says so): never copied, verified through the outputs it feeds"
-        for region, shape, size in (("mimi_encoder_kv", f"1x2x{SLOTS}x2x250x16", "187.50 KiB"),
-                                    ("mimi_decoder_kv", f"1x2x{SLOTS}x2x250x16", "187.50 KiB"),
-                                    ("lm_kv", f"1x2x{SLOTS}x4x3000x8", "2.20 MiB"))]
+        for region, shape, size in (
+            ("mimi_encoder_kv", f"1x2x{SLOTS}x2x250x16", "187.50 KiB"),
+            ("mimi_decoder_kv", f"1x2x{SLOTS}x2x250x16", "187.50 KiB"),
+            ("lm_kv", f"1x2x{SLOTS}x4x3000x8", "2.20 MiB"),
+        )
+    ]
     assert report.stamps[-1] == (
         f"slots: batch of {SLOTS}, mimi_encode K=1, mimi_decode K=1, lm_step K=1, depformer_step K=1; the vendor's "
-        "glue calls the bound lm_step and depformer_step as its graphed_main and graphed_depth")
+        "glue calls the bound lm_step and depformer_step as its graphed_main and graphed_depth"
+    )
 
 
 def test_the_catalog_declares_every_ring_at_the_batch():
@@ -157,15 +167,22 @@ def test_the_catalog_declares_every_ring_at_the_batch():
     assert catalog.region("lm_kv").shape == (1, 2, SLOTS, 4, 3000, 8)
     assert catalog.region("mimi_encoder_kv").shape == (1, 2, SLOTS, 2, 250, 16)
     assert {op.name: op.width for op in catalog.operators} == {
-        "mimi_encode": 1, "lm_step": 1, "depformer_step": 1, "mimi_decode": 1,
+        "mimi_encode": 1,
+        "lm_step": 1,
+        "depformer_step": 1,
+        "mimi_decode": 1,
     }
 
 
 def _held(runtime) -> list:
     """Every tensor of the batch's streaming state, with the vendor object that holds it."""
-    return OwnedState.of({"mimi": runtime.models.mimi.get_streaming_state(),
-                          "lm": runtime.models.lm.get_streaming_state(),
-                          "lm_gen": runtime.lm_gen.get_streaming_state()}).tensors
+    return OwnedState.of(
+        {
+            "mimi": runtime.models.mimi.get_streaming_state(),
+            "lm": runtime.models.lm.get_streaming_state(),
+            "lm_gen": runtime.lm_gen.get_streaming_state(),
+        }
+    ).tensors
 
 
 def _rows(runtime, slot: int) -> list[tuple[str, torch.Tensor]]:
@@ -186,8 +203,7 @@ def _rows(runtime, slot: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def _rings(runtime) -> list[RingKVCache]:
-    return [held.owner for held in _held(runtime)
-            if isinstance(held.owner, RingKVCache) and held.attr == "cache"]
+    return [held.owner for held in _held(runtime) if isinstance(held.owner, RingKVCache) and held.attr == "cache"]
 
 
 def test_an_idle_slot_keeps_its_state_but_the_ring_positions_its_next_call_writes_first(models):
@@ -228,9 +244,20 @@ def test_an_idle_slot_resumes_as_if_it_had_never_waited(greedy):
     """Greedy, so nothing couples the slots: in one batch, slot 1 with three idle ticks in the
     middle gives what slot 0 gives on the same frames with none."""
     mine = frames(73, 6)
-    outs = run(greedy, [Tick({0: mine[0], 1: mine[0]}, joins=(0, 1)), Tick({0: mine[1], 1: mine[1]}),
-                         Tick({0: mine[2], 1: mine[2]}), Tick({0: mine[3]}), Tick({0: mine[4]}), Tick({0: mine[5]}),
-                         Tick({1: mine[3]}), Tick({1: mine[4]}), Tick({1: mine[5]})])
+    outs = run(
+        greedy,
+        [
+            Tick({0: mine[0], 1: mine[0]}, joins=(0, 1)),
+            Tick({0: mine[1], 1: mine[1]}),
+            Tick({0: mine[2], 1: mine[2]}),
+            Tick({0: mine[3]}),
+            Tick({0: mine[4]}),
+            Tick({0: mine[5]}),
+            Tick({1: mine[3]}),
+            Tick({1: mine[4]}),
+            Tick({1: mine[5]}),
+        ],
+    )
     straight = [o.slot(0) for o in outs if 0 in o.live]
     paused = [o.slot(1) for o in outs if 1 in o.live]
     assert len(straight) == len(paused) == 6 and straight[0] is paused[0] is None
@@ -300,13 +327,17 @@ def test_against_batch_1_greedy_tokens_agree_and_pcm_is_close_but_not_promised_e
     Not a guarantee (batched kernels may round differently): measured here, tokens equal and PCM
     within 2.6e-8 of batch 1, not equal."""
     streams = [random_pcm(10, seed=81 + slot) for slot in range(SLOTS)]
-    outs = run(greedy, [Tick({slot: s.reshape(10, 1920)[i] for slot, s in enumerate(streams)},
-                              joins=tuple(range(SLOTS)) if i == 0 else ()) for i in range(10)])
+    outs = run(
+        greedy,
+        [
+            Tick({slot: s.reshape(10, 1920)[i] for slot, s in enumerate(streams)}, joins=tuple(range(SLOTS)) if i == 0 else ())
+            for i in range(10)
+        ],
+    )
     for slot, pcm in enumerate(streams):
         reference = stream_reference(models, pcm, sampling=False, seed=SEED)
         assert torch.equal(torch.stack([o.tokens[slot] for o in outs[1:]], dim=-1)[None], reference.tokens)
-        torch.testing.assert_close(torch.cat([o.pcm[slot] for o in outs[1:]])[None, None], reference.pcm,
-                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(torch.cat([o.pcm[slot] for o in outs[1:]])[None, None], reference.pcm, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -316,8 +347,14 @@ def test_against_batch_1_greedy_tokens_agree_and_pcm_is_close_but_not_promised_e
         (Tick({3: torch.zeros(1920)}), "frames: slot 3 is outside 0..2 (the batch holds 3 slots)"),
         (Tick({0: torch.zeros(1920)}, joins=(-1,)), "joins: slot -1 is outside 0..2 (the batch holds 3 slots)"),
         (Tick({0: torch.zeros(1920)}, joins=(0, 0)), "joins: a slot joins twice in one tick: [0, 0]"),
-        (Tick({1: torch.zeros(1, 1920)}), "frames[1]: a frame is 1920 float32 samples, shape (1920,); got torch.float32 (1, 1920)"),
-        (Tick({1: torch.zeros(1920, dtype=torch.float64)}), "frames[1]: a frame is 1920 float32 samples, shape (1920,); got torch.float64 (1920,)"),
+        (
+            Tick({1: torch.zeros(1, 1920)}),
+            "frames[1]: a frame is 1920 float32 samples, shape (1920,); got torch.float32 (1, 1920)",
+        ),
+        (
+            Tick({1: torch.zeros(1920, dtype=torch.float64)}),
+            "frames[1]: a frame is 1920 float32 samples, shape (1920,); got torch.float64 (1920,)",
+        ),
     ],
 )
 def test_a_bad_tick_is_refused_by_name_before_anything_runs(both, tick, error):
@@ -332,5 +369,7 @@ def test_a_bad_tick_is_refused_by_name_before_anything_runs(both, tick, error):
 def test_the_one_session_transform_refuses_a_batch_of_slots(models):
     with pytest.raises(ValueError) as refused:
         transform(models, contract_for(TINY, slots=2))
-    assert str(refused.value) == ("contract quantity slots=2: transform() streams one session at batch 1; sessions as "
-                                  "slots of one batch: models/moshi_slots.py transform_slots")
+    assert str(refused.value) == (
+        "contract quantity slots=2: transform() streams one session at batch 1; sessions as "
+        "slots of one batch: models/moshi_slots.py transform_slots"
+    )

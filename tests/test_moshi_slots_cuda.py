@@ -28,8 +28,11 @@ def schedule() -> list[Tick]:
     pcm = [random_pcm(12, seed=90 + i).reshape(12, 1920) for i in range(5)]
     ticks = []
     for t in range(12):
-        frames = {slot: pcm[4 if slot == 1 and t >= 8 else slot][t]
-                  for slot in range(SLOTS) if t >= slot and not (slot == 2 and 4 <= t < 7)}
+        frames = {
+            slot: pcm[4 if slot == 1 and t >= 8 else slot][t]
+            for slot in range(SLOTS)
+            if t >= slot and not (slot == 2 and 4 <= t < 7)
+        }
         joins = tuple(slot for slot in range(SLOTS) if t == slot) + ((1,) if t == 8 else ())
         ticks.append(Tick(frames, joins))
     return ticks

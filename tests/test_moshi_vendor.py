@@ -1,8 +1,7 @@
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-
 from moshi.models import LMGen, loaders
+from torch.overrides import TorchFunctionMode
 
 from cadence_fx.models.moshi_stream import (
     FULL,

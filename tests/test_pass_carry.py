@@ -71,7 +71,9 @@ def test_operand_concats_are_found_with_their_ordering_and_left_in_place():
     inputs = {"k_cache": "keys", "context": "conv"}
     sites = find_retention_sites(gm, inputs, graph="g")
     assert [(s.node, s.region, s.kind, s.rewritten) for s in sites] == [
-        ("cat", "keys", "prepend", False), ("cat_1", "conv", "append", False)]
+        ("cat", "keys", "prepend", False),
+        ("cat_1", "conv", "append", False),
+    ]
     assert sites[0].reason == "left in place: builds the attention operand [new | cache]; the stock buffer write carries it"
 
 

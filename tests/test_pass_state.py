@@ -34,8 +34,19 @@ def toy_catalog(window: int = 6):
         clocks=(Clock("frame", ClockKind.FRAMES), Clock("call", ClockKind.CALLS)),
         rates=(Rate("frame", "call", 2),),
         quantities={"heads": 2, "width": 4},
-        regions=(Region("kv", dims=("heads", "frame", "width"), axis=1, clock="frame", stride=2, dtype="float32",
-                        lifetime=Lifetime.PER_STREAM, retention=SlidingWindow(window=window), stock_dims=(2, 100, 4)),),
+        regions=(
+            Region(
+                "kv",
+                dims=("heads", "frame", "width"),
+                axis=1,
+                clock="frame",
+                stride=2,
+                dtype="float32",
+                lifetime=Lifetime.PER_STREAM,
+                retention=SlidingWindow(window=window),
+                stock_dims=(2, 100, 4),
+            ),
+        ),
         operators=(Operator("step", "kv", steady=2),),
         admission=Admission("frame", max_per_call=2),
         interactivity=Interactivity(stages=("step",)),
@@ -53,7 +64,7 @@ class Attention(torch.nn.Module):
         self.register_buffer("scale", torch.full((4,), 0.5))
 
     def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        self.cache[:, n - x.shape[1]:n].copy_(x)
+        self.cache[:, n - x.shape[1] : n].copy_(x)
         return self.proj(self.cache[:, :n] * self.scale).sum(1)
 
 
@@ -94,10 +105,12 @@ def test_every_other_parameter_and_buffer_is_left_as_it_was():
 @pytest.mark.parametrize(
     ("model", "envelope", "message"),
     [
-        (Model(), Envelope("attention.proj.weight", "kv"),
-         "'attention.proj.weight' is not a buffer of Linear; buffers: []"),
-        (Model(frames=4), ENVELOPE,
-         "'attention.cache': demand (2, 8, 4) exceeds the stock envelope (2, 4, 4); the contract and the model disagree"),
+        (Model(), Envelope("attention.proj.weight", "kv"), "'attention.proj.weight' is not a buffer of Linear; buffers: []"),
+        (
+            Model(frames=4),
+            ENVELOPE,
+            "'attention.cache': demand (2, 8, 4) exceeds the stock envelope (2, 4, 4); the contract and the model disagree",
+        ),
         (Model(dtype=torch.float16), ENVELOPE, "'attention.cache' is torch.float16, region 'kv' declares float32"),
     ],
     ids=["not_a_buffer", "demand_exceeds_stock", "dtype"],

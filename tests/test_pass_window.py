@@ -3,7 +3,6 @@ concat-then-slice retention, bit for bit, with one carry address for the whole s
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -82,8 +81,7 @@ def stream_held(calls: int, auditor: ShadowAuditor | None):
         new = units(NEW, 10 + call)
         expected, stock_kept_next = HeldWindow()(new, stock_kept)
         got, kept = graphs[kept.shape[2]](new, kept)
-        rows.append((torch.equal(got, expected), torch.equal(kept, stock_kept_next), kept.data_ptr(),
-                     stock_kept.shape[2] + NEW))
+        rows.append((torch.equal(got, expected), torch.equal(kept, stock_kept_next), kept.data_ptr(), stock_kept.shape[2] + NEW))
         stock_kept = stock_kept_next
     return rows, carry
 
@@ -96,8 +94,10 @@ def test_a_held_window_becomes_append_then_evict_and_the_concat_is_gone():
     assert window_append in targets(after) and window_evict in targets(after)
     assert torch.ops.aten.cat.default not in targets(after) and torch.ops.aten.cat.default in targets(gm)
     assert (site.graph, site.region, site.axis, site.kind, site.rewritten) == ("steady", "kv", 2, "append", True)
-    assert site.reason == ("rewritten (kv): [retained | new] written in place at offset 8 of the carry is the operand, "
-                           "its strides are the stock concat's; its last 8 units compacted in place after the last reader")
+    assert site.reason == (
+        "rewritten (kv): [retained | new] written in place at offset 8 of the carry is the operand, "
+        "its strides are the stock concat's; its last 8 units compacted in place after the last reader"
+    )
     assert stamp.startswith("window pass on steady: 1 of 1 declared sites rewritten, took ")
 
 
@@ -119,8 +119,7 @@ def test_auditing_a_window_counts_an_eviction_exactly_when_the_operand_outgrows_
     auditor = ShadowAuditor()
     rows, _ = stream_held(7, auditor)
     assert [operand for *_, operand in rows] == [2, 4, 6, 8, 10, 10, 10]
-    assert auditor.counters() == {"retentions": 7, "applications": 3, "mismatches": 0,
-                                  "distinct_carry_addresses": {"kv": 1}}
+    assert auditor.counters() == {"retentions": 7, "applications": 3, "mismatches": 0, "distinct_carry_addresses": {"kv": 1}}
 
 
 def assert_streams_like(stock_step: torch.nn.Module, after, carry: WindowCarry, width: int) -> None:
@@ -208,16 +207,26 @@ def test_the_input_graph_is_left_as_it_was():
 @pytest.mark.parametrize(
     ("window", "message"),
     [
-        (Window("kv", "kv", 1, "kept", 2, KEEP, KEEP + 1, True),
-         "g: kv: operand cat has extent 10 along axis 2, the catalog class declares 9"),
-        (Window("kv", "kv", 1, "kept", 2, KEEP - 1, KEEP + NEW, True),
-         "g: kv: the retention keeps the last 8 units along axis 2, the region retains the last 7 along axis 2"),
-        (Window("kv", "kv", 1, "kept", 1, KEEP, KEEP + NEW, True),
-         "g: kv: cat concatenates kept along axis 2, declared kept along axis 1"),
-        (Window("kv", "kv", 1, "cache", 2, KEEP, KEEP + NEW, True),
-         "g: kv: retention output slice_1 is neither a concat of cache and new units nor new units kept whole"),
-        (Window("kv", "kv", 0, "kept", 2, KEEP, KEEP + NEW, True),
-         "g: kv: retention output sum_2 is neither a concat of kept and new units nor new units kept whole"),
+        (
+            Window("kv", "kv", 1, "kept", 2, KEEP, KEEP + 1, True),
+            "g: kv: operand cat has extent 10 along axis 2, the catalog class declares 9",
+        ),
+        (
+            Window("kv", "kv", 1, "kept", 2, KEEP - 1, KEEP + NEW, True),
+            "g: kv: the retention keeps the last 8 units along axis 2, the region retains the last 7 along axis 2",
+        ),
+        (
+            Window("kv", "kv", 1, "kept", 1, KEEP, KEEP + NEW, True),
+            "g: kv: cat concatenates kept along axis 2, declared kept along axis 1",
+        ),
+        (
+            Window("kv", "kv", 1, "cache", 2, KEEP, KEEP + NEW, True),
+            "g: kv: retention output slice_1 is neither a concat of cache and new units nor new units kept whole",
+        ),
+        (
+            Window("kv", "kv", 0, "kept", 2, KEEP, KEEP + NEW, True),
+            "g: kv: retention output sum_2 is neither a concat of kept and new units nor new units kept whole",
+        ),
     ],
     ids=["live", "keep", "axis", "input", "output"],
 )
@@ -231,8 +240,12 @@ def test_a_declaration_the_graph_does_not_have_is_refused_naming_what_differs(wi
 
 def test_retained_state_that_is_not_the_carrys_view_is_refused():
     carry = WindowCarry("kv", "kv", torch.zeros(*SHAPE[:2], KEEP + NEW, SHAPE[2]), axis=2)
-    after, _, _ = rewrite_windows(export(HeldWindow(), units(NEW, 0), units(KEEP, 1)),
-                                  (Window("kv", "kv", 1, "kept", 2, KEEP, KEEP + NEW, True),), {"kv": carry}, graph="g")
+    after, _, _ = rewrite_windows(
+        export(HeldWindow(), units(NEW, 0), units(KEEP, 1)),
+        (Window("kv", "kv", 1, "kept", 2, KEEP, KEEP + NEW, True),),
+        {"kv": carry},
+        graph="g",
+    )
     carry.reset(units(KEEP, 1))
     with pytest.raises(CarryError, match=r"kv: the retained state passed in is not this carry's view"):
         after(units(NEW, 2), units(KEEP, 1))
@@ -250,7 +263,7 @@ class SinkWindow(torch.nn.Module):
         out = (scores.unsqueeze(-1) * operand).sum(2)
         if operand.shape[2] <= KEEP:
             return out, operand
-        return out, torch.cat([operand[:, :, :SINKS], operand[:, :, -(KEEP - SINKS):]], dim=2)
+        return out, torch.cat([operand[:, :, :SINKS], operand[:, :, -(KEEP - SINKS) :]], dim=2)
 
 
 def test_a_window_with_sinks_keeps_its_head_and_tail_in_place_bit_identically_at_one_address():
@@ -262,9 +275,11 @@ def test_a_window_with_sinks_keeps_its_head_and_tail_in_place_bit_identically_at
         window = Window("kv", "kv", output=1, input="kept", axis=2, keep=KEEP, live=extent + NEW, held=True, head=SINKS)
         graphs[extent], (site,), _ = rewrite_windows(gm, (window,), {"kv": carry}, graph=f"L={extent}")
     assert torch.ops.aten.cat.default not in targets(graphs[KEEP]) and window_evict in targets(graphs[KEEP])
-    assert site.reason == ("rewritten (kv): [retained | new] written in place at offset 8 of the carry is the operand, "
-                           "its strides are the stock concat's; its first 2 and last 6 units compacted in place "
-                           "after the last reader")
+    assert site.reason == (
+        "rewritten (kv): [retained | new] written in place at offset 8 of the carry is the operand, "
+        "its strides are the stock concat's; its first 2 and last 6 units compacted in place "
+        "after the last reader"
+    )
     stock_kept, kept = units(0, 0), carry.reset()
     for call in range(7):
         new = units(NEW, 30 + call)
@@ -281,8 +296,9 @@ def test_a_window_with_sinks_declared_without_them_is_refused():
     gm = export(SinkWindow(), units(NEW, 0), units(KEEP, 1))
     with pytest.raises(WindowError) as error:
         rewrite_windows(gm, (Window("kv", "kv", 1, "kept", 2, KEEP, KEEP + NEW, True),), {"kv": carry}, graph="g")
-    assert str(error.value) == ("g: kv: the retention keeps the first 2 and last 6 units along axis 2, "
-                                "the region retains the last 8 along axis 2")
+    assert str(error.value) == (
+        "g: kv: the retention keeps the first 2 and last 6 units along axis 2, the region retains the last 8 along axis 2"
+    )
 
 
 def test_a_rewritten_graph_shares_every_tensor_the_model_holds():
@@ -302,9 +318,12 @@ def test_a_rewritten_graph_shares_every_tensor_the_model_holds():
             return self.proj(operand).sum(2) + self.table[:1], operand[:, :, -KEEP:]
 
     def held(module_tree):
-        return {t.data_ptr() for module in module_tree.modules() for t in
-                [*vars(module).values(), *module.parameters(recurse=False), *module.buffers(recurse=False)]
-                if isinstance(t, torch.Tensor)}
+        return {
+            t.data_ptr()
+            for module in module_tree.modules()
+            for t in [*vars(module).values(), *module.parameters(recurse=False), *module.buffers(recurse=False)]
+            if isinstance(t, torch.Tensor)
+        }
 
     model = Lookup()
     gm = export(model, units(NEW, 0), units(KEEP, 1))
@@ -315,7 +334,10 @@ def test_a_rewritten_graph_shares_every_tensor_the_model_holds():
     model_tensors = {model.proj.weight.data_ptr(), model.proj.bias.data_ptr(), model.table.data_ptr()}
     assert held(gm) == model_tensors and held(after) - held(carry) == model_tensors
     assert rewrite_windows(gm, (), {}, graph="lookup") == (
-        gm, [], "window pass on lookup: no window site declared, the graph runs as exported")
+        gm,
+        [],
+        "window pass on lookup: no window site declared, the graph runs as exported",
+    )
 
 
 class ScratchPrepend(torch.nn.Module):
@@ -330,7 +352,7 @@ class ScratchPrepend(torch.nn.Module):
         n = new.shape[2] + kept.shape[2]
         self.scratch[:, :, :n] = torch.cat([new * 2, kept], dim=2)
         full = self.scratch[:, :, :n]
-        return full.sum(2), torch.cat([full[:, :, :2], full[:, :, -(KEEP - 2):]], dim=2)
+        return full.sum(2), torch.cat([full[:, :, :2], full[:, :, -(KEEP - 2) :]], dim=2)
 
 
 def test_a_returned_state_the_pass_cannot_follow_is_copied_into_the_carry_only_when_declared():
@@ -345,7 +367,9 @@ def test_a_returned_state_the_pass_cannot_follow_is_copied_into_the_carry_only_w
         rewrite_windows(gm, (declared,), {"kv": carry}, graph="g")
     after, sites, _ = rewrite_windows(gm, (Window(**{**vars(declared), "copy": True}),), {"kv": carry}, graph="g")
     assert [(s.kind, s.rewritten) for s in sites] == [("keep", True)]
-    assert targets(after).count(window_keep) == 1 and targets(after).count(torch.ops.aten.cat.default) == 1  # the trim's cat erased
+    assert (
+        targets(after).count(window_keep) == 1 and targets(after).count(torch.ops.aten.cat.default) == 1
+    )  # the trim's cat erased
     stock_kept = units(KEEP, 1)
     view = carry.reset(stock_kept)
     for call in range(4):

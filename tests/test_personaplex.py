@@ -86,18 +86,29 @@ def test_the_lm_steps_run_their_graphs_on_every_step_of_every_phase(run):
     assert text == f"<system> {ROLE} <system>" and len(tokens) > 30
     # Per session, every step of `LMGen.step` but its first (offset 0 only fills the delayed-token
     # cache) calls both steps: the voice prompt's frames, the silences, the role prompt, the user's frames.
-    steps = sum((VOICE_FRAMES if voiced else 0) + 2 * SILENCE_FRAMES + len(tokens) + USER_FRAMES - 1
-                for _, voiced in SESSIONS)
+    steps = sum((VOICE_FRAMES if voiced else 0) + 2 * SILENCE_FRAMES + len(tokens) + USER_FRAMES - 1 for _, voiced in SESSIONS)
     lm, depformer = report.operators["lm_step"], report.operators["depformer_step"]
     # One class for the main step (it reads nothing a session moves: `LM_BINDING`'s Unread paths);
     # the depformer's sampling switch is its mode, each value its own class.
     assert [cls.name for cls in lm.classes.values()] == ["lm_step[n=1,L=3000]"]
     assert [cls.name for cls in depformer.classes.values()] == [DEPFORMER.format(True), DEPFORMER.format(False)]
     # The first call adopts each layer's ring and its two device-side offsets and the transformer's.
-    assert lm.counters.as_dict() == {"calls": steps, "graph_calls": steps, "verified": 2, "stock": 0, "adopted": 4,
-                                     "stock_by_reason": {}}
-    assert depformer.counters.as_dict() == {"calls": steps, "graph_calls": steps, "verified": 4, "stock": 0,
-                                            "adopted": 0, "stock_by_reason": {}}
+    assert lm.counters.as_dict() == {
+        "calls": steps,
+        "graph_calls": steps,
+        "verified": 2,
+        "stock": 0,
+        "adopted": 4,
+        "stock_by_reason": {},
+    }
+    assert depformer.counters.as_dict() == {
+        "calls": steps,
+        "graph_calls": steps,
+        "verified": 4,
+        "stock": 0,
+        "adopted": 0,
+        "stock_by_reason": {},
+    }
 
 
 def test_mimi_encode_and_decode_run_their_graphs_on_every_frame(run):
@@ -113,10 +124,22 @@ def test_mimi_encode_and_decode_run_their_graphs_on_every_frame(run):
     # keeps its version, so the same programs are met again, never new variants.
     assert [cls.name for cls in encode.classes.values()] == [f"mimi_encode[n=2,L=250]{s}" for s in ("", "#2", "#3")]
     assert [cls.name for cls in decode.classes.values()] == [f"mimi_decode[n=2,L=250]{s}" for s in ("", "#2", "#3")]
-    assert encode.counters.as_dict() == {"calls": encodes, "graph_calls": encodes, "verified": 6, "stock": 0,
-                                         "adopted": 28, "stock_by_reason": {}}
-    assert decode.counters.as_dict() == {"calls": decodes, "graph_calls": decodes, "verified": 7, "stock": 0,
-                                         "adopted": 26, "stock_by_reason": {}}
+    assert encode.counters.as_dict() == {
+        "calls": encodes,
+        "graph_calls": encodes,
+        "verified": 6,
+        "stock": 0,
+        "adopted": 28,
+        "stock_by_reason": {},
+    }
+    assert decode.counters.as_dict() == {
+        "calls": decodes,
+        "graph_calls": decodes,
+        "verified": 7,
+        "stock": 0,
+        "adopted": 26,
+        "stock_by_reason": {},
+    }
 
 
 def test_the_contract_is_checked_against_the_models():
@@ -127,9 +150,34 @@ def test_the_contract_is_checked_against_the_models():
     check_models(models, contract_for(TINY))
     # Kyutai's 8 depformer codebooks are not PersonaPlex's 16 (`get_moshi_lm` sets dep_q = 16).
     with pytest.raises(ValueError, match=r"contract quantity codebooks=8 but the model has 16: declare codebooks=16"):
-        check_models(models, personaplex_contract(codebooks=8, mimi_layers=1, mimi_heads=2, mimi_dim=32, lm_layers=1,
-                                                  lm_heads=4, lm_dim=32, depformer_layers=1, depformer_heads=4,
-                                                  depformer_dim=32, lm_dtype="float32"))
+        check_models(
+            models,
+            personaplex_contract(
+                codebooks=8,
+                mimi_layers=1,
+                mimi_heads=2,
+                mimi_dim=32,
+                lm_layers=1,
+                lm_heads=4,
+                lm_dim=32,
+                depformer_layers=1,
+                depformer_heads=4,
+                depformer_dim=32,
+                lm_dtype="float32",
+            ),
+        )
     with pytest.raises(ValueError, match=r"region 'lm_kv' declares bfloat16, the LM runs in torch.float32"):
-        check_models(models, personaplex_contract(mimi_layers=1, mimi_heads=2, mimi_dim=32, lm_layers=1, lm_heads=4,
-                                                  lm_dim=32, depformer_layers=1, depformer_heads=4, depformer_dim=32))
+        check_models(
+            models,
+            personaplex_contract(
+                mimi_layers=1,
+                mimi_heads=2,
+                mimi_dim=32,
+                lm_layers=1,
+                lm_heads=4,
+                lm_dim=32,
+                depformer_layers=1,
+                depformer_heads=4,
+                depformer_dim=32,
+            ),
+        )

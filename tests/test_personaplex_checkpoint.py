@@ -55,15 +55,19 @@ def test_the_released_layout_loads_as_the_vendor_loads_it(checkpoint):
 
 
 def test_a_checkpoint_that_does_not_fit_is_refused_by_name(checkpoint, tmp_path):
-    with pytest.raises(ValueError, match=r"PersonaPlex checkpoint '.*' has no tokenizer_spm_32k_3.model \(the layout "
-                                         r"of nvidia/personaplex-7b-v1: model.safetensors, "
-                                         r"tokenizer-e351c8d8-checkpoint125.safetensors, tokenizer_spm_32k_3.model, "
-                                         r"voices.tgz\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"PersonaPlex checkpoint '.*' has no tokenizer_spm_32k_3.model \(the layout "
+        r"of nvidia/personaplex-7b-v1: model.safetensors, "
+        r"tokenizer-e351c8d8-checkpoint125.safetensors, tokenizer_spm_32k_3.model, "
+        r"voices.tgz\)",
+    ):
         for name in ("model.safetensors", "tokenizer-e351c8d8-checkpoint125.safetensors"):
             (tmp_path / name).write_bytes((checkpoint / name).read_bytes())
         PersonaPlexCheckpoint.locate(tmp_path)
     wider = dict(personaplex.TINY.lm_kwargs, dim=64)
-    config = personaplex.PersonaPlexConfig(personaplex.TINY.seanet, personaplex.TINY.quantizer,
-                                           personaplex.TINY.transformer, wider, torch.float32)
+    config = personaplex.PersonaPlexConfig(
+        personaplex.TINY.seanet, personaplex.TINY.quantizer, personaplex.TINY.transformer, wider, torch.float32
+    )
     with pytest.raises(ValueError, match=r"is not at this configuration's sizes: size mismatch for "):
         PersonaPlexCheckpoint.locate(checkpoint).load(config)

@@ -104,10 +104,10 @@ def test_sessions_from_prompt_states_on_the_bound_model_equal_the_primed_vendor_
         # The WAV turned into a prompt state once, stepped on the bound operators: the vendor's state.
         stepped = transformed.prompt_state(voice="wav", text_prompt_tokens=tokens, **voices["wav"])
         states = {}
-        for seed, (voice, sampling) in enumerate((("wav", True), ("none", False), ("embeddings", True), ("wav", False),
-                                                  ("none", True))):
-            _, generator, snapshot, reference = primed_vendor(models, voices[voice], tokens, user, sampling=sampling,
-                                                              seed=seed)
+        for seed, (voice, sampling) in enumerate(
+            (("wav", True), ("none", False), ("embeddings", True), ("wav", False), ("none", True))
+        ):
+            _, generator, snapshot, reference = primed_vendor(models, voices[voice], tokens, user, sampling=sampling, seed=seed)
             state = states.setdefault(voice, snapshot)
             if voice == "wav":
                 assert stepped.digest == snapshot.digest
@@ -139,12 +139,21 @@ def test_a_prompt_state_is_refused_where_it_does_not_fit(kit):
     _, _, snapshot, _ = primed_vendor(models, voices["none"], tokens, user, sampling=False, seed=0)
     gen = lm_gen(models.lm, sampling=False)
     with gen.streaming(2):
-        with pytest.raises(ValueError, match=r"LMGen state ':cache' is torch.int64 \(2, 17, 4\); the prompt state "
-                                             r"holds torch.int64 \(1, 17, 4\) \(another model size or batch\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"LMGen state ':cache' is torch.int64 \(2, 17, 4\); the prompt state "
+            r"holds torch.int64 \(1, 17, 4\) \(another model size or batch\)",
+        ):
             restore(gen, snapshot)
-        with pytest.raises(ValueError, match=r"a prompt state is taken at batch 1 \(one session's priming\), the "
-                                             r"LMGen streams at batch 2"):
+        with pytest.raises(
+            ValueError,
+            match=r"a prompt state is taken at batch 1 \(one session's priming\), the "
+            r"LMGen streams at batch 2",
+        ):
             capture(gen, voice="v", role=tokens)
-    with pytest.raises(ValueError, match=r"LMGen module '' is not streaming: a prompt state is taken and restored "
-                                         r"while streaming"):
+    with pytest.raises(
+        ValueError,
+        match=r"LMGen module '' is not streaming: a prompt state is taken and restored "
+        r"while streaming",
+    ):
         restore(gen, snapshot)

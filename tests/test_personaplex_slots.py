@@ -59,8 +59,11 @@ def run_schedule(runtime, sessions, joins):
                 runtime.join(slot, **prompt)
                 active[slot], sent[i] = i, 0
                 del waiting[i]
-        frames = {slot: sessions[i][2][0, 0, sent[i] * FRAME_SIZE:(sent[i] + 1) * FRAME_SIZE]
-                  for slot, i in active.items() if not runtime.priming(slot)}
+        frames = {
+            slot: sessions[i][2][0, 0, sent[i] * FRAME_SIZE : (sent[i] + 1) * FRAME_SIZE]
+            for slot, i in active.items()
+            if not runtime.priming(slot)
+        }
         for slot, answer in runtime.tick(frames).items() if active else ():
             i = active[slot]
             answers[i].append(answer)
@@ -79,8 +82,9 @@ def test_one_slot_is_personaplex_own_loop(kit, sampling):
     steps = prompt_steps(runtime.gen, voice=voice, role=roles["ada"])
     assert len(steps) == voice.shape[1] + 12 + len(roles["ada"]) == 13 + 12 + len(roles["ada"])
     answers = run_schedule(runtime, [(0, {"steps": steps}, audio(2))], [0])[0]
-    expected = personaplex.stream_reference(models, audio(2), sampling=sampling, seed=7,
-                                            text_prompt_tokens=roles["ada"], voice_prompt=wav)
+    expected = personaplex.stream_reference(
+        models, audio(2), sampling=sampling, seed=7, text_prompt_tokens=roles["ada"], voice_prompt=wav
+    )
     tokens, pcm = stitched(answers)
     assert torch.equal(tokens, expected.tokens) and torch.equal(pcm, expected.pcm)
     # The prompt stepped at prompt_rate (4) steps a tick: ceil(steps / 4) ticks, then one tick a user frame.
@@ -92,9 +96,11 @@ def test_slots_with_joins_leaves_and_rejoins_are_each_the_masked_loop_alone(kit,
     models, wav, voice, roles = kit
     # slots + 1 sessions: the first of each slot joins at its own tick (priming while the earlier
     # ones talk), the last as a slot frees up (a leave, then a join that resets the slot's rows).
-    kinds = [("ada", None), ("bo", wav), ("bo", None), ("ada", wav), ("bo", wav)][:slots + 1]
-    sessions = [(i % slots, {"steps": prompt_steps(models_gen(models), voice=voice if voiced else None, role=roles[role])},
-                 audio(10 + i)) for i, (role, voiced) in enumerate(kinds)]
+    kinds = [("ada", None), ("bo", wav), ("bo", None), ("ada", wav), ("bo", wav)][: slots + 1]
+    sessions = [
+        (i % slots, {"steps": prompt_steps(models_gen(models), voice=voice if voiced else None, role=roles[role])}, audio(10 + i))
+        for i, (role, voiced) in enumerate(kinds)
+    ]
     joins = [3 * i if i < slots else None for i in range(len(kinds))]
     busy = run_schedule(PersonaPlexSlots(models, slots, sampling=False, seed=0), sessions, joins)
     for i, session in enumerate(sessions):
@@ -136,8 +142,9 @@ def test_a_slot_joins_from_a_prompt_state_in_place_of_the_vendor_priming(kit):
             assert torch.equal(got.tokens, expected.tokens) and torch.equal(got.pcm, expected.pcm), i
     # Restored at batch 1, the vendor's primed stream itself.
     restored = run_schedule(PersonaPlexSlots(models, 1, sampling=False, seed=0), [(0, {"prompt": vendor}, audio(20))], [0])
-    expected = personaplex.stream_reference(models, audio(20), sampling=False, seed=0, text_prompt_tokens=roles["bo"],
-                                            voice_prompt=wav)
+    expected = personaplex.stream_reference(
+        models, audio(20), sampling=False, seed=0, text_prompt_tokens=roles["bo"], voice_prompt=wav
+    )
     tokens, pcm = stitched(restored[0])
     assert torch.equal(tokens, expected.tokens) and torch.equal(pcm, expected.pcm)
 
@@ -150,9 +157,14 @@ def test_a_masked_slot_keeps_its_state(kit):
     while runtime.priming(0) or runtime.priming(1):
         runtime.tick({})
     before = {"cache": runtime.cache[1].clone(), "provided": runtime.provided[1].clone(), "offset": int(runtime.offsets[1])}
-    rows = {name: (state.offset[1].clone(), None if state.end is None else state.end[1].clone(),
-                   None if state.cache is None else state.cache[:, 1, :, :int(state.end[1])].clone())
-            for name, state in runtime.rows.items()}
+    rows = {
+        name: (
+            state.offset[1].clone(),
+            None if state.end is None else state.end[1].clone(),
+            None if state.cache is None else state.cache[:, 1, :, : int(state.end[1])].clone(),
+        )
+        for name, state in runtime.rows.items()
+    }
     user = audio(3)
     for frame in user[0, 0].split(FRAME_SIZE):
         runtime.tick({0: frame})  # slot 1 holds a session and sends nothing: masked
@@ -162,7 +174,7 @@ def test_a_masked_slot_keeps_its_state(kit):
         offset, end, ring = rows[name]
         assert torch.equal(state.offset[1], offset), name
         if end is not None:
-            assert torch.equal(state.end[1], end) and torch.equal(state.cache[:, 1, :, :int(end)], ring), name
+            assert torch.equal(state.end[1], end) and torch.equal(state.cache[:, 1, :, : int(end)], ring), name
 
 
 def test_bad_calls_are_refused_by_name(kit):
@@ -179,8 +191,11 @@ def test_bad_calls_are_refused_by_name(kit):
         runtime.tick({0: frame})
     runtime.join(0, steps=prompt_steps(runtime.gen, voice=None, role=roles["ada"]))
     steps = runtime.priming(0)
-    with pytest.raises(ValueError, match=rf"frames\[0\]: slot 0 is priming \({steps} prompt steps left\); it takes "
-                                         r"user frames once primed"):
+    with pytest.raises(
+        ValueError,
+        match=rf"frames\[0\]: slot 0 is priming \({steps} prompt steps left\); it takes "
+        r"user frames once primed",
+    ):
         runtime.tick({0: frame})
     with pytest.raises(ValueError, match=r"slot 0 holds a session: it leaves before another joins"):
         runtime.join(0)
@@ -190,8 +205,11 @@ def test_bad_calls_are_refused_by_name(kit):
         runtime.capture(1, voice="v", role=())
     while runtime.priming(0):
         runtime.tick({})
-    with pytest.raises(ValueError, match=r"frames\[0\]: a frame is 1920 float32 samples, shape \(1920,\); got "
-                                         r"torch.float64 \(1920,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"frames\[0\]: a frame is 1920 float32 samples, shape \(1920,\); got "
+        r"torch.float64 \(1920,\)",
+    ):
         runtime.tick({0: frame.double()})
     runtime.leave(0)
     with pytest.raises(ValueError, match=r"slot 0 holds no session"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from cadence_fx.passes.hoist import HostConstantHoist
-from cadence_fx.passes.piecewise import ITEM, ISTFT, CutPoint, Piecewise, cut_method
+from cadence_fx.passes.piecewise import ISTFT, ITEM, CutPoint, Piecewise, cut_method
 from cadence_fx.replay import CutRecord, ExactShapeReplay, Signature
 
 
@@ -104,4 +104,3 @@ def test_an_exported_graphs_item_is_the_same_named_cut_when_declared():
     _, cert, out = _certificate(_exported(Normalise(), x), x, hooks=[Piecewise([ITEM])])
     assert cert.cuts == (CutRecord("Tensor.item", ITEM.reason, 1),)
     assert torch.equal(out, Normalise()(x))
-

@@ -21,6 +21,7 @@ from cadence_fx.replay import (
     TensorSpec,
 )
 
+
 class Affine(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -44,8 +45,14 @@ def test_admitted_call_without_cuda_runs_eager_certified_and_counted_no_cuda():
     engine, m, x = _engine()
     out = engine(x, 2.0)
     assert torch.equal(out, m(x, 2.0))
-    assert engine.counters.as_dict() == {"calls": 1, "captures": 0, "replays": 0, "eager": 1,
-                                         "invalidations": 0, "fallbacks": {"no_cuda": 1}}
+    assert engine.counters.as_dict() == {
+        "calls": 1,
+        "captures": 0,
+        "replays": 0,
+        "eager": 1,
+        "invalidations": 0,
+        "fallbacks": {"no_cuda": 1},
+    }
     cert = engine.certificates["B=4"]
     assert cert.admitted and not cert.captured
     assert cert.copied == ("args[0]",)
@@ -83,15 +90,20 @@ def scaled(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     ("make_args", "reason", "detail"),
     [
         (lambda x: (torch.randn(5, 8), 2.0), MissReason.SHAPE, "args[0].shape: expected (4, 8), got (5, 8)"),
-        (lambda x: (torch.randn(8, 4).t(), 2.0), MissReason.MEMORY_FORMAT,
-         "args[0].memory_format: expected contiguous, got strided"),
+        (
+            lambda x: (torch.randn(8, 4).t(), 2.0),
+            MissReason.MEMORY_FORMAT,
+            "args[0].memory_format: expected contiguous, got strided",
+        ),
         (lambda x: (x.double(), 2.0), MissReason.DTYPE, "args[0].dtype: expected torch.float32, got torch.float64"),
-        (lambda x: (torch.randn(4, 8, device="meta"), 2.0), MissReason.DEVICE,
-         "args[0].device: expected cpu, got meta"),
+        (lambda x: (torch.randn(4, 8, device="meta"), 2.0), MissReason.DEVICE, "args[0].device: expected cpu, got meta"),
         (lambda x: (x, 3.0), MissReason.SCALAR, "args[1]: expected 2.0, got 3.0"),
         (lambda x: (x, 2), MissReason.SCALAR, "args[1]: expected 2.0, got 2"),
-        (lambda x: (x.clone().requires_grad_(), 2.0), MissReason.REQUIRES_GRAD,
-         "args[0].requires_grad: expected False, got True"),
+        (
+            lambda x: (x.clone().requires_grad_(), 2.0),
+            MissReason.REQUIRES_GRAD,
+            "args[0].requires_grad: expected False, got True",
+        ),
         (lambda x: (x,), MissReason.STRUCTURE, "structure: expected (0, 1), got (0)"),
     ],
     ids=["shape", "memory_format", "dtype", "device", "scalar", "scalar_type", "requires_grad", "structure"],
@@ -268,8 +280,10 @@ def test_a_copied_argument_that_views_module_state_is_refused():
 
 @pytest.mark.parametrize(
     ("make", "described"),
-    [(lambda: torch.randn(4, 16)[:, ::2], "args[0] (4, 8) strides (16, 2)"),
-     (lambda: torch.randn(4, 1).expand(4, 8), "args[0] (4, 8) strides (1, 0)")],
+    [
+        (lambda: torch.randn(4, 16)[:, ::2], "args[0] (4, 8) strides (16, 2)"),
+        (lambda: torch.randn(4, 1).expand(4, 8), "args[0] (4, 8) strides (1, 0)"),
+    ],
     ids=["gaps", "repeated"],
 )
 @torch.no_grad()
@@ -280,7 +294,8 @@ def test_a_copied_argument_that_is_not_dense_is_refused_as_not_dense(make, descr
     assert engine.counters.fallbacks == {"layout": 1}
     assert engine.certificates["class0"].reason == (
         f"layout: {described} is not dense (its strides leave gaps or repeat elements): the engine stages "
-        "only dense tensors; declare it aliased or pass a dense tensor")
+        "only dense tensors; declare it aliased or pass a dense tensor"
+    )
 
 
 @torch.no_grad()
@@ -386,7 +401,9 @@ def test_the_module_state_a_replay_checks_is_each_parameter_and_buffer_place_onc
     engine = ExactShapeReplay(lambda x: root.a(x) * root.scale, [Signature.of(torch.zeros(2))], modules=[root])
     places = engine.state_check.find()
     assert [qualified for _, _, qualified in places] == ["scale", "a.weight", "a.bias"]
-    assert [table[name] is tensor for (table, name, _), tensor in zip(places, (root.scale, shared.weight, shared.bias))] == [True] * 3
+    assert [table[name] is tensor for (table, name, _), tensor in zip(places, (root.scale, shared.weight, shared.bias))] == [
+        True
+    ] * 3
 
 
 def test_the_module_state_check_passes_the_same_tensors_and_decides_a_rebound_one_by_its_address():

@@ -44,8 +44,7 @@ def _clone(tree):
 
 def _equal(a, b) -> bool:
     la, lb = torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)
-    return len(la) == len(lb) and all(
-        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb))
+    return len(la) == len(lb) and all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb))
 
 
 def _ms(fn, n: int = 20) -> float:
@@ -225,8 +224,9 @@ class Position:
 def test_replays_move_declared_host_counters_as_eager_calls_do():
     position = Position()
     one, two = torch.ones(1, device=DEVICE), torch.ones(2, device=DEVICE)
-    engine = ExactShapeReplay(position.step, [ShapeClass("one", Signature.of(one)), ShapeClass("two", Signature.of(two))],
-                              host_counters=position)
+    engine = ExactShapeReplay(
+        position.step, [ShapeClass("one", Signature.of(one)), ShapeClass("two", Signature.of(two))], host_counters=position
+    )
     for x in (one, two, one, one, two):
         assert torch.equal(engine(x), x * 2)
     assert engine.counters.captures == 2 and engine.counters.replays == 5 and engine.counters.eager == 0
@@ -259,8 +259,9 @@ class SinusoidalHead(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         harmonics = torch.FloatTensor([[range(1, 9)]]).to(x.device).transpose(1, 2)
         h = self.proj(x * harmonics + 0.003 * torch.randn_like(x))
-        spec = torch.complex(torch.exp(h[:, :9]).clip(max=1e2) * torch.cos(h[:, 9:]),
-                             torch.exp(h[:, :9]).clip(max=1e2) * torch.sin(h[:, 9:]))
+        spec = torch.complex(
+            torch.exp(h[:, :9]).clip(max=1e2) * torch.cos(h[:, 9:]), torch.exp(h[:, :9]).clip(max=1e2) * torch.sin(h[:, 9:])
+        )
         y = torch.istft(spec, 16, 4, 16, window=self.window.to(x.device))
         return torch.clamp(y, -0.99, 0.99)
 
@@ -323,21 +324,29 @@ def _estimator_inputs(extent: int, frames: int, seed: int):
         return torch.randn(*shape, device=DEVICE, generator=g)
 
     store = r(16, 2, 8, 1000, 128)  # the stock att cache is a time slice of a 1000-frame buffer
-    return dict(x=r(2, 80, frames), mu=r(2, 80, frames), t=torch.rand(2, device=DEVICE, generator=g),
-                spks=r(2, 80), cond=r(2, 80, frames), cnn_cache=r(16, 2, 1024, 2),
-                att_cache=store[:, :, :, :extent, :])
+    return dict(
+        x=r(2, 80, frames),
+        mu=r(2, 80, frames),
+        t=torch.rand(2, device=DEVICE, generator=g),
+        spks=r(2, 80),
+        cond=r(2, 80, frames),
+        cnn_cache=r(16, 2, 1024, 2),
+        att_cache=store[:, :, :, :extent, :],
+    )
 
 
-@pytest.mark.parametrize(("extent", "frames"), [(302, 50), (352, 50), (402, 50), (402, 56)],
-                         ids=["L302", "L352", "L402", "flush56"])
+@pytest.mark.parametrize(
+    ("extent", "frames"), [(302, 50), (352, 50), (402, 50), (402, 56)], ids=["L302", "L352", "L402", "flush56"]
+)
 @torch.no_grad()
 def test_dit_estimator_replay_equals_eager(flow, extent, frames):
     estimator = flow.decoder.estimator
     inputs = _estimator_inputs(extent, frames, seed=extent + frames)
     assert determinism.check_repeatable(estimator.forward_chunk, **inputs).equal
     eager = _clone(estimator.forward_chunk(**inputs))
-    engine = ExactShapeReplay(estimator.forward_chunk, [Signature.of(**inputs)],
-                              aliased=["cnn_cache", "att_cache"], hooks=[HostConstantHoist()])
+    engine = ExactShapeReplay(
+        estimator.forward_chunk, [Signature.of(**inputs)], aliased=["cnn_cache", "att_cache"], hooks=[HostConstantHoist()]
+    )
     assert _equal(engine(**inputs), eager)
     assert _equal(engine(**inputs), eager)
     x2 = torch.randn_like(inputs["x"])
@@ -364,15 +373,25 @@ def test_cfm_loop_of_a_chunk_replay_equals_eager(flow, extent):
         decoder.att_cache_buffer.copy_(start[0])
         decoder.cnn_cache_buffer.copy_(start[1])
 
-    args = dict(mu=torch.randn(1, 80, 50, device=DEVICE, generator=g), spks=torch.randn(1, 80, device=DEVICE, generator=g),
-                cond=torch.randn(1, 80, 50, device=DEVICE, generator=g), n_timesteps=10, temperature=1.0,
-                cnn_cache=decoder.cnn_cache_buffer, att_cache=decoder.att_cache_buffer[:, :, :, :, :extent, :])
+    args = dict(
+        mu=torch.randn(1, 80, 50, device=DEVICE, generator=g),
+        spks=torch.randn(1, 80, device=DEVICE, generator=g),
+        cond=torch.randn(1, 80, 50, device=DEVICE, generator=g),
+        n_timesteps=10,
+        temperature=1.0,
+        cnn_cache=decoder.cnn_cache_buffer,
+        att_cache=decoder.att_cache_buffer[:, :, :, :, :extent, :],
+    )
     eager = _clone(decoder.forward_chunk(**args))
     rewind()
     again = _clone(decoder.forward_chunk(**args))
     assert _equal(eager, again)
-    engine = ExactShapeReplay(decoder.forward_chunk, [ShapeClass(f"L={extent}", Signature.of(**args))],
-                              aliased=["cnn_cache", "att_cache"], hooks=[HostConstantHoist()])
+    engine = ExactShapeReplay(
+        decoder.forward_chunk,
+        [ShapeClass(f"L={extent}", Signature.of(**args))],
+        aliased=["cnn_cache", "att_cache"],
+        hooks=[HostConstantHoist()],
+    )
     for _ in range(2):
         rewind()
         assert _equal(_clone(engine(**args)), eager)
@@ -402,7 +421,10 @@ def test_hift_20_replayed_calls_equal_20_eager_calls_from_the_same_rng_state(hif
     assert cert.captured and cert.segments == 2 and cert.reads_device_rng, engine.explain()
     assert [c.name for c in cert.cuts] == ["torch.istft"]
     assert sorted(c.site.split(" ")[0] for c in cert.host_constants) == [
-        "HiFTGenerator._istft", "HiFTGenerator._stft", "SineGen2.forward"]
+        "HiFTGenerator._istft",
+        "HiFTGenerator._stft",
+        "SineGen2.forward",
+    ]
     assert engine.counters.replays == 20 and engine.counters.eager == 0
     MEASURED["hift_58_eager_ms"] = _ms(lambda: hift(mels[0], source))
     MEASURED["hift_58_replay_ms"] = _ms(lambda: engine(mels[0], source))

@@ -22,7 +22,8 @@ def _index():
 def test_the_committed_index_is_what_the_script_writes():
     index = _index()
     assert (ROOT / "docs" / "results.md").read_text() == index.render(), (
-        "docs/results.md is stale: run `python bench/results_index.py`")
+        "docs/results.md is stale: run `python bench/results_index.py`"
+    )
 
 
 def test_every_current_record_is_indexed_and_linked():
@@ -33,16 +34,23 @@ def test_every_current_record_is_indexed_and_linked():
 
 
 def _head() -> str:
-    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
 
 @pytest.mark.parametrize("missing", ["commit", "command", "device"])
 def test_a_record_without_its_provenance_is_refused_by_name(tmp_path, missing):
     index = _index()
-    record = {"benchmark": "binding_wide", "commit": _head(), "command": "python bench/binding_wide.py",
-              "device": "cpu", "catalog_width": 2, "classes_met": 2, "calls_per_stream": 3,
-              "stock_stream_seconds": 0.1, "streams": [{"stream": 0, "seconds": 0.2, "bit_identical": True}]}
+    record = {
+        "benchmark": "binding_wide",
+        "commit": _head(),
+        "command": "python bench/binding_wide.py",
+        "device": "cpu",
+        "catalog_width": 2,
+        "classes_met": 2,
+        "calls_per_stream": 3,
+        "stock_stream_seconds": 0.1,
+        "streams": [{"stream": 0, "seconds": 0.2, "bit_identical": True}],
+    }
     (tmp_path / "fine.json").write_text(json.dumps(record))
     assert "fine.json" in index.render(tmp_path)
     del record[missing]

@@ -187,6 +187,11 @@ def test_device_memory_without_cuda_measures_nothing():
     memory = DeviceMemory("cpu")
     memory.sample()
     assert memory.footprint() is None
-    assert memory.record() == {"peak_allocated_bytes": None, "reserved_bytes_end": None, "reserved_bytes_max": None,
-                               "device_footprint_bytes_end": None, "device_footprint_bytes_max": None,
-                               "device_used_at_start_bytes": None}
+    assert memory.record() == {
+        "peak_allocated_bytes": None,
+        "reserved_bytes_end": None,
+        "reserved_bytes_max": None,
+        "device_footprint_bytes_end": None,
+        "device_footprint_bytes_max": None,
+        "device_used_at_start_bytes": None,
+    }

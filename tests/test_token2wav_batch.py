@@ -3,6 +3,7 @@ the vendor's stream run alone under the batch-invariant envelope, whatever share
 
 import pytest
 import torch
+from token2wav_batchkit import Plan, plans, run_alone, run_batched
 
 from cadence_fx.models.token2wav_batch import BatchedStreams
 from cadence_fx.models.token2wav_stream import (
@@ -13,7 +14,6 @@ from cadence_fx.models.token2wav_stream import (
     random_chunks,
     random_prompt,
 )
-from token2wav_batchkit import Plan, plans, run_alone, run_batched
 
 CAPACITY, STREAMS, PROMPT_TOKENS, N_TIMESTEPS = 2, 3, 10, 2
 

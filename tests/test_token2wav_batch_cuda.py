@@ -4,13 +4,13 @@ reduced and full depth, and the vendor's float16 configuration. For the GPU issu
 
 import pytest
 import torch
+from token2wav_batchkit import plans, run_alone, run_batched
 
 from cadence_fx.determinism import deterministic
 from cadence_fx.models.token2wav_batch import BatchedStreams
 from cadence_fx.models.token2wav_envelope import StreamRng, batch_invariant
 from cadence_fx.models.token2wav_precision import FLOAT16, FLOAT32, build_models
-from cadence_fx.models.token2wav_stream import FULL_DEPTH, REDUCED_DEPTH, PROMPT_TOKENS
-from token2wav_batchkit import plans, run_alone, run_batched
+from cadence_fx.models.token2wav_stream import FULL_DEPTH, PROMPT_TOKENS, REDUCED_DEPTH
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
@@ -24,8 +24,16 @@ def _check(precision, depth, *, capacity, streams, seed, prompt_tokens):
         assert all(len(set(c)) == 1 and len(c) <= capacity for c in call_classes)
         assert any(len(c) > 1 for c in call_classes)
         for s, plan in enumerate(schedule):
-            alone = run_alone(flow, hift, plan, capacity=capacity, prompt_tokens=prompt_tokens, n_timesteps=10,
-                              device="cuda", float16=precision.float16)
+            alone = run_alone(
+                flow,
+                hift,
+                plan,
+                capacity=capacity,
+                prompt_tokens=prompt_tokens,
+                n_timesteps=10,
+                device="cuda",
+                float16=precision.float16,
+            )
             assert [torch.equal(a.mel, b.mel) for a, b in zip(alone, outs[s])] == [True] * len(alone), f"stream {s} mel"
             assert [torch.equal(a.speech, b.speech) for a, b in zip(alone, outs[s])] == [True] * len(alone), f"stream {s} PCM"
 
@@ -53,5 +61,5 @@ def test_the_padded_route_runs_on_cuda_and_draws_per_stream():
     for i in range(3):
         own = StreamRng(i)
         with batch_invariant(8, [own], "cuda"):
-            assert torch.equal(torch.nn.functional.linear(x[i:i + 1], weight), together[i:i + 1])
-            assert torch.equal(torch.rand(1, 9, device="cuda"), noise[i:i + 1])
+            assert torch.equal(torch.nn.functional.linear(x[i : i + 1], weight), together[i : i + 1])
+            assert torch.equal(torch.rand(1, 9, device="cuda"), noise[i : i + 1])

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from pagekit import Page
 
 from cadence_fx import AuditMismatch, transform
 from cadence_fx.diff import diff_graphs, render_text
@@ -11,7 +12,6 @@ from cadence_fx.diff_page import render_html
 from cadence_fx.models.token2wav import token2wav_contract
 from cadence_fx.models.token2wav_carry import ENVELOPES, WARM_UP_CHUNKS, WARM_UP_TURNS, CarryStream, reference_flow
 from cadence_fx.models.token2wav_stream import StockStream, build_hift, random_chunks, random_prompt
-from pagekit import Page
 
 pytestmark = pytest.mark.slow
 
@@ -57,9 +57,7 @@ def streamed(reference, carried):
             last = i == CHUNKS - 1
             mel_stock, mel_carried = stock.flow_chunk(tokens, last), carried.flow_chunk(tokens, last)
             run.mel_equal.append(torch.equal(mel_stock, mel_carried))
-            run.cache_equal.append(
-                {k: torch.equal(live(stock.stream_cache[k], v), v) for k, v in carried.stream_cache.items()}
-            )
+            run.cache_equal.append({k: torch.equal(live(stock.stream_cache[k], v), v) for k, v in carried.stream_cache.items()})
             for key in ("estimator_att_cache", "conformer_att_cache"):
                 run.addresses.setdefault(key, set()).add(carried.stream_cache[key].data_ptr())
     return run, report
@@ -96,8 +94,11 @@ def test_the_auditor_counts_every_retention_and_finds_no_mismatch(streamed):
         "retentions": 3 * chunks,
         "applications": 2 * evicting,
         "mismatches": 0,
-        "distinct_carry_addresses": {"estimator_att_cache:att_cache": 1, "estimator_cnn_cache:cnn_cache": 1,
-                                     "conformer_att_cache:att_cache": 1},
+        "distinct_carry_addresses": {
+            "estimator_att_cache:att_cache": 1,
+            "estimator_cnn_cache:cnn_cache": 1,
+            "conformer_att_cache:att_cache": 1,
+        },
     }
 
 
@@ -109,7 +110,9 @@ def test_the_auditor_catches_a_carry_that_keeps_the_wrong_units(reference, monke
     transformed, report = transform(flow, contract, audit=True)
     carry = transformed.bound.operators["cfm_loop"].carries["att_cache"]
     keep = carry.keep
-    monkeypatch.setattr(carry, "keep", lambda full, segments: keep(full, ((0, 100), (-102, None)) if len(segments) == 2 else segments))
+    monkeypatch.setattr(
+        carry, "keep", lambda full, segments: keep(full, ((0, 100), (-102, None)) if len(segments) == 2 else segments)
+    )
     stream = CarryStream(transformed, prompt)
     stream.setup()
     chunks = random_chunks(7, 3)
@@ -152,8 +155,11 @@ def test_the_input_model_is_left_untouched(reference, streamed):
     assert "forward_chunk" not in vars(flow.decoder) and "forward_chunk" not in vars(flow.encoder)
 
 
-CLASSES = [f"{op}[n={n},L={extent}]{flush}" for op in ("cfm_loop", "conformer_encoder")
-           for n, extent, flush in ((50, 102, ""), (50, 152, ""), (50, 202, ""), (56, 202, "(flush)"))]
+CLASSES = [
+    f"{op}[n={n},L={extent}]{flush}"
+    for op in ("cfm_loop", "conformer_encoder")
+    for n, extent, flush in ((50, 102, ""), (50, 152, ""), (50, 202, ""), (56, 202, "(flush)"))
+]
 
 
 def test_report_names_every_rewritten_site_of_every_class(streamed):
@@ -162,7 +168,8 @@ def test_report_names_every_rewritten_site_of_every_class(streamed):
     assert sorted((s.graph, s.region, s.kind, s.rewritten) for s in report.sites) == sorted(
         [(name, "estimator_att_cache", "keep", True) for name in CLASSES[:4]]
         + [(name, "estimator_cnn_cache", "keep", True) for name in CLASSES[:4]]
-        + [(name, "conformer_att_cache", "keep", True) for name in CLASSES[4:]])
+        + [(name, "conformer_att_cache", "keep", True) for name in CLASSES[4:]]
+    )
 
 
 def test_the_diff_report_shows_every_rewritten_site(streamed):
@@ -173,8 +180,11 @@ def test_the_diff_report_shows_every_rewritten_site(streamed):
         # The caller's trim is in the step's graph once a turn evicts (L=202): it becomes the carry write.
         evicts = "L=202" in name
         assert dict(diffs[name].removed) == ({"cat": 1, "slice": 2} if evicts else {})
-        assert dict(diffs[name].added) == ({"attr carry_att_cache": 1, "attr carry_cnn_cache": 1, "window_keep": 2}
-                                           if name.startswith("cfm_loop") else {"attr carry_att_cache": 1, "window_keep": 1})
+        assert dict(diffs[name].added) == (
+            {"attr carry_att_cache": 1, "attr carry_cnn_cache": 1, "window_keep": 2}
+            if name.startswith("cfm_loop")
+            else {"attr carry_att_cache": 1, "window_keep": 1}
+        )
     text = render_text(list(diffs.values()))
     assert "+window_keep = window_keep(carry_att_cache, state_0, cat_10, 202, 102)" in text
 
@@ -201,7 +211,8 @@ def test_the_report_page_lists_exactly_the_derivation_and_certifies_every_stream
     assert page.values("data-carry") == ["conformer_att_cache", "estimator_att_cache", "estimator_cnn_cache"]
     assert page.values("data-operator") == ["cfm_loop", "dit_estimator", "conformer_encoder", "hift"]
     assert page.values("data-class") == [
-        f"{op}:{call}@{extent}{flush}" for op in ("cfm_loop", "dit_estimator", "conformer_encoder")
+        f"{op}:{call}@{extent}{flush}"
+        for op in ("cfm_loop", "dit_estimator", "conformer_encoder")
         for call, extent, flush in ((50, 102, ""), (50, 152, ""), (50, 202, ""), (56, 202, ":flush"))
     ] + ["hift:50@0", "hift:50@8", "hift:56@8:flush"]
     # Under the auditor the classes run their rewritten graphs eagerly: no replay engine, no certificate.

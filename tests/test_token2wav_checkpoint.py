@@ -160,7 +160,9 @@ def test_a_safetensors_file_of_something_else_is_not_a_prompt(tmp_path):
 
 def test_a_prompt_of_the_wrong_shape_is_refused_naming_the_tensor(tmp_path):
     prompt = random_prompt(4, n_tokens=9)
-    with pytest.raises(checkpoint.CheckpointError, match=r"spk must be floating point of shape \(1, 192\), got torch.float32 \(1, 80\)"):
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"spk must be floating point of shape \(1, 192\), got torch.float32 \(1, 80\)"
+    ):
         checkpoint.save_prompt(Prompt(prompt.tokens, prompt.mels, prompt.mels[:, 0]), tmp_path / "p.safetensors")
     uneven = Prompt(prompt.tokens, prompt.mels[:, :17], prompt.spk)
     with pytest.raises(checkpoint.CheckpointError, match=r"9 speech tokens and 17 mel frames; this flow needs 18"):
@@ -187,8 +189,10 @@ def test_an_unreachable_hub_id_names_the_repository_and_the_files(monkeypatch, t
     with pytest.raises(checkpoint.CheckpointError) as caught:
         checkpoint.locate_checkpoint("openbmb/MiniCPM-o-4_5", cache_dir=tmp_path)
     message = str(caught.value)
-    assert message.startswith("could not get assets/token2wav/flow.yaml, assets/token2wav/flow.pt, "
-                              "assets/token2wav/hift.pt of hub repository openbmb/MiniCPM-o-4_5 (LocalEntryNotFoundError")
+    assert message.startswith(
+        "could not get assets/token2wav/flow.yaml, assets/token2wav/flow.pt, "
+        "assets/token2wav/hift.pt of hub repository openbmb/MiniCPM-o-4_5 (LocalEntryNotFoundError"
+    )
     assert "hf download openbmb/MiniCPM-o-4_5 --include 'assets/token2wav/*' --local-dir DIR" in message
 
 
@@ -210,8 +214,11 @@ def test_weights_that_do_not_fit_the_config_name_both_files(model_dir, tmp_path)
     assets = tmp_path / "assets" / "token2wav"
     shutil.copytree(model_dir / "assets" / "token2wav", assets)
     (assets / "flow.yaml").write_text(FLOW_YAML.format(encoder_blocks=1, up_blocks=1, dit_blocks=3))
-    with pytest.raises(checkpoint.CheckpointError, match=rf"(?s){assets}/flow.pt does not fit the CausalMaskedDiffWithXvec "
-                                                          rf"as {assets}/flow.yaml describes it: .*decoder.estimator.blocks.2"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=rf"(?s){assets}/flow.pt does not fit the CausalMaskedDiffWithXvec "
+        rf"as {assets}/flow.yaml describes it: .*decoder.estimator.blocks.2",
+    ):
         checkpoint.load_flow(checkpoint.locate_checkpoint(tmp_path))
 
 
@@ -231,8 +238,8 @@ def test_preparing_a_prompt_without_its_packages_names_each_with_its_install(mon
 def test_serve_refuses_a_prompt_for_a_model_that_takes_none(capsys):
     assert main(["serve", "--model", "moshi-tiny", "--prompt", "voice.safetensors"]) == 2
     assert capsys.readouterr().err == (
-        "cadence-fx serve: error: --prompt: moshi-tiny takes no speaker prompt; "
-        "the models that do: token2wav, token2wav-full\n")
+        "cadence-fx serve: error: --prompt: moshi-tiny takes no speaker prompt; the models that do: token2wav, token2wav-full\n"
+    )
 
 
 def test_the_prompt_command_names_the_prompt_models_a_checkpoint_lacks(capsys, model_dir, tmp_path):

@@ -36,8 +36,9 @@ def test_a_reply_on_the_full_size_checkpoint_is_the_vendors_own_stream(tmp_path)
     prompt = random_prompt(3, n_tokens=PROMPT_TOKENS)
     checkpoint.save_prompt(prompt, tmp_path / "voice.safetensors")
 
-    plugin = Token2WavPlugin("full", seed=SEED, weights=assets.parents[1], prompt=tmp_path / "voice.safetensors",
-                             lanes=1)  # the checkpoint is under test here: one lane
+    plugin = Token2WavPlugin(
+        "full", seed=SEED, weights=assets.parents[1], prompt=tmp_path / "voice.safetensors", lanes=1
+    )  # the checkpoint is under test here: one lane
     stream = plugin.open_stream()
     for _ in range(round(MIN_REPLY_CHUNKS * INPUT_RATE / FRAME_SAMPLES)):
         stream.feed(np.zeros(FRAME_SAMPLES, dtype=np.float32))
@@ -60,11 +61,15 @@ def test_a_reply_on_the_full_size_checkpoint_is_the_vendors_own_stream(tmp_path)
         torch.cuda.manual_seed(rng_seed(SEED, 0))
         pad = torch.full((1, 3), SILENCE_TOKEN, dtype=tokens.dtype, device="cuda")
         vendor.stream_cache = vendor.flow.setup_cache(torch.cat([tokens, pad], dim=1), mels, spk, n_timesteps=10)
-        vendor.hift_cache_dict = dict(mel=torch.zeros(1, 80, 0, device="cuda"), source=torch.zeros(1, 1, 0, device="cuda"),
-                                      speech=torch.zeros(1, 0, device="cuda"))
+        vendor.hift_cache_dict = dict(
+            mel=torch.zeros(1, 80, 0, device="cuda"),
+            source=torch.zeros(1, 1, 0, device="cuda"),
+            speech=torch.zeros(1, 0, device="cuda"),
+        )
         for i, chunk in enumerate(chunks):
-            expected.append(vendor.stream(chunk[0].tolist(), None, last_chunk=i == MIN_REPLY_CHUNKS - 1,
-                                          return_waveform=True).reshape(-1))
+            expected.append(
+                vendor.stream(chunk[0].tolist(), None, last_chunk=i == MIN_REPLY_CHUNKS - 1, return_waveform=True).reshape(-1)
+            )
 
     assert len(heard) == MIN_REPLY_CHUNKS
     assert [np.array_equal(a, b) for a, b in zip(heard, expected)] == [True] * MIN_REPLY_CHUNKS

@@ -50,8 +50,13 @@ def test_transformed_stream_replays_bit_identical_to_eager():
     for name, op in operators.items():
         engine = op.replay.counters
         # The setup's call (the prompt: no class of the catalog) runs the stock code; every chunk replays.
-        assert (op.counters.stock - before[name][0], engine.replays - before[name][1], engine.invalidations) == \
-            (1, BLOCKS * CHUNKS, 0), op.explain() + "\n" + op.replay.explain()
+        assert (op.counters.stock - before[name][0], engine.replays - before[name][1], engine.invalidations) == (
+            1,
+            BLOCKS * CHUNKS,
+            0,
+        ), op.explain() + "\n" + op.replay.explain()
         assert engine.captures == 4  # L = 302, 352, 402 and the 56-frame flush at 402
     hift_counters = report.replays["hift"].counters
-    assert (hift_counters.replays - hift_before, hift_counters.invalidations) == (BLOCKS * CHUNKS, 0), report.replays["hift"].explain()
+    assert (hift_counters.replays - hift_before, hift_counters.invalidations) == (BLOCKS * CHUNKS, 0), report.replays[
+        "hift"
+    ].explain()

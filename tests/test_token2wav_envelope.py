@@ -25,14 +25,21 @@ CAPACITY = 4
 def _ops():
     """One op of each padded class, at the shapes the flow and HiFT call it with, batch first."""
     g = torch.Generator().manual_seed(0)
-    w1, b1, w2, b2 = torch.randn(512, 256, generator=g), torch.randn(512, generator=g), torch.randn(512, 512, generator=g), torch.randn(512, generator=g)
+    w1, b1, w2, b2 = (
+        torch.randn(512, 256, generator=g),
+        torch.randn(512, generator=g),
+        torch.randn(512, 512, generator=g),
+        torch.randn(512, generator=g),
+    )
     down, up, window = torch.randn(32, 18, 10, generator=g), torch.randn(64, 32, 16, generator=g), torch.hann_window(16)
     return {
         "linear (vectors)": (lambda x: F.linear(x, w1, b1), (256,)),
         "linear (sequences)": (lambda x: F.linear(x, w2, b2), (50, 512)),
         "matmul": (lambda x: torch.matmul(x[:, :, :, :64], x[:, :, :, 64:].transpose(-2, -1)), (8, 50, 128)),
-        "attention": (lambda x: F.scaled_dot_product_attention(x[:, :, :50, :64], x[:, :, :, :64], x[:, :, :, 64:]),
-                      (8, 120, 128)),
+        "attention": (
+            lambda x: F.scaled_dot_product_attention(x[:, :, :50, :64], x[:, :, :, :64], x[:, :, :, 64:]),
+            (8, 120, 128),
+        ),
         "conv1d (strided)": (lambda x: F.conv1d(x, down, stride=5, padding=2), (18, 2321)),
         "conv_transpose1d": (lambda x: F.conv_transpose1d(x, up, stride=8, padding=4), (64, 58)),
         "layer_norm": (lambda x: F.layer_norm(x, (512,)), (50, 512)),
@@ -50,8 +57,8 @@ def test_a_row_of_a_batched_call_is_the_row_alone(name):
     assert mode.per_row_calls >= 1 and mode.padded_calls == 0  # the CPU's route
     for i in range(3):
         with batch_invariant(CAPACITY, [rngs[i]]):
-            alone = op(rows[i:i + 1])
-        assert torch.equal(together[i:i + 1], alone), f"{name}: row {i}"
+            alone = op(rows[i : i + 1])
+        assert torch.equal(together[i : i + 1], alone), f"{name}: row {i}"
 
 
 def test_each_stream_draws_from_its_own_counter():
@@ -63,7 +70,7 @@ def test_each_stream_draws_from_its_own_counter():
         own = StreamRng(seed)
         with batch_invariant(CAPACITY, [own]):
             alone = [torch.rand(1, 9), torch.randn_like(torch.empty(1, 100, 1))]
-        assert all(torch.equal(t[i:i + 1], a) for t, a in zip(together, alone))
+        assert all(torch.equal(t[i : i + 1], a) for t, a in zip(together, alone))
     # Draw k is a function of (seed, k) alone: a restored state draws it again.
     resumed = StreamRng(8, offset=1)
     with batch_invariant(CAPACITY, [resumed]):
@@ -101,8 +108,18 @@ def test_the_envelope_refuses_by_name():
 
 
 def test_the_declaration():
-    assert [c.name for c in OP_CLASSES] == ["linear", "matmul", "attention", "conv1d", "conv_transpose1d", "norms",
-                                          "spectral", "scan and resample", "elementwise", "random draws"]
+    assert [c.name for c in OP_CLASSES] == [
+        "linear",
+        "matmul",
+        "attention",
+        "conv1d",
+        "conv_transpose1d",
+        "norms",
+        "spectral",
+        "scan and resample",
+        "elementwise",
+        "random draws",
+    ]
     assert ROUTES == {"cpu": "per_row", "cuda": "padded"}
     record = settings(8)
     assert record["capacity"] == 8 and set(record["op_classes"]) == {c.name for c in OP_CLASSES}

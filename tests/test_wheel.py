@@ -29,9 +29,7 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False)
     python = env_dir / "bin" / "python"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)], check=True
-    )
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)], check=True)
     # The venv borrows torch, sympy and networkx from this interpreter through a plain path entry;
     # a path entry does not run the .pth hooks there, so this checkout's editable install stays out.
     venv_site = next((env_dir / "lib").glob("python3*/site-packages"))
@@ -39,11 +37,11 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     probe = (
         "import importlib.util, cadence_fx, cadence_fx.models, cadence_fx.passes, cadence_fx.serve\n"
         "from cadence_fx import transform, derive, Contract, ContractError, ExactShapeReplay\n"
-        "assert cadence_fx.__file__.startswith(%r), cadence_fx.__file__\n"
+        f"assert cadence_fx.__file__.startswith({str(env_dir)!r}), cadence_fx.__file__\n"
         "assert all(importlib.util.find_spec(n) is None for n in ('models', 'serve', 'passes'))\n"
         "from cadence_fx.families import family, load\n"
         "print(derive(load(family('token2wav').contract)()).operator('cfm_loop').width)\n"
-    ) % str(env_dir)
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([str(python), "-c", probe], check=True, capture_output=True, text=True, cwd=tmp_path, env=env)
     assert out.stdout.strip() == "3"

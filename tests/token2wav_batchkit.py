@@ -35,7 +35,7 @@ def plans(seed: int, streams: int, *, prompt_tokens: int, device: str = "cpu") -
         chunks = random_chunks(stream_seed, sum(lengths), device=device)
         turns, at = [], 0
         for n in lengths:
-            turns.append(chunks[at:at + n])
+            turns.append(chunks[at : at + n])
             at += n
         out.append(Plan(stream_seed, rand.randrange(3), turns, {r for r in range(8) if rand.random() < 0.2}))
     return out
@@ -85,11 +85,13 @@ def run_batched(batched: BatchedStreams, schedule: list[Plan], *, prompt_tokens:
     return outs, call_classes
 
 
-def run_alone(flow, hift, plan: Plan, *, capacity: int, prompt_tokens: int, n_timesteps: int, device: str = "cpu",
-              float16: bool = False):
+def run_alone(
+    flow, hift, plan: Plan, *, capacity: int, prompt_tokens: int, n_timesteps: int, device: str = "cpu", float16: bool = False
+):
     """The vendor's stream of `plan`, alone under the batch-invariant envelope at `capacity`."""
-    stream = StockStream(flow, hift, random_prompt(plan.seed, n_tokens=prompt_tokens, device=device),
-                         n_timesteps=n_timesteps, float16=float16)
+    stream = StockStream(
+        flow, hift, random_prompt(plan.seed, n_tokens=prompt_tokens, device=device), n_timesteps=n_timesteps, float16=float16
+    )
     rng = StreamRng(plan.seed)
     outs = []
     with torch.inference_mode():

@@ -42,6 +42,7 @@ class Checks:
         return ok
 
     def report(self) -> None:
-        print(json.dumps({"client": self.client, "version": self.version, "passed": self.passed,
-                          "failed": self.failed}), flush=True)
+        print(
+            json.dumps({"client": self.client, "version": self.version, "passed": self.passed, "failed": self.failed}), flush=True
+        )
         sys.exit(0 if not self.failed else 1)

@@ -34,8 +34,7 @@ async def audio_of(generation, first_frame: asyncio.Event | None = None) -> tupl
 async def main() -> None:
     checks = Checks("livekit-agents + livekit-plugins-openai", version("livekit-agents"))
     async with aiohttp.ClientSession() as http:
-        model = RealtimeModel(base_url=WS.replace("ws", "http", 1) + "/v1", api_key="unused", model=MODEL,
-                              http_session=http)
+        model = RealtimeModel(base_url=WS.replace("ws", "http", 1) + "/v1", api_key="unused", model=MODEL, http_session=http)
         session = model.session()
         server_events: list[dict] = []
         errors: list = []
@@ -54,8 +53,11 @@ async def main() -> None:
                 break
             await asyncio.sleep(0.05)
         updated = seen("session.updated")
-        checks.check("default session.update (semantic_vad, transcription) accepted",
-                     bool(updated) and not seen("error"), f"errors: {seen('error')}")
+        checks.check(
+            "default session.update (semantic_vad, transcription) accepted",
+            bool(updated) and not seen("error"),
+            f"errors: {seen('error')}",
+        )
 
         for frame in frames(pcm24k("question_24k.wav") + silence(800)):
             session.push_audio(frame)
@@ -63,14 +65,13 @@ async def main() -> None:
             generation = await asyncio.wait_for(generations.get(), 20)
             _, samples = await asyncio.wait_for(audio_of(generation), 30)
             checks.check("server VAD turn answered with audio", samples > 0, "no audio")
-        except asyncio.TimeoutError:
+        except TimeoutError:
             checks.check("server VAD turn answered with audio", False, "no generation within 20 s")
 
         try:
             generation = await asyncio.wait_for(session.generate_reply(), 10)
             _, samples = await asyncio.wait_for(audio_of(generation), 30)
-            checks.check("generate_reply() resolves (response.metadata echoed)", generation.user_initiated,
-                         "not user initiated")
+            checks.check("generate_reply() resolves (response.metadata echoed)", generation.user_initiated, "not user initiated")
             checks.check("generate_reply() reply has audio", samples > 0, "no audio")
         except Exception as exc:  # a timeout here is the bug this check exists for
             checks.check("generate_reply() resolves (response.metadata echoed)", False, repr(exc))
@@ -92,10 +93,13 @@ async def main() -> None:
         message_id, _ = await asyncio.wait_for(reading, 30)
         cut = seen("response.done")[done_before:]
         checks.check("speech over a reply: input_speech_started", speech_started.is_set())
-        checks.check("speech over a reply cancels it (turn_detected)",
-                     bool(cut) and cut[0]["response"]["status"] == "cancelled"
-                     and cut[0]["response"]["status_details"]["reason"] == "turn_detected",
-                     f"response.done: {[c['response']['status'] for c in cut]}")
+        checks.check(
+            "speech over a reply cancels it (turn_detected)",
+            bool(cut)
+            and cut[0]["response"]["status"] == "cancelled"
+            and cut[0]["response"]["status_details"]["reason"] == "turn_detected",
+            f"response.done: {[c['response']['status'] for c in cut]}",
+        )
         # What livekit's AgentSession does on an interruption: truncate what was heard, cancel.
         errors_before = len(seen("error"))
         session.truncate(message_id=message_id, modalities=["audio"], audio_end_ms=200)
@@ -106,11 +110,12 @@ async def main() -> None:
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.3)
         late_errors = seen("error")[errors_before:]
-        checks.check("truncate of the interrupted reply", bool(seen("conversation.item.truncated")),
-                     f"errors: {late_errors}")
-        checks.check("cancel with nothing active is not logged as a failure",
-                     all(e["error"]["message"].startswith("Cancellation failed") for e in late_errors) and not errors,
-                     f"errors: {late_errors}, emitted: {errors}")
+        checks.check("truncate of the interrupted reply", bool(seen("conversation.item.truncated")), f"errors: {late_errors}")
+        checks.check(
+            "cancel with nothing active is not logged as a failure",
+            all(e["error"]["message"].startswith("Cancellation failed") for e in late_errors) and not errors,
+            f"errors: {late_errors}, emitted: {errors}",
+        )
         for frame in frames(silence(1000) + pcm24k("interrupt_24k.wav")[48 * 600 :] + silence(800)):
             session.push_audio(frame)
         await session.aclose()

@@ -15,8 +15,9 @@ from common import MODEL, WS, WSS, Checks, pcm24k
 async def turn(checks: Checks, base: str, label: str, options: dict) -> None:
     client = openai.AsyncOpenAI(api_key="unused", websocket_base_url=base + "/v1")
     async with client.realtime.connect(model=MODEL, websocket_connection_options=options) as connection:
-        await connection.session.update(session={"type": "realtime", "model": MODEL,
-                                                 "audio": {"input": {"turn_detection": None}}})
+        await connection.session.update(
+            session={"type": "realtime", "model": MODEL, "audio": {"input": {"turn_detection": None}}}
+        )
         await connection.input_audio_buffer.append(audio=base64.b64encode(pcm24k("question_24k.wav")).decode())
         await connection.input_audio_buffer.commit()
         await connection.response.create(response={"metadata": {"turn": label}})

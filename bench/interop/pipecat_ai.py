@@ -37,11 +37,13 @@ class Tap(FrameProcessor):
 
 async def main() -> None:
     checks = Checks("pipecat-ai", version("pipecat-ai"))
-    llm = OpenAIRealtimeLLMService(api_key="unused", base_url=WS + "/v1/realtime",
-                                   settings=OpenAIRealtimeLLMService.Settings(model=MODEL))
+    llm = OpenAIRealtimeLLMService(
+        api_key="unused", base_url=WS + "/v1/realtime", settings=OpenAIRealtimeLLMService.Settings(model=MODEL)
+    )
     upstream, downstream = Tap(), Tap()
-    task = PipelineWorker(Pipeline([upstream, llm, downstream]),
-                          params=PipelineParams(audio_in_sample_rate=24_000, audio_out_sample_rate=24_000))
+    task = PipelineWorker(
+        Pipeline([upstream, llm, downstream]), params=PipelineParams(audio_in_sample_rate=24_000, audio_out_sample_rate=24_000)
+    )
     runner = WorkerRunner(handle_sigint=False)
     await runner.add_workers(task)
     running = asyncio.create_task(runner.run())
@@ -55,17 +57,23 @@ async def main() -> None:
     await speak(pcm24k("question_24k.wav") + silence(800))
     try:
         await asyncio.wait_for(downstream.first_audio.wait(), 20)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
     checks.check("server VAD turn answered with audio", downstream.first_audio.is_set(), "no audio within 20 s")
     await asyncio.sleep(0.3)
     before = downstream.audio_frames
     await speak(pcm24k("interrupt_24k.wav") + silence(800))
     await asyncio.sleep(2.0)
-    checks.check("speech over the reply handled without an error frame",
-                 not upstream.errors and not downstream.errors, f"{upstream.errors + downstream.errors}")
-    checks.check("the interruption is answered too", downstream.audio_frames > before,
-                 f"{downstream.audio_frames - before} audio frames after the interruption")
+    checks.check(
+        "speech over the reply handled without an error frame",
+        not upstream.errors and not downstream.errors,
+        f"{upstream.errors + downstream.errors}",
+    )
+    checks.check(
+        "the interruption is answered too",
+        downstream.audio_frames > before,
+        f"{downstream.audio_frames - before} audio frames after the interruption",
+    )
     await task.queue_frame(EndFrame())
     await asyncio.wait_for(running, 20)
     checks.report()

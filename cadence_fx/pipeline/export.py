@@ -21,11 +21,11 @@ from ..binding import (
     get_path,
     method_of,
 )
-from ..tracing import without_stack_traces
 from ..catalog import CatalogClass
 from ..guards import HOST_SCALARS
 from ..passes.carry import shared_memo
 from ..replay import Signature
+from ..tracing import without_stack_traces
 from .guard import all_regimes, unread_paths
 from .records import OperatorClass, class_name
 from .rewrite import rewrite_class
@@ -84,7 +84,7 @@ def rebound_export(gm: torch.fx.GraphModule, tensor_for) -> torch.fx.GraphModule
     for name, tensor in named.items():
         if not name.startswith(MODEL_PREFIX):
             return None
-        memo[id(tensor)] = tensor_for(name[len(MODEL_PREFIX):], tensor)
+        memo[id(tensor)] = tensor_for(name[len(MODEL_PREFIX) :], tensor)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
         return copy.deepcopy(gm, memo)
@@ -156,18 +156,32 @@ def undeclared_state(program, roots: dict[str, Any], sites: list[Site]) -> list[
     return found
 
 
-def capture_class(op: BoundOperator, roots, inputs, state, call: CatalogClass, modes: dict[str, Any], hosts: dict[str, Any],
-             counted: tuple, guards: tuple, variant: int) -> OperatorClass:
+def capture_class(
+    op: BoundOperator,
+    roots,
+    inputs,
+    state,
+    call: CatalogClass,
+    modes: dict[str, Any],
+    hosts: dict[str, Any],
+    counted: tuple,
+    guards: tuple,
+    variant: int,
+) -> OperatorClass:
     # Unique per program: a class by its regimes' components, a second program of one class
     # (other host values) by its number.
-    name = (class_name(op.ob.operator, call.call, call.extent, call.flush, modes)
-            + "".join(f"<{path}~{component!r}>" for path, component in counted) + (f"#{variant + 1}" if variant else ""))
+    name = (
+        class_name(op.ob.operator, call.call, call.extent, call.flush, modes)
+        + "".join(f"<{path}~{component!r}>" for path, component in counted)
+        + (f"#{variant + 1}" if variant else "")
+    )
     regimes = all_regimes(op)
     spanning = tuple(p for p, r in regimes.items() if p in hosts and r.spans(r.component(hosts[p])))
     everything = {SELF: op.model, **roots}
     spanning += tuple(sorted(p for p in unread_paths(op) if isinstance(get_path(everything, p), HOST_SCALARS)))
-    cls = OperatorClass(name, call, verify_left=op.binding.verify, hosts=dict(hosts), spanning=spanning,
-                 inputs=input_shapes(inputs))
+    cls = OperatorClass(
+        name, call, verify_left=op.binding.verify, hosts=dict(hosts), spanning=spanning, inputs=input_shapes(inputs)
+    )
     op._by_name[name] = cls
     started = time.perf_counter()
     example = list(state)  # the export traces fake copies of them: the carries are not written
@@ -195,9 +209,11 @@ def capture_class(op: BoundOperator, roots, inputs, state, call: CatalogClass, m
         return cls
     frozen = undeclared_state(program, private, op.sites)
     if frozen:
-        cls.refused = (f"the step reads {', '.join(frozen)}: state the binding does not declare, which a graph "
-                       "would freeze as a constant; bind it (a region's `at`, or the operator's `counters` for a "
-                       "position or length the step moves)")
+        cls.refused = (
+            f"the step reads {', '.join(frozen)}: state the binding does not declare, which a graph "
+            "would freeze as a constant; bind it (a region's `at`, or the operator's `counters` for a "
+            "position or length the step moves)"
+        )
         op.report.stamps.append(f"{name}: refused, {cls.refused}")
         return cls
     gm = program.module()
@@ -229,20 +245,40 @@ def export_key(op: BoundOperator, inputs, example, modes, guards: tuple) -> tupl
     grad and autocast modes). None for a model that is no module (its weights would be constants)."""
     if not isinstance(op.model, torch.nn.Module):
         return None
-    tensors = tuple((name, tuple(t.shape), t.dtype, t.device) for name, t in itertools.chain(
-        op.model.named_parameters(remove_duplicate=False), op.model.named_buffers(remove_duplicate=False)))
+    tensors = tuple(
+        (name, tuple(t.shape), t.dtype, t.device)
+        for name, t in itertools.chain(
+            op.model.named_parameters(remove_duplicate=False), op.model.named_buffers(remove_duplicate=False)
+        )
+    )
     # Every other attribute of every module by type and repr (0.0 and -0.0, True and 1 are not the
     # same program), read now: a setting may have changed since the last class (a mode the binding
     # declares). An object whose repr is its address differs from any other: no reuse.
-    settings = tuple((name, tuple(sorted((k, type(v).__name__, setting_key(v)) for k, v in vars(module).items()
-                                         if k not in STRUCTURE_KEPT_APART
-                                         and not isinstance(v, (torch.Tensor, torch.nn.Module)))))
-                     for name, module in op.model.named_modules())
+    settings = tuple(
+        (
+            name,
+            tuple(
+                sorted(
+                    (k, type(v).__name__, setting_key(v))
+                    for k, v in vars(module).items()
+                    if k not in STRUCTURE_KEPT_APART and not isinstance(v, (torch.Tensor, torch.nn.Module))
+                )
+            ),
+        )
+        for name, module in op.model.named_modules()
+    )
     try:
         signature = Signature.of(inputs, example, modes).catalog_key
     except TypeError:
         return None
     mode_key = tuple((path, type(value).__name__, repr(value)) for path, value in modes.items())
     # The guards: the host values frozen into the export (a cache's length), by regime.
-    return ((type(op.model), tensors, settings), op.ob.method, tuple(op.sites), tuple(sorted(op.trims.items())),
-            signature, mode_key, guards)
+    return (
+        (type(op.model), tensors, settings),
+        op.ob.method,
+        tuple(op.sites),
+        tuple(sorted(op.trims.items())),
+        signature,
+        mode_key,
+        guards,
+    )

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-
 from ..binding import (
     SELF,
     get_path,
@@ -43,8 +42,9 @@ def read_guards(op: BoundOperator, roots: dict[str, Any]) -> tuple[Hosts, tuple,
     value and type (True and 1 are not the same program)."""
     arguments = host_values(root_arguments(roots))
     regimes = argument_regimes(op, arguments, roots)
-    counted = tuple((p, regimes[p].component(arguments[p])) for p in regimes if p in arguments
-                    and not isinstance(regimes[p], Unread))
+    counted = tuple(
+        (p, regimes[p].component(arguments[p])) for p in regimes if p in arguments and not isinstance(regimes[p], Unread)
+    )
     key = guard_key({p: v for p, v in arguments.items() if p not in regimes}, regimes)
     if op._settings is None:
         return Hosts(arguments, (), []), counted, (key,)
@@ -52,15 +52,22 @@ def read_guards(op: BoundOperator, roots: dict[str, Any]) -> tuple[Hosts, tuple,
     if op._settings_version != op._settings.version:
         op._settings_version = op._settings.version
         everything = {SELF: op.model}
-        found = {concrete: regime for regime in op.ob.regimes if not isinstance(regime, Unread)
-                 and regime.path.split(".")[0] == SELF for concrete in resolved_paths(op, everything, regime)}
+        found = {
+            concrete: regime
+            for regime in op.ob.regimes
+            if not isinstance(regime, Unread) and regime.path.split(".")[0] == SELF
+            for concrete in resolved_paths(op, everything, regime)
+        }
         op._settings_regimes = [(i, found[p]) for i, p in enumerate(op._settings.paths) if p in found]
     components = list(values)
     for i, regime in op._settings_regimes:
         components[i] = None  # keyed by its regime, in `counted`
         counted += ((op._settings.paths[i], regime.component(values[i])),)
-    return (Hosts(arguments, op._settings.paths, values), counted,
-            (key, op._settings_version, tuple(components), tuple(map(type, values))))
+    return (
+        Hosts(arguments, op._settings.paths, values),
+        counted,
+        (key, op._settings_version, tuple(components), tuple(map(type, values))),
+    )
 
 
 def resolved_paths(op: BoundOperator, roots: dict[str, Any], regime: Regime) -> set[str]:
@@ -74,8 +81,12 @@ def resolved_paths(op: BoundOperator, roots: dict[str, Any], regime: Regime) -> 
 
 def unread_paths(op: BoundOperator) -> frozenset[str]:
     """The model's paths an `Unread` regime covers (the settings walk skips them and what is under them)."""
-    return frozenset(p for regime in op.ob.regimes if isinstance(regime, Unread) and regime.path.split(".")[0] == SELF
-                     for p in resolved_paths(op, {SELF: op.model}, regime))
+    return frozenset(
+        p
+        for regime in op.ob.regimes
+        if isinstance(regime, Unread) and regime.path.split(".")[0] == SELF
+        for p in resolved_paths(op, {SELF: op.model}, regime)
+    )
 
 
 def argument_regimes(op: BoundOperator, hosts: dict[str, Any], roots: dict[str, Any]) -> dict[str, Regime]:
@@ -98,7 +109,9 @@ def argument_regimes(op: BoundOperator, hosts: dict[str, Any], roots: dict[str, 
 
 def all_regimes(op: BoundOperator) -> dict[str, Regime]:
     """Every regime by the concrete path it covers now, in the arguments and the model."""
-    return {**op._regime_of, **{op._settings.paths[i]: r for i, r in op._settings_regimes}} if op._settings else dict(op._regime_of)
+    return (
+        {**op._regime_of, **{op._settings.paths[i]: r for i, r in op._settings_regimes}} if op._settings else dict(op._regime_of)
+    )
 
 
 def unseen_value(op: BoundOperator, cls: OperatorClass, hosts: Hosts, roots: dict[str, Any]) -> bool:
@@ -116,13 +129,17 @@ def spanned_values(op: BoundOperator, cls: OperatorClass, hosts: dict[str, Any],
     return tuple(v if isinstance(v, HOST_SCALARS) else type(v).__name__ for v in values)
 
 
-def nearest_guard(op: BoundOperator, variants: list[OperatorClass], hosts: dict[str, Any], regimes: dict[str, Regime],
-                   signature) -> tuple[str, str]:
+def nearest_guard(
+    op: BoundOperator, variants: list[OperatorClass], hosts: dict[str, Any], regimes: dict[str, Regime], signature
+) -> tuple[str, str]:
     """The path by which this call differs from the captured variant nearest to it, and how."""
     best = None
     for cls in variants:
-        differing = [p for p in hosts.keys() | cls.hosts.keys()
-                     if guard_key({p: hosts.get(p)}, regimes) != guard_key({p: cls.hosts.get(p)}, regimes)]
+        differing = [
+            p
+            for p in hosts.keys() | cls.hosts.keys()
+            if guard_key({p: hosts.get(p)}, regimes) != guard_key({p: cls.hosts.get(p)}, regimes)
+        ]
         if best is None or len(differing) < len(best[1]):
             best = (cls, sorted(differing))
     cls, differing = best
@@ -130,7 +147,8 @@ def nearest_guard(op: BoundOperator, variants: list[OperatorClass], hosts: dict[
         return "signature", f"its inputs, layouts or modes ({signature.describe()})"
     path = differing[0]
     return path, f"{path} is {hosts.get(path)!r}, {cls.name} was captured at {cls.hosts.get(path)!r}" + (
-        f", and {len(differing) - 1} more value(s)" if len(differing) > 1 else "")
+        f", and {len(differing) - 1} more value(s)" if len(differing) > 1 else ""
+    )
 
 
 def units_mismatch(op: BoundOperator, classes: list[OperatorClass], staged: dict[str, Any]) -> str | None:
@@ -144,5 +162,7 @@ def units_mismatch(op: BoundOperator, classes: list[OperatorClass], staged: dict
     if shapes == first:
         return None
     differing = [f"{path} {a} (the class was captured at {b})" for (path, a), (_, b) in zip(shapes, first) if a != b]
-    return (f"{op.ob.operator}: the binding's units={op.ob.units} says every call brings {op.ob.units} units, "
-            f"but this call's inputs differ: {', '.join(differing) or shapes}; bind units as (argument, axis)")
+    return (
+        f"{op.ob.operator}: the binding's units={op.ob.units} says every call brings {op.ob.units} units, "
+        f"but this call's inputs differ: {', '.join(differing) or shapes}; bind units as (argument, axis)"
+    )

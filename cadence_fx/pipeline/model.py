@@ -37,7 +37,9 @@ class BoundModel(Transformed):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if len(self.operators) != 1:
-            raise TypeError(f"this model binds {len(self.operators)} operators: call operators[name], one of {sorted(self.operators)}")
+            raise TypeError(
+                f"this model binds {len(self.operators)} operators: call operators[name], one of {sorted(self.operators)}"
+            )
         return next(iter(self.operators.values()))(*args, **kwargs)
 
     def explain(self) -> str:
@@ -59,8 +61,10 @@ class BoundModel(Transformed):
 
     def _carries(self) -> list[WindowCarry]:
         if not all(op.carries for op in self.operators.values()):
-            raise RuntimeError("the carries are allocated at each operator's first call: call the model once "
-                               "before taking or swapping session states")
+            raise RuntimeError(
+                "the carries are allocated at each operator's first call: call the model once "
+                "before taking or swapping session states"
+            )
         carries = [carry for op in self.operators.values() for carry in op.carries.values()]
         return list({id(c): c for c in carries}.values())  # operators binding one region share its carries
 
@@ -94,13 +98,20 @@ def transform_bound(model: Any, contract: Contract, binding: Binding, catalog: C
     signatures = check_binding(model, contract, binding)
     for op in catalog.operators:
         if op.name in signatures and not op.in_scope:
-            raise ValueError(f"operator {op.name!r}: {op.verdict}; raise the budget (transform(..., budget=N), "
-                             f"`--budget N` on the CLI) to capture all {op.width} classes")
+            raise ValueError(
+                f"operator {op.name!r}: {op.verdict}; raise the budget (transform(..., budget=N), "
+                f"`--budget N` on the CLI) to capture all {op.width} classes"
+            )
     shared: dict[tuple[str, tuple[int, ...]], WindowCarry] = {}
-    operators = {ob.operator: BoundOperator(model, contract, catalog, binding, ob, signatures[ob.operator], report,
-                                            replay=replay, shared=shared)
-                 for ob in binding.operators}
-    report.stamps.append(f"binding: {len(binding.regions)} region(s), {len(binding.operators)} operator(s); classes are "
-                         f"captured at their first visit and verified against the stock call on {binding.verify}")
+    operators = {
+        ob.operator: BoundOperator(
+            model, contract, catalog, binding, ob, signatures[ob.operator], report, replay=replay, shared=shared
+        )
+        for ob in binding.operators
+    }
+    report.stamps.append(
+        f"binding: {len(binding.regions)} region(s), {len(binding.operators)} operator(s); classes are "
+        f"captured at their first visit and verified against the stock call on {binding.verify}"
+    )
     report.operators = operators
     return BoundModel(model, operators, report)

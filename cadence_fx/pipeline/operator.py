@@ -30,7 +30,7 @@ from ..passes.window import WindowCarry
 from ..replay import ExactShapeReplay, Signature
 from .export import capture_class
 from .guard import all_regimes, nearest_guard, read_guards, units_mismatch, unread_paths, unseen_value
-from .records import OperatorClass, OperatorCounters, VARIANTS, class_name
+from .records import VARIANTS, OperatorClass, OperatorCounters, class_name
 from .state import allocate, carry_view, commit_state, region_extent, site_places, site_shape_error, switch_stream
 from .step import root_arguments, staged_inputs
 from .verify import verify_class
@@ -40,9 +40,19 @@ class BoundOperator:
     """One hot operator of a bound model: call it as the stock method. It binds the regions whose
     paths start at its method's arguments (or the model itself)."""
 
-    def __init__(self, model: Any, contract: Contract, catalog: Catalog, binding: Binding, ob: OperatorBinding,
-                 signature: inspect.Signature, report, *, replay: bool,
-                 shared: dict[tuple[str, tuple[int, ...]], WindowCarry]):
+    def __init__(
+        self,
+        model: Any,
+        contract: Contract,
+        catalog: Catalog,
+        binding: Binding,
+        ob: OperatorBinding,
+        signature: inspect.Signature,
+        report,
+        *,
+        replay: bool,
+        shared: dict[tuple[str, tuple[int, ...]], WindowCarry],
+    ):
         self.model, self.contract, self.catalog, self.binding, self.ob = model, contract, catalog, binding, ob
         self.method = method_of(model, ob.method)
         self.signature = signature
@@ -60,7 +70,8 @@ class BoundOperator:
         self.roots = {p.split(".")[0] for rb in self.regions for p in rb.at} | {p.split(".")[0] for p in ob.counters}
         # The arguments the binding's paths go through (a state object, not a site itself).
         self._through = {p.split(".")[0] for rb in self.regions for p in rb.at if "." in p} | {
-            p.split(".")[0] for p in ob.counters if "." in p} - {SELF}
+            p.split(".")[0] for p in ob.counters if "." in p
+        } - {SELF}
         self.counters = OperatorCounters()
         self.classes: dict[tuple, OperatorClass] = {}
         self.carries: dict[str, WindowCarry] = {}
@@ -157,17 +168,19 @@ class BoundOperator:
                     self.report.stamps.append(
                         f"{class_name(self.ob.operator, units, extent)}: {VARIANTS} variants captured and this call differs "
                         f"from each ({why}): runs the stock code from here; pass a value that changes every call as a "
-                        "tensor, or declare the counter's regime in the binding (`OperatorBinding.regimes`)")
+                        "tensor, or declare the counter's regime in the binding (`OperatorBinding.regimes`)"
+                    )
                 return self._stock(roots, inputs, "variants" if path == "signature" else f"guard:{path}")
-            cls = self.classes[key] = capture_class(self, roots, staged, state, call, modes, hosts.as_dict(), counted, guards,
-                                                    len(variants))
+            cls = self.classes[key] = capture_class(
+                self, roots, staged, state, call, modes, hosts.as_dict(), counted, guards, len(variants)
+            )
         if cls.refused is not None:
             return self._stock(roots, inputs, "refused")
         if cls.verify_left > 0 or unseen_value(self, cls, hosts, roots):
             return verify_class(self, cls, roots, inputs, staged, state, hosts.as_dict())
         self._current = cls
         # The class's name keys the engine's call: each class its own graphs, whatever its signature.
-        outputs, new_state = (self.replay(staged, state, modes, cls.name) if self.replay is not None else cls.graph(staged, state))
+        outputs, new_state = self.replay(staged, state, modes, cls.name) if self.replay is not None else cls.graph(staged, state)
         self.counters.graph_calls += 1
         cls.calls += 1
         commit_state(self, places, new_state, state)
@@ -189,8 +202,10 @@ class BoundOperator:
                 arguments.update(value)
             elif kind is inspect.Parameter.VAR_POSITIONAL:
                 if value:
-                    raise TypeError(f"{self.ob.operator}: {len(value)} extra positional argument(s) for *{name}: "
-                                    f"a bound call names its arguments; pass them by keyword")
+                    raise TypeError(
+                        f"{self.ob.operator}: {len(value)} extra positional argument(s) for *{name}: "
+                        f"a bound call names its arguments; pass them by keyword"
+                    )
             else:
                 arguments[name] = value
         return arguments
@@ -208,8 +223,10 @@ class BoundOperator:
         for path in self.ob.modes:
             value = get_path({SELF: self.model, **arguments}, path)
             if not isinstance(value, (bool, int, float, str, type(None))):
-                raise TypeError(f"{self.ob.operator}: mode {path!r} is {type(value).__name__}; a mode is a host value "
-                                "(bool, int, float, str or None) that chooses what the call computes")
+                raise TypeError(
+                    f"{self.ob.operator}: mode {path!r} is {type(value).__name__}; a mode is a host value "
+                    "(bool, int, float, str or None) that chooses what the call computes"
+                )
             modes[path] = value
         return modes
 
@@ -248,7 +265,11 @@ class BoundOperator:
         if self.sites and all(roots[name] is not None for name in roots):
             for site, where in zip(self.sites, site_places(self).at(roots)):
                 value = where.get()
-                if site.out is None and value is not None and (site.region is None or site_shape_error(self, site, value) is None):
+                if (
+                    site.out is None
+                    and value is not None
+                    and (site.region is None or site_shape_error(self, site, value) is None)
+                ):
                     carry_view(self, where, site, value)
         self.counters.fallback(reason)
         return out

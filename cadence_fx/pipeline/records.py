@@ -62,8 +62,11 @@ class OperatorClass:
 def class_name(operator: str, units: int, extent: int, flush: bool = False, modes: dict[str, Any] | None = None) -> str:
     """The name of an operator's catalog class in reports, stamps and certificates (with the
     binding's modes, the values it was captured at)."""
-    return (f"{operator}[n={units},L={extent}]" + ("(flush)" if flush else "")
-            + (f"{{{', '.join(f'{p}={v!r}' for p, v in modes.items())}}}" if modes else ""))
+    return (
+        f"{operator}[n={units},L={extent}]"
+        + ("(flush)" if flush else "")
+        + (f"{{{', '.join(f'{p}={v!r}' for p, v in modes.items())}}}" if modes else "")
+    )
 
 
 #: Signatures (host values, layouts) captured per catalog class at most; more run the stock code.

@@ -18,9 +18,9 @@ from ..contract import DTYPES, carry_axis, fixed_extent
 from ..passes.carry import RetentionSite
 from ..passes.state import Resize
 from ..passes.window import Window, WindowError, rewrite_windows
-from .step import writes_in_place
 from .records import OperatorClass
 from .state import site_shape_error
+from .step import writes_in_place
 
 if TYPE_CHECKING:
     from .operator import BoundOperator
@@ -47,17 +47,47 @@ def ring_site(gm: torch.fx.GraphModule, graph: str, site: Site, axis: int, outpu
     if node.op == "placeholder" and node.name == placeholder:
         writes = [n for n in gm.graph.nodes if writes_in_place(n) and viewed_base(n.args[0]) is node]
         if not writes:  # another operator's ring, which this step only passes on
-            return RetentionSite(graph, leaf.name, site.region, axis, "ring", False,
-                                 f"{site.path}: not written by the step: passed through at its address")
+            return RetentionSite(
+                graph,
+                leaf.name,
+                site.region,
+                axis,
+                "ring",
+                False,
+                f"{site.path}: not written by the step: passed through at its address",
+            )
         writer = leaf if leaf is not node else writes[-1]
-        return RetentionSite(graph, writer.name, site.region, axis, "ring", False,
-                             f"{site.path}: written in place by the step ({writer.name}): the carry is the ring, nothing to rewrite")
-    return RetentionSite(graph, leaf.name, site.region, axis, "ring", False,
-                         f"{site.path}: returned anew by the step ({leaf.name}): copied into its carry after every call")
+        return RetentionSite(
+            graph,
+            writer.name,
+            site.region,
+            axis,
+            "ring",
+            False,
+            f"{site.path}: written in place by the step ({writer.name}): the carry is the ring, nothing to rewrite",
+        )
+    return RetentionSite(
+        graph,
+        leaf.name,
+        site.region,
+        axis,
+        "ring",
+        False,
+        f"{site.path}: returned anew by the step ({leaf.name}): copied into its carry after every call",
+    )
 
 
-def rewrite_class(op: BoundOperator, cls: OperatorClass, gm: torch.fx.GraphModule, inputs, example, modes: dict[str, Any], call: CatalogClass,
-             name: str, started: float) -> OperatorClass:
+def rewrite_class(
+    op: BoundOperator,
+    cls: OperatorClass,
+    gm: torch.fx.GraphModule,
+    inputs,
+    example,
+    modes: dict[str, Any],
+    call: CatalogClass,
+    name: str,
+    started: float,
+) -> OperatorClass:
     """The exported step `gm` of class `cls`, its retention rewritten onto the carries."""
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     positions = {}
@@ -76,25 +106,32 @@ def rewrite_class(op: BoundOperator, cls: OperatorClass, gm: torch.fx.GraphModul
             raise ValueError(f"{op.ob.operator}: after the call {error}")
         region, derived = op.contract.region(site.region), op.catalog.region(site.region)
         if fixed_extent(region.retention):
-            rings.append(ring_site(gm, name, site, op.carries[site.path].axis, out_leaves[i],
-                                    positions.get(f"[0][1][{i}]")))
+            rings.append(ring_site(gm, name, site, op.carries[site.path].axis, out_leaves[i], positions.get(f"[0][1][{i}]")))
             continue
         keep = derived.lower + derived.window
         # Another region's extent is its own (a sliding window still filling beside a growing
         # cache): what this call brings, not its bound.
-        retained = call.extent if site.region == op.op.region else (
-            0 if example[i] is None else example[i].shape[op.carries[site.path].axis])
-        windows.append(Window(
-            site=site.path, region=site.region, output=out_leaves[i],
-            input=None if example[i] is None else positions.get(f"[0][1][{i}]"),
-            axis=op.carries[site.path].axis, keep=keep,
-            # Each region advances by its own units: the operator's call on its own region,
-            # another region's stride on that one (a downsampled path beside the main one).
-            live=retained + (call.call if site.region == op.op.region else region.stride),
-            held=region.holds_call,
-            head=region.retention.head,
-            copy=site.out is not None,
-        ))
+        retained = (
+            call.extent
+            if site.region == op.op.region
+            else (0 if example[i] is None else example[i].shape[op.carries[site.path].axis])
+        )
+        windows.append(
+            Window(
+                site=site.path,
+                region=site.region,
+                output=out_leaves[i],
+                input=None if example[i] is None else positions.get(f"[0][1][{i}]"),
+                axis=op.carries[site.path].axis,
+                keep=keep,
+                # Each region advances by its own units: the operator's call on its own region,
+                # another region's stride on that one (a downsampled path beside the main one).
+                live=retained + (call.call if site.region == op.op.region else region.stride),
+                held=region.holds_call,
+                head=region.retention.head,
+                copy=site.out is not None,
+            )
+        )
     if call.extent == max(op.op_catalog.grid) and not call.flush:
         account_pinned(op, windows)
     try:
@@ -124,5 +161,13 @@ def account_pinned(op: BoundOperator, windows: list[Window]) -> None:
             continue
         region, derived = op.contract.region(rb.region), op.catalog.region(rb.region)
         stock = tuple(live.pop() if i == carry_axis(region) else d for i, d in enumerate(derived.shape))
-        op.report.resizes.append(Resize(" + ".join(rb.at), rb.region, stock, DTYPES[region.dtype].itemsize * math.prod(stock),
-                                          derived.shape, derived.bytes))
+        op.report.resizes.append(
+            Resize(
+                " + ".join(rb.at),
+                rb.region,
+                stock,
+                DTYPES[region.dtype].itemsize * math.prod(stock),
+                derived.shape,
+                derived.bytes,
+            )
+        )

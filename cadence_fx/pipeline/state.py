@@ -7,7 +7,8 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,8 +36,14 @@ if TYPE_CHECKING:
 def holds_region(values: list[Any], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> bool:
     """The model's tensors at a region's sites already are its carries: each distinct, dense, of the
     site's derived shape and the region's dtype, on the model's device."""
-    return all(isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(shape) and v.dtype == dtype
-               and v.device == device and v.is_contiguous() for v in values) and len({v.data_ptr() for v in values}) == len(values)
+    return all(
+        isinstance(v, torch.Tensor)
+        and tuple(v.shape) == tuple(shape)
+        and v.dtype == dtype
+        and v.device == device
+        and v.is_contiguous()
+        for v in values
+    ) and len({v.data_ptr() for v in values}) == len(values)
 
 
 def weak_reference(value: Any) -> Callable[[], Any]:
@@ -55,8 +62,7 @@ def switch_stream(op: BoundOperator, roots: dict[str, Any]) -> None:
     session states swapped). State a call returns (`out`) is the caller's to keep apart."""
     owner = tuple((name, id(value)) for name, value in roots.items() if name != SELF)
     last = op._owner
-    if last is not None and last[0] == owner and all(last[1][name]() is value for name, value in roots.items()
-                                                     if name != SELF):
+    if last is not None and last[0] == owner and all(last[1][name]() is value for name, value in roots.items() if name != SELF):
         return  # the same objects as the last call's (every steady call; an id reused is not)
     op._owner = (owner, {name: weak_reference(value) for name, value in roots.items() if name != SELF})
     if last is None or not op.carries:
@@ -73,8 +79,9 @@ def switch_stream(op: BoundOperator, roots: dict[str, Any]) -> None:
         except (AttributeError, KeyError, IndexError, TypeError):
             continue  # the other stream's object no longer has the site: nothing of ours in it
         held = op.held.get(site.path) if site.region is None else None
-        if isinstance(value, torch.Tensor) and ((held is not None and value is held)
-                                                or (site.region is not None and op.carries[site.path].holds(value))):
+        if isinstance(value, torch.Tensor) and (
+            (held is not None and value is held) or (site.region is not None and op.carries[site.path].holds(value))
+        ):
             where.set(value.clone())
             op.counters.evicted += 1
 
@@ -88,19 +95,24 @@ def allocate(op: BoundOperator, roots: dict[str, Any]) -> None:
         lead = len(found[0].index) if found else 0
         leading = derived.shape[:lead]
         if not found or [s.index for s in found] != list(itertools.product(*map(range, leading))):
-            raise ValueError(f"region {rb.region!r}: the binding's paths {rb.at} reach {len(found)} tensors "
-                             f"({[s.path for s in found][:4]}...), the contract's leading dims "
-                             f"{leading} ask for {math.prod(leading)}")
+            raise ValueError(
+                f"region {rb.region!r}: the binding's paths {rb.at} reach {len(found)} tensors "
+                f"({[s.path for s in found][:4]}...), the contract's leading dims "
+                f"{leading} ask for {math.prod(leading)}"
+            )
         axis = carry_axis(region)
         if axis < lead:
-            raise ValueError(f"region {rb.region!r}: its retention axis {axis} is one of the {lead} "
-                             "leading dims the binding's paths index; bind the tensors that hold the axis")
+            raise ValueError(
+                f"region {rb.region!r}: its retention axis {axis} is one of the {lead} "
+                "leading dims the binding's paths index; bind the tensors that hold the axis"
+            )
         allocated = rb.region in op.report.carries or any(key[0] == rb.region for key in op.shared)
         values = [get_path(roots, site.path) for site in found]
         # A region written before it is read that the model already holds at its derived shape
         # stays where it is: a new buffer and a copy would cost its size again (a batch's rings).
-        by_reference = not allocated and rb.write_before_read and holds_region(
-            values, derived.shape[lead:], DTYPES[region.dtype], device)
+        by_reference = (
+            not allocated and rb.write_before_read and holds_region(values, derived.shape[lead:], DTYPES[region.dtype], device)
+        )
         if not allocated and not by_reference:
             # Never an inference tensor (a first call under a vendor's `torch.inference_mode()`):
             # the carry is written in place outside it too (a turn reset, a swap).
@@ -122,16 +134,25 @@ def allocate(op: BoundOperator, roots: dict[str, Any]) -> None:
                 head = retention.head
                 op.trims[len(op.sites)] = (carry.axis, derived.lower + derived.window, head)
             op.sites.append(site)
-        op.region_tensors[rb.region] = ([op.report.carries[rb.region].buffer] if rb.region in op.report.carries
-                                          else [op.shared[(rb.region, site.index)].buffer for site in found])
+        op.region_tensors[rb.region] = (
+            [op.report.carries[rb.region].buffer]
+            if rb.region in op.report.carries
+            else [op.shared[(rb.region, site.index)].buffer for site in found]
+        )
         if not allocated:
-            where = (f"kept where the model holds it ({len(found)} tensor{'s' if len(found) > 1 else ''}), none allocated"
-                     if by_reference
-                     else f"{len(found)} sites at one address each")
+            where = (
+                f"kept where the model holds it ({len(found)} tensor{'s' if len(found) > 1 else ''}), none allocated"
+                if by_reference
+                else f"{len(found)} sites at one address each"
+            )
             op.report.stamps.append(
                 f"state rule: {rb.region} at {'x'.join(map(str, derived.shape))} ({format_bytes(derived.bytes)}), {where}"
-                + ("; written before read (the binding says so): never copied, verified through the outputs it feeds"
-                   if rb.write_before_read else ""))
+                + (
+                    "; written before read (the binding says so): never copied, verified through the outputs it feeds"
+                    if rb.write_before_read
+                    else ""
+                )
+            )
     for path in counter_paths(op, roots):
         value = get_path(roots, path)
         if isinstance(value, torch.Tensor):  # a device-side counter: state of its own, at one address
@@ -139,12 +160,16 @@ def allocate(op: BoundOperator, roots: dict[str, Any]) -> None:
                 op.held[path] = value.detach().clone()
             op.sites.append(Site(None, path, ()))
     if op._replay_wanted and op.report.auditor is None:  # without CUDA the engine runs eager and says so
-        op.replay = ExactShapeReplay(op._run, op._admit, name=op.ob.operator, aliased=[1],
-                                       modules=[op.model, op._holder] if isinstance(op.model, torch.nn.Module) else [op._holder],
-                                       host_counters=CarryCounters(list(op.carries.values())),
-                                       hooks=(HostConstantHoist(),),
-                                       write_before_read=[t for rb in op.regions if rb.write_before_read
-                                                          for t in op.region_tensors[rb.region]])
+        op.replay = ExactShapeReplay(
+            op._run,
+            op._admit,
+            name=op.ob.operator,
+            aliased=[1],
+            modules=[op.model, op._holder] if isinstance(op.model, torch.nn.Module) else [op._holder],
+            host_counters=CarryCounters(list(op.carries.values())),
+            hooks=(HostConstantHoist(),),
+            write_before_read=[t for rb in op.regions if rb.write_before_read for t in op.region_tensors[rb.region]],
+        )
         op.report.replays[op.ob.operator] = op.replay
 
 
@@ -159,10 +184,15 @@ def site_shape_error(op: BoundOperator, site: Site, value: torch.Tensor) -> str 
     carry = op.carries[site.path]
     expected = list(carry.buffer.shape)
     actual = list(value.shape)
-    if value.dtype != carry.buffer.dtype or len(actual) != len(expected) or any(
-            a != e for i, (a, e) in enumerate(zip(actual, expected)) if i != carry.axis):
-        return (f"{site.path} holds {value.dtype} {tuple(actual)}, the contract declares {carry.buffer.dtype} "
-                f"{tuple(expected[:carry.axis])} x extent x {tuple(expected[carry.axis + 1:])}")
+    if (
+        value.dtype != carry.buffer.dtype
+        or len(actual) != len(expected)
+        or any(a != e for i, (a, e) in enumerate(zip(actual, expected)) if i != carry.axis)
+    ):
+        return (
+            f"{site.path} holds {value.dtype} {tuple(actual)}, the contract declares {carry.buffer.dtype} "
+            f"{tuple(expected[: carry.axis])} x extent x {tuple(expected[carry.axis + 1 :])}"
+        )
     return None
 
 
@@ -198,8 +228,10 @@ def carry_view(op: BoundOperator, place: Place, site: Site, value: Any) -> torch
         view = op.held[site.path]
         if value is not view:
             if value.shape != view.shape or value.dtype != view.dtype:
-                raise ValueError(f"{op.ob.operator}: counter {site.path} holds {value.dtype} {tuple(value.shape)}, "
-                                 f"it held {view.dtype} {tuple(view.shape)} at the first call")
+                raise ValueError(
+                    f"{op.ob.operator}: counter {site.path} holds {value.dtype} {tuple(value.shape)}, "
+                    f"it held {view.dtype} {tuple(view.shape)} at the first call"
+                )
             if value.device != view.device:  # moved by the model (a cache placed lazily at its first call)
                 view = op.held[site.path] = value.detach().clone()
             view.copy_(value)

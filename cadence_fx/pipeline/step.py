@@ -93,7 +93,9 @@ class OpaqueOutput(TypeError):
 def holds_tensors(value: Any) -> bool:
     if isinstance(value, type):
         return False
-    names = [f.name for f in dataclasses.fields(value)] if dataclasses.is_dataclass(value) else list(getattr(value, "__dict__", ()))
+    names = (
+        [f.name for f in dataclasses.fields(value)] if dataclasses.is_dataclass(value) else list(getattr(value, "__dict__", ()))
+    )
     return any(isinstance(getattr(value, name, None), torch.Tensor) for name in names)
 
 
@@ -108,25 +110,32 @@ def output_structure(out: Any, roots: dict[str, Any]) -> tuple[list, tuple]:
             if root is None and holds_tensors(leaf):
                 # Kept whole, it would be the first call's object, its tensors returned by every later call.
                 kind = type(leaf)
-                raise OpaqueOutput(f"the call returns an object of type {kind.__name__} holding tensors, which torch's pytree does not "
-                                   f"flatten; register it (torch.utils._pytree.register_dataclass({kind.__name__}) for a "
-                                   "dataclass) or return a tuple, list or dict")
+                raise OpaqueOutput(
+                    f"the call returns an object of type {kind.__name__} holding tensors, which torch's pytree does not "
+                    f"flatten; register it (torch.utils._pytree.register_dataclass({kind.__name__}) for a "
+                    "dataclass) or return a tuple, list or dict"
+                )
             others[i] = ("root", root) if root is not None else ("value", leaf)
     return leaves, (spec, others)
 
 
 def input_shapes(inputs: dict[str, Any]) -> tuple:
     """The input tensors' shapes, by path."""
-    return tuple((pytree.keystr(path), tuple(leaf.shape)) for path, leaf in pytree.tree_flatten_with_path(inputs)[0]
-                 if isinstance(leaf, torch.Tensor))
+    return tuple(
+        (pytree.keystr(path), tuple(leaf.shape))
+        for path, leaf in pytree.tree_flatten_with_path(inputs)[0]
+        if isinstance(leaf, torch.Tensor)
+    )
 
 
 def staged_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
     """The copied inputs as the graphs take them: a view that is not dense (a slice of a longer
     signal) copied to a contiguous tensor, values unchanged, so a replay can stage it; the stock
     call keeps the caller's own, and verification compares the two."""
-    return {name: value.contiguous() if isinstance(value, torch.Tensor) and not is_dense(value) else value
-            for name, value in inputs.items()}
+    return {
+        name: value.contiguous() if isinstance(value, torch.Tensor) and not is_dense(value) else value
+        for name, value in inputs.items()
+    }
 
 
 def writes_in_place(node: torch.fx.Node) -> bool:

@@ -51,15 +51,19 @@ def bitwise_difference(a: Any, b: Any, names: tuple[str, ...] = ()) -> str | Non
     return None
 
 
-def program_hint(cls: "OperatorClass", hosts: dict[str, Any], counters: list[str]) -> str:
+def program_hint(cls: OperatorClass, hosts: dict[str, Any], counters: list[str]) -> str:
     """What to change when the programs differ."""
     moving = [p for p in counters if p in hosts and hosts[p] != cls.hosts.get(p)]
     if moving:
-        return (f"the class was captured at {', '.join(f'{p}={cls.hosts[p]!r}' for p in moving)} and this call has "
-                f"{', '.join(f'{p}={hosts[p]!r}' for p in moving)}: the computation reads the counter beyond its "
-                "declared regime; declare a regime that keeps these values apart, or pass the value as a tensor")
-    return ("the export took another code path than the stock call (a model that branches on whether it is being "
-            "traced); an attention implementation that does not (`eager`) or the stock path's own inputs avoid it")
+        return (
+            f"the class was captured at {', '.join(f'{p}={cls.hosts[p]!r}' for p in moving)} and this call has "
+            f"{', '.join(f'{p}={hosts[p]!r}' for p in moving)}: the computation reads the counter beyond its "
+            "declared regime; declare a regime that keeps these values apart, or pass the value as a tensor"
+        )
+    return (
+        "the export took another code path than the stock call (a model that branches on whether it is being "
+        "traced); an attention implementation that does not (`eager`) or the stock path's own inputs avoid it"
+    )
 
 
 def verify_class(op: BoundOperator, cls: OperatorClass, roots, inputs, staged, state, hosts: dict[str, Any]) -> Any:
@@ -88,8 +92,10 @@ def verify_class(op: BoundOperator, cls: OperatorClass, roots, inputs, staged, s
     method = method_of(private[SELF], op.ob.method) if SELF in private else op.method
     with torch.no_grad(), OpTrace() as stock_trace:
         traced = caller_trimmed(method(**inputs, **root_arguments(private)), op.sites, op.trims)
-    traced = ([x for x in output_structure(traced, private)[0] if isinstance(x, torch.Tensor)],
-              state_after(op.sites, private, traced))
+    traced = (
+        [x for x in output_structure(traced, private)[0] if isinstance(x, torch.Tensor)],
+        state_after(op.sites, private, traced),
+    )
     del private
     rng.restore()
     for site, value in zip(op.sites, state):
@@ -101,14 +107,18 @@ def verify_class(op: BoundOperator, cls: OperatorClass, roots, inputs, staged, s
     # A host value the stock call moves that the binding leaves out (a cache's `is_initialized`)
     # is one no graph call would move: a later stock call would then read a stale value.
     hosts_after, declared = host_values(root_arguments(roots)), tuple(counter_paths(op, roots))
-    moved = [f"{p} ({hosts_before.get(p)!r} -> {hosts_after.get(p)!r})" for p in sorted(hosts_before.keys() | hosts_after.keys())
-             if hosts_before.get(p) != hosts_after.get(p) and not any(p == d or p.startswith(d + ".") for d in declared)]
+    moved = [
+        f"{p} ({hosts_before.get(p)!r} -> {hosts_after.get(p)!r})"
+        for p in sorted(hosts_before.keys() | hosts_after.keys())
+        if hosts_before.get(p) != hosts_after.get(p) and not any(p == d or p.startswith(d + ".") for d in declared)
+    ]
     effects = {}
     for path, before in counters_before.items():
         after = get_path(roots, path)
         # A value set is kept as a copy: the object itself (a dict of flags) is this stream's.
-        effects[path] = (("set", copy.deepcopy(after)) if isinstance(after, bool) or not isinstance(after, int)
-                         else ("add", after - before))
+        effects[path] = (
+            ("set", copy.deepcopy(after)) if isinstance(after, bool) or not isinstance(after, int) else ("add", after - before)
+        )
     counters_after = {p: get_path(roots, p) for p in counters_before}
     rng.restore()
     for site, value, original in zip(op.sites, state, originals):
@@ -124,24 +134,31 @@ def verify_class(op: BoundOperator, cls: OperatorClass, roots, inputs, staged, s
     why = None
     program = first_difference(stock_trace.records, graph_trace.records)
     if program is not None:
-        why = (f"program: the exported step is not the program the stock call runs: {program}; "
-               + program_hint(cls, hosts, host_counter_paths(op, roots)))
+        why = f"program: the exported step is not the program the stock call runs: {program}; " + program_hint(
+            cls, hosts, host_counter_paths(op, roots)
+        )
     if why is None:
         repeat = bitwise_difference(exported, traced, ("output", "state"))
         if repeat is not None:
-            why = (f"the stock call does not repeat itself: the same program on the same inputs gave other bits "
-                   f"({repeat}); pin deterministic kernels (cadence_fx.determinism.pin_deterministic)")
+            why = (
+                f"the stock call does not repeat itself: the same program on the same inputs gave other bits "
+                f"({repeat}); pin deterministic kernels (cadence_fx.determinism.pin_deterministic)"
+            )
     if why is None:
         why = bitwise_difference((outputs, new_state), (stock_leaves, expected_state), ("output", "state"))
         if why is not None:
             why = f"the rewritten graph differs from the stock call: {why}"
     returned = output_structure(expected, roots)[1]
     if why is None and returned != cls.outputs:
-        why = (f"the call returned host values {returned[1]}, an earlier call of the class returned "
-               f"{cls.outputs[1]}: a graph would return the first ones every call")
+        why = (
+            f"the call returned host values {returned[1]}, an earlier call of the class returned "
+            f"{cls.outputs[1]}: a graph would return the first ones every call"
+        )
     if why is None and moved:
-        why = (f"the stock call moved host values the binding does not declare: {', '.join(moved)}; a graph would "
-               "not move them: bind them as the operator's counters")
+        why = (
+            f"the stock call moved host values the binding does not declare: {', '.join(moved)}; a graph would "
+            "not move them: bind them as the operator's counters"
+        )
     if why is None and cls.effects is not None and cls.effects != effects:
         why = f"host counters moved {effects}, an earlier call of the class moved them {cls.effects}"
     if why is not None:

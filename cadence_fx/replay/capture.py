@@ -8,7 +8,8 @@ import contextlib
 import contextvars
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -26,8 +27,7 @@ class CaptureHook(Protocol):
     or `NOT_HANDLED` to pass it on. A hook may also define `before_capture()`, called after the
     warm-up and before the capture of each class, outside any capture."""
 
-    def intercept(self, ctx: CaptureContext, func: Callable[..., Any], args: tuple,
-                  kwargs: dict[str, Any]) -> Any: ...
+    def intercept(self, ctx: CaptureContext, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any: ...
 
 
 class _Rejected(Exception):
@@ -52,8 +52,9 @@ def current_capture() -> CaptureContext | None:
 class CaptureContext:
     """What a hook may ask of the engine during one phase ("probe", "warmup" or "capture")."""
 
-    def __init__(self, phase: str, device: torch.device | None, recorder: _Recorder | None = None,
-                 host_data: Iterable[torch.Tensor] = ()):
+    def __init__(
+        self, phase: str, device: torch.device | None, recorder: _Recorder | None = None, host_data: Iterable[torch.Tensor] = ()
+    ):
         self.phase = phase
         self.device = device
         self._recorder = recorder
@@ -154,8 +155,7 @@ class _Recorder:
 
     @property
     def has_guards(self) -> bool:
-        return any(isinstance(s, _CutStep) and not all(isinstance(x, torch.Tensor) for x in s.statics)
-                   for s in self.steps)
+        return any(isinstance(s, _CutStep) and not all(isinstance(x, torch.Tensor) for x in s.statics) for s in self.steps)
 
     def begin(self) -> None:
         self._graph = torch.cuda.CUDAGraph()

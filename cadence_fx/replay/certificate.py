@@ -77,20 +77,25 @@ class Certificate:
 
     def explain(self) -> str:
         verdict = "admitted" if self.admitted else "REJECTED"
-        lines = [f"class {self.shape_class}: {verdict} ({self.reason})",
-                 f"  signature: {self.signature.describe()}"]
+        lines = [f"class {self.shape_class}: {verdict} ({self.reason})", f"  signature: {self.signature.describe()}"]
         if self.captured:
             lines.append(f"  captured: {self.segments} graph segment(s) on thread {self.thread!r}")
         if self.pool_reserved_bytes is not None:
-            lines.append(f"  memory: staging {_mib(self.staged_bytes)} (the memory model's charge), graph pool grew "
-                         f"{_mib(self.pool_reserved_bytes)}, reserved grew {_mib(self.reserved_bytes)} in all")
+            lines.append(
+                f"  memory: staging {_mib(self.staged_bytes)} (the memory model's charge), graph pool grew "
+                f"{_mib(self.pool_reserved_bytes)}, reserved grew {_mib(self.reserved_bytes)} in all"
+            )
         elif not self.admitted:
             lines.append(f"  refused on thread {self.thread!r}")
         lines.append("  checked: " + ", ".join(self.checks))
         rng = ", ".join(f"+{a}" for a in self.device_rng_advance if a) or "none"
         lines.append(f"  host RNG: {', '.join(self.host_rng) or 'none'}; device RNG philox offset: {rng}")
-        for title, items in (("aliased", self.aliased), ("copied", self.copied), ("writes", self.writes),
-                             ("written back", self.written_back)):
+        for title, items in (
+            ("aliased", self.aliased),
+            ("copied", self.copied),
+            ("writes", self.writes),
+            ("written back", self.written_back),
+        ):
             if items:
                 lines.append(f"  {title}: {', '.join(items)}")
         lines += [f"  host constant {c}" for c in self.host_constants]

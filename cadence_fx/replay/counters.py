@@ -19,6 +19,11 @@ class ReplayCounters:
     fallbacks: Counter = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"calls": self.calls, "captures": self.captures, "replays": self.replays,
-                "eager": self.eager, "invalidations": self.invalidations,
-                "fallbacks": dict(sorted(self.fallbacks.items()))}
+        return {
+            "calls": self.calls,
+            "captures": self.captures,
+            "replays": self.replays,
+            "eager": self.eager,
+            "invalidations": self.invalidations,
+            "fallbacks": dict(sorted(self.fallbacks.items())),
+        }

@@ -6,8 +6,9 @@ joins the two."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .certificate import Certificate
 from .signature import (

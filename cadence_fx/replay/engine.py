@@ -8,7 +8,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Any, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -95,12 +96,25 @@ class ExactShapeReplay:
     (`cadence_fx.replay.gate`), replays are not.
     """
 
-    def __init__(self, fn: Callable[..., Any], catalog: ReplayCatalog, *, name: str | None = None,
-                 aliased: Sequence[int | str] = (), hooks: Sequence[CaptureHook] = (),
-                 modules: Sequence[torch.nn.Module] | None = None, output_rule: str = "clone",
-                 host_counters: HostCounters | None = None, warmup: int = 2, max_invalidations: int = 3,
-                 check_module_state: bool = True, pool: Any = None, inference: bool = False,
-                 write_before_read: Sequence[torch.Tensor] = (), debug: bool = False):
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        catalog: ReplayCatalog,
+        *,
+        name: str | None = None,
+        aliased: Sequence[int | str] = (),
+        hooks: Sequence[CaptureHook] = (),
+        modules: Sequence[torch.nn.Module] | None = None,
+        output_rule: str = "clone",
+        host_counters: HostCounters | None = None,
+        warmup: int = 2,
+        max_invalidations: int = 3,
+        check_module_state: bool = True,
+        pool: Any = None,
+        inference: bool = False,
+        write_before_read: Sequence[torch.Tensor] = (),
+        debug: bool = False,
+    ):
         if output_rule not in ("clone", "static"):
             raise ValueError(f"output_rule must be 'clone' or 'static', not {output_rule!r}")
         if warmup < 1:
@@ -140,9 +154,15 @@ class ExactShapeReplay:
     def memory(self) -> dict[str, dict[str, int | None]]:
         """Per captured class: staged bytes (the memory model's charge) against the graph pool's
         measured growth at its capture (`Certificate`); empty without CUDA."""
-        return {name: {"staged_bytes": c.staged_bytes, "pool_reserved_bytes": c.pool_reserved_bytes,
-                       "reserved_bytes": c.reserved_bytes}
-                for name, c in self.certificates.items() if c.pool_reserved_bytes is not None}
+        return {
+            name: {
+                "staged_bytes": c.staged_bytes,
+                "pool_reserved_bytes": c.pool_reserved_bytes,
+                "reserved_bytes": c.reserved_bytes,
+            }
+            for name, c in self.certificates.items()
+            if c.pool_reserved_bytes is not None
+        }
 
     @property
     def module_state(self) -> tuple[torch.Tensor, ...]:
@@ -159,8 +179,10 @@ class ExactShapeReplay:
 
     def explain(self) -> str:
         c = self.counters
-        lines = [f"ExactShapeReplay {self.name}: {c.calls} calls, {c.captures} captures, {c.replays} replays, "
-                 f"{c.eager} eager, {c.invalidations} invalidations"]
+        lines = [
+            f"ExactShapeReplay {self.name}: {c.calls} calls, {c.captures} captures, {c.replays} replays, "
+            f"{c.eager} eager, {c.invalidations} invalidations"
+        ]
         if c.fallbacks:
             lines.append("  eager by reason: " + ", ".join(f"{k}={v}" for k, v in sorted(c.fallbacks.items())))
         for st in self.dispatcher.classes.values():
@@ -177,11 +199,13 @@ class ExactShapeReplay:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._inside.acquire(blocking=False):
-            raise ReplayError(f"{self.name}: called from thread {threading.current_thread().name!r} while another "
-                              "thread is inside it: one engine serves one thread at a time (its static buffers "
-                              "and graphs are one stream's); give each thread its own engine")
+            raise ReplayError(
+                f"{self.name}: called from thread {threading.current_thread().name!r} while another "
+                "thread is inside it: one engine serves one thread at a time (its static buffers "
+                "and graphs are one stream's); give each thread its own engine"
+            )
         try:
-            with GATE.shared(), (torch.no_grad() if self.inference else contextlib.nullcontext()):
+            with GATE.shared(), torch.no_grad() if self.inference else contextlib.nullcontext():
                 return self._call(args, kwargs)
         finally:
             self._inside.release()

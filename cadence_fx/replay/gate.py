@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 __all__ = ["DeviceGate", "GATE"]
 

@@ -5,7 +5,7 @@ so a tensor rebound or whose storage was swapped is drift)."""
 from __future__ import annotations
 
 import operator
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

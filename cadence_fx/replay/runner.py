@@ -8,7 +8,8 @@ import contextlib
 import gc
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cadence_fx.replay")
 
+
 class ReplayError(RuntimeError):
     """A replay could not complete and the call's effects cannot be undone, or the engine was
     driven in a way it cannot serve (from two threads at once)."""
@@ -49,14 +51,18 @@ class ReplayError(RuntimeError):
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _shares_module_state(names: list[str], leaves: list[Any], aliased: frozenset[int],
-                         buffers: list[tuple[str, torch.Tensor]]) -> list[str]:
+def _shares_module_state(
+    names: list[str], leaves: list[Any], aliased: frozenset[int], buffers: list[tuple[str, torch.Tensor]]
+) -> list[str]:
     """Copied arguments that are views of a module buffer: staging them would feed the graph a
     snapshot while the callable updates the buffer itself (the stock Token2Wav cache is a view of
     the CFM's own cache buffer on its first chunks)."""
     storages = {b.untyped_storage().data_ptr(): n for n, b in buffers if b.untyped_storage().data_ptr()}
-    return [f"{names[i]} ~ {storages[x.untyped_storage().data_ptr()]}" for i, x in enumerate(leaves)
-            if isinstance(x, torch.Tensor) and i not in aliased and x.untyped_storage().data_ptr() in storages]
+    return [
+        f"{names[i]} ~ {storages[x.untyped_storage().data_ptr()]}"
+        for i, x in enumerate(leaves)
+        if isinstance(x, torch.Tensor) and i not in aliased and x.untyped_storage().data_ptr() in storages
+    ]
 
 
 @contextlib.contextmanager
@@ -86,14 +92,19 @@ def capture_device(engine: ExactShapeReplay, leaves: list[Any]) -> torch.device 
     return None
 
 
-def certify_and_capture(engine: ExactShapeReplay, st: ClassState, sig: Signature, leaves: list[Any], spec: tuple,
-                         args: tuple, kwargs: dict[str, Any]) -> Any:
+def certify_and_capture(
+    engine: ExactShapeReplay, st: ClassState, sig: Signature, leaves: list[Any], spec: tuple, args: tuple, kwargs: dict[str, Any]
+) -> Any:
     names = st.names
     device = capture_device(engine, leaves)
     buffers = [(f"buffer {n}", b) for m in engine.modules for n, b in m.named_buffers()]
-    snapshot = StateSnapshot.of([(n, x) for n, x in [*((names[i], x) for i, x in enumerate(leaves)
-                                                        if isinstance(x, torch.Tensor)), *buffers]
-                                 if x.untyped_storage().data_ptr() not in engine._unsnapshotted])
+    snapshot = StateSnapshot.of(
+        [
+            (n, x)
+            for n, x in [*((names[i], x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)), *buffers]
+            if x.untyped_storage().data_ptr() not in engine._unsnapshotted
+        ]
+    )
     rng = RngState.capture()
     bindings = [(mod, dict(mod._buffers)) for m in engine.modules for mod in m.modules()]
     host_roots = [x for x in leaves if isinstance(x, torch.Tensor) and x.device.type == "cpu"]
@@ -126,8 +137,9 @@ def certify_and_capture(engine: ExactShapeReplay, st: ClassState, sig: Signature
             raise
         after = RngState.capture()
         writes = snapshot.written()
-        rebound = [f"{type(mod).__name__}.{n}" for mod, saved in bindings for n, b in saved.items()
-                   if mod._buffers.get(n) is not b]
+        rebound = [
+            f"{type(mod).__name__}.{n}" for mod, saved in bindings for n, b in saved.items() if mod._buffers.get(n) is not b
+        ]
         for mod, saved in bindings:
             mod._buffers.update(saved)
         snapshot.restore()
@@ -137,35 +149,57 @@ def certify_and_capture(engine: ExactShapeReplay, st: ClassState, sig: Signature
         torch.cuda.current_stream(device).wait_stream(stream)
     host_rng = rng.host_readers(after)
     copied = [names[i] for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and i not in st.aliased]
-    base = dict(shape_class=st.shape_class.name, signature=sig, host_rng=host_rng,
-                thread=threading.current_thread().name,
-                device_rng_advance=rng.device_advance(after), writes=writes,
-                aliased=tuple(names[i] for i in st.aliased), copied=tuple(copied),
-                host_constants=tuple(probe.constants.values()),
-                cuts=tuple(CutRecord(n, r, c) for n, (r, c) in probe.cuts.items()), checks=tuple(checks))
+    base = dict(
+        shape_class=st.shape_class.name,
+        signature=sig,
+        host_rng=host_rng,
+        thread=threading.current_thread().name,
+        device_rng_advance=rng.device_advance(after),
+        writes=writes,
+        aliased=tuple(names[i] for i in st.aliased),
+        copied=tuple(copied),
+        host_constants=tuple(probe.constants.values()),
+        cuts=tuple(CutRecord(n, r, c) for n, (r, c) in probe.cuts.items()),
+        checks=tuple(checks),
+    )
     refusal: Miss | None = None
     if rejected is not None:
         refusal = Miss(rejected.reason, (rejected.detail,))
     elif host_rng:
-        refusal = Miss(MissReason.HOST_RNG, (f"reads the host RNG ({', '.join(host_rng)}); "
-                                             "a graph would freeze the drawn values",))
+        refusal = Miss(
+            MissReason.HOST_RNG, (f"reads the host RNG ({', '.join(host_rng)}); a graph would freeze the drawn values",)
+        )
     elif rebound:
         refusal = Miss(MissReason.STATE_REBIND, (f"rebinds buffers {rebound}; a graph cannot",))
     elif torch.is_grad_enabled() and (
-            any(k[0] == _T and k[5] for k in sig.leaves)
-            or any(p.requires_grad for m in engine.modules for p in m.parameters())):
-        refusal = Miss(MissReason.AUTOGRAD, (
-            f"grad mode with tensors that require grad on thread {threading.current_thread().name!r}: "
-            "graphs replay no autograd history (grad mode is per thread: call it under torch.no_grad() "
-            "there, or build the engine with inference=True)",))
+        any(k[0] == _T and k[5] for k in sig.leaves) or any(p.requires_grad for m in engine.modules for p in m.parameters())
+    ):
+        refusal = Miss(
+            MissReason.AUTOGRAD,
+            (
+                f"grad mode with tensors that require grad on thread {threading.current_thread().name!r}: "
+                "graphs replay no autograd history (grad mode is per thread: call it under torch.no_grad() "
+                "there, or build the engine with inference=True)",
+            ),
+        )
     elif shared := _shares_module_state(names, leaves, st.aliased, buffers):
-        refusal = Miss(MissReason.LAYOUT, (f"{shared} share memory with module state the callable "
-                                           "writes; a staged copy would go stale: declare them aliased",))
-    elif sparse := [f"{names[i]} {tuple(x.shape)} strides {x.stride()}" for i, x in enumerate(leaves)
-                    if isinstance(x, torch.Tensor) and i not in st.aliased and not is_dense(x)]:
-        refusal = Miss(MissReason.LAYOUT, tuple(
-            f"{arg} is not dense (its strides leave gaps or repeat elements): the engine stages only dense "
-            "tensors; declare it aliased or pass a dense tensor" for arg in sparse))
+        refusal = Miss(
+            MissReason.LAYOUT,
+            (f"{shared} share memory with module state the callable writes; a staged copy would go stale: declare them aliased",),
+        )
+    elif sparse := [
+        f"{names[i]} {tuple(x.shape)} strides {x.stride()}"
+        for i, x in enumerate(leaves)
+        if isinstance(x, torch.Tensor) and i not in st.aliased and not is_dense(x)
+    ]:
+        refusal = Miss(
+            MissReason.LAYOUT,
+            tuple(
+                f"{arg} is not dense (its strides leave gaps or repeat elements): the engine stages only dense "
+                "tensors; declare it aliased or pass a dense tensor"
+                for arg in sparse
+            ),
+        )
     if refusal is not None:
         return refuse(engine, st, refusal, base, args, kwargs)
     st.aliased_ptrs = [(i, leaves[i].data_ptr()) for i in st.aliased]
@@ -177,7 +211,9 @@ def certify_and_capture(engine: ExactShapeReplay, st: ClassState, sig: Signature
     return capture(engine, st, sig, leaves, spec, args, kwargs, device, stream, snapshot, rng, base, writes)
 
 
-def refuse(engine: ExactShapeReplay, st: ClassState, refusal: Miss, base: dict[str, Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+def refuse(
+    engine: ExactShapeReplay, st: ClassState, refusal: Miss, base: dict[str, Any], args: tuple, kwargs: dict[str, Any]
+) -> Any:
     """A class refused for good: certified as such, logged once (with the thread it was met on:
     a refusal in a worker thread must not pass unseen), and this call runs eagerly."""
     st.phase = Phase.EAGER
@@ -200,8 +236,12 @@ def capture(engine: ExactShapeReplay, st, sig, leaves, spec, args, kwargs, devic
     counters = engine._read_counters()
     with torch.cuda.stream(stream):
         for _ in range(engine.warmup - 1):
-            with hooked(engine, CaptureContext("warmup", device, host_data=[
-                    x for x in leaves if isinstance(x, torch.Tensor) and x.device.type == "cpu"])):
+            with hooked(
+                engine,
+                CaptureContext(
+                    "warmup", device, host_data=[x for x in leaves if isinstance(x, torch.Tensor) and x.device.type == "cpu"]
+                ),
+            ):
                 engine.fn(*args, **kwargs)
             snapshot.restore()
             rng.restore()
@@ -280,17 +320,24 @@ def capture(engine: ExactShapeReplay, st, sig, leaves, spec, args, kwargs, devic
     persistent |= {t.untyped_storage().data_ptr() for t in engine.module_state}
     out_leaves, st.out_spec = pytree.tree_flatten(out)
     st.out_leaves = out_leaves
-    st.out_clone = [isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in persistent
-                    for o in out_leaves]
-    base.update(host_constants=tuple(ctx.constants.values()) or base["host_constants"],
-                cuts=tuple(CutRecord(n, r, c) for n, (r, c) in ctx.cuts.items()) or base["cuts"])
+    st.out_clone = [isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in persistent for o in out_leaves]
+    base.update(
+        host_constants=tuple(ctx.constants.values()) or base["host_constants"],
+        cuts=tuple(CutRecord(n, r, c) for n, (r, c) in ctx.cuts.items()) or base["cuts"],
+    )
     segments = sum(isinstance(s, _GraphStep) for s in st.steps)
-    reason = "admitted; captured" + ("; device RNG via graph-safe philox state"
-                                     if any(base["device_rng_advance"]) else "")
-    st.certificate = Certificate(admitted=True, reason=reason, captured=True, segments=segments,
-                                 written_back=tuple(names[i] for i, _ in st.write_back),
-                                 staged_bytes=staged_bytes, pool_reserved_bytes=reserved_after - pool_before,
-                                 reserved_bytes=reserved_after - reserved_before, **base)
+    reason = "admitted; captured" + ("; device RNG via graph-safe philox state" if any(base["device_rng_advance"]) else "")
+    st.certificate = Certificate(
+        admitted=True,
+        reason=reason,
+        captured=True,
+        segments=segments,
+        written_back=tuple(names[i] for i, _ in st.write_back),
+        staged_bytes=staged_bytes,
+        pool_reserved_bytes=reserved_after - pool_before,
+        reserved_bytes=reserved_after - reserved_before,
+        **base,
+    )
     st.phase = Phase.REPLAY
     engine.counters.captures += 1
     engine.counters.replays += 1
@@ -311,8 +358,9 @@ def replay(engine: ExactShapeReplay, st: ClassState, leaves: list[Any], args: tu
                 step.run()
         except _GuardFailure as g:
             if st.certificate is not None and st.certificate.writes:
-                raise ReplayError(f"{engine.name}: class {st.shape_class.name}: cut guard failed after "
-                                  f"in-place writes: {g}") from None
+                raise ReplayError(
+                    f"{engine.name}: class {st.shape_class.name}: cut guard failed after in-place writes: {g}"
+                ) from None
             torch.cuda.set_rng_state(before)
             return engine._eager(Miss(MissReason.CUT_GUARD, (str(g),)), args, kwargs)
     for i, buf in st.write_back:

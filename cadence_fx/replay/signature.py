@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import enum
 import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -38,8 +39,20 @@ class MissReason(str, enum.Enum):
     NO_CUDA = "no_cuda"
 
 
-_SCALAR_TYPES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
-                 torch.memory_format, torch.layout, enum.Enum)
+_SCALAR_TYPES = (
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.memory_format,
+    torch.layout,
+    enum.Enum,
+)
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 # A leaf key is a plain tuple (cheap to build on every call):
 #   ("T", shape, stride, dtype, device, requires_grad, memory_format)  or  ("S", type, value).
@@ -168,7 +181,7 @@ def _unflatten(leaves: Sequence[Any], spec: tuple) -> tuple[tuple, dict[str, Any
         if ts is None:
             value, i = leaves[i], i + 1
         else:
-            value = pytree.tree_unflatten(list(leaves[i:i + ts.num_leaves]), ts)
+            value = pytree.tree_unflatten(list(leaves[i : i + ts.num_leaves]), ts)
             i += ts.num_leaves
         if isinstance(key, int):
             args.append(value)
@@ -201,8 +214,14 @@ def _context() -> tuple:
     return (torch.is_grad_enabled(), torch.get_autocast_dtype("cuda") if autocast else None)
 
 
-_FIELDS = ((MissReason.DEVICE, 4), (MissReason.DTYPE, 3), (MissReason.SHAPE, 1),
-           (MissReason.MEMORY_FORMAT, 6), (MissReason.STRIDE, 2), (MissReason.REQUIRES_GRAD, 5))
+_FIELDS = (
+    (MissReason.DEVICE, 4),
+    (MissReason.DTYPE, 3),
+    (MissReason.SHAPE, 1),
+    (MissReason.MEMORY_FORMAT, 6),
+    (MissReason.STRIDE, 2),
+    (MissReason.REQUIRES_GRAD, 5),
+)
 
 
 @dataclass(frozen=True)
@@ -247,8 +266,7 @@ class Signature:
         """Why `self` (actual) is not `expected`: the first reason and every mismatch, printed
         as expected against actual."""
         if self.spec != expected.spec:
-            return MissReason.STRUCTURE, (f"structure: expected {_structure(expected.spec)}, "
-                                          f"got {_structure(self.spec)}",)
+            return MissReason.STRUCTURE, (f"structure: expected {_structure(expected.spec)}, got {_structure(self.spec)}",)
         lines: list[str] = []
         reasons: list[MissReason] = []
         for name, a, e in zip(self.names(), self.leaves, expected.leaves):
@@ -284,7 +302,7 @@ class ShapeClass:
     extents: tuple[tuple[str, int], ...] = ()
 
 
-ReplayCatalog = Union[Sequence[Union[ShapeClass, Signature]], Callable[[Signature], Union[bool, str, None]]]
+ReplayCatalog = Sequence[ShapeClass | Signature] | Callable[[Signature], bool | str | None]
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,9 @@ Each is a frozen dataclass subclassing `cadence_fx.contract.Retention`, which re
 never imports one. A new policy is one file here, imported below, plus its tests.
 """
 
-from .window import SlidingWindow
-from .ring import RingCache
-from .prompt_history import PromptPlusHistory
 from .in_place import InPlace
+from .prompt_history import PromptPlusHistory
+from .ring import RingCache
+from .window import SlidingWindow
 
 __all__ = ["InPlace", "PromptPlusHistory", "RingCache", "SlidingWindow"]

@@ -3,8 +3,9 @@ window). Rewritten by the window pass: the concat-then-trim becomes writes into 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar, Mapping
+from typing import ClassVar
 
 import sympy
 

@@ -9,7 +9,8 @@ is MiniCPM-o 4.5's Token2Wav at full size on an NVIDIA GPU as a reply voice on s
 tokens (``token2wav.py``), ``token2wav`` the same at reduced depth on the CPU. All of them load
 torch and the vendor only when chosen; what each takes (weights, a prompt, slots, lanes) is
 its record's. What a session's stream does beyond the seam (text, a client's voice) it says
-itself: ``take_text`` (``serve/runtime/text.py``), ``upload_voice`` (the duplex ``ref_audio``). ``tone`` is a test double used by the service's tests, not a
+itself: ``take_text`` (``serve/runtime/text.py``), ``upload_voice`` (the duplex ``ref_audio``). ``tone`` is a test double used
+by the service's tests, not a
 model.
 """
 
@@ -33,8 +34,7 @@ def _known_options(plugin: type, fixed: str, options: dict[str, Any]) -> None:
     accepted = [name for name in inspect.signature(plugin).parameters if name != fixed]
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise ValueError(f"{plugin.__name__} takes no option {', '.join(map(repr, unknown))}; "
-                         f"its options: {', '.join(accepted)}")
+        raise ValueError(f"{plugin.__name__} takes no option {', '.join(map(repr, unknown))}; its options: {', '.join(accepted)}")
 
 
 def _moshi(size: str) -> PluginFactory:

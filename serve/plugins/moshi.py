@@ -6,7 +6,8 @@ explicit (``MoshiPlugin(size=..., device=...)``; each size has its default devic
 random weights from a fixed seed, nothing downloaded, real codebook counts, delays, vocabularies
 and ring capacities; or, with ``weights``, a published checkpoint of that size (``moshi-full``
 with ``kyutai/moshiko-pytorch-bf16`` or ``kyutai/moshika-pytorch-bf16``: the real Moshi). TINY
-is SMALL cut down for 8 sessions on 2 CPU cores (one layer per transformer, widths of 32, 8-dimensional codebook vectors, 4 SEANet filters and no residual
+is SMALL cut down for 8 sessions on 2 CPU cores (one layer per transformer, widths of 32, 8-dimensional codebook vectors, 4
+SEANet filters and no residual
 units; what it keeps is listed at its definition); ``bench/results/history/serve_load_moshi.json`` is
 what 8 sessions of it measured. FULL is Moshi 7B as shipped (the 7.7B-parameter LM in bfloat16
 and Mimi), on CUDA. Every size runs full duplex on its native clock, its sessions as the
@@ -75,8 +76,18 @@ from .moshi_places import _InProcess, _Place, _Worker
 from .moshi_turns import FRAME_SAMPLES, REPLY_AHEAD_FRAMES, SILENCE, MoshiStream
 from .moshi_worker import SIZES, WORKER_OPS
 
-__all__ = ["DEVICES", "FRAME_SAMPLES", "MAX_SLOTS", "MoshiPlugin", "MoshiStream", "REPLY_AHEAD_FRAMES", "SILENCE",
-           "SIZES", "WORKER_OPS", "measure"]
+__all__ = [
+    "DEVICES",
+    "FRAME_SAMPLES",
+    "MAX_SLOTS",
+    "MoshiPlugin",
+    "MoshiStream",
+    "REPLY_AHEAD_FRAMES",
+    "SILENCE",
+    "SIZES",
+    "WORKER_OPS",
+    "measure",
+]
 
 DEVICES: dict[str, str] = {"tiny": "cpu", "small": "cpu", "full": "cuda"}  # each size's default device
 MAX_SLOTS = 64  # the largest batch per place: the vendor's own batch of 64 measured 110 GiB on one H200 (issue 13)
@@ -102,8 +113,11 @@ def _checkpoint_of_size(name: str, size: str, weights: str) -> MoshiCheckpoint:
     differences = checkpoint.differences(SIZES[size])
     if differences:
         fits = [other for other, config in SIZES.items() if not checkpoint.differences(config)]
-        hint = (f"it is Moshi at the {fits[0].upper()} size: serve it with --model moshi-{fits[0]}" if fits
-                else f"it is none of the sizes {', '.join(SIZES)}")
+        hint = (
+            f"it is Moshi at the {fits[0].upper()} size: serve it with --model moshi-{fits[0]}"
+            if fits
+            else f"it is none of the sizes {', '.join(SIZES)}"
+        )
         raise ValueError(
             f"{name} serves Moshi at the {size.upper()} size, but checkpoint {weights!r} differs in "
             f"{len(differences)} setting{'s' if len(differences) > 1 else ''} (checkpoint value, then "
@@ -207,11 +221,16 @@ class MoshiPlugin(ModelPlugin):
             available = sorted(os.sched_getaffinity(0))
             if pin and processes * threads <= len(available):
                 self.cores = [available[i * threads : (i + 1) * threads] for i in range(processes)]
-            options = {"size": size, "device": device, "seed": seed, "sampling": sampling, "threads": threads,
-                       "weights": None if self.checkpoint is None else self.checkpoint.to_json()}
+            options = {
+                "size": size,
+                "device": device,
+                "seed": seed,
+                "sampling": sampling,
+                "threads": threads,
+                "weights": None if self.checkpoint is None else self.checkpoint.to_json(),
+            }
             self._places: list[_Place] = [
-                _Worker(i, self.name, options | {"cores": self.cores[i] if self.cores else None})
-                for i in range(processes)
+                _Worker(i, self.name, options | {"cores": self.cores[i] if self.cores else None}) for i in range(processes)
             ]
             where = f"in {processes} worker process{'es' if processes > 1 else ''}"
         else:
@@ -308,8 +327,11 @@ class MoshiPlugin(ModelPlugin):
         started = time.monotonic()
         for place, future in zip(self._places, self._started):
             future.result()
-            print(f"{self.name}: {self.slots} slots ready in place {place.index} ({time.monotonic() - started:.1f} s)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{self.name}: {self.slots} slots ready in place {place.index} ({time.monotonic() - started:.1f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def history(self, place: int = 0) -> list[TickRecord]:
         """Every batched tick of a place so far (with ``record=True``): its frames and joins."""

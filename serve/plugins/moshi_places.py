@@ -89,7 +89,12 @@ class _InProcess(_Place):
     every request runs there, so the thread's grad mode and the device's state stay its own."""
 
     def __init__(
-        self, name: str, config: MoshiConfig, sampling: bool, device: str, checkpoint: MoshiCheckpoint | None,
+        self,
+        name: str,
+        config: MoshiConfig,
+        sampling: bool,
+        device: str,
+        checkpoint: MoshiCheckpoint | None,
     ) -> None:
         self.index, self.name, self.streams = 0, name, 0
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-ticks")
@@ -168,8 +173,7 @@ class _Worker(_Place):
                 kind, value = "gone", None
         if kind == "gone":
             raise RuntimeError(
-                f"{self.name} worker {self.index} (pid {self.process.pid}) is gone (exit code "
-                f"{self.process.poll()}) during {op}"
+                f"{self.name} worker {self.index} (pid {self.process.pid}) is gone (exit code {self.process.poll()}) during {op}"
             )
         if kind == "error":
             raise RuntimeError(f"{self.name} worker {self.index} failed in {op}:\n{value}")
@@ -185,4 +189,3 @@ class _Worker(_Place):
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-

@@ -97,9 +97,7 @@ class MoshiStream(ModelStream):
         """All of them in one request to the slot: one frame per tick of the batch."""
         for frame in frames:
             if frame.shape != (FRAME_SAMPLES,) or frame.dtype != np.float32:
-                raise ValueError(
-                    f"feed takes float32 frames of {FRAME_SAMPLES} samples, got {frame.dtype} {frame.shape}"
-                )
+                raise ValueError(f"feed takes float32 frames of {FRAME_SAMPLES} samples, got {frame.dtype} {frame.shape}")
         self._take(wait=False)
         if not frames:
             return
@@ -240,4 +238,3 @@ class MoshiStream(ModelStream):
         """``frames`` outputs no reply hands out, counted as listened here and in the plugin."""
         self.listened += frames
         self._plugin._count(listened=frames)
-

@@ -42,9 +42,7 @@ class _Engine:
 
     def __init__(self, config: MoshiConfig, sampling: bool, device: str, checkpoint: MoshiCheckpoint | None) -> None:
         self.config, self.sampling, self.device = config, sampling, torch.device(device)
-        self.models = (
-            build_models(config, self.device) if checkpoint is None else checkpoint.load(self.device, config.lm_dtype)
-        )
+        self.models = build_models(config, self.device) if checkpoint is None else checkpoint.load(self.device, config.lm_dtype)
         self.runtime: MoshiSlots | None = None
         self.start_error: str | None = None  # why the batch could not be built, for every tick after
         self.ticks = 0  # batched calls
@@ -82,8 +80,9 @@ class _Engine:
         """The batch of ``slots`` slots, built (its stages warmed up: certified on a CPU, captured
         on a GPU) and reset to a fresh streaming state, so no session's frame pays for it."""
         try:
-            self.runtime, _ = transform_slots(self.models, contract_for(self.config, slots=slots),
-                                              sampling=self.sampling, seed=self.config.seed)
+            self.runtime, _ = transform_slots(
+                self.models, contract_for(self.config, slots=slots), sampling=self.sampling, seed=self.config.seed
+            )
         except Exception as error:
             self.start_error = f"{type(error).__name__}: {error}"
             raise
@@ -170,4 +169,3 @@ def _worker_main() -> None:
                 settle()  # the weights and the batch live as long as the process: no collection walks them again
                 PAUSES.watch()  # the collections while it ticks
             conn.send(("ok", answer))
-

@@ -80,9 +80,19 @@ class PersonaPlexStream(MoshiStream):
 class PersonaPlexPlugin(ModelPlugin):
     """PersonaPlex at ``size`` (``tiny`` or ``full``): see the module docstring."""
 
-    def __init__(self, *, size: str = "tiny", seed: int = 0, sampling: bool = True, slots: int | None = None,
-                 max_reply_frames: int = 125, voices: str | None = None, weights: str | None = None,
-                 prompt_rate: int = 4, record: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        size: str = "tiny",
+        seed: int = 0,
+        sampling: bool = True,
+        slots: int | None = None,
+        max_reply_frames: int = 125,
+        voices: str | None = None,
+        weights: str | None = None,
+        prompt_rate: int = 4,
+        record: bool = False,
+    ) -> None:
         """``voices``: a folder of the operator's named voices (``<name>.wav`` or ``<name>.pt``;
         default: the checkpoint's ``voices/``, if any). ``weights``: a checkpoint folder in the
         released layout (``models/personaplex_checkpoint.py``; its tokenizer makes the role tokens),
@@ -113,16 +123,22 @@ class PersonaPlexPlugin(ModelPlugin):
             if voices is None and self.checkpoint.voices is not None:
                 voices = str(self.checkpoint.voices)
         card = config.lm_kwargs["text_card"]
-        self.text = (TextPieces(stand_in_tokenizer(card), card, f"{self.name} (random weights)") if self.checkpoint is None
-                     else TextPieces(self.checkpoint.tokenizer, card, f"{self.name} checkpoint {weights!r}"))
+        self.text = (
+            TextPieces(stand_in_tokenizer(card), card, f"{self.name} (random weights)")
+            if self.checkpoint is None
+            else TextPieces(self.checkpoint.tokenizer, card, f"{self.name} checkpoint {weights!r}")
+        )
         self.voices = VoiceBank(voices, WavLimits())  # refused before anything is built
         self._flags = ExitStack()
         # The vendor's compile switch is process-wide: held off for as long as the plugin is open,
         # so the ticking thread and the priming thread never race on entering and leaving it.
         self._flags.enter_context(personaplex._vendor("utils.compile").no_compile())
         try:
-            self.models = (personaplex.build_models(config, self.device) if self.checkpoint is None
-                           else self.checkpoint.load(config, self.device))
+            self.models = (
+                personaplex.build_models(config, self.device)
+                if self.checkpoint is None
+                else self.checkpoint.load(config, self.device)
+            )
             self.prompts = PromptBank(self.models)
         except BaseException:
             self._flags.close()
@@ -141,10 +157,15 @@ class PersonaPlexPlugin(ModelPlugin):
         mimi, lm = (sum(p.numel() for p in m.parameters()) for m in (self.models.mimi, self.models.lm))
         loaded = f"random weights, seed {seed}" if weights is None else f"weights of {weights}"
         self.info = PluginInfo(
-            name=self.name, input_rate=SAMPLE_RATE, output_rate=SAMPLE_RATE, frame_samples=FRAME_SAMPLES,
-            description=(f"PersonaPlex {size.upper()} (Mimi {mimi / 1e6:.1f}M + LM {lm / 1e6:.1f}M parameters, "
-                         f"{loaded}) on {self.device}, full duplex at 12.5 frames/s, sessions as the slots "
-                         "of one batch (the masked loop, eager), each with its own voice and role prompt"),
+            name=self.name,
+            input_rate=SAMPLE_RATE,
+            output_rate=SAMPLE_RATE,
+            frame_samples=FRAME_SAMPLES,
+            description=(
+                f"PersonaPlex {size.upper()} (Mimi {mimi / 1e6:.1f}M + LM {lm / 1e6:.1f}M parameters, "
+                f"{loaded}) on {self.device}, full duplex at 12.5 frames/s, sessions as the slots "
+                "of one batch (the masked loop, eager), each with its own voice and role prompt"
+            ),
         )
 
     # -- placement ------------------------------------------------------------------------------
@@ -155,8 +176,7 @@ class PersonaPlexPlugin(ModelPlugin):
         from cadence_fx.models.personaplex_slots import PersonaPlexSlots
 
         self.slots = slots
-        self.runtime = PersonaPlexSlots(self.models, slots, sampling=self.sampling, seed=self.seed,
-                                        prompt_rate=self.prompt_rate)
+        self.runtime = PersonaPlexSlots(self.models, slots, sampling=self.sampling, seed=self.seed, prompt_rate=self.prompt_rate)
         self._place.scheduler = SlotScheduler(slots, self._tick, name=self.name, record=self.record)
 
     def reserve(self, sessions: int) -> None:
@@ -165,8 +185,10 @@ class PersonaPlexPlugin(ModelPlugin):
         with self._lock:
             batch = sessions if self.slots is None else self.slots
             if sessions > min(batch, MAX_SLOTS):
-                raise ValueError(f"{self.name} holds {min(batch, MAX_SLOTS)} slots, not {sessions} sessions at once: "
-                                 f"admit at most {min(batch, MAX_SLOTS)} (a batch holds 1 to {MAX_SLOTS})")
+                raise ValueError(
+                    f"{self.name} holds {min(batch, MAX_SLOTS)} slots, not {sessions} sessions at once: "
+                    f"admit at most {min(batch, MAX_SLOTS)} (a batch holds 1 to {MAX_SLOTS})"
+                )
             self._start(batch)
         self._default.result()
 
@@ -197,8 +219,9 @@ class PersonaPlexPlugin(ModelPlugin):
         try:
             prompt = state.result()  # primed on the bank's thread while the batch ticks
         except Exception as error:  # noqa: BLE001 - a voice file the vendor cannot read is the client's to hear about
-            raise ConfigRefused(f"voice {voice[:64]!r} could not be primed: {type(error).__name__}: {error}",
-                                VOICE_PARAM) from None
+            raise ConfigRefused(
+                f"voice {voice[:64]!r} could not be primed: {type(error).__name__}: {error}", VOICE_PARAM
+            ) from None
         with self._lock:
             self._wanted[slot] = state
             if slot in self._fed and self._joined.get(slot) is not prompt:
@@ -245,12 +268,22 @@ class PersonaPlexPlugin(ModelPlugin):
     def describe(self) -> dict[str, Any]:
         scheduler = self._place.scheduler
         return {
-            "model": self.name, "size": self.size, "device": self.device, "seed": self.seed, "sampling": self.sampling,
+            "model": self.name,
+            "size": self.size,
+            "device": self.device,
+            "seed": self.seed,
+            "sampling": self.sampling,
             "weights": None if self.checkpoint is None else str(self.checkpoint.directory),
-            "slots": self.slots, "streams": self.streams, "max_reply_frames": self.max_reply_frames,
-            "frames": {"ticks": 0 if scheduler is None else scheduler.frames, "listened": self.listened,
-                       "replied": self.replied, "silence": self.silence,
-                       "queued_at_reply_start": list(self.queued_at_reply_start)},
+            "slots": self.slots,
+            "streams": self.streams,
+            "max_reply_frames": self.max_reply_frames,
+            "frames": {
+                "ticks": 0 if scheduler is None else scheduler.frames,
+                "listened": self.listened,
+                "replied": self.replied,
+                "silence": self.silence,
+                "queued_at_reply_start": list(self.queued_at_reply_start),
+            },
             "batched_ticks": 0 if scheduler is None else scheduler.ticks,
             "lm_calls": 0 if self.runtime is None else self.runtime.calls,
             "prompt_states": {"primed": self.prompts.primed, "reused": self.prompts.reused},

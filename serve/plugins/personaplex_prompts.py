@@ -29,9 +29,10 @@ import os
 import tempfile
 import threading
 import wave
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .base import ConfigRefused
 
@@ -60,8 +61,10 @@ def role_tokens(instructions: str, tokenize: Callable[[str], list[int]] = stand_
         return ()
     tokens = tuple(int(t) for t in tokenize(instructions))
     if len(tokens) > MAX_ROLE_TOKENS:
-        raise ConfigRefused(f"session.instructions is {len(tokens)} tokens as a role prompt; "
-                            f"PersonaPlex takes at most {MAX_ROLE_TOKENS}", "session.instructions")
+        raise ConfigRefused(
+            f"session.instructions is {len(tokens)} tokens as a role prompt; PersonaPlex takes at most {MAX_ROLE_TOKENS}",
+            "session.instructions",
+        )
     return tokens
 
 
@@ -78,8 +81,7 @@ class WavLimits:
         """The WAV's duration in seconds, or a refusal naming what is wrong and what was expected."""
         where = f"voice {_quoted(name)}"
         if len(data) > self.max_bytes:
-            raise ConfigRefused(f"{where} is {len(data)} bytes; a voice WAV is at most {self.max_bytes}",
-                                VOICE_PARAM)
+            raise ConfigRefused(f"{where} is {len(data)} bytes; a voice WAV is at most {self.max_bytes}", VOICE_PARAM)
         if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
             raise ConfigRefused(f"{where} is not a WAV file (RIFF/WAVE header expected)", VOICE_PARAM)
         try:
@@ -88,12 +90,14 @@ class WavLimits:
         except (wave.Error, EOFError) as error:
             raise ConfigRefused(f"{where} is not a 16-bit PCM WAV file ({error})", VOICE_PARAM) from None
         if width != 2 or channels not in (1, 2):
-            raise ConfigRefused(f"{where} is {8 * width}-bit with {channels} channels; a voice WAV is "
-                                "16-bit PCM, mono or stereo", VOICE_PARAM)
+            raise ConfigRefused(
+                f"{where} is {8 * width}-bit with {channels} channels; a voice WAV is 16-bit PCM, mono or stereo", VOICE_PARAM
+            )
         seconds = frames / rate
         if not self.min_seconds <= seconds <= self.max_seconds:
-            raise ConfigRefused(f"{where} lasts {seconds:.2f} s; a voice WAV lasts "
-                                f"{self.min_seconds:g} to {self.max_seconds:g} s", VOICE_PARAM)
+            raise ConfigRefused(
+                f"{where} lasts {seconds:.2f} s; a voice WAV lasts {self.min_seconds:g} to {self.max_seconds:g} s", VOICE_PARAM
+            )
         return seconds
 
 
@@ -118,8 +122,9 @@ class VoiceBank:
         self.named: dict[str, Voice] = {}
         if folder is not None:
             if not os.path.isdir(folder):
-                raise ValueError(f"voices: {folder!r} is not a folder (expected a folder of <name>.wav or <name>.pt "
-                                 "voice prompt files)")
+                raise ValueError(
+                    f"voices: {folder!r} is not a folder (expected a folder of <name>.wav or <name>.pt voice prompt files)"
+                )
             for entry in sorted(os.listdir(folder)):
                 name, ext = os.path.splitext(entry)
                 path = os.path.join(folder, entry)
@@ -137,8 +142,10 @@ class VoiceBank:
     def upload(self, client: str, name: str, data: bytes) -> Voice:
         """A client's WAV under ``name``, for that client alone; its file written once per content."""
         if not name or name == "default" or name in self.named:
-            raise ConfigRefused(f"voice {_quoted(name)} is taken (the operator's voices and 'default'); "
-                                "name an uploaded voice otherwise", VOICE_PARAM)
+            raise ConfigRefused(
+                f"voice {_quoted(name)} is taken (the operator's voices and 'default'); name an uploaded voice otherwise",
+                VOICE_PARAM,
+            )
         self.limits.check(data, name)
         digest = hashlib.sha256(data).hexdigest()
         path = os.path.join(self._files.name, f"{digest}.wav")
@@ -157,8 +164,10 @@ class VoiceBank:
             voice = self.named.get(name) or self._uploads.get((client, name))
         if voice is None:
             known = ", ".join(["default", *sorted(self.named)])
-            raise ConfigRefused(f"voice {_quoted(name)} is not a voice of this server; its voices: {known} "
-                                "(and the ones this client uploaded)", VOICE_PARAM)
+            raise ConfigRefused(
+                f"voice {_quoted(name)} is not a voice of this server; its voices: {known} (and the ones this client uploaded)",
+                VOICE_PARAM,
+            )
         return voice
 
     def forget(self, client: str) -> None:
@@ -210,8 +219,9 @@ class PromptBank:
     def _prime(self, voice: Voice, role: tuple[int, ...]) -> Any:
         from cadence_fx.models.personaplex_prompt import capture, prime
 
-        prime(self.models.mimi, self.gen, text_prompt_tokens=role, voice_prompt=voice.wav,
-              voice_prompt_embeddings=voice.embeddings)
+        prime(
+            self.models.mimi, self.gen, text_prompt_tokens=role, voice_prompt=voice.wav, voice_prompt_embeddings=voice.embeddings
+        )
         return capture(self.gen, voice=voice.key, role=role)
 
     def close(self) -> None:

@@ -224,16 +224,19 @@ class Token2WavPlugin(ModelPlugin):
         if depth not in DEPTHS:
             raise ValueError(f"depth must be one of {sorted(DEPTHS)}, got {depth!r}")
         if max_reply_chunks < MIN_REPLY_CHUNKS:
-            raise ValueError(f"max_reply_chunks must be at least {MIN_REPLY_CHUNKS} (the catalog's first flush), "
-                             f"got {max_reply_chunks}")
+            raise ValueError(
+                f"max_reply_chunks must be at least {MIN_REPLY_CHUNKS} (the catalog's first flush), got {max_reply_chunks}"
+            )
         lanes = DEFAULT_LANES[depth] if lanes is None else lanes
         if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
             raise ValueError(f"lanes must be a positive integer (replay lanes, each its own copy of the flow), got {lanes!r}")
         name = "token2wav-full" if depth == "full" else "token2wav"
         self.device = torch.device(DEPTHS[depth])
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"{name} runs MiniCPM-o 4.5's Token2Wav at full size on a CUDA device, and "
-                               "torch.cuda.is_available() is False here; `token2wav` is the reduced depth on the CPU")
+            raise RuntimeError(
+                f"{name} runs MiniCPM-o 4.5's Token2Wav at full size on a CUDA device, and "
+                "torch.cuda.is_available() is False here; `token2wav` is the reduced depth on the CPU"
+            )
         if self.device.type == "cuda":
             pin_deterministic()  # for the process's life: a stream is bit-exact against deterministic eager
         self.depth, self.seed, self.max_reply_chunks = depth, seed, max_reply_chunks
@@ -247,7 +250,10 @@ class Token2WavPlugin(ModelPlugin):
         checkpoint.prompt_frames_fit(self.prompt, flow.up_rate, str(prompt or "the prompt"))
         contract = contract_for_flow(flow, self.prompt.mels.shape[1])
         self.info = PluginInfo(
-            name=name, input_rate=INPUT_RATE, output_rate=OUTPUT_RATE, frame_samples=FRAME_SAMPLES,
+            name=name,
+            input_rate=INPUT_RATE,
+            output_rate=OUTPUT_RATE,
+            frame_samples=FRAME_SAMPLES,
             description=f"MiniCPM-o 4.5 Token2Wav ({what}) transformed by cadence-fx, on stand-in speech tokens",
         )
         self._lock = threading.Lock()  # the lanes' stream counts and the plugin's
@@ -260,8 +266,10 @@ class Token2WavPlugin(ModelPlugin):
         # Each lane's flow is transformed (its graphs captured) on the lane's own thread: lanes whose
         # graphs were captured on one thread hung when replaying at once (``cadence_fx.lanes``).
         try:
-            self.lanes = [ReplayLane(k, thread.submit(transform, (flow, hift), contract).result()[0], thread)
-                          for k, thread in enumerate(threads)]
+            self.lanes = [
+                ReplayLane(k, thread.submit(transform, (flow, hift), contract).result()[0], thread)
+                for k, thread in enumerate(threads)
+            ]
         except BaseException:
             for thread in threads:
                 thread.close()
@@ -270,8 +278,11 @@ class Token2WavPlugin(ModelPlugin):
         for lane in self.lanes:
             lane.run(self._warm, lane)
             eager = " (a CPU captures none: every class runs eager)" if self.device.type == "cpu" else ""
-            print(f"{name}: lane {lane.index + 1}/{lanes} warm: {lane.captured} classes captured{eager} in {lane.warm_s:.1f} s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{name}: lane {lane.index + 1}/{lanes} warm: {lane.captured} classes captured{eager} in {lane.warm_s:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         self.startup_s = time.perf_counter() - started
         print(f"{name}: {lanes} lane(s) warm; start-up took {self.startup_s:.1f} s", file=sys.stderr, flush=True)
 
@@ -279,8 +290,10 @@ class Token2WavPlugin(ModelPlugin):
         """The reference flow at this depth with random weights; a random prompt unless a prompt
         file is given (a WAV needs the checkpoint's speech tokenizer and speaker model)."""
         if _is_wav(prompt):
-            raise ValueError(f"--prompt {prompt} is a WAV; preparing it needs the checkpoint's speech tokenizer "
-                             "and speaker model: pass --weights too, or a prompt file written by `cadence-fx prompt`")
+            raise ValueError(
+                f"--prompt {prompt} is a WAV; preparing it needs the checkpoint's speech tokenizer "
+                "and speaker model: pass --weights too, or a prompt file written by `cadence-fx prompt`"
+            )
         loaded = None if prompt is None else checkpoint.load_prompt(prompt, device=self.device)
         tokens = None if loaded is None else loaded.tokens.shape[1]
         flow, _, tokens = reference_flow(self.depth, prompt_tokens=tokens)
@@ -332,12 +345,17 @@ class Token2WavPlugin(ModelPlugin):
         with self._lock:
             crowded = [lane.index for lane in self.lanes if lane.streams > room]
             if crowded:
-                raise ValueError(f"{self.info.name}: lanes {crowded} already hold more than {room} streams, the room "
-                                 f"{sessions} sessions over {len(self.lanes)} lanes give each")
+                raise ValueError(
+                    f"{self.info.name}: lanes {crowded} already hold more than {room} streams, the room "
+                    f"{sessions} sessions over {len(self.lanes)} lanes give each"
+                )
             for lane in self.lanes:
                 lane.room = room
-        print(f"{self.info.name}: room for {sessions} sessions, {room} on each of {len(self.lanes)} lane(s)",
-              file=sys.stderr, flush=True)
+        print(
+            f"{self.info.name}: room for {sessions} sessions, {room} on each of {len(self.lanes)} lane(s)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def free_slots(self) -> int | None:
         """Streams the lanes still have room for (None before ``reserve``: not bounded)."""
@@ -351,8 +369,10 @@ class Token2WavPlugin(ModelPlugin):
         with self._lock:
             open_lanes = [lane for lane in self.lanes if lane.free() != 0]
             if not open_lanes:
-                raise SlotsFull(f"{self.info.name}: every lane holds its {self.lanes[0].room} streams "
-                                f"({len(self.lanes)} lanes); a session needs a lane with room")
+                raise SlotsFull(
+                    f"{self.info.name}: every lane holds its {self.lanes[0].room} streams "
+                    f"({len(self.lanes)} lanes); a session needs a lane with room"
+                )
             lane = min(open_lanes, key=lambda lane: lane.streams)
             lane.streams += 1
             lane.served += 1
@@ -371,9 +391,18 @@ class Token2WavPlugin(ModelPlugin):
             for name, engine in lane.transformed.report.replays.items():
                 add_counters(replays.setdefault(name, {}), engine.counters.as_dict())
         with self._lock:
-            lanes = [{"lane": lane.index, "streams_open": lane.streams, "streams_served": lane.served,
-                      "room": lane.room, "chunks": lane.chunks,
-                      "warm_seconds": round(lane.warm_s, 2), "classes_captured": lane.captured} for lane in self.lanes]
+            lanes = [
+                {
+                    "lane": lane.index,
+                    "streams_open": lane.streams,
+                    "streams_served": lane.served,
+                    "room": lane.room,
+                    "chunks": lane.chunks,
+                    "warm_seconds": round(lane.warm_s, 2),
+                    "classes_captured": lane.captured,
+                }
+                for lane in self.lanes
+            ]
             streams = self.streams
         return {
             "model": self.info.name,

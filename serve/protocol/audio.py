@@ -71,8 +71,15 @@ PCMA = AudioFormat("pcma", _G711_RATE)
 def duplex_format(encoding_name: object, rate: object, param: str) -> AudioFormat:
     """vLLM-Omni's spelling of a format (``pcm16`` or ``pcm_f32le`` with ``sample_rate_hz``; the
     G.711 names at 8 kHz), else ``unsupported_audio_format`` naming what is served."""
-    names = {"pcm16": "pcm16", "pcm_s16le": "pcm16", "s16le": "pcm16", "pcm_f32le": "f32le", "f32le": "f32le",
-             "g711_ulaw": "pcmu", "g711_alaw": "pcma"}
+    names = {
+        "pcm16": "pcm16",
+        "pcm_s16le": "pcm16",
+        "s16le": "pcm16",
+        "pcm_f32le": "f32le",
+        "f32le": "f32le",
+        "g711_ulaw": "pcmu",
+        "g711_alaw": "pcma",
+    }
     encoding = names.get(encoding_name) if isinstance(encoding_name, str) else None
     if encoding is None:
         raise ProtocolError(
@@ -186,9 +193,7 @@ def decode_samples(data: bytes, fmt: AudioFormat, param: str = "audio") -> np.nd
     int16 bytes read as floats, say)."""
     if fmt.encoding == "f32le":
         if len(data) % 4:
-            raise ProtocolError(
-                "invalid_audio_length", f"pcm_f32le needs whole 32-bit samples, got {len(data)} bytes", param
-            )
+            raise ProtocolError("invalid_audio_length", f"pcm_f32le needs whole 32-bit samples, got {len(data)} bytes", param)
         x = np.frombuffer(data, dtype="<f4").astype(np.float32)
         bad = ~(np.abs(x) <= 1.0)  # NaN fails the comparison too
         if bad.any():
@@ -201,9 +206,7 @@ def decode_samples(data: bytes, fmt: AudioFormat, param: str = "audio") -> np.nd
         return x
     if fmt.encoding == "pcm16":
         if len(data) % 2:
-            raise ProtocolError(
-                "invalid_audio_length", f"audio/pcm needs whole 16-bit samples, got {len(data)} bytes", param
-            )
+            raise ProtocolError("invalid_audio_length", f"audio/pcm needs whole 16-bit samples, got {len(data)} bytes", param)
         pcm = np.frombuffer(data, dtype="<i2")
     else:
         table = _ULAW_DECODE if fmt.encoding == "pcmu" else _ALAW_DECODE

@@ -153,9 +153,7 @@ def decode_command(text: str | bytes) -> ClientCommand:
     event_id = obj.get("event_id")
     # Errors echo the client's event_id, unless it is the very thing that is wrong with the frame.
     client_event_id = (
-        event_id
-        if isinstance(event_id, str) and len(event_id) <= MAX_ID_CHARS and not _surrogate_in(event_id)
-        else None
+        event_id if isinstance(event_id, str) and len(event_id) <= MAX_ID_CHARS and not _surrogate_in(event_id) else None
     )
     try:
         if _may_hold_surrogate(text, obj):
@@ -242,8 +240,7 @@ def _check_item(item: dict[str, Any]) -> None:
     if item.get("object", "realtime.item") != "realtime.item":
         raise ProtocolError("invalid_value", "item.object must be 'realtime.item'", "item.object")
     if item.get("status", "completed") not in ("completed", "incomplete", "in_progress"):
-        raise ProtocolError("invalid_value", "item.status must be completed, incomplete or in_progress",
-                            "item.status")
+        raise ProtocolError("invalid_value", "item.status must be completed, incomplete or in_progress", "item.status")
     if "id" in item:
         _check_id(item["id"], "item.id")
     if kind != "message":

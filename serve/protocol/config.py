@@ -31,26 +31,52 @@ EAGERNESS_SILENCE_MS = {"low": 800, "medium": 500, "auto": 500, "high": 300}
 
 _SESSION_FIELDS = frozenset(
     {
-        "type", "model", "instructions", "output_modalities", "audio", "tools", "tool_choice",
-        "max_output_tokens", "tracing", "truncation", "include", "prompt", "parallel_tool_calls",
+        "type",
+        "model",
+        "instructions",
+        "output_modalities",
+        "audio",
+        "tools",
+        "tool_choice",
+        "max_output_tokens",
+        "tracing",
+        "truncation",
+        "include",
+        "prompt",
+        "parallel_tool_calls",
         "reasoning",
         # beta spellings, accepted on input
-        "modalities", "voice", "input_audio_format", "output_audio_format", "turn_detection",
+        "modalities",
+        "voice",
+        "input_audio_format",
+        "output_audio_format",
+        "turn_detection",
     }
 )
 _AUDIO_INPUT_FIELDS = frozenset({"format", "transcription", "noise_reduction", "turn_detection"})
 _AUDIO_OUTPUT_FIELDS = frozenset({"format", "voice", "speed"})
 _SERVER_VAD_FIELDS = frozenset(
-    {"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "idle_timeout_ms",
-     "create_response", "interrupt_response"}
+    {"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "idle_timeout_ms", "create_response", "interrupt_response"}
 )
 _SEMANTIC_VAD_FIELDS = frozenset({"type", "eagerness", "create_response", "interrupt_response"})
 # A null where null means nothing is "not given" (clients send their unset options as null);
 # these fields' null is a value: it turns the feature off.
 _NULLABLE = frozenset({"turn_detection", "tracing", "prompt", "include", "transcription", "noise_reduction"})
 _RESPONSE_FIELDS = frozenset(
-    {"audio", "conversation", "input", "instructions", "max_output_tokens", "metadata", "output_modalities",
-     "prompt", "tool_choice", "tools", "parallel_tool_calls", "reasoning"}
+    {
+        "audio",
+        "conversation",
+        "input",
+        "instructions",
+        "max_output_tokens",
+        "metadata",
+        "output_modalities",
+        "prompt",
+        "tool_choice",
+        "tools",
+        "parallel_tool_calls",
+        "reasoning",
+    }
 )
 
 
@@ -164,8 +190,9 @@ class SessionConfig:
         if "parallel_tool_calls" in patch:
             changes["parallel_tool_calls"] = typed(patch["parallel_tool_calls"], bool, "session.parallel_tool_calls")
         if patch.get("reasoning") is not None:
-            raise ProtocolError("invalid_value", "reasoning is not served: the model speaks, it does not reason in text",
-                                "session.reasoning")
+            raise ProtocolError(
+                "invalid_value", "reasoning is not served: the model speaks, it does not reason in text", "session.reasoning"
+            )
         audio = typed(patch.get("audio", {}), dict, "session.audio")
         known(audio, {"input", "output"}, "session.audio")
         audio_in = given(typed(audio.get("input", {}), dict, "session.audio.input"))
@@ -190,9 +217,7 @@ class SessionConfig:
         if "noise_reduction" in audio_in:
             changes["noise_reduction"] = _noise_reduction(audio_in["noise_reduction"])
         if "turn_detection" in audio_in:
-            changes["turn_detection"] = _turn_detection(
-                audio_in["turn_detection"], "session.audio.input.turn_detection"
-            )
+            changes["turn_detection"] = _turn_detection(audio_in["turn_detection"], "session.audio.input.turn_detection")
         elif "turn_detection" in patch:
             changes["turn_detection"] = _turn_detection(patch["turn_detection"], "session.turn_detection")
         return dataclasses.replace(self, **changes)
@@ -226,12 +251,14 @@ class ResponseParams:
             changes["voice"] = typed(audio_out["voice"], str, "response.audio.output.voice")
         conversation = value.get("conversation", "auto")
         if conversation not in ("auto", "none"):
-            raise ProtocolError("invalid_value", f"conversation must be 'auto' or 'none', got {conversation!r}",
-                                "response.conversation")
+            raise ProtocolError(
+                "invalid_value", f"conversation must be 'auto' or 'none', got {conversation!r}", "response.conversation"
+            )
         changes["in_conversation"] = conversation == "auto"
         if "input" in value:
             raise ProtocolError(
-                "invalid_value", "response.input is not served: the model answers from the audio it has heard",
+                "invalid_value",
+                "response.input is not served: the model answers from the audio it has heard",
                 "response.input",
             )
         if "instructions" in value:
@@ -299,7 +326,8 @@ def output_modalities(value: Any, param: str) -> None:
 def max_output_tokens(value: Any, param: str) -> None:
     if value != "inf":
         raise ProtocolError(
-            "invalid_value", f"only max_output_tokens 'inf' is served (replies are audio, not counted in tokens), got {value!r}",
+            "invalid_value",
+            f"only max_output_tokens 'inf' is served (replies are audio, not counted in tokens), got {value!r}",
             param,
         )
 
@@ -316,8 +344,7 @@ def tools(value: Any, param: str) -> tuple:
         at = f"{param}[{i}]"
         typed(tool, dict, at)
         if tool.get("type") != "function":
-            raise ProtocolError("invalid_value", f"only function tools are accepted, got type {tool.get('type')!r}",
-                                f"{at}.type")
+            raise ProtocolError("invalid_value", f"only function tools are accepted, got type {tool.get('type')!r}", f"{at}.type")
         known(tool, {"type", "name", "description", "parameters"}, at)
         typed(tool.get("name"), str, f"{at}.name")
         if "description" in tool:
@@ -330,7 +357,8 @@ def tools(value: Any, param: str) -> tuple:
 def tool_choice(value: Any, param: str) -> str:
     if value not in ("auto", "none"):
         raise ProtocolError(
-            "invalid_value", f"tool_choice must be 'auto' or 'none' (these models never call a tool), got {value!r}",
+            "invalid_value",
+            f"tool_choice must be 'auto' or 'none' (these models never call a tool), got {value!r}",
             param,
         )
     return value
@@ -368,8 +396,7 @@ def _truncation(value: Any) -> Any:
     typed(value, dict, param)
     known(value, {"type", "retention_ratio", "token_limits"}, param)
     if value.get("type") != "retention_ratio":
-        raise ProtocolError("invalid_value", "truncation must be 'auto', 'disabled' or a retention_ratio object",
-                            f"{param}.type")
+        raise ProtocolError("invalid_value", "truncation must be 'auto', 'disabled' or a retention_ratio object", f"{param}.type")
     ratio = value.get("retention_ratio")
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
         raise ProtocolError("invalid_value", "retention_ratio must be a number in [0, 1]", f"{param}.retention_ratio")
@@ -423,15 +450,13 @@ def _turn_detection(value: Any, param: str) -> TurnDetection | None:
         known(value, _SEMANTIC_VAD_FIELDS, param)
         eagerness = value.get("eagerness", "auto")
         if eagerness not in EAGERNESS_SILENCE_MS:
-            raise ProtocolError("invalid_value", f"eagerness must be one of {sorted(EAGERNESS_SILENCE_MS)}",
-                                f"{param}.eagerness")
+            raise ProtocolError("invalid_value", f"eagerness must be one of {sorted(EAGERNESS_SILENCE_MS)}", f"{param}.eagerness")
         return TurnDetection(silence_duration_ms=EAGERNESS_SILENCE_MS[eagerness], **flags)
     if kind != "server_vad":
         raise ProtocolError("invalid_value", "turn_detection.type must be 'server_vad' or 'semantic_vad'", f"{param}.type")
     known(value, _SERVER_VAD_FIELDS, param)
     if value.get("idle_timeout_ms") is not None:
-        raise ProtocolError("invalid_value", "idle_timeout_ms is not served (no idle timeout events)",
-                            f"{param}.idle_timeout_ms")
+        raise ProtocolError("invalid_value", "idle_timeout_ms is not served (no idle timeout events)", f"{param}.idle_timeout_ms")
     threshold = value.get("threshold", base.threshold)
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
         raise ProtocolError("invalid_value", "threshold must be a number in [0, 1]", f"{param}.threshold")

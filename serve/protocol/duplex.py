@@ -30,12 +30,27 @@ from .errors import ProtocolError, quoted
 
 OVERLAP_POLICIES = ("barge_in_on_speech", "listen_only")
 PLAYBACK_COMMIT_POLICIES = ("commit_all_on_done", "ack_only")
-_TOP_LEVEL = ("sample_rate_hz", "extra_body", "ref_audio", "overlap_policy", "playback_commit_policy",
-              "temperature", "idle_timeout_s")
+_TOP_LEVEL = (
+    "sample_rate_hz",
+    "extra_body",
+    "ref_audio",
+    "overlap_policy",
+    "playback_commit_policy",
+    "temperature",
+    "idle_timeout_s",
+)
 _EXTRA_BODY = frozenset({"auto_response", "force_listen_count"})
 # What a turn.signal may name: the commands it is an envelope for (vLLM-Omni's list, less its text input).
-SIGNALLED = (ev.BargeInCommand, ev.InputCancel, ev.ResponseCancel, ev.SessionUpdate, ev.ConversationItemCreate,
-             ev.ConversationItemDelete, ev.ConversationItemTruncate, ev.ConversationItemRetrieve)
+SIGNALLED = (
+    ev.BargeInCommand,
+    ev.InputCancel,
+    ev.ResponseCancel,
+    ev.SessionUpdate,
+    ev.ConversationItemCreate,
+    ev.ConversationItemDelete,
+    ev.ConversationItemTruncate,
+    ev.ConversationItemRetrieve,
+)
 
 
 @dataclass(frozen=True)
@@ -93,8 +108,9 @@ def apply_duplex(
         value = own.get(name)
         if value is not None:
             if value not in allowed:
-                raise ProtocolError("invalid_value", f"{name} must be one of {list(allowed)}, got {quoted(value)}",
-                                    f"session.{name}")
+                raise ProtocolError(
+                    "invalid_value", f"{name} must be one of {list(allowed)}, got {quoted(value)}", f"session.{name}"
+                )
             changes[name] = value
     if own.get("ref_audio") is not None:
         if not takes_voice:
@@ -136,13 +152,20 @@ def ref_audio_wav(value: Any) -> bytes:
     value = typed(value, str, where)
     head, comma, payload = value.partition(",")
     if not head.startswith("data:") or not comma:
-        raise ProtocolError("invalid_value", f"ref_audio must be a data URL (data:audio/wav;base64,<WAV bytes>), got "
-                            f"{quoted(value[:40])}{'...' if len(value) > 40 else ''}: this server reads no path or URL",
-                            where)
+        raise ProtocolError(
+            "invalid_value",
+            f"ref_audio must be a data URL (data:audio/wav;base64,<WAV bytes>), got "
+            f"{quoted(value[:40])}{'...' if len(value) > 40 else ''}: this server reads no path or URL",
+            where,
+        )
     mime, *params = head.removeprefix("data:").split(";")
     if mime not in REF_AUDIO_TYPES or params != ["base64"]:
-        raise ProtocolError("invalid_value", f"ref_audio is {quoted(head[:60])}; expected a base64 data URL of a WAV "
-                            f"file ({' or '.join(REF_AUDIO_TYPES)}, then ;base64)", where)
+        raise ProtocolError(
+            "invalid_value",
+            f"ref_audio is {quoted(head[:60])}; expected a base64 data URL of a WAV "
+            f"file ({' or '.join(REF_AUDIO_TYPES)}, then ;base64)",
+            where,
+        )
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
@@ -213,9 +236,7 @@ def _extra_body(extra: dict[str, Any]) -> dict[str, Any]:
     return changes
 
 
-def duplex_session_fields(
-    config: SessionConfig, settings: DuplexSettings, capabilities: dict[str, Any]
-) -> dict[str, Any]:
+def duplex_session_fields(config: SessionConfig, settings: DuplexSettings, capabilities: dict[str, Any]) -> dict[str, Any]:
     """The extension fields of a duplex connection's session object (beside the GA ones)."""
     extra: dict[str, Any] = {"auto_response": settings.auto_response}
     if settings.force_listen_count is not None:

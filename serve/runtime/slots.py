@@ -85,8 +85,15 @@ class SlotScheduler:
     """``slots`` slots over one ``run(frames: {slot: frame}, joins: (slot, ...)) -> {slot: output}``;
     see the module docstring. ``run`` must return an output for every slot in ``frames``."""
 
-    def __init__(self, slots: int, run: Callable[[dict[int, Any], tuple[int, ...]], Mapping[int, Any]], *,
-                 name: str, gather_s: float = 0.02, record: bool = False) -> None:
+    def __init__(
+        self,
+        slots: int,
+        run: Callable[[dict[int, Any], tuple[int, ...]], Mapping[int, Any]],
+        *,
+        name: str,
+        gather_s: float = 0.02,
+        record: bool = False,
+    ) -> None:
         if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
             raise ValueError(f"{name}: slots must be a positive number of sessions, got {slots!r}")
         if not gather_s >= 0:

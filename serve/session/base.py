@@ -27,8 +27,8 @@ from ..runtime.text import text_of
 from .codes import error_event
 from .input_path import InputPath
 from .journal import Journal
-from .ledger import Ledgers
 from .lease import Lease
+from .ledger import Ledgers
 from .limits import Limits
 from .messages import Inbound, Lost, b64_decoded_len
 from .port import ModelPort
@@ -233,9 +233,7 @@ class SessionBase:
         """Drop the audio of the oldest committed turns until the input budget holds again. Their
         items stay; retrieving one shows no audio."""
         budget = self.limits.input_bytes
-        while self._user_audio and (
-            self._queued_bytes + len(self._buffer) + self._items_bytes + self._user_audio_bytes > budget
-        ):
+        while self._user_audio and (self._queued_bytes + len(self._buffer) + self._items_bytes + self._user_audio_bytes > budget):
             dropped = len(self._user_audio.pop(next(iter(self._user_audio))))
             self._user_audio_bytes -= dropped
             self.ledgers.history_audio_dropped_bytes += dropped

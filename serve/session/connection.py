@@ -16,8 +16,8 @@ import asyncio
 
 from ..protocol import ProtocolError, decode_command
 from ..protocol import events as ev
-from .manager import SessionManager
 from .codes import CLOSE_EXPIRED, CLOSE_POLICY, CLOSE_TRY_AGAIN, error_event
+from .manager import SessionManager
 from .session import Session
 from .transport import Transport
 
@@ -88,9 +88,7 @@ class Connection:
 
     async def _route(self, command: ev.ClientCommand, frame_bytes: int) -> None:
         if command.TIER == 3 and not self.duplex:
-            raise ProtocolError(
-                "unsupported_in_realtime_mode", f"{command.TYPE} needs a duplex connection (?duplex=1)", "type"
-            )
+            raise ProtocolError("unsupported_in_realtime_mode", f"{command.TYPE} needs a duplex connection (?duplex=1)", "type")
         if isinstance(command, ev.SessionResume):
             await self._resume(command)
             return
@@ -106,9 +104,7 @@ class Connection:
         if self.session is None:
             raise ProtocolError("session_not_bound", "send session.resume first", "type")
         if command.session_id is not None and command.session_id != self.session.id:
-            raise ProtocolError(
-                "session_mismatch", "command names a session this connection does not hold", "session_id"
-            )
+            raise ProtocolError("session_mismatch", "command names a session this connection does not hold", "session_id")
         self.session.submit(command, self.transport, frame_bytes)
 
     async def _resume(self, command: ev.SessionResume) -> None:

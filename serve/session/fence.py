@@ -125,8 +125,9 @@ class ResponseFence(Conversation):
         if self.active is None:
             raise ProtocolError("response_cancel_not_active", "Barge-in failed: no active response found", "type")
         received = self.ledgers.input.received_bytes // self.config.input_format.bytes_per_sample
-        self.emit(ev.BargeIn(response_id=self.active.id, audio_start_ms=self.config.input_format.ms(received),
-                             epoch=self.epoch + 1))
+        self.emit(
+            ev.BargeIn(response_id=self.active.id, audio_start_ms=self.config.input_format.ms(received), epoch=self.epoch + 1)
+        )
         await self._cancel("client_barge_in")
 
     async def _run_reply(self, resp: Response) -> None:
@@ -152,9 +153,7 @@ class ResponseFence(Conversation):
                     ahead = lead
                 # The next call follows this one at once unless the chunk it brings puts the reply past its lead.
                 follows = not lead or ahead + last_s <= lead
-                rendered = await self.port.call(
-                    self._render, resampler, resp.output_format, guard=current, follows=follows
-                )
+                rendered = await self.port.call(self._render, resampler, resp.output_format, guard=current, follows=follows)
                 if rendered is None:
                     break
                 self._on_chunk(Chunk(resp.epoch, resp.id, *rendered))
@@ -206,9 +205,11 @@ class ResponseFence(Conversation):
         )
         if msg.text:
             resp.transcript += msg.text
-            self.emit(ev.ResponseOutputAudioTranscriptDelta(
-                response_id=resp.id, item_id=resp.item_id, output_index=0, content_index=0, delta=msg.text
-            ))
+            self.emit(
+                ev.ResponseOutputAudioTranscriptDelta(
+                    response_id=resp.id, item_id=resp.item_id, output_index=0, content_index=0, delta=msg.text
+                )
+            )
 
     def _on_reply_end(self, msg: ReplyEnd) -> None:
         resp = self.active

@@ -21,9 +21,7 @@ class Lifetime(InputTurns):
         cmd, transport = msg.command, msg.transport
         assert self.journal is not None
         if not self.lease.token_matches(cmd.resume_token):
-            msg.future.set_exception(
-                ProtocolError("invalid_resume_token", "resume token does not match", "resume_token")
-            )
+            msg.future.set_exception(ProtocolError("invalid_resume_token", "resume token does not match", "resume_token"))
             return
         if cmd.generation is not None and cmd.generation != self.lease.generation:
             msg.future.set_exception(
@@ -81,18 +79,14 @@ class Lifetime(InputTurns):
         now = time.monotonic()
         reason = self.lease.expiry(now, busy=self.active is not None)
         if reason is not None:
-            await self._shutdown(
-                ev.SessionExpired(session_id=self.id, reason=reason), f"expired: {reason}", CLOSE_EXPIRED
-            )
+            await self._shutdown(ev.SessionExpired(session_id=self.id, reason=reason), f"expired: {reason}", CLOSE_EXPIRED)
             return
         beat = self.limits.heartbeat_s
         if beat and self.duplex and self.transport is not None and now - self._last_heartbeat >= beat:
             self._last_heartbeat = now
             assert self.journal is not None
             self._deliver_direct(
-                ev.SessionHeartbeatEvent(
-                    last_server_event_seq=self.journal.last_seq, server_time_ms=int(time.time() * 1000)
-                )
+                ev.SessionHeartbeatEvent(last_server_event_seq=self.journal.last_seq, server_time_ms=int(time.time() * 1000))
             )
 
     async def _event_ack(self, cmd: ev.SessionEventAck) -> None:

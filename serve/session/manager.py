@@ -11,9 +11,9 @@ from typing import Protocol
 from ..plugins import ModelPlugin, SlotsFull
 from ..protocol import ProtocolError, quoted
 from ..protocol import events as ev
+from .codes import CLOSE_GOING_AWAY
 from .ledger import Ledgers
 from .limits import Limits
-from .codes import CLOSE_GOING_AWAY
 from .session import Session
 from .transport import Transport
 
@@ -88,9 +88,7 @@ class SessionManager:
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.model_executor.shutdown(wait=False, cancel_futures=True)
 
-    def create(
-        self, transport: Transport, duplex: bool, client: str, opening: ev.SessionUpdate | None = None
-    ) -> Session:
+    def create(self, transport: Transport, duplex: bool, client: str, opening: ev.SessionUpdate | None = None) -> Session:
         """A new session with a server-allocated, unguessable id (``session_prefix`` and 18 random
         bytes), or ``resource_exhausted``; ``opening``: its first command (``Session.start``)."""
         limits = self.limits
@@ -108,8 +106,7 @@ class SessionManager:
         if held >= limits.max_sessions_per_client:
             raise ProtocolError(
                 "resource_exhausted",
-                f"this client ({quoted(client)}) holds {held} sessions, "
-                f"max_sessions_per_client={limits.max_sessions_per_client}",
+                f"this client ({quoted(client)}) holds {held} sessions, max_sessions_per_client={limits.max_sessions_per_client}",
             )
         session_id = self.session_prefix + secrets.token_urlsafe(18)
         try:

@@ -89,5 +89,4 @@ class Lost:
 
 
 # Commands that bring data the session keeps or holds while they wait: the input budget covers them.
-DATA_COMMANDS = (ev.InputAudioBufferAppend, ev.ConversationItemCreate, ev.SessionUpdate, ev.ResponseCreate,
-                 ev.TurnSignal)
+DATA_COMMANDS = (ev.InputAudioBufferAppend, ev.ConversationItemCreate, ev.SessionUpdate, ev.ResponseCreate, ev.TurnSignal)

@@ -16,7 +16,8 @@ def ack_played_ms(cmd: ev.PlaybackAck, response_id: str, item_id: str, delivered
     has sent ``delivered_ms`` of audio), capped at what it sent; ProtocolError naming the field."""
     if cmd.item_id is not None and cmd.item_id != item_id:
         raise ProtocolError(
-            "invalid_value", f"item {quoted(cmd.item_id)} is not response {quoted(response_id)}'s ({item_id!r})",
+            "invalid_value",
+            f"item {quoted(cmd.item_id)} is not response {quoted(response_id)}'s ({item_id!r})",
             "item_id",
         )
     played = cmd.audio_end_ms if cmd.audio_end_ms is not None else cmd.played_ms
@@ -25,7 +26,5 @@ def ack_played_ms(cmd: ev.PlaybackAck, response_id: str, item_id: str, delivered
         if value is not None and not 0 <= value < float("inf"):
             raise ProtocolError("invalid_value", f"{name} must be a finite number of ms, at least 0", name)
     if cmd.committed_ms is not None and cmd.committed_ms > played:
-        raise ProtocolError(
-            "invalid_value", f"committed_ms {cmd.committed_ms!r} is past played_ms {played!r}", "committed_ms"
-        )
+        raise ProtocolError("invalid_value", f"committed_ms {cmd.committed_ms!r} is past played_ms {played!r}", "committed_ms")
     return min(int(played), delivered_ms)

@@ -202,9 +202,7 @@ class Session(Lifetime):
                 raise
             except Exception as exc:  # a bug must not take the session down: report it typed, to its command
                 log.exception("session %s failed on %s", self.id, msg.command.TYPE)
-                raise ProtocolError(
-                    "server_error", f"internal error: {type(exc).__name__}", None, msg.command.event_id
-                ) from exc
+                raise ProtocolError("server_error", f"internal error: {type(exc).__name__}", None, msg.command.event_id) from exc
             finally:
                 self._handling = None
                 self._dequeued(msg)
@@ -266,9 +264,7 @@ class Session(Lifetime):
             self._vad_item_id = None
 
     async def _input_text(self, cmd: ev.InputTextAppend) -> None:
-        raise ProtocolError(
-            "unsupported_feature", f"text input is not served: {self.plugin.info.name} hears audio only", "type"
-        )
+        raise ProtocolError("unsupported_feature", f"text input is not served: {self.plugin.info.name} hears audio only", "type")
 
     async def _turn_signal(self, cmd: ev.TurnSignal) -> None:
         """The command ``cmd.event`` names, with the fields in its ``payload``."""
@@ -276,9 +272,7 @@ class Session(Lifetime):
         await self._HANDLERS[type(inner)](self, inner)
 
     async def _close(self, cmd: ev.SessionClose) -> None:
-        await self._shutdown(
-            ev.SessionClosed(session_id=self.id, reason="client_closed"), "client_closed", CLOSE_NORMAL
-        )
+        await self._shutdown(ev.SessionClosed(session_id=self.id, reason="client_closed"), "client_closed", CLOSE_NORMAL)
 
     _HANDLERS: dict[type, Callable[..., Any]] = {
         ev.SessionUpdate: _session_update,

@@ -45,13 +45,12 @@ class InputTurns(ResponseFence):
         try:
             if cmd.video_frames:
                 raise ProtocolError(
-                    "unsupported_feature", f"video_frames are not served: {self.plugin.info.name} hears audio only",
+                    "unsupported_feature",
+                    f"video_frames are not served: {self.plugin.info.name} hears audio only",
                     "video_frames",
                 )
             fmt = self.input.declared(cmd)
-            data, frames, edges, resampled = await loop.run_in_executor(
-                self.executor, self.input.ingest, cmd, fmt, self._vad
-            )
+            data, frames, edges, resampled = await loop.run_in_executor(self.executor, self.input.ingest, cmd, fmt, self._vad)
         except ProtocolError as err:
             self.ledgers.input.rejected_appends += 1
             self.ledgers.input.rejected_bytes += getattr(err, "audio_bytes", 0)
@@ -101,9 +100,7 @@ class InputTurns(ResponseFence):
         self._user_audio[item_id] = data
         self._user_audio_bytes += len(data)
         self.emit(
-            ev.InputAudioBufferCommitted(
-                item_id=item_id, previous_item_id=previous, turn_id=self.turn_id, audio_bytes=len(data)
-            )
+            ev.InputAudioBufferCommitted(item_id=item_id, previous_item_id=previous, turn_id=self.turn_id, audio_bytes=len(data))
         )
         self._add_item(item, previous)
         return item_id

@@ -64,8 +64,7 @@ class SessionLoad:
     @property
     def accounted(self) -> bool:
         return self.appended_bytes == self.committed_bytes and all(
-            r.offsets_contiguous and r.status == "completed" and r.done_samples == len(r.audio) // 2
-            for r in self.replies
+            r.offsets_contiguous and r.status == "completed" and r.done_samples == len(r.audio) // 2 for r in self.replies
         )
 
 

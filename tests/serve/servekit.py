@@ -89,9 +89,7 @@ class CheckedSocket(RealtimeSocket):
 
     async def append(self, pcm: bytes, chunk_bytes: int = 9600) -> None:
         for i in range(0, len(pcm), chunk_bytes):
-            await self.send(
-                {"type": "input_audio_buffer.append", "audio": wire_audio.b64encode(pcm[i : i + chunk_bytes])}
-            )
+            await self.send({"type": "input_audio_buffer.append", "audio": wire_audio.b64encode(pcm[i : i + chunk_bytes])})
 
     async def reply_to(self, pcm: bytes, timeout: float) -> list[dict]:
         """One turn without server VAD: ``pcm`` appended and committed, a response asked for;
@@ -263,7 +261,7 @@ def two_streams_are_their_slots_rows(plugin, models, turns: list[list[np.ndarray
     for slot, (turn, out) in enumerate(zip(turns, outs, strict=True)):
         sent, got = slot_reference(models, plugin, place=0, slot=slot, session=0)
         assert same(sent, turn + [SILENCE] * (steps - 1)), slot
-        assert same(out, got[len(turn) - 1:len(turn) - 1 + steps]), slot
+        assert same(out, got[len(turn) - 1 : len(turn) - 1 + steps]), slot
     return described
 
 

@@ -554,8 +554,22 @@ def summarize(ledgers: list[SessionLedger]) -> dict:
     """The run's totals and verdicts."""
     total = Counter()
     for led in ledgers:
-        for name in ("events", "replayed", "resumes", "lost_events", "slow_consumer_closes", "appended", "refused",
-                     "committed", "cleared", "delta_samples", "done_samples", "barge_ins", "retrieved", "cancel_races"):
+        for name in (
+            "events",
+            "replayed",
+            "resumes",
+            "lost_events",
+            "slow_consumer_closes",
+            "appended",
+            "refused",
+            "committed",
+            "cleared",
+            "delta_samples",
+            "done_samples",
+            "barge_ins",
+            "retrieved",
+            "cancel_races",
+        ):
             total[name] += getattr(led, name)
     steps = sum((led.steps for led in ledgers), Counter())
     responses = sum((led.responses for led in ledgers), Counter())
@@ -573,4 +587,3 @@ def summarize(ledgers: list[SessionLedger]) -> dict:
         "violations": violations,
         "lost_events": total["lost_events"],
     }
-

@@ -102,8 +102,7 @@ def test_a_spoken_turn_is_answered_and_played_and_speech_over_the_reply_barges_i
             while (stats := browser.execute_script("return window.cadence"))["replies"] < 2 or stats["playing"]:
                 assert time.monotonic() < deadline, stats
                 time.sleep(0.25)
-            shown = {name: browser.find_element("id", name).text
-                     for name in ("turns", "replies", "barge-ins", "transcript")}
+            shown = {name: browser.find_element("id", name).text for name in ("turns", "replies", "barge-ins", "transcript")}
             browser.save_screenshot(str(screenshot))
         finally:
             browser.quit()

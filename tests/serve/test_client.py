@@ -18,7 +18,6 @@ from cadence_fx.serve.client import ClientError, route_url, run_client, stream_w
 from cadence_fx.serve.plugins import ToneModel
 from cadence_fx.serve.session import Limits
 
-
 # The question's last word ends near 4.05 s; 500 ms of silence later VAD ends the turn at 4,550 ms,
 # which is 227.5 frames of 20 ms at 16 kHz: the 227 frames wholly before it (72,640 samples) give
 # 54,480 reply samples, 57 tone chunks of 960 (2.28 s).
@@ -62,8 +61,11 @@ def test_either_routes_url_or_the_servers_base_is_accepted(given, expected):
     [
         ("ftp://h:1", "'ftp://h:1' is not a server URL: expected ws://HOST:PORT (or wss://, http://, https://)"),
         ("127.0.0.1:8000", "'127.0.0.1:8000' is not a server URL: expected ws://HOST:PORT (or wss://, http://, https://)"),
-        ("ws://h:1/v1/models", "'ws://h:1/v1/models' names no realtime route: expected the server's base URL, "
-         "or one ending in /v1/realtime or /v1/duplex"),
+        (
+            "ws://h:1/v1/models",
+            "'ws://h:1/v1/models' names no realtime route: expected the server's base URL, "
+            "or one ending in /v1/realtime or /v1/duplex",
+        ),
     ],
 )
 def test_a_wrong_url_is_one_sentence(given, sentence):
@@ -81,8 +83,9 @@ def test_the_realtime_route_runs_a_tier1_session_to_the_end(tmp_path):
 
 def test_a_refused_connection_is_one_sentence_and_exit_code_1(tmp_path, capsys):
     port = free_port()
-    code = main(["client", "--url", f"ws://127.0.0.1:{port}", "--wav", str(AUDIO / "question_24k.wav"),
-                 "--out", str(tmp_path / "r.wav")])
+    code = main(
+        ["client", "--url", f"ws://127.0.0.1:{port}", "--wav", str(AUDIO / "question_24k.wav"), "--out", str(tmp_path / "r.wav")]
+    )
     err = capsys.readouterr().err
     assert code == 1 and err == (
         f"cadence-fx client: could not connect to ws://127.0.0.1:{port}/v1/duplex: connection refused "
@@ -107,8 +110,17 @@ def test_a_server_without_the_route_is_one_sentence(tmp_path, capsys):
     http = ThreadingHTTPServer(("127.0.0.1", port), _NotFound)
     threading.Thread(target=http.serve_forever, daemon=True).start()
     try:
-        code = main(["client", "--url", f"ws://127.0.0.1:{port}", "--wav", str(AUDIO / "question_24k.wav"),
-                     "--out", str(tmp_path / "r.wav")])
+        code = main(
+            [
+                "client",
+                "--url",
+                f"ws://127.0.0.1:{port}",
+                "--wav",
+                str(AUDIO / "question_24k.wav"),
+                "--out",
+                str(tmp_path / "r.wav"),
+            ]
+        )
     finally:
         http.shutdown()
         http.server_close()
@@ -152,9 +164,7 @@ def test_a_session_that_ends_mid_reply_still_writes_what_arrived(tmp_path):
     out = tmp_path / "reply.wav"
     # The reply takes 57 x 50 ms; the session may live 1.5 s: it expires mid-reply.
     with running(Limits(max_sessions=4, max_session_s=1.5), step_delay_s=0.05) as server:
-        report = asyncio.run(
-            stream_wav(server.handle.ws_url, AUDIO / "question_24k.wav", out, realtime=False, progress=None)
-        )
+        report = asyncio.run(stream_wav(server.handle.ws_url, AUDIO / "question_24k.wav", out, realtime=False, progress=None))
     pcm = _wav(out)[1]
     assert 0 < len(pcm) < len(tone_reply_pcm(QUESTION_REPLY_CHUNKS)) and tone_reply_pcm(QUESTION_REPLY_CHUNKS).startswith(pcm)
     assert report.failure == "the server closed the connection (4001)" and report.responses_done == 0

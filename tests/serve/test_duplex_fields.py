@@ -9,7 +9,6 @@ from servekit import COMMIT, RESPONSE_HEAD, RESPONSE_TAIL, Server, TalkingTone, 
 
 from cadence_fx.serve.app import background_server
 from cadence_fx.serve.plugins import ToneModel
-
 from cadence_fx.serve.protocol import PCM24K, StreamResampler
 from cadence_fx.serve.protocol import audio as wire_audio
 from cadence_fx.serve.session import Limits
@@ -52,12 +51,16 @@ def test_the_ga_route_refuses_the_extension_fields_as_before(server):
 def test_session_fields_are_applied_or_refused_by_name(server):
     async def scenario():
         sock = await server.connect("/v1/duplex")
-        applied = await sock.update({
-            "input_audio_format": "pcm_f32le", "sample_rate_hz": 16_000,
-            "audio": {"input": {"sample_rate_hz": 16_000}, "output": {"sample_rate_hz": 48_000}},
-            "overlap_policy": "listen_only", "playback_commit_policy": "ack_only",
-            "extra_body": {"auto_response": True, "force_listen_count": 0},
-        })
+        applied = await sock.update(
+            {
+                "input_audio_format": "pcm_f32le",
+                "sample_rate_hz": 16_000,
+                "audio": {"input": {"sample_rate_hz": 16_000}, "output": {"sample_rate_hz": 48_000}},
+                "overlap_policy": "listen_only",
+                "playback_commit_policy": "ack_only",
+                "extra_body": {"auto_response": True, "force_listen_count": 0},
+            }
+        )
         refused = [
             await _answer(sock, {"type": "session.update", "session": patch})
             for patch in (
@@ -79,7 +82,9 @@ def test_session_fields_are_applied_or_refused_by_name(server):
     assert session["audio"]["input"]["format"] == {"type": "audio/pcm_f32le", "rate": 16_000}
     assert session["audio"]["output"]["format"] == {"type": "audio/pcm", "rate": 48_000}
     assert (session["input_audio_format"], session["output_audio_format"], session["sample_rate_hz"]) == (
-        "pcm_f32le", "pcm16", 16_000
+        "pcm_f32le",
+        "pcm16",
+        16_000,
     )
     assert (session["overlap_policy"], session["playback_commit_policy"]) == ("listen_only", "ack_only")
     assert session["extra_body"] == {"auto_response": True, "force_listen_count": 0}
@@ -106,10 +111,23 @@ def test_an_append_in_another_format_is_converted_to_the_sessions_exactly(server
     async def scenario():
         sock = await server.connect("/v1/duplex")
         await sock.no_vad()
-        await sock.send({"type": "input_audio_buffer.append", "format": "pcm16", "sample_rate_hz": 16_000,
-                         "audio": wire_audio.b64encode(wire_audio.encode_samples(first, PCM16K)), "duration_ms": 250})
-        await sock.send({"type": "input_audio_buffer.append", "format": "pcm_f32le", "sample_rate_hz": 16_000,
-                         "audio": wire_audio.b64encode(second.astype("<f4").tobytes())})
+        await sock.send(
+            {
+                "type": "input_audio_buffer.append",
+                "format": "pcm16",
+                "sample_rate_hz": 16_000,
+                "audio": wire_audio.b64encode(wire_audio.encode_samples(first, PCM16K)),
+                "duration_ms": 250,
+            }
+        )
+        await sock.send(
+            {
+                "type": "input_audio_buffer.append",
+                "format": "pcm_f32le",
+                "sample_rate_hz": 16_000,
+                "audio": wire_audio.b64encode(second.astype("<f4").tobytes()),
+            }
+        )
         await sock.send({"type": "input_audio_buffer.commit"})
         committed = (await sock.recv_until("conversation.item.done"))[0]
         retrieved = await _answer(sock, {"type": "conversation.item.retrieve", "item_id": committed["item_id"]})
@@ -118,10 +136,9 @@ def test_an_append_in_another_format_is_converted_to_the_sessions_exactly(server
 
     held = wire_audio.b64decode(run(scenario()))
     pcm16_at_16k = wire_audio.decode_samples(wire_audio.encode_samples(first, PCM16K), PCM16K)
-    expected = (
-        wire_audio.encode_samples(StreamResampler(16_000, 24_000).process(pcm16_at_16k), PCM24K)
-        + wire_audio.encode_samples(StreamResampler(16_000, 24_000).process(second), PCM24K)
-    )
+    expected = wire_audio.encode_samples(
+        StreamResampler(16_000, 24_000).process(pcm16_at_16k), PCM24K
+    ) + wire_audio.encode_samples(StreamResampler(16_000, 24_000).process(second), PCM24K)
     assert held == expected
 
 
@@ -130,12 +147,18 @@ def test_appends_that_cannot_be_read_as_declared_are_refused(server):
         sock = await server.connect("/v1/duplex")
         pcm = wire_audio.encode_samples(QUESTION[:2400], PCM24K)
         answers = [
-            await _answer(sock, {"type": "input_audio_buffer.append", "audio": wire_audio.b64encode(pcm),
-                                 "duration_ms": 150}),
-            await _answer(sock, {"type": "input_audio_buffer.append", "audio": wire_audio.b64encode(pcm),
-                                 "sample_rate_hz": 12_345}),
-            await _answer(sock, {"type": "input_audio_buffer.append", "format": "pcm_f32le",
-                                 "audio": wire_audio.b64encode(np.array([0.5, np.nan], "<f4").tobytes())}),
+            await _answer(sock, {"type": "input_audio_buffer.append", "audio": wire_audio.b64encode(pcm), "duration_ms": 150}),
+            await _answer(
+                sock, {"type": "input_audio_buffer.append", "audio": wire_audio.b64encode(pcm), "sample_rate_hz": 12_345}
+            ),
+            await _answer(
+                sock,
+                {
+                    "type": "input_audio_buffer.append",
+                    "format": "pcm_f32le",
+                    "audio": wire_audio.b64encode(np.array([0.5, np.nan], "<f4").tobytes()),
+                },
+            ),
             await _answer(sock, {"type": "input_audio_buffer.append", "audio": "AAAA", "video_frames": ["/9j/"]}),
         ]
         ledger = server.on_loop(lambda: server.session(sock.session_id).ledgers.input.received_bytes)
@@ -144,10 +167,16 @@ def test_appends_that_cannot_be_read_as_declared_are_refused(server):
 
     answers, received = run(scenario())
     assert [_error(a) for a in answers] == [
-        ("invalid_value", "duration_ms 150 does not match the audio: 4800 bytes of pcm16 at 24000 Hz are 100.0 ms",
-         "duration_ms"),
-        ("unsupported_audio_format", "sample rate 12345 Hz is not served; served rates: "
-         "8000, 16000, 22050, 24000, 32000, 44100, 48000", "sample_rate_hz"),
+        (
+            "invalid_value",
+            "duration_ms 150 does not match the audio: 4800 bytes of pcm16 at 24000 Hz are 100.0 ms",
+            "duration_ms",
+        ),
+        (
+            "unsupported_audio_format",
+            "sample rate 12345 Hz is not served; served rates: 8000, 16000, 22050, 24000, 32000, 44100, 48000",
+            "sample_rate_hz",
+        ),
         ("invalid_value", "pcm_f32le sample 1 is nan: samples must be finite and within [-1, 1]", "audio"),
         ("unsupported_feature", "video_frames are not served: tone hears audio only", "video_frames"),
     ]
@@ -204,7 +233,10 @@ def test_a_response_without_audio_is_a_listen_decision(question_pcm):
     assert types_of(events, skip_deltas=False) == COMMIT + RESPONSE_HEAD + ["response.listen"] + RESPONSE_TAIL
     listen = events[len(COMMIT + RESPONSE_HEAD)]
     assert listen["response"] == {
-        "object": "realtime.response", "id": listen["response_id"], "status": "listening", "metadata": None
+        "object": "realtime.response",
+        "id": listen["response_id"],
+        "status": "listening",
+        "metadata": None,
     }
     assert events[-1]["response"]["status"] == "completed"
 
@@ -221,8 +253,9 @@ def test_barge_in_input_cancel_text_and_turn_signal_commands(server):
         ]
         await sock.append(wav_pcm("question_24k.wav")[:9600])
         cleared = await _answer(sock, {"type": "input.cancel"})
-        signalled = await _answer(sock, {"type": "turn.signal", "event": "session.update",
-                                         "payload": {"session": {"instructions": "by signal"}}})
+        signalled = await _answer(
+            sock, {"type": "turn.signal", "event": "session.update", "payload": {"session": {"instructions": "by signal"}}}
+        )
         await sock.close()
         return answers, cleared, signalled
 
@@ -230,9 +263,13 @@ def test_barge_in_input_cancel_text_and_turn_signal_commands(server):
     assert [_error(a) for a in answers] == [
         ("response_cancel_not_active", "Barge-in failed: no active response found", "type"),
         ("unsupported_feature", "text input is not served: tone hears audio only", "type"),
-        ("unsupported_feature", "turn.signal does not carry 'session.heartbeat'; it carries barge_in, input.cancel, "
-         "response.cancel, session.update, conversation.item.create, conversation.item.delete, "
-         "conversation.item.truncate, conversation.item.retrieve", "event"),
+        (
+            "unsupported_feature",
+            "turn.signal does not carry 'session.heartbeat'; it carries barge_in, input.cancel, "
+            "response.cancel, session.update, conversation.item.create, conversation.item.delete, "
+            "conversation.item.truncate, conversation.item.retrieve",
+            "event",
+        ),
         ("unknown_event_type", "unknown event type 'nope'", "payload.type"),
     ]
     assert (cleared["type"], cleared["audio_bytes"]) == ("input_audio_buffer.cleared", 9600)
@@ -270,8 +307,9 @@ def test_autostart_0_creates_the_session_at_the_first_command_and_none_for_a_res
         await first.close()
         count = server.on_loop(lambda: len(server.handle.manager.sessions))
         back = await server.connect("/v1/realtime?duplex=1&model=tone&autostart=0", created=False)
-        await back.send({"type": "session.resume", "session_id": session_id, "resume_token": token,
-                         "last_received_server_event_seq": 1})
+        await back.send(
+            {"type": "session.resume", "session_id": session_id, "resume_token": token, "last_received_server_event_seq": 1}
+        )
         resumed = await back.recv()
         after = server.on_loop(lambda: len(server.handle.manager.sessions))
         await back.send({"type": "session.close"})
@@ -300,8 +338,11 @@ def test_playback_ack_in_either_shape(server, question_pcm):
             await _answer(sock, {"type": "playback.ack", "played_ms": 500, "audio_end_ms": 400}),
             await _answer(sock, {"type": "playback.ack", "response_id": rid}),
         ]
-        for ack in ({"played_ms": 700, "committed_ms": 650, "item_id": item},
-                    {"response_id": rid, "audio_end_ms": 900}, {"played_ms": 99_999.5}):
+        for ack in (
+            {"played_ms": 700, "committed_ms": 650, "item_id": item},
+            {"response_id": rid, "audio_end_ms": 900},
+            {"played_ms": 99_999.5},
+        ):
             await sock.send({"type": "playback.ack", **ack})
         server.eventually(lambda: server.session(sock.session_id).ledgers.playback.acked_ms == 2_240)
         acked = server.on_loop(lambda: server.session(sock.session_id).ledgers.playback.acked_ms)
@@ -336,7 +377,9 @@ def test_text_a_stream_produces_is_sent_as_its_transcript(question_pcm):
         assert reply == ["response.output_audio.delta", "response.output_audio_transcript.delta"] * 56
         assert "".join(e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta") == said
         assert types_of(events)[-len(RESPONSE_TAIL) - 1 :] == [
-            "response.output_audio.done", "response.output_audio_transcript.done", *RESPONSE_TAIL[1:]
+            "response.output_audio.done",
+            "response.output_audio_transcript.done",
+            *RESPONSE_TAIL[1:],
         ]
         done = next(e for e in events if e["type"] == "response.output_audio_transcript.done")
         assert done["transcript"] == events[-1]["response"]["output"][0]["content"][0]["transcript"] == said

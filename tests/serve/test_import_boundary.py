@@ -35,8 +35,7 @@ FORBIDDEN = {"core": {"models", "serve"}, "passes": {"models", "serve"}, "models
 def _modules(layer: str) -> list[tuple[Path, str]]:
     """Every source file of a layer, with the package its relative imports start from."""
     folder, package = LAYERS[layer]
-    return [(path, ".".join([package, *path.parent.relative_to(folder).parts]))
-            for path in sorted(folder.rglob("*.py"))]
+    return [(path, ".".join([package, *path.parent.relative_to(folder).parts])) for path in sorted(folder.rglob("*.py"))]
 
 
 def _imported(path: Path, package: str) -> set[str]:
@@ -50,7 +49,7 @@ def _imported(path: Path, package: str) -> set[str]:
             base = node.module
             if node.level:  # from the package `level - 1` levels above this file's
                 parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
             found |= {base} | {f"{base}.{alias.name}" for alias in node.names}
     return found
 
@@ -76,8 +75,9 @@ def test_each_layer_imports_no_layer_above_it():
 
 def test_the_import_reader_sees_relative_function_local_and_submodule_imports(tmp_path):
     source = tmp_path / "probe.py"
-    source.write_text("from . import models\ndef f():\n    from ..serve.app import run_server\n"
-                      "    import cadence_fx.passes.window\n")
+    source.write_text(
+        "from . import models\ndef f():\n    from ..serve.app import run_server\n    import cadence_fx.passes.window\n"
+    )
     found = _imported(source, "cadence_fx.replay")
     assert {"cadence_fx.replay.models", "cadence_fx.serve.app", "cadence_fx.passes.window"} <= found
     assert {_layer(m) for m in found} == {"core", "serve", "passes"}
@@ -88,9 +88,14 @@ def test_the_core_names_the_service_in_one_place_and_no_model_at_all():
     """What the core reaches above itself by "module:attribute" is the command line's SERVICE table;
     model families come through their registry (entry points), never named by the core."""
     reference = re.compile(r"cadence_fx\.(models|serve)(\.\w+)*(:\w+)?")
-    named = [(path.name, node.value) for path, _ in _modules("core") for node in ast.walk(ast.parse(path.read_text()))
-             if isinstance(node, ast.Constant) and isinstance(node.value, str) and reference.fullmatch(node.value)]
+    named = [
+        (path.name, node.value)
+        for path, _ in _modules("core")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and reference.fullmatch(node.value)
+    ]
     assert sorted(named) == sorted(("cli.py", value) for value in SERVICE.values())
+
 
 # Per layer: the third-party packages and the sibling serve layers it may import.
 ALLOWED = {
@@ -209,6 +214,4 @@ def test_the_session_tier_check_sees_an_upward_import_under_type_checking(tmp_pa
     )
     (tmp_path / "manager.py").write_text("from .connection import Connection\nfrom .session import Session\n")
     (tmp_path / "codes.py").write_text("from cadence_fx.serve.session import Limits\n")
-    assert _session_imports_above(tmp_path) == [
-        "codes imports __init__", "manager imports connection", "session imports manager"
-    ]
+    assert _session_imports_above(tmp_path) == ["codes imports __init__", "manager imports connection", "session imports manager"]

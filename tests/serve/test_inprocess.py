@@ -8,7 +8,7 @@ import json
 import re
 
 import pytest
-from servekit import COMMIT, ROOMY, RESPONSE_HEAD, RESPONSE_TAIL, run, running, tone_reply_pcm, types_of
+from servekit import COMMIT, RESPONSE_HEAD, RESPONSE_TAIL, ROOMY, run, running, tone_reply_pcm, types_of
 
 from cadence_fx.serve import inprocess
 from cadence_fx.serve.inprocess import DuplexService, SessionClosedError
@@ -34,8 +34,10 @@ def test_the_documented_example_runs_as_written():
 def _turn(question_pcm: bytes) -> list[ev.ClientCommand]:
     return [
         ev.SessionUpdate(session={"audio": {"input": {"turn_detection": None}}}),
-        *(ev.InputAudioBufferAppend(audio=wire_audio.b64encode(question_pcm[i : i + 9600]))
-          for i in range(0, len(question_pcm), 9600)),
+        *(
+            ev.InputAudioBufferAppend(audio=wire_audio.b64encode(question_pcm[i : i + 9600]))
+            for i in range(0, len(question_pcm), 9600)
+        ),
         ev.InputAudioBufferCommit(),
         ev.ResponseCreate(),
     ]
@@ -135,8 +137,7 @@ def test_a_detached_handle_resumes_and_misses_nothing(question_pcm):
             before.append(event)
             session.detach()
             await asyncio.sleep(0.2)  # the reply goes on while no one holds the session
-            back = await service.resume_session(session.session_id, session.resume_token,
-                                                session.last_server_event_seq)
+            back = await service.resume_session(session.session_id, session.resume_token, session.last_server_event_seq)
             resumed = await back.next_event(10)
             after = []
             while not isinstance(event := await back.next_event(10), ev.ResponseDone):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from loadgen import run_load, speech_pattern
 from servekit import run, running, tone_reply_pcm
 

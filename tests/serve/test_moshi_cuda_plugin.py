@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from servekit import AUDIO, Server, deltas_of, read_wav, run, same, slot_reference, two_streams_are_their_slots_rows
 
 from cadence_fx.determinism import pin_deterministic
@@ -87,4 +86,4 @@ def test_a_session_over_uvicorn_on_cuda_delivers_the_vendors_samples(models):
     sent, got = slot_reference(models, served, place=0, slot=0, session=0)
     assert same(sent, list(padded.reshape(fed, FRAME_SAMPLES)) + [SILENCE] * (reply_frames - 1))
     assert rate == 24_000
-    assert deltas_of(events) == wire_audio.encode_samples(np.concatenate(got[fed - 1:]), PCM24K)  # from the turn's last frame
+    assert deltas_of(events) == wire_audio.encode_samples(np.concatenate(got[fed - 1 :]), PCM24K)  # from the turn's last frame

@@ -16,7 +16,6 @@ import threading
 import httpx
 import numpy as np
 import pytest
-
 import torch
 from servekit import AUDIO, Server, deltas_of, drain, read_wav, run, same, slot_reference, two_streams_are_their_slots_rows
 
@@ -295,7 +294,7 @@ def test_sessions_at_once_share_batched_ticks_and_each_gets_its_slots_row(plugin
         sent, got = slot_reference(models, plugin, stream.place, stream.slot, session)
         n = len(turns[seed])
         assert same(sent, turns[seed] + [SILENCE] * (n - 1)), seed
-        assert same(replies[seed], got[n - 1:]), seed
+        assert same(replies[seed], got[n - 1 :]), seed
     run_ticks = plugin.history()[ticks_before:]
     assert sum(len(record.frames) for record in run_ticks) == 2 * (10 + 4 + 4 + 4) - 4
     assert max(len(record.frames) for record in run_ticks) > 1  # ticks carried several sessions
@@ -318,10 +317,14 @@ def test_describe_counts_every_tick_in_the_transforms_replay_counters(plugin):
     assert frames == batched == 3  # alone in its batch: one frame per batched call (2 fed, 1 of silence)
     assert calls == {"mimi_encode": 3, "lm_step": 3, "depformer_step": 3, "mimi_decode": 3}
     assert (after["slots_per_process"], after["slots_taken_per_process"], after["warm_up_ticks_per_process"]) == (
-        [SLOTS], [0], [2])
+        [SLOTS],
+        [0],
+        [2],
+    )
     assert after["transform"]["stamps"][-1] == (
         "slots: batch of 4, mimi_encode K=1, mimi_decode K=1, lm_step K=1, depformer_step K=1; the vendor's glue "
-        "calls the bound lm_step and depformer_step as its graphed_main and graphed_depth")
+        "calls the bound lm_step and depformer_step as its graphed_main and graphed_depth"
+    )
 
 
 def test_a_session_over_uvicorn_delivers_the_vendors_samples(models, capfd):
@@ -366,7 +369,7 @@ def test_a_session_over_uvicorn_delivers_the_vendors_samples(models, capfd):
     assert same(sent, list(padded.reshape(fed, FRAME_SAMPLES)) + [SILENCE] * (reply_frames - 1))
     audio = deltas_of(events)
     assert len(audio) == reply_frames * FRAME_SAMPLES * 2
-    assert audio == wire_audio.encode_samples(np.concatenate(got[fed - 1:]), PCM24K)  # from the turn's last frame
+    assert audio == wire_audio.encode_samples(np.concatenate(got[fed - 1 :]), PCM24K)  # from the turn's last frame
 
 
 def test_moshi_full_without_a_gpu_fails_at_once_naming_what_is_missing(monkeypatch):
@@ -384,7 +387,10 @@ def test_moshi_full_without_a_gpu_fails_at_once_naming_what_is_missing(monkeypat
         ({"size": "huge"}, "unknown Moshi size 'huge'; expected one of tiny, small, full"),
         ({"device": "tpu"}, "unknown device 'tpu' for Moshi; expected 'cpu' or 'cuda'"),
         ({"processes": -1}, "processes must be 0 (ticks in the server process) or more, got -1"),
-        ({"size": "full", "processes": 2}, "on cuda the ticks run in one worker process (processes=1) or in the server process (processes=0), not in 2 "),
+        (
+            {"size": "full", "processes": 2},
+            "on cuda the ticks run in one worker process (processes=1) or in the server process (processes=0), not in 2 ",
+        ),
         ({"processes": 0, "threads": 2}, "threads is the torch thread count of each worker process; "),
         ({"threads": 0}, "threads must be at least 1, got 0"),
         ({"slots": 0}, "slots must be a batch of 1 to 64 sessions per place, got 0"),
@@ -420,8 +426,11 @@ def test_every_stage_runs_through_its_replay_engine(plugin):
     ticks = described["batched_ticks_per_process"][0]
     assert ticks > 0
     assert {name: (op["calls"], op["fallbacks"]) for name, op in described["transform"]["replays"].items()} == {
-        "mimi_encode": (ticks, {"no_cuda": ticks}), "mimi_decode": (ticks, {"no_cuda": ticks}),
-        "lm_step": (ticks, {"no_cuda": ticks}), "depformer_step": (ticks, {"host_rng": ticks})}
+        "mimi_encode": (ticks, {"no_cuda": ticks}),
+        "mimi_decode": (ticks, {"no_cuda": ticks}),
+        "lm_step": (ticks, {"no_cuda": ticks}),
+        "depformer_step": (ticks, {"host_rng": ticks}),
+    }
 
 
 def test_admission_is_a_free_slot_and_a_session_beyond_them_is_refused_by_name():
@@ -430,7 +439,8 @@ def test_admission_is_a_free_slot_and_a_session_beyond_them_is_refused_by_name()
         with pytest.raises(ValueError) as refused:
             local.reserve(2)
         assert str(refused.value) == (
-            "moshi-tiny holds 1 slots (1 place x 1), not 2 sessions at once: give it slots=2 or admit at most 1 sessions")
+            "moshi-tiny holds 1 slots (1 place x 1), not 2 sessions at once: give it slots=2 or admit at most 1 sessions"
+        )
         local.reserve(1)
         first = local.open_stream()
         with pytest.raises(SlotsFull) as full:

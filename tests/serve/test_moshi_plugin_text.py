@@ -14,10 +14,10 @@ from servekit import Server, deltas_of, run, same
 
 from cadence_fx.models.moshi_slots import Tick, vendor_slots
 from cadence_fx.models.moshi_stream import build_models, random_pcm
+from cadence_fx.models.moshi_tokenizer import TextPieces, padded_tokenizer, stand_in_tokenizer
 from cadence_fx.serve.app import background_server
 from cadence_fx.serve.client import read_wav
 from cadence_fx.serve.plugins.moshi import FRAME_SAMPLES, MoshiPlugin
-from cadence_fx.models.moshi_tokenizer import TextPieces, padded_tokenizer, stand_in_tokenizer
 from cadence_fx.serve.protocol import audio as wire_audio
 from cadence_fx.serve.protocol.audio import PCM24K
 from cadence_fx.serve.session import Limits
@@ -118,21 +118,25 @@ def test_the_ga_route_sends_the_text_as_transcript_deltas_its_done_and_the_items
     with background_server(lambda: served, Limits(max_sessions=2)) as handle:
         events = run(scenario(Server(handle)))
     _, want_pcm, tokens = vendor_slot(served)
-    texts = spoken(tokens[fed - 1:])
-    assert deltas_of(events) == wire_audio.encode_samples(np.concatenate(want_pcm[fed - 1:]), PCM24K)
-    reply = events[next(i for i, e in enumerate(events) if e["type"] == "response.created"):]
+    texts = spoken(tokens[fed - 1 :])
+    assert deltas_of(events) == wire_audio.encode_samples(np.concatenate(want_pcm[fed - 1 :]), PCM24K)
+    reply = events[next(i for i, e in enumerate(events) if e["type"] == "response.created") :]
     kinds = [e["type"] for e in reply]
     audio_at = [i for i, k in enumerate(kinds) if k == "response.output_audio.delta"]
     # After each chunk's audio, its text (a frame whose token is silent sends none).
     expected = []
     for text in texts:
         expected += ["response.output_audio.delta"] + (["response.output_audio_transcript.delta"] if text else [])
-    assert kinds[audio_at[0]:audio_at[-1] + 1 + bool(texts[-1])] == expected
+    assert kinds[audio_at[0] : audio_at[-1] + 1 + bool(texts[-1])] == expected
     assert [e["delta"] for e in reply if e["type"] == "response.output_audio_transcript.delta"] == [t for t in texts if t]
     transcript = "".join(texts)
-    assert kinds[audio_at[-1] + 1 + bool(texts[-1]):] == [
-        "response.output_audio.done", "response.output_audio_transcript.done", "response.content_part.done",
-        "response.output_item.done", "conversation.item.done", "response.done",
+    assert kinds[audio_at[-1] + 1 + bool(texts[-1]) :] == [
+        "response.output_audio.done",
+        "response.output_audio_transcript.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "conversation.item.done",
+        "response.done",
     ]
     done = {e["type"]: e for e in reply}
     assert done["response.output_audio_transcript.done"]["transcript"] == transcript

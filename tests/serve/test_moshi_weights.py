@@ -28,7 +28,6 @@ from cadence_fx.serve.protocol import PCM24K
 from cadence_fx.serve.protocol import audio as wire_audio
 from cadence_fx.serve.session import Limits
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the reference and the runtime on one thread
 
 
@@ -94,8 +93,7 @@ def test_a_session_over_uvicorn_ticking_in_a_worker_hears_the_vendor_stream_of_t
     built = []
 
     def plugin():
-        built.append(load_plugin("moshi-tiny", weights=str(directory), processes=1, max_reply_frames=reply_frames,
-                                 record=True))
+        built.append(load_plugin("moshi-tiny", weights=str(directory), processes=1, max_reply_frames=reply_frames, record=True))
         return built[0]
 
     with background_server(plugin, Limits(max_sessions=1)) as handle:
@@ -105,7 +103,7 @@ def test_a_session_over_uvicorn_ticking_in_a_worker_hears_the_vendor_stream_of_t
     padded = np.concatenate([samples, np.zeros(fed * FRAME_SAMPLES - len(samples), dtype=np.float32)])
     sent, got = slot_reference(vendor, built[0], place=0, slot=0, session=0)
     assert same(sent, list(padded.reshape(fed, FRAME_SAMPLES)) + [SILENCE] * (reply_frames - 1))
-    assert deltas_of(events) == wire_audio.encode_samples(np.concatenate(got[fed - 1:]), PCM24K)  # from the turn's last frame
+    assert deltas_of(events) == wire_audio.encode_samples(np.concatenate(got[fed - 1 :]), PCM24K)  # from the turn's last frame
     assert (served["plugin"]["weights"], served["plugin"]["processes"]) == (str(directory), 1)
     assert f" parameters, weights of {directory}) on CPU, " in served["description"]
 
@@ -142,8 +140,9 @@ def test_serve_refuses_weights_for_a_model_that_loads_none(capsys):
 def test_serve_offline_without_a_local_copy_stops_naming_the_repo_and_its_files(tmp_path):
     env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
     command = ["serve", "--model", "moshi-tiny", "--weights", "kyutai/moshiko-pytorch-bf16", "--port", str(free_port())]
-    done = subprocess.run([sys.executable, "-m", "cadence_fx.cli", *command], env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "cadence_fx.cli", *command], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 3  # uvicorn's exit status when the app's startup (the plugin's construction) fails
     assert (
         "cadence_fx.models.moshi_checkpoint.CheckpointNotFound: Moshi checkpoint 'kyutai/moshiko-pytorch-bf16' is not "

@@ -41,8 +41,7 @@ def voices(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plugin(voices):
-    served = load_plugin("personaplex-tiny", slots=1, sampling=False, max_reply_frames=REPLY, voices=str(voices),
-                         record=True)
+    served = load_plugin("personaplex-tiny", slots=1, sampling=False, max_reply_frames=REPLY, voices=str(voices), record=True)
     served.reserve(1)
     yield served
     served.close()
@@ -67,8 +66,9 @@ def vendor_reply(plugin, fed, *, instructions: str, voice: str | None) -> list[n
     then the reply's silence ticks: a reply opens with the output of the turn's last frame."""
     budget = min(len(fed), REPLY)
     user = torch.from_numpy(np.concatenate([*fed, np.zeros((budget - 1) * FRAME_SAMPLES, np.float32)]))[None, None]
-    out = personaplex.stream_reference(plugin.models, user, sampling=False, seed=0,
-                                       text_prompt_tokens=role_tokens(instructions), voice_prompt=voice)
+    out = personaplex.stream_reference(
+        plugin.models, user, sampling=False, seed=0, text_prompt_tokens=role_tokens(instructions), voice_prompt=voice
+    )
     return list(out.pcm[0, 0].numpy().reshape(-1, FRAME_SAMPLES)[-budget:])
 
 
@@ -110,15 +110,16 @@ def test_a_barge_in_drops_the_rest_of_the_reply_and_the_clock_goes_on(plugin):
     ticked = [record.frames[0] for record in plugin.history()[start:]]
     assert 0 in plugin.history()[start].joins
     user = torch.from_numpy(np.concatenate(ticked))[None, None]
-    out = personaplex.stream_reference(plugin.models, user, sampling=False, seed=0,
-                                       text_prompt_tokens=role_tokens("You are Ada."))
+    out = personaplex.stream_reference(
+        plugin.models, user, sampling=False, seed=0, text_prompt_tokens=role_tokens("You are Ada.")
+    )
     reference = list(out.pcm[0, 0].numpy().reshape(-1, FRAME_SAMPLES))
     opened = next(i for i, frame in enumerate(ticked) if frame is first_turn[-1])
     assert np.array_equal(opening, reference[opened])
     # The second reply opens where the second turn ends, on the same clock (nothing was rewound).
     resumed = next(i for i, frame in enumerate(ticked) if frame is second_turn[-1])
     assert resumed > opened + 1 and len(second) == 2
-    assert all(np.array_equal(g, w) for g, w in zip(second, reference[resumed:resumed + 2]))
+    assert all(np.array_equal(g, w) for g, w in zip(second, reference[resumed : resumed + 2]))
 
 
 def test_prompt_states_are_primed_once_per_voice_and_role(plugin):
@@ -150,8 +151,11 @@ def test_a_clients_uploaded_voice_is_its_own(plugin):
     mine.close()
     theirs = plugin.open_stream(client="10.0.0.2")
     try:
-        with pytest.raises(ConfigRefused, match=r"^voice 'mine' is not a voice of this server; its voices: default, "
-                                                r"ada, broken \(and the ones this client uploaded\)$") as refused:
+        with pytest.raises(
+            ConfigRefused,
+            match=r"^voice 'mine' is not a voice of this server; its voices: default, "
+            r"ada, broken \(and the ones this client uploaded\)$",
+        ) as refused:
             theirs.configure("", "mine")
         assert refused.value.param == "session.audio.output.voice"
     finally:
@@ -161,20 +165,26 @@ def test_a_clients_uploaded_voice_is_its_own(plugin):
     again.close()
 
 
-@pytest.mark.parametrize(("data", "message"), [
-    (b"ID3 not a wav at all", r"voice 'v' is not a WAV file \(RIFF/WAVE header expected\)"),
-    (wav_bytes(1.0, width=1), r"voice 'v' is 8-bit with 1 channels; a voice WAV is 16-bit PCM, mono or stereo"),
-    (wav_bytes(0.2), r"voice 'v' lasts 0.20 s; a voice WAV lasts 0.5 to 30 s"),
-    (wav_bytes(31.0), r"voice 'v' lasts 31.00 s; a voice WAV lasts 0.5 to 30 s"),
-    (b"RIFF" + bytes(5 * 1024 * 1024), r"voice 'v' is 5242884 bytes; a voice WAV is at most 4194304"),
-])
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"ID3 not a wav at all", r"voice 'v' is not a WAV file \(RIFF/WAVE header expected\)"),
+        (wav_bytes(1.0, width=1), r"voice 'v' is 8-bit with 1 channels; a voice WAV is 16-bit PCM, mono or stereo"),
+        (wav_bytes(0.2), r"voice 'v' lasts 0.20 s; a voice WAV lasts 0.5 to 30 s"),
+        (wav_bytes(31.0), r"voice 'v' lasts 31.00 s; a voice WAV lasts 0.5 to 30 s"),
+        (b"RIFF" + bytes(5 * 1024 * 1024), r"voice 'v' is 5242884 bytes; a voice WAV is at most 4194304"),
+    ],
+)
 def test_voice_wavs_are_refused_by_name(plugin, data, message):
     stream = plugin.open_stream(client="c")
     try:
         with pytest.raises(ConfigRefused, match=f"^{message}$"):
             stream.upload_voice("v", data)
-        with pytest.raises(ConfigRefused, match=r"^voice 'ada' is taken \(the operator's voices and 'default'\); "
-                                                r"name an uploaded voice otherwise$"):
+        with pytest.raises(
+            ConfigRefused,
+            match=r"^voice 'ada' is taken \(the operator's voices and 'default'\); "
+            r"name an uploaded voice otherwise$",
+        ):
             stream.upload_voice("ada", wav_bytes(1.0))
     finally:
         stream.close()
@@ -183,8 +193,11 @@ def test_voice_wavs_are_refused_by_name(plugin, data, message):
 def test_a_role_too_long_is_refused_by_name():
     # Wrapped in '<system> ' and ' <system>' (18 bytes), one token a byte.
     assert len(role_tokens("x" * (MAX_ROLE_TOKENS - 18))) == MAX_ROLE_TOKENS
-    with pytest.raises(ConfigRefused, match=rf"^session.instructions is {MAX_ROLE_TOKENS + 1} tokens as a role "
-                                            rf"prompt; PersonaPlex takes at most {MAX_ROLE_TOKENS}$"):
+    with pytest.raises(
+        ConfigRefused,
+        match=rf"^session.instructions is {MAX_ROLE_TOKENS + 1} tokens as a role "
+        rf"prompt; PersonaPlex takes at most {MAX_ROLE_TOKENS}$",
+    ):
         role_tokens("x" * (MAX_ROLE_TOKENS - 17))
 
 
@@ -202,8 +215,14 @@ def test_a_checkpoint_in_the_released_layout_serves_its_voices_and_tokenizer(tmp
         user = torch.from_numpy(np.concatenate([*fed, np.zeros((REPLY - 1) * FRAME_SAMPLES, np.float32)]))[None, None]
         gen = personaplex.lm_gen(served.models.lm, sampling=False)
         with served.models.mimi.streaming(1), gen.streaming(1):
-            out = personaplex.vendor_loop(served.models.mimi, gen, user, seed=0, text_prompt_tokens=tokens,
-                                          voice_prompt_embeddings=str(tmp_path / "voices" / "ADA.pt"))
+            out = personaplex.vendor_loop(
+                served.models.mimi,
+                gen,
+                user,
+                seed=0,
+                text_prompt_tokens=tokens,
+                voice_prompt_embeddings=str(tmp_path / "voices" / "ADA.pt"),
+            )
         want = list(out.pcm[0, 0].numpy().reshape(-1, FRAME_SAMPLES)[-REPLY:])
         assert len(got) == REPLY and all(np.array_equal(g, w) for g, w in zip(got, want))
     finally:
@@ -223,22 +242,34 @@ def test_a_voice_file_the_vendor_cannot_read_is_refused_by_name(plugin):
 def test_bad_options_are_refused_by_name(plugin):
     with pytest.raises(ValueError, match=r"^slots must be a batch of 1 to 64 sessions, got 0$"):
         load_plugin("personaplex-tiny", slots=0)
-    with pytest.raises(ValueError, match=r"^PersonaPlexPlugin takes no option 'size'; its options: seed, sampling, slots, "
-                                         r"max_reply_frames, voices, weights, prompt_rate, record$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^PersonaPlexPlugin takes no option 'size'; its options: seed, sampling, slots, "
+        r"max_reply_frames, voices, weights, prompt_rate, record$",
+    ):
         load_plugin("personaplex-tiny", size="full")
-    with pytest.raises(ValueError, match=r"^personaplex-tiny holds 1 slots, not 2 sessions at once: admit at most 1 "
-                                         r"\(a batch holds 1 to 64\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^personaplex-tiny holds 1 slots, not 2 sessions at once: admit at most 1 "
+        r"\(a batch holds 1 to 64\)$",
+    ):
         plugin.reserve(2)
-    with pytest.raises(ValueError, match=r"^voices: '/nowhere' is not a folder \(expected a folder of <name>.wav or "
-                                         r"<name>.pt voice prompt files\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^voices: '/nowhere' is not a folder \(expected a folder of <name>.wav or "
+        r"<name>.pt voice prompt files\)$",
+    ):
         load_plugin("personaplex-tiny", voices="/nowhere")
 
 
 def test_session_update_sets_the_persona_over_the_wire(plugin):
     """Last: the server closes the plugin when it stops."""
+
     async def scenario(server: Server):
         sock = await server.connect("/v1/realtime")
-        await sock.send({"type": "session.update", "session": {"instructions": "You are Di.", "audio": {"output": {"voice": "ada"}}}})
+        await sock.send(
+            {"type": "session.update", "session": {"instructions": "You are Di.", "audio": {"output": {"voice": "ada"}}}}
+        )
         updated = await sock.recv(timeout=30)
         await sock.send({"type": "session.update", "session": {"audio": {"output": {"voice": "nobody"}}}})
         error = await sock.recv(timeout=30)

@@ -13,8 +13,8 @@ from cadence_fx.serve.plugins import (
     load_plugin,
     plugin_names,
     register_plugin,
+    tone,
 )
-from cadence_fx.serve.plugins import tone
 
 
 def _feed(stream: ModelStream, frames: int) -> None:
@@ -95,8 +95,10 @@ def test_registry_loads_by_name_and_says_what_it_knows(monkeypatch):
 def test_one_record_per_served_model_says_what_it_takes():
     from cadence_fx.serve import plugins
 
-    takes = {spec.name: [flag for flag in ("loads_weights", "takes_prompt", "has_slots", "has_lanes")
-                         if getattr(spec, flag)] for spec in plugins.SPECS}
+    takes = {
+        spec.name: [flag for flag in ("loads_weights", "takes_prompt", "has_slots", "has_lanes") if getattr(spec, flag)]
+        for spec in plugins.SPECS
+    }
     assert takes == {
         "tone": [],
         "moshi-tiny": ["loads_weights", "has_slots"],
@@ -110,12 +112,22 @@ def test_one_record_per_served_model_says_what_it_takes():
     assert plugin_names() == sorted(takes)
 
 
-@pytest.mark.parametrize(("name", "options", "error"), [
-    ("moshi-tiny", {"runtime": "stages"}, "MoshiPlugin takes no option 'runtime'; its options: device, seed, sampling, "
-     "max_reply_frames, processes, threads, pin, weights, slots, record"),
-    ("token2wav", {"size": "full", "lane": 2}, "Token2WavPlugin takes no option 'lane', 'size'; its options: seed, "
-     "max_reply_chunks, weights, prompt, lanes"),
-])
+@pytest.mark.parametrize(
+    ("name", "options", "error"),
+    [
+        (
+            "moshi-tiny",
+            {"runtime": "stages"},
+            "MoshiPlugin takes no option 'runtime'; its options: device, seed, sampling, "
+            "max_reply_frames, processes, threads, pin, weights, slots, record",
+        ),
+        (
+            "token2wav",
+            {"size": "full", "lane": 2},
+            "Token2WavPlugin takes no option 'lane', 'size'; its options: seed, max_reply_chunks, weights, prompt, lanes",
+        ),
+    ],
+)
 def test_an_option_a_model_plugin_does_not_take_is_refused_by_name_before_anything_is_built(name, options, error):
     with pytest.raises(ValueError) as refused:
         load_plugin(name, **options)

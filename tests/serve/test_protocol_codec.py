@@ -105,16 +105,28 @@ _USER_TEXT = '{"type": "conversation.item.create", "item": {"type": "message", "
 @pytest.mark.parametrize(
     ("frame", "param", "lone", "event_id"),
     [
-        ('{"type": "session.update", "event_id": "u1", "session": {"instructions": "a\\ud800b"}}',
-         "session.instructions", "U+D800 at character 1", "u1"),
-        (_USER_TEXT % '{"type": "input_text", "text": "ok"}, {"type": "input_text", "text": "\\udfff"}',
-         "item.content[1].text", "U+DFFF at character 0", None),
+        (
+            '{"type": "session.update", "event_id": "u1", "session": {"instructions": "a\\ud800b"}}',
+            "session.instructions",
+            "U+D800 at character 1",
+            "u1",
+        ),
+        (
+            _USER_TEXT % '{"type": "input_text", "text": "ok"}, {"type": "input_text", "text": "\\udfff"}',
+            "item.content[1].text",
+            "U+DFFF at character 0",
+            None,
+        ),
         ('{"type": "session.update", "session": {"\\udc00": 1}}', "session", "U+DC00 at character 0", None),
         # The error never echoes an event_id that holds one.
         ('{"type": "input_audio_buffer.clear", "event_id": "x\\ud83d"}', "event_id", "U+D83D at character 1", None),
         # A binary frame's UTF-8 may encode a surrogate itself (json.loads decodes bytes with surrogatepass).
-        (b'{"type": "session.update", "session": {"instructions": "\xed\xa0\x80"}}', "session.instructions",
-         "U+D800 at character 0", None),
+        (
+            b'{"type": "session.update", "session": {"instructions": "\xed\xa0\x80"}}',
+            "session.instructions",
+            "U+D800 at character 0",
+            None,
+        ),
     ],
 )
 def test_a_lone_surrogate_anywhere_in_a_command_is_refused_by_name(frame, param, lone, event_id):
@@ -134,7 +146,9 @@ def test_a_lone_surrogate_anywhere_in_a_command_is_refused_by_name(frame, param,
 
 
 def test_a_paired_surrogate_escape_is_the_character_it_encodes():
-    command = decode_command('{"type": "session.update", "event_id": "e\\ud83d\\ude00", "session": {"instructions": "\\ud83d\\ude00"}}')
+    command = decode_command(
+        '{"type": "session.update", "event_id": "e\\ud83d\\ude00", "session": {"instructions": "\\ud83d\\ude00"}}'
+    )
     assert (command.event_id, command.session["instructions"]) == ("e\U0001f600", "\U0001f600")
 
 
@@ -187,9 +201,7 @@ def test_tier3_events_cannot_reach_a_realtime_connection():
 def test_events_round_trip_through_the_codec():
     event = _delta(epoch=1, turn_id=1, audio_offset=0, server_event_seq=4)
     assert decode_event(encode_event(event, duplex=True)) == event
-    resumed = ev.SessionResumed(
-        event_id="e", session_id="s", resume_token="t", generation=2, last_server_event_seq=9, replayed=3
-    )
+    resumed = ev.SessionResumed(event_id="e", session_id="s", resume_token="t", generation=2, last_server_event_seq=9, replayed=3)
     assert decode_event(encode_event(resumed, duplex=True)) == resumed
 
 
@@ -227,25 +239,19 @@ _SAMPLES = [
     ev.ConversationItemRetrieved(item=_ITEM),
     ev.ConversationItemTruncated(item_id="item_1", content_index=0, audio_end_ms=10),
     ev.ConversationItemDeleted(item_id="item_1"),
-    ev.ResponseCreated(
-        response={**_RESPONSE, "status": "in_progress", "output": []}, response_id="resp_1", epoch=0, turn_id=1
-    ),
+    ev.ResponseCreated(response={**_RESPONSE, "status": "in_progress", "output": []}, response_id="resp_1", epoch=0, turn_id=1),
     ev.ResponseDone(response=_RESPONSE, response_id="resp_1", epoch=0, turn_id=1, playback={"audio_samples": 960}),
     ev.ResponseOutputItemAdded(response_id="resp_1", output_index=0, item=_ITEM),
     ev.ResponseOutputItemDone(response_id="resp_1", output_index=0, item=_ITEM),
     ev.ResponseContentPartAdded(**_PART, part={"type": "audio", "transcript": ""}),
     ev.ResponseContentPartDone(**_PART, part={"type": "audio", "transcript": ""}),
-    ev.ResponseOutputAudioDelta(
-        **_PART, delta="AAA=", epoch=0, turn_id=1, audio_offset=0, format="pcm16", sample_rate_hz=24000
-    ),
+    ev.ResponseOutputAudioDelta(**_PART, delta="AAA=", epoch=0, turn_id=1, audio_offset=0, format="pcm16", sample_rate_hz=24000),
     ev.ResponseOutputAudioTranscriptDelta(**_PART, delta="hel"),
     ev.ResponseOutputAudioTranscriptDone(**_PART, transcript="hello"),
     ev.ResponseOutputAudioDone(**_PART, epoch=0),
     ev.OutputAudioBufferCleared(response_id="resp_1"),
     ev.RateLimitsUpdated(rate_limits=[{"name": "requests", "limit": 16, "remaining": 15}]),
-    ev.Error(
-        error={"type": "invalid_request_error", "code": "invalid_json", "message": "m", "param": None, "event_id": None}
-    ),
+    ev.Error(error={"type": "invalid_request_error", "code": "invalid_json", "message": "m", "param": None, "event_id": None}),
 ]
 
 

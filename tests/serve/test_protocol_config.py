@@ -96,8 +96,14 @@ def test_every_ga_field_is_applied_or_echoed_in_the_session_object():
 
 def test_nulls_of_unset_options_change_nothing_and_a_null_feature_turns_it_off():
     config = BASE.apply(EVERY_GA_FIELD)
-    nulls = {"instructions": None, "tool_choice": None, "max_output_tokens": None, "model": None, "reasoning": None,
-             "audio": {"output": {"speed": None, "voice": None}}}
+    nulls = {
+        "instructions": None,
+        "tool_choice": None,
+        "max_output_tokens": None,
+        "model": None,
+        "reasoning": None,
+        "audio": {"output": {"speed": None, "voice": None}},
+    }
     assert config.apply(nulls) == config
     off = config.apply({"tracing": None, "prompt": None, "audio": {"input": {"transcription": None}}})
     assert (off.tracing, off.prompt, off.transcription) == (None, None, None)
@@ -155,12 +161,20 @@ def test_session_object_is_ga():
         ({"tools": [{"type": "mcp", "server_label": "x"}]}, "invalid_value", "session.tools[0].type"),
         ({"tools": [{"type": "function"}]}, "invalid_value", "session.tools[0].name"),
         ({"tracing": {"workflow": "x"}}, "unknown_parameter", "session.tracing.workflow"),
-        ({"truncation": {"type": "retention_ratio", "retention_ratio": 2}}, "invalid_value", "session.truncation.retention_ratio"),
+        (
+            {"truncation": {"type": "retention_ratio", "retention_ratio": 2}},
+            "invalid_value",
+            "session.truncation.retention_ratio",
+        ),
         ({"include": ["item.audio"]}, "invalid_value", "session.include[0]"),
         ({"prompt": {"version": "1"}}, "invalid_value", "session.prompt.id"),
         ({"reasoning": {"effort": "low"}}, "invalid_value", "session.reasoning"),
         ({"audio": {"input": {"transcription": {"model": 1}}}}, "invalid_value", "session.audio.input.transcription.model"),
-        ({"audio": {"input": {"noise_reduction": {"type": "loud"}}}}, "invalid_value", "session.audio.input.noise_reduction.type"),
+        (
+            {"audio": {"input": {"noise_reduction": {"type": "loud"}}}},
+            "invalid_value",
+            "session.audio.input.noise_reduction.type",
+        ),
         (
             {"audio": {"input": {"turn_detection": {"threshold": 2}}}},
             "invalid_value",

@@ -18,7 +18,6 @@ from ray import serve
 from servekit import COMMIT, RESPONSE_HEAD, RESPONSE_TAIL, Server, deltas_of, run, tone_reply_pcm, types_of
 
 from cadence_fx.serve.app import free_port
-from cadence_fx.serve.ray import app as builder
 from cadence_fx.serve.ray import (
     PROBE_S,
     REPLICA_LOST,
@@ -30,6 +29,7 @@ from cadence_fx.serve.ray import (
     session_prefix,
     sized,
 )
+from cadence_fx.serve.ray import app as builder
 from cadence_fx.serve.session import Limits
 
 APP = "cadence-fx-test"
@@ -203,8 +203,14 @@ def test_models_lists_the_model_once_with_every_replica(ingress):
     models = httpx.get(ingress.handle.http_url + "/v1/models", timeout=30).json()
     assert [m["id"] for m in models["data"]] == ["tone"]
     assert [r["replica"] for r in models["data"][0]["replicas"]] == [0, 1]
-    figures = ["device_footprint_bytes_end", "device_footprint_bytes_max", "device_used_at_start_bytes",
-               "peak_allocated_bytes", "reserved_bytes_end", "reserved_bytes_max"]
+    figures = [
+        "device_footprint_bytes_end",
+        "device_footprint_bytes_max",
+        "device_used_at_start_bytes",
+        "peak_allocated_bytes",
+        "reserved_bytes_end",
+        "reserved_bytes_max",
+    ]
     assert [sorted(r["memory"]) for r in models["data"][0]["replicas"]] == [figures, figures]  # each replica's own
 
 
@@ -307,8 +313,12 @@ def test_killing_a_replica_ends_its_sessions_and_spares_the_others(ingress, ques
     plain_kept, plain_doomed, plain_after, plain_alive = plain
     placed = [replica_of(s.session_id) for s in (kept, doomed, plain_kept, plain_doomed)]
     assert placed == [0, 1, 0, 1]
-    assert ended == {"type": "session.closed", "event_id": "event_replica_lost", "session_id": doomed.session_id,
-                     "reason": REPLICA_LOST}
+    assert ended == {
+        "type": "session.closed",
+        "event_id": "event_replica_lost",
+        "session_id": doomed.session_id,
+        "reason": REPLICA_LOST,
+    }
     assert (doomed.ws.close_code, doomed.ws.close_reason) == (1001, REPLICA_LOST)
     # A plain Realtime connection gets no Tier 3 event: its socket just closes, 1001 replica_lost.
     assert (plain_after, plain_doomed.ws.close_code, plain_doomed.ws.close_reason) == ([], 1001, REPLICA_LOST)

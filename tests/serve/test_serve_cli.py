@@ -59,13 +59,21 @@ def test_ready_line_over_tls(tmp_path):
     ("options", "sentence"),
     [
         (["--ssl-keyfile", "key.pem"], "--ssl-keyfile and --ssl-certfile go together: give both (PEM files) or neither"),
-        (["--ssl-keyfile", "nokey.pem", "--ssl-certfile", "nocert.pem"],
-         "no such file 'nokey.pem' (expected a PEM key or certificate)"),
+        (
+            ["--ssl-keyfile", "nokey.pem", "--ssl-certfile", "nocert.pem"],
+            "no such file 'nokey.pem' (expected a PEM key or certificate)",
+        ),
         (["--replicas", "2"], "--replicas goes with --ray (without it, one server process serves every session)"),
-        (["--ray", "--trusted-proxy", "10.0.0.1"], "--trusted-proxy does not go with --ray: there Ray Serve's HTTP "
-         "proxy takes the client's address, and the replicas trust only the ingress's word for it"),
-        (["--allowed-host", "https://voice.example"], "allowed host 'https://voice.example' must be a host name or "
-         "address, without a scheme, port or path (voice.example, 10.0.0.5, ::1), or '*'"),
+        (
+            ["--ray", "--trusted-proxy", "10.0.0.1"],
+            "--trusted-proxy does not go with --ray: there Ray Serve's HTTP "
+            "proxy takes the client's address, and the replicas trust only the ingress's word for it",
+        ),
+        (
+            ["--allowed-host", "https://voice.example"],
+            "allowed host 'https://voice.example' must be a host name or "
+            "address, without a scheme, port or path (voice.example, 10.0.0.5, ::1), or '*'",
+        ),
     ],
 )
 def test_bad_tls_options_are_one_sentence(options, sentence, capsys):
@@ -102,8 +110,13 @@ def test_slots_is_the_batch_of_a_slotted_model_and_the_default_session_limit(mon
     import cadence_fx.serve.app as app
 
     served = []
-    monkeypatch.setattr(app, "run_server", lambda host, port, model, limits, access, tls, on_ready, plugin_options:
-                        served.append((model, limits.max_sessions, plugin_options)))
+    monkeypatch.setattr(
+        app,
+        "run_server",
+        lambda host, port, model, limits, access, tls, on_ready, plugin_options: served.append(
+            (model, limits.max_sessions, plugin_options)
+        ),
+    )
     assert main(["serve", "--model", "moshi-tiny", "--slots", "4"]) == 0
     assert main(["serve", "--model", "moshi-full", "--slots", "64", "--max-sessions", "32"]) == 0
     assert main(["serve", "--model", "moshi-tiny"]) == 0
@@ -122,8 +135,13 @@ def test_lanes_go_to_a_model_with_replay_lanes_and_nowhere_else(monkeypatch, cap
     import cadence_fx.serve.app as app
 
     served = []
-    monkeypatch.setattr(app, "run_server", lambda host, port, model, limits, access, tls, on_ready, plugin_options:
-                        served.append((model, limits.max_sessions, plugin_options)))
+    monkeypatch.setattr(
+        app,
+        "run_server",
+        lambda host, port, model, limits, access, tls, on_ready, plugin_options: served.append(
+            (model, limits.max_sessions, plugin_options)
+        ),
+    )
     assert main(["serve", "--model", "token2wav-full", "--lanes", "8", "--max-sessions", "24"]) == 0
     assert main(["serve", "--model", "token2wav"]) == 0
     assert served == [("token2wav-full", 24, {"lanes": 8}), ("token2wav", 16, {})]

@@ -11,13 +11,12 @@ import pytest
 import websockets
 from servekit import ROOMY, run, running
 
-from cadence_fx.serve.app import background_server
-from cadence_fx.serve.plugins import ToneModel
-from cadence_fx.serve.session import Limits
-
 from cadence_fx import cli
 from cadence_fx.serve import app as serve_app
 from cadence_fx.serve.access import Access
+from cadence_fx.serve.app import background_server
+from cadence_fx.serve.plugins import ToneModel
+from cadence_fx.serve.session import Limits
 
 KEY = "sk-test-0123456789"
 FOREIGN = "https://evil.example"
@@ -177,8 +176,14 @@ def test_a_rebound_host_is_refused_even_on_an_open_server():
         with httpx.Client(base_url=server.handle.http_url) as http:
             answers = {
                 host: [http.get(path, headers={"Host": host}) for path in ("/v1/models", "/health", "/")]
-                for host in (f"evil.example:{port}", "EVIL.example", f"localhost:{port}", f"127.0.0.1:{port}",
-                             f"[::1]:{port}", "localhost.")
+                for host in (
+                    f"evil.example:{port}",
+                    "EVIL.example",
+                    f"localhost:{port}",
+                    f"127.0.0.1:{port}",
+                    f"[::1]:{port}",
+                    "localhost.",
+                )
             }
     assert rebound == (421, _refused_host("evil.example"))
     assert (own[0], own[1]["type"]) == (101, "session.created")
@@ -206,6 +211,7 @@ def test_allowed_hosts_are_served_besides_the_servers_own():
 def test_a_server_on_every_interface_answers_to_the_address_each_connection_came_in_on():
     with background_server(ToneModel, ROOMY, host="0.0.0.0") as handle:
         with httpx.Client() as http:
+
             def status(host: str) -> int:  # every request goes to 127.0.0.2, a loopback address not named so
                 return http.get(f"http://127.0.0.2:{handle.port}/health", headers={"Host": host}).status_code
 
@@ -222,12 +228,21 @@ def test_a_server_answers_to_the_name_it_was_started_on():
 @pytest.mark.parametrize(
     ("hosts", "sentence"),
     [
-        (("https://voice.example",), "allowed host 'https://voice.example' must be a host name or address, "
-         "without a scheme, port or path (voice.example, 10.0.0.5, ::1), or '*'"),
-        (("voice.example:8443",), "allowed host 'voice.example:8443' must be a host name or address, "
-         "without a scheme, port or path (voice.example, 10.0.0.5, ::1), or '*'"),
-        (("",), "allowed host '' must be a host name or address, without a scheme, port or path "
-         "(voice.example, 10.0.0.5, ::1), or '*'"),
+        (
+            ("https://voice.example",),
+            "allowed host 'https://voice.example' must be a host name or address, "
+            "without a scheme, port or path (voice.example, 10.0.0.5, ::1), or '*'",
+        ),
+        (
+            ("voice.example:8443",),
+            "allowed host 'voice.example:8443' must be a host name or address, "
+            "without a scheme, port or path (voice.example, 10.0.0.5, ::1), or '*'",
+        ),
+        (
+            ("",),
+            "allowed host '' must be a host name or address, without a scheme, port or path "
+            "(voice.example, 10.0.0.5, ::1), or '*'",
+        ),
     ],
 )
 def test_an_allowed_host_that_is_not_a_host_name_is_refused(hosts, sentence):
@@ -286,10 +301,8 @@ def test_x_forwarded_for_is_ignored_unless_its_proxy_is_trusted():
 @pytest.mark.parametrize(
     ("proxies", "sentence"),
     [
-        (("10.0.0.1/8",), "trusted proxy '10.0.0.1/8' must be an IP address (10.0.0.5), a network "
-         "(10.0.0.0/8) or '*'"),
-        (("proxy.example",), "trusted proxy 'proxy.example' must be an IP address (10.0.0.5), a network "
-         "(10.0.0.0/8) or '*'"),
+        (("10.0.0.1/8",), "trusted proxy '10.0.0.1/8' must be an IP address (10.0.0.5), a network (10.0.0.0/8) or '*'"),
+        (("proxy.example",), "trusted proxy 'proxy.example' must be an IP address (10.0.0.5), a network (10.0.0.0/8) or '*'"),
     ],
 )
 def test_a_trusted_proxy_that_is_not_an_address_is_refused(proxies, sentence):
@@ -301,16 +314,21 @@ def test_a_trusted_proxy_that_is_not_an_address_is_refused(proxies, sentence):
 def test_serve_passes_allowed_hosts_and_trusted_proxies(monkeypatch, capsys):
     calls = []
     monkeypatch.setattr(serve_app, "run_server", lambda *args, **kwargs: calls.append(args[4]))
-    options = ["--allowed-host", "voice.example", "--allowed-host", "10.0.0.5", "--trusted-proxy", "10.0.0.0/8",
-               "--trusted-proxy", "192.0.2.7"]
-    assert cli.main(["serve", *options]) == 0
-    assert calls == [
-        Access(allowed_hosts=("voice.example", "10.0.0.5"), trusted_proxies=("10.0.0.0/8", "192.0.2.7"))
+    options = [
+        "--allowed-host",
+        "voice.example",
+        "--allowed-host",
+        "10.0.0.5",
+        "--trusted-proxy",
+        "10.0.0.0/8",
+        "--trusted-proxy",
+        "192.0.2.7",
     ]
+    assert cli.main(["serve", *options]) == 0
+    assert calls == [Access(allowed_hosts=("voice.example", "10.0.0.5"), trusted_proxies=("10.0.0.0/8", "192.0.2.7"))]
     assert cli.main(["serve", "--trusted-proxy", "proxy.example"]) == 2
     assert capsys.readouterr().err.endswith(
-        "cadence-fx serve: error: trusted proxy 'proxy.example' must be an IP address (10.0.0.5), a network "
-        "(10.0.0.0/8) or '*'\n"
+        "cadence-fx serve: error: trusted proxy 'proxy.example' must be an IP address (10.0.0.5), a network (10.0.0.0/8) or '*'\n"
     )
 
 

@@ -73,8 +73,11 @@ def test_response_instructions_are_stored_and_reported_on_duplex_connections(ser
         ({"max_output_tokens": 100}, "invalid_value", "response.max_output_tokens"),
         ({"conversation": "conv_other"}, "invalid_value", "response.conversation"),
         ({"metadata": {"k": 1}}, "invalid_value", "response.metadata.k"),
-        ({"audio": {"output": {"format": {"type": "audio/opus"}}}}, "unsupported_audio_format",
-         "response.audio.output.format.type"),
+        (
+            {"audio": {"output": {"format": {"type": "audio/opus"}}}},
+            "unsupported_audio_format",
+            "response.audio.output.format.type",
+        ),
         ({"temperature": 0.8}, "unknown_parameter", "response.temperature"),
     ],
 )
@@ -87,9 +90,7 @@ def test_a_response_field_that_cannot_be_honoured_is_refused_by_name(server, res
         return error
 
     error = run(scenario())["error"]
-    assert (error["type"], error["code"], error["param"], error["event_id"]) == (
-        "invalid_request_error", code, param, "rc_9"
-    )
+    assert (error["type"], error["code"], error["param"], error["event_id"]) == ("invalid_request_error", code, param, "rc_9")
 
 
 def test_response_cancel_with_nothing_active_uses_openais_wording(server):
@@ -200,12 +201,17 @@ def test_function_call_items_are_echoed_in_their_ga_shape(server):
     [
         ({"type": "function_call", "arguments": "{}"}, "missing_field", "item.name"),
         ({"type": "function_call_output", "call_id": "c", "output": 5}, "invalid_value", "item.output"),
-        ({"type": "message", "role": "system", "content": [{"type": "input_audio"}]}, "invalid_value",
-         "item.content[0].type"),
-        ({"type": "message", "role": "assistant", "content": [{"type": "text", "text": "hi"}]}, "invalid_value",
-         "item.content[0].type"),
-        ({"type": "message", "role": "user", "content": [{"type": "input_text", "txt": "hi"}]}, "unknown_parameter",
-         "item.content[0].txt"),
+        ({"type": "message", "role": "system", "content": [{"type": "input_audio"}]}, "invalid_value", "item.content[0].type"),
+        (
+            {"type": "message", "role": "assistant", "content": [{"type": "text", "text": "hi"}]},
+            "invalid_value",
+            "item.content[0].type",
+        ),
+        (
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "txt": "hi"}]},
+            "unknown_parameter",
+            "item.content[0].txt",
+        ),
         ({"type": "message", "role": "user", "content": [], "name": "x"}, "unknown_parameter", "item.name"),
         ({"type": "message", "role": "user", "content": [], "status": "done"}, "invalid_value", "item.status"),
     ],
@@ -230,8 +236,9 @@ def test_previous_item_id_root_inserts_at_the_start(server):
         sock = await server.connect("/v1/realtime")
         await sock.send({"type": "conversation.item.create", "item": {**text("second"), "id": "item_b"}})
         await sock.recv_until("conversation.item.done")
-        await sock.send({"type": "conversation.item.create", "previous_item_id": "root",
-                         "item": {**text("first"), "id": "item_a"}})
+        await sock.send(
+            {"type": "conversation.item.create", "previous_item_id": "root", "item": {**text("first"), "id": "item_a"}}
+        )
         added = (await sock.recv_until("conversation.item.done"))[0]
         history = server.on_loop(lambda: [item["id"] for item in server.session(sock.session_id).history])
         await sock.close()

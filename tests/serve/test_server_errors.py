@@ -10,16 +10,15 @@ import socket
 import httpx
 import pytest
 import websockets.sync.client
-from cadence_fx.serve.app import frame_ceiling
-from cadence_fx.serve.protocol import ERROR_CODES
-from cadence_fx.serve.protocol import events as ev
-from cadence_fx.serve.session import Limits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from servekit import ROOMY, Server, check_event, run, running
 
-from cadence_fx.serve.app import background_server
+from cadence_fx.serve.app import background_server, frame_ceiling
 from cadence_fx.serve.plugins import ToneModel
+from cadence_fx.serve.protocol import ERROR_CODES
+from cadence_fx.serve.protocol import events as ev
+from cadence_fx.serve.session import Limits
 
 MAX_FRAME = 64 * 1024
 
@@ -52,9 +51,7 @@ BAD_FRAMES = [
     ('{"type": "input_audio_buffer.append", "audio": "not base64!"}', "invalid_base64", "audio"),
     ('{"type": "input_audio_buffer.append", "audio": "AAAA"}', "invalid_audio_length", "audio"),
     (
-        json.dumps(
-            {"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 8}}}}}
-        ),
+        json.dumps({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 8}}}}}),
         "unsupported_audio_format",
         "session.audio.input.format.rate",
     ),
@@ -165,9 +162,7 @@ def test_another_clients_session_cannot_be_taken_with_a_wrong_token(strict_serve
 
 # ---------------------------------------------------------------- fuzz
 
-_JSON_SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False), st.text(max_size=8)
-)
+_JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False), st.text(max_size=8))
 _JSON = st.recursive(
     _JSON_SCALARS,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
@@ -175,11 +170,7 @@ _JSON = st.recursive(
 )
 # Command types whose required fields, when broken, make the frame invalid.
 _REQUIRED = {
-    t: [
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
+    t: [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     for t, cls in ev.COMMANDS.items()
 }
 _WITH_REQUIRED = sorted(t for t, names in _REQUIRED.items() if names)
@@ -220,9 +211,7 @@ _MALFORMED = st.one_of(
     st.text(max_size=12).map(lambda s: json.dumps({"type": "conversation.item.delete", "item_id": "nope" + s})),
     st.just(json.dumps({"type": "response.cancel"})),
     st.just(json.dumps({"type": "input_audio_buffer.commit"})),
-    st.just(
-        json.dumps({"type": "session.resume", "session_id": "sess_x", "resume_token": "t", "last_server_event_seq": 1})
-    ),
+    st.just(json.dumps({"type": "session.resume", "session_id": "sess_x", "resume_token": "t", "last_server_event_seq": 1})),
 )
 
 

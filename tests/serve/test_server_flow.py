@@ -48,8 +48,7 @@ def test_manual_turn_gives_the_exact_ga_event_sequence(server, question_pcm):
     updated, events, ledgers = run(scenario())
     # A duplex connection hears the decision (vLLM-Omni's response.speak) once, before the first audio.
     assert types_of(events, skip_deltas=False) == (
-        COMMIT + RESPONSE_HEAD + ["response.speak"] + ["response.output_audio.delta"] * QUESTION_REPLY_CHUNKS
-        + RESPONSE_TAIL
+        COMMIT + RESPONSE_HEAD + ["response.speak"] + ["response.output_audio.delta"] * QUESTION_REPLY_CHUNKS + RESPONSE_TAIL
     )
     assert [e["server_event_seq"] for e in [updated, *events]] == list(range(1, len(events) + 2))
     assert events[0]["audio_bytes"] == QUESTION_BYTES and events[0]["turn_id"] == 1
@@ -297,9 +296,7 @@ def test_conversation_items_create_retrieve_truncate_delete(server, question_pcm
         user_id, assistant_id = turn[0]["item_id"], turn[-1]["response"]["output"][0]["id"]
         await sock.send({"type": "conversation.item.retrieve", "item_id": user_id})
         retrieved = await sock.recv()
-        await sock.send(
-            {"type": "conversation.item.truncate", "item_id": assistant_id, "content_index": 0, "audio_end_ms": 200}
-        )
+        await sock.send({"type": "conversation.item.truncate", "item_id": assistant_id, "content_index": 0, "audio_end_ms": 200})
         truncated = await sock.recv()
         await sock.send(
             {"type": "conversation.item.truncate", "item_id": assistant_id, "content_index": 0, "audio_end_ms": 60_000}
@@ -357,9 +354,7 @@ def test_models_route_shows_each_plugins_describe():
         run(scenario(server))
         with httpx.Client(base_url=server.handle.http_url) as http:
             models = http.get("/v1/models").json()
-    assert [m["plugin"] for m in models["data"]] == [
-        {"model": "tone", "streams": 1, "feed_delay_s": 0.0, "step_delay_s": 0.01}
-    ]
+    assert [m["plugin"] for m in models["data"]] == [{"model": "tone", "streams": 1, "feed_delay_s": 0.0, "step_delay_s": 0.01}]
 
 
 def test_models_and_health_routes(server):
@@ -370,8 +365,18 @@ def test_models_and_health_routes(server):
     assert models["data"][0]["description"].startswith("test double")
     assert (health["status"], health["model"], health["max_sessions"]) == ("ok", "tone", 64)
     assert (health["free_slots"], health["admits"]) == (None, 64 - health["sessions"])  # the tone has no slots
-    assert sorted(health) == ["admits", "connections", "free_slots", "gc", "loop_lag_ms", "max_sessions", "model",
-                              "sessions", "sessions_ended", "status"]
+    assert sorted(health) == [
+        "admits",
+        "connections",
+        "free_slots",
+        "gc",
+        "loop_lag_ms",
+        "max_sessions",
+        "model",
+        "sessions",
+        "sessions_ended",
+        "status",
+    ]
     assert sorted(health["loop_lag_ms"]) == ["max", "mean", "wakes"]
     assert sorted(health["gc"]) == ["frozen_objects", "generations"]
     assert [sorted(g) for g in health["gc"]["generations"]] == [["collections", "max_ms", "total_ms"]] * 3
@@ -414,8 +419,7 @@ def test_a_paced_reply_is_the_same_audio_handed_out_no_further_ahead_of_playback
     with running(Limits(max_sessions=4, reply_lead_s=0.2)) as server:
         events, arrivals = run(scenario(server))
     assert types_of(events, skip_deltas=False) == (
-        COMMIT + RESPONSE_HEAD + ["response.speak"] + ["response.output_audio.delta"] * QUESTION_REPLY_CHUNKS
-        + RESPONSE_TAIL
+        COMMIT + RESPONSE_HEAD + ["response.speak"] + ["response.output_audio.delta"] * QUESTION_REPLY_CHUNKS + RESPONSE_TAIL
     )
     assert deltas_of(events) == tone_reply_pcm(QUESTION_REPLY_CHUNKS)
     delivered = [at for at, e in zip(arrivals, events) if e["type"] == "response.output_audio.delta"]
@@ -464,8 +468,10 @@ def test_admission_is_a_free_slot_and_rate_limits_count_free_slots():
 
     with background_server(lambda: SlottedTone(2), Limits(max_sessions=4, max_sessions_per_client=4)) as handle:
         first, second, told, error, code, health, freed = run(scenario(Server(handle)))
-    requests = [[(r["name"], r["limit"], r["remaining"]) for r in limits if r["name"] == "requests"]
-                for limits in (first, second, told["rate_limits"], freed["rate_limits"])]
+    requests = [
+        [(r["name"], r["limit"], r["remaining"]) for r in limits if r["name"] == "requests"]
+        for limits in (first, second, told["rate_limits"], freed["rate_limits"])
+    ]
     assert requests == [[("requests", 4, 1)], [("requests", 4, 0)], [("requests", 4, 0)], [("requests", 4, 1)]]
     assert (told["type"], freed["type"]) == ("rate_limits.updated", "rate_limits.updated")
     assert (error["error"]["code"], code) == ("resource_exhausted", 1013)

@@ -75,10 +75,7 @@ def test_disconnect_mid_response_then_resume_delivers_every_event_exactly_once(q
     )
     assert deltas_of(events) == tone_reply_pcm(56)
     assert resumed["type"] == "session.resumed" and resumed["generation"] == 2
-    assert (
-        resumed["replayed"] > 0
-        and resumed["last_server_event_seq"] >= before[-1]["server_event_seq"] + resumed["replayed"]
-    )
+    assert resumed["replayed"] > 0 and resumed["last_server_event_seq"] >= before[-1]["server_event_seq"] + resumed["replayed"]
     assert refused["error"]["code"] == "invalid_resume_token"  # the old token was rotated away
 
 

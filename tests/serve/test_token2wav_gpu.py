@@ -12,8 +12,7 @@ import pytest
 import torch
 from servekit import Server, deltas_of, run, silence
 
-from cadence_fx.models.token2wav_carry import warm_up_chunks
-from cadence_fx.models.token2wav_carry import reference_flow
+from cadence_fx.models.token2wav_carry import reference_flow, warm_up_chunks
 from cadence_fx.models.token2wav_stream import StockStream, build_hift, random_chunks
 from cadence_fx.serve.app import background_server, health_of
 from cadence_fx.serve.plugins.token2wav import MIN_REPLY_CHUNKS, WARM_UP_CHUNKS, Token2WavPlugin, rng_seed, token_seed
@@ -59,8 +58,12 @@ def test_two_sessions_on_two_lanes_each_hear_the_stock_vendor_stream_of_their_to
         with torch.random.fork_rng(devices=[0]), torch.no_grad():
             torch.cuda.manual_seed(rng_seed(plugin.seed, stream))
             stock.setup()
-            expected = np.concatenate([stock.step(t, last_chunk=i == MIN_REPLY_CHUNKS - 1).speech.float().reshape(-1).cpu().numpy()
-                                       for i, t in enumerate(tokens)])
+            expected = np.concatenate(
+                [
+                    stock.step(t, last_chunk=i == MIN_REPLY_CHUNKS - 1).speech.float().reshape(-1).cpu().numpy()
+                    for i, t in enumerate(tokens)
+                ]
+            )
         assert deltas_of(got) == wire_audio.encode_samples(expected, PCM24K), f"stream {stream}"
     # Every chunk after each lane's construction-time prompt setup replayed: no eager call in a
     # session. Each lane's flow also replays its transform's own warm-up turns, less each class's

@@ -13,8 +13,7 @@ import pytest
 import torch
 from servekit import drain
 
-from cadence_fx.models.token2wav_carry import warm_up_chunks
-from cadence_fx.models.token2wav_carry import reference_flow
+from cadence_fx.models.token2wav_carry import reference_flow, warm_up_chunks
 from cadence_fx.models.token2wav_stream import StockStream, build_hift, random_chunks
 from cadence_fx.serve.plugins import load_plugin
 from cadence_fx.serve.plugins.token2wav import (
@@ -66,8 +65,7 @@ class Stock:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.set_rng_state(self.rng)
             self.loop.setup()
-            out = [self.loop.step(t, last_chunk=i == chunks - 1).speech.reshape(-1).numpy()
-                   for i, t in enumerate(tokens[:heard])]
+            out = [self.loop.step(t, last_chunk=i == chunks - 1).speech.reshape(-1).numpy() for i, t in enumerate(tokens[:heard])]
             self.rng = torch.get_rng_state()
         return out
 
@@ -125,7 +123,9 @@ def test_bad_frames_and_settings_are_refused_with_what_was_expected(plugin):
         Token2WavPlugin("tiny")
     with pytest.raises(ValueError, match="max_reply_chunks must be at least 3"):
         Token2WavPlugin("reduced", max_reply_chunks=2)
-    with pytest.raises(ValueError, match=r"lanes must be a positive integer \(replay lanes, each its own copy of the flow\), got 0"):
+    with pytest.raises(
+        ValueError, match=r"lanes must be a positive integer \(replay lanes, each its own copy of the flow\), got 0"
+    ):
         Token2WavPlugin("reduced", lanes=0)
 
 
@@ -180,8 +180,11 @@ def test_streams_on_two_lanes_at_once_each_give_their_stream_run_alone(stock_mod
     progress = capsys.readouterr().err.splitlines()
     for k in (1, 2):
         line = next(line for line in progress if line.startswith(f"token2wav: lane {k}/2 warm"))
-        assert re.fullmatch(rf"token2wav: lane {k}/2 warm: 0 classes captured \(a CPU captures none: every class "
-                            r"runs eager\) in \d+\.\d s", line)
+        assert re.fullmatch(
+            rf"token2wav: lane {k}/2 warm: 0 classes captured \(a CPU captures none: every class "
+            r"runs eager\) in \d+\.\d s",
+            line,
+        )
     assert plugin.free_slots() is None  # not bounded before the server's reserve
     plugin.reserve(3)
     assert plugin.free_slots() == 4  # room for ceil(3 / 2) = 2 on each lane
@@ -207,8 +210,9 @@ def test_streams_on_two_lanes_at_once_each_give_their_stream_run_alone(stock_mod
     assert not any(t.is_alive() for t in threads) and sorted(heard) == [0, 1, 2]
     for k, stream in enumerate(streams):
         stock = Stock(plugin, stock_models, stream.index)
-        expected = [stock.reply(reply_chunks(round(seconds * INPUT_RATE / FRAME_SAMPLES) * FRAME_SAMPLES, 4))
-                    for seconds in turns[k]]
+        expected = [
+            stock.reply(reply_chunks(round(seconds * INPUT_RATE / FRAME_SAMPLES) * FRAME_SAMPLES, 4)) for seconds in turns[k]
+        ]
         assert [len(reply) for reply in heard[k]] == [len(reply) for reply in expected]
         assert all(np.array_equal(g, w) for got, want in zip(heard[k], expected) for g, w in zip(got, want))
     described = plugin.describe()
@@ -218,7 +222,9 @@ def test_streams_on_two_lanes_at_once_each_give_their_stream_run_alone(stock_mod
 
     fourth = plugin.open_stream()  # lane 1 has room for one more
     assert fourth.lane.index == 1 and plugin.free_slots() == 0
-    with pytest.raises(SlotsFull, match=r"token2wav: every lane holds its 2 streams \(2 lanes\); a session needs a lane with room"):
+    with pytest.raises(
+        SlotsFull, match=r"token2wav: every lane holds its 2 streams \(2 lanes\); a session needs a lane with room"
+    ):
         plugin.open_stream()
     with pytest.raises(ValueError, match=r"token2wav: lanes \[0, 1\] already hold more than 1 streams"):
         plugin.reserve(2)

@@ -41,8 +41,15 @@ QUESTION_16K = wire_audio.encode_samples(
 )
 REPLY_CHUNKS = 56  # the tone model's reply to the question (test_server_flow.py)
 # Events that are not the session's history: the connection's own, and the client's synthetic one.
-CONNECTION_EVENTS = {"session.heartbeat", "session.heartbeat_ack", "session.resumed", "connection.resumed",
-                     "session.closed", "rate_limits.updated", "session.updated"}
+CONNECTION_EVENTS = {
+    "session.heartbeat",
+    "session.heartbeat_ack",
+    "session.resumed",
+    "connection.resumed",
+    "session.closed",
+    "rate_limits.updated",
+    "session.updated",
+}
 
 
 class DroppingProxy:
@@ -177,12 +184,26 @@ def test_default_client_session_append_commit_ack_barge_in_cancel_drop_resume_cl
         await consumer
         sessions_left = server.on_loop(lambda: len(server.handle.manager.sessions))
         await proxy.stop()
-        return (session_id, client.session_id, whole, acked, handle, barged, cancelled, resumed,
-                b"".join(chunks), collector.events, info, proxy.connections, sessions_left)
+        return (
+            session_id,
+            client.session_id,
+            whole,
+            acked,
+            handle,
+            barged,
+            cancelled,
+            resumed,
+            b"".join(chunks),
+            collector.events,
+            info,
+            proxy.connections,
+            sessions_left,
+        )
 
     with running(step_delay_s=0.02) as server:
-        (opened, kept, whole, acked, first, barged, cancelled, resumed, after_drop, events, info, connections,
-         left) = asyncio.run(asyncio.wait_for(scenario(server), 60))
+        (opened, kept, whole, acked, first, barged, cancelled, resumed, after_drop, events, info, connections, left) = (
+            asyncio.run(asyncio.wait_for(scenario(server), 60))
+        )
         ended = server.handle.manager.ended
     assert [e for e in events if e["type"] == "error"] == []
     assert kept == opened and connections == 2 and ended == 1 and left == 0  # one session, resumed, closed
@@ -244,7 +265,8 @@ def test_personaplex_preset_streams_float32_at_24k_and_hears_it_exactly():
     assert audio == tone_reply_pcm(REPLY_CHUNKS)
     assert received == 4 * len(QUESTION)
     assert (info["input_audio_format"], info["audio"]["input"]["format"]) == (
-        "pcm_f32le", {"type": "audio/pcm_f32le", "rate": 24_000}
+        "pcm_f32le",
+        {"type": "audio/pcm_f32le", "rate": 24_000},
     )
     assert (info["audio"]["output"]["voice"], info["instructions"]) == ("NATF2.pt", "")
     assert [types_of(turn) for turn in turns(events)] == [COMMIT + RESPONSE_HEAD + RESPONSE_TAIL]
