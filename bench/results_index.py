@@ -257,6 +257,18 @@ def _personaplex_prompt(r: dict) -> list[str]:
     ]
 
 
+def _vllm_omni_bench(r: dict) -> list[str]:
+    s = r["summary"]
+    ttfp, rtf, stream = s["ttfp_ms"], s["rtf"], s["stream_ttfp_ms"]
+    return [
+        f"vLLM-Omni's duplex benchmark (generate) on {r['model']}, {len(r['samples'])} samples: ttfp p50 "
+        f"{_ms(ttfp['p50'])} (mean {_ms(ttfp['mean'])}), rtf p50 {rtf['p50']:.3f} (mean {rtf['mean']:.3f}), "
+        f"stream_ttfp p50 {_ms(stream['p50'])} (mean {_ms(stream['mean'])}), their definitions",
+        f"errors: {r['errors']}; appends with video frames: {r['appends_with_video_frames']} of {r['appends']}; "
+        f"load average {r['load_average_start'][0]:g} at start, {r['load_average_end'][0]:g} at end",
+    ]
+
+
 def _pipeline_host(r: dict) -> list[str]:
     host = [run["host_ms"]["p50"] for run in r["runs"]]
     return [f"host time a frame, p50 over {len(host)} runs: {min(host):.2f} to {max(host):.2f} ms ({r['config']})"]
@@ -292,6 +304,7 @@ HEADLINES: dict[str, Callable[[dict], list[str]]] = {
     "token2wav_batch_memory": _token2wav_batch_memory,
     "token2wav_batch_probe": _token2wav_batch_probe,
     "token2wav_setup": _token2wav_setup,
+    "vllm_omni_bench": _vllm_omni_bench,
 }
 
 
