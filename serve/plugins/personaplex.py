@@ -11,9 +11,15 @@ frame waiting runs it, in one batched LM call, the others masked. A session is a
 
 - ``session.update`` ``instructions`` -> the role prompt, ``voice`` -> the voice prompt
   (``personaplex_prompts.py``: the operator's named voices, a client's own WAV, ``"default"`` for
-  none). ``configure`` returns once the (voice, role)'s prompt state exists: primed once on a thread
-  of its own while the batch ticks, then found in the cache by every later session. So a session
-  is ready for its persona when its ``session.updated`` arrives.
+  none). An uploaded voice is usable by name only where it was uploaded: a stream opened without a
+  ``client`` (every session of the service: ``serve/session/base.py``) is its own uploader, so over
+  the wire a voice a session uploads (``ref_audio``) is that session's alone, resumes included, and
+  is forgotten when its stream closes; the operator's named voices are every session's. The
+  prompt state cache is keyed by content hash and may be shared by sessions that each uploaded
+  the same WAV: a name, not a state, is what another session cannot reach.
+- ``configure`` returns once the (voice, role)'s prompt state exists: primed once on a thread of
+  its own while the batch ticks, then found in the cache by every later session. So a session is
+  ready for its persona when its ``session.updated`` arrives.
 - A session's first tick joins its slot with its prompt state, copied in: the slot starts where
   the vendor's priming leaves a batch-1 session.
 - **A change after the conversation started** (a frame was fed) takes effect at the slot's next
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Hashable
 from contextlib import ExitStack
 from typing import Any
 
@@ -64,17 +71,25 @@ class _Place:
 class PersonaPlexStream(MoshiStream):
     """Moshi's turn bookkeeping on a PersonaPlex slot, plus its persona (``configure``)."""
 
-    def __init__(self, plugin: PersonaPlexPlugin, place: _Place, slot: int, client: str) -> None:
+    def __init__(self, plugin: PersonaPlexPlugin, place: _Place, slot: int, client: Hashable | None) -> None:
+        """``client``: who may name this stream's uploads (an in-process caller's name for itself,
+        shared by its streams); None: this stream alone, its uploads forgotten when it closes."""
         super().__init__(plugin, place, slot)
-        self.client = client
+        self._own_uploads = client is None
+        self.client: Hashable = object() if client is None else client
 
     def configure(self, instructions: str, voice: str) -> None:
         """The session's role prompt and voice, ready when this returns (module docstring)."""
         self._plugin._configure(self.slot, self.client, instructions, voice)
 
     def upload_voice(self, name: str, wav: bytes) -> None:
-        """A WAV of this client's, under ``name``, for this client's sessions alone."""
+        """A WAV of this client's, under ``name``, usable by name by this client alone."""
         self._plugin.voices.upload(self.client, name, wav)
+
+    def close(self) -> None:
+        super().close()
+        if self._own_uploads:
+            self._plugin.voices.forget(self.client)
 
 
 class PersonaPlexPlugin(ModelPlugin):
@@ -192,7 +207,9 @@ class PersonaPlexPlugin(ModelPlugin):
             self._start(batch)
         self._default.result()
 
-    def open_stream(self, client: str = "") -> PersonaPlexStream:
+    def open_stream(self, client: Hashable | None = None) -> PersonaPlexStream:
+        """A session on a free slot; ``client``: see ``PersonaPlexStream`` (None: the stream is
+        its own client, as every session of the service is)."""
         with self._lock:
             self._start(DEFAULT_SLOTS if self.slots is None else self.slots)
             if not self._place.scheduler.free:
@@ -214,7 +231,7 @@ class PersonaPlexPlugin(ModelPlugin):
             place.streams -= 1
             self._wanted.pop(slot, None)
 
-    def _configure(self, slot: int, client: str, instructions: str, voice: str) -> None:
+    def _configure(self, slot: int, client: Hashable, instructions: str, voice: str) -> None:
         state = self.prompts.state(self.voices.resolve(client, voice), role_tokens(instructions, self.tokenize))
         try:
             prompt = state.result()  # primed on the bank's thread while the batch ticks

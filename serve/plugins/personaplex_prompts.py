@@ -11,7 +11,9 @@ become, and the prompt states they are turned into once.
   ``<name>.pt`` (the vendor's saved embeddings, replayed as ``load_voice_prompt_embeddings`` does).
   A client may also give a WAV of its own (``VoiceBank.upload``): checked against ``WavLimits``
   and refused by name, keyed by its content's SHA-256, and usable by name only by the client that
-  gave it; another client naming it gets the same refusal as for a name that does not exist.
+  gave it (over the wire, a client is one session: ``personaplex.py``). Another client naming it
+  is refused as for a name that does not exist, with why: the refusal neither confirms nor denies
+  that someone else uploaded a voice of that name (its name is its content's hash).
 - **Prompt states.** A (voice, role) is primed once, by the vendor's own priming on a batch-1
   ``LMGen`` of its own (greedy: priming draws nothing that stays, `models/personaplex_prompt.py`),
   on a thread of its own so the batch keeps ticking, and captured; every later session with that
@@ -29,7 +31,7 @@ import os
 import tempfile
 import threading
 import wave
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -135,11 +137,11 @@ class VoiceBank:
                 with open(path, "rb") as file:
                     key = "sha256:" + hashlib.sha256(file.read()).hexdigest()
                 self.named[name] = Voice(key, wav=path) if ext == ".wav" else Voice(key, embeddings=path)
-        self._uploads: dict[tuple[str, str], Voice] = {}  # (client, name) -> the client's voice
+        self._uploads: dict[tuple[Hashable, str], Voice] = {}  # (client, name) -> the client's voice
         self._files = tempfile.TemporaryDirectory(prefix="personaplex-voices-")
         self._lock = threading.Lock()
 
-    def upload(self, client: str, name: str, data: bytes) -> Voice:
+    def upload(self, client: Hashable, name: str, data: bytes) -> Voice:
         """A client's WAV under ``name``, for that client alone; its file written once per content."""
         if not name or name == "default" or name in self.named:
             raise ConfigRefused(
@@ -157,7 +159,8 @@ class VoiceBank:
             self._uploads[(client, name)] = voice
         return voice
 
-    def resolve(self, client: str, name: str) -> Voice:
+    def resolve(self, client: Hashable, name: str) -> Voice:
+        """The voice ``client`` names: ``default``, an operator's, or one ``client`` uploaded."""
         if name == "default":
             return NO_VOICE
         with self._lock:
@@ -165,12 +168,13 @@ class VoiceBank:
         if voice is None:
             known = ", ".join(["default", *sorted(self.named)])
             raise ConfigRefused(
-                f"voice {_quoted(name)} is not a voice of this server; its voices: {known} (and the ones this client uploaded)",
+                f"voice {_quoted(name)} is not a voice this client may use: the server's voices are {known}; an "
+                "uploaded voice (ref_audio) is usable by name only by the client that uploaded it (a session and its resumes)",
                 VOICE_PARAM,
             )
         return voice
 
-    def forget(self, client: str) -> None:
+    def forget(self, client: Hashable) -> None:
         """A client's uploads, gone with its last session (the cached prompt states stay, by hash)."""
         with self._lock:
             for key in [key for key in self._uploads if key[0] == client]:

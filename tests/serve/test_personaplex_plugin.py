@@ -153,8 +153,8 @@ def test_a_clients_uploaded_voice_is_its_own(plugin):
     try:
         with pytest.raises(
             ConfigRefused,
-            match=r"^voice 'mine' is not a voice of this server; its voices: default, "
-            r"ada, broken \(and the ones this client uploaded\)$",
+            match=r"^voice 'mine' is not a voice this client may use: the server's voices are default, ada, broken; an "
+            r"uploaded voice \(ref_audio\) is usable by name only by the client that uploaded it \(a session and its resumes\)$",
         ) as refused:
             theirs.configure("", "mine")
         assert refused.value.param == "session.audio.output.voice"
