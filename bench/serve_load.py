@@ -53,6 +53,18 @@ that start apart and talk at their own rhythm, from ``--seed``:
 
     python bench/serve_load.py --plugin token2wav --sessions 2 --seconds 30 --staggered   # serve_load_token2wav_staggered.json
 
+``--role TEXT`` and ``--voice NAME`` give every session a persona with its first
+``session.update`` (``instructions`` and ``voice``; a model without one, such as ``tone``, ignores
+them); ``{session}`` in the role is replaced by the session's number, so each session has a role of
+its own and primes its own prompt state (the worst case of PersonaPlex's prompt phase):
+
+    python bench/serve_load.py --plugin personaplex-tiny --sessions 8 --role "You are agent {session} of a bicycle shop."
+
+Every run records, per session, the time from opening its WebSocket to ``session.created``, to
+ready (the ``session.updated`` that answers its first update: for PersonaPlex, once its prompt
+state exists) and to its first reply's first audio delta (tests/serve/loadgen.py), and the
+machine's load averages (1, 5, 15 min) before and after the load.
+
 With ``--ray N`` the server is ``cadence-fx serve --ray --replicas N`` (docs/deployment.md): N
 replicas, one GPU each where there are GPUs, ``--sessions`` spread over them by the ingress, each
 replica with room for its share; the report adds each replica's sessions and plugin counters.
@@ -140,17 +152,27 @@ def staggered_session(seed: int, session: int, seconds: float, window_s: float) 
 
 
 async def run_staggered(
-    url: str, sessions: int, seconds: float, window_s: float, seed: int, *, patience_s: float, chunk_ms: int
+    url: str,
+    sessions: int,
+    seconds: float,
+    window_s: float,
+    seed: int,
+    *,
+    patience_s: float,
+    chunk_ms: int,
+    personas: list[dict] | None = None,
 ) -> tuple[list, list[dict]]:
     """Every session of ``--staggered`` at its own start, with its own turns; returns the sessions'
     loads and what each was given (delay, turns)."""
     plans = [staggered_session(seed, i, seconds, window_s) for i in range(sessions)]
 
-    async def one(delay: float, pcm: bytes):
+    async def one(delay: float, pcm: bytes, persona: dict | None):
         await asyncio.sleep(delay)
-        return await drive_session(url, pcm, chunk_ms=chunk_ms, patience_s=patience_s)
+        return await drive_session(url, pcm, chunk_ms=chunk_ms, patience_s=patience_s, persona=persona)
 
-    results = await asyncio.gather(*(one(delay, pcm) for delay, pcm, _ in plans))
+    results = await asyncio.gather(
+        *(one(delay, pcm, None if personas is None else personas[i]) for i, (delay, pcm, _) in enumerate(plans))
+    )
     return list(results), [{"start_delay_s": round(delay, 3), "turns": turns} for delay, _, turns in plans]
 
 
@@ -286,6 +308,23 @@ def _model_load(plugin: dict, wall_s: float, sessions: int) -> dict | None:
     }
 
 
+def _batch_ticks(plugin: dict | None, wall_s: float) -> dict | None:
+    """For a plugin that ticks its batch in the server process and times it (``personaplex-*``):
+    ticks per second against the 12.5 real time needs, and a tick's wall and CPU time against
+    the 80 ms a frame lasts."""
+    if not plugin or "tick_cpu_seconds" not in plugin or not plugin["batched_ticks"]:
+        return None
+    ticks = plugin["batched_ticks"]
+    return {
+        "batched_ticks": ticks,
+        "ticks_per_s": round(ticks / wall_s, 2),
+        "session_frames_per_tick": round(plugin["frames"]["ticks"] / ticks, 2),
+        "wall_ms_per_tick": round(1e3 * plugin["tick_seconds"] / ticks, 2),
+        "cpu_ms_per_tick": round(1e3 * plugin["tick_cpu_seconds"] / ticks, 2),
+        "torch_threads": plugin["torch_threads"],
+    }
+
+
 def _lanes(plugin: dict | None) -> dict | None:
     """For a plugin on replay lanes (``token2wav*``): how many, how many ran a session's chunk, and
     each lane's sessions and chunks, its warm-up and the classes it captured."""
@@ -338,6 +377,13 @@ def _summary(results, wall_s: float) -> dict:
         "turns": sum(r.turns for r in results),
         "turns_ended_during_a_reply": sum(r.turns_ended_during_a_reply for r in results),
         "turn_end_to_first_audio_ms": _stats_ms([x for r in results for x in r.latencies_s]),
+        # Per session, from opening its WebSocket (tests/serve/loadgen.py): session.created, ready
+        # (the session.updated answering its first update: its persona's prompt state in place),
+        # its first reply's first audio (ready + its first turn + the reply's latency).
+        **{
+            f"session_start_to_{name}_ms": _stats_ms([t for r in results if (t := getattr(r, f"start_to_{name}_s")) is not None])
+            for name in ("created", "ready", "first_audio")
+        },
         "reply_playback_stall_ms": _stats_ms(stalls),
         "replies_that_stalled": sum(stall > 0 for stall in stalls),
     }
@@ -414,6 +460,13 @@ def main() -> None:
         "--stagger-window", type=float, metavar="SECONDS", help="--staggered: the latest start delay (default: half of --seconds)"
     )
     parser.add_argument("--seed", type=int, default=0, help="--staggered: the seed of every session's draws (default 0)")
+    parser.add_argument(
+        "--role",
+        metavar="TEXT",
+        help="every session's instructions (PersonaPlex: its role prompt), set with its first update; "
+        "{session} is replaced by the session's number",
+    )
+    parser.add_argument("--voice", metavar="NAME", help="every session's voice, set with its first update")
     args = parser.parse_args()
     if args.stagger_window is not None and not args.staggered:
         parser.error("--stagger-window takes --staggered")
@@ -461,6 +514,13 @@ def main() -> None:
         )
         out = out.with_name("_".join([out.stem, *extra]) + ".json") if extra else out
 
+    personas = None
+    if args.role is not None or args.voice is not None:
+        personas = [
+            {"instructions": (args.role or "").replace("{session}", str(i)), "voice": args.voice or "default"}
+            for i in range(args.sessions)
+        ]
+    load_at_start = os.getloadavg()
     port = free_port()
     started = time.monotonic()
     server = _start_server(
@@ -488,10 +548,13 @@ def main() -> None:
                         args.seed + run,
                         patience_s=args.patience,
                         chunk_ms=args.append_ms,
+                        personas=personas,
                     )
                 )
             else:
-                loads = asyncio.run(run_load(url, pcm, args.sessions, patience_s=args.patience, chunk_ms=args.append_ms))
+                loads = asyncio.run(
+                    run_load(url, pcm, args.sessions, patience_s=args.patience, chunk_ms=args.append_ms, personas=personas)
+                )
             runs.append((loads, time.monotonic() - started))
             if args.runs > 1:
                 print(f"run {run + 1} of {args.runs}: {_summary(*runs[-1])}", file=sys.stderr, flush=True)
@@ -551,6 +614,13 @@ def main() -> None:
         # another on the one server), and each run's own are here.
         "runs": [_summary(*run) for run in runs],
         "load_average_1min_before_and_after": [round(load_before[0], 2), round(load_after[0], 2)],
+        # The machine's 1, 5 and 15 min load averages (os.getloadavg): before the server started,
+        # when the load began and when it ended; other work on the machine shows here.
+        "load_average_1_5_15min": {
+            "before_server": [round(x, 2) for x in load_at_start],
+            "load_start": [round(x, 2) for x in load_before],
+            "load_end": [round(x, 2) for x in load_after],
+        },
         "all_input_accounted": all(r.appended_bytes == r.committed_bytes for r in results),
         "all_output_complete_and_in_order": all(r.accounted for r in results),
         "errors": overall["errors"],
@@ -562,9 +632,14 @@ def main() -> None:
         "turns_ended_during_a_reply": overall["turns_ended_during_a_reply"],
         "reply_audio_bytes": sum(len(reply.audio) for reply in replies),
         "turn_end_to_first_audio_ms": overall["turn_end_to_first_audio_ms"],
+        "session_start_to_created_ms": overall["session_start_to_created_ms"],
+        "session_start_to_ready_ms": overall["session_start_to_ready_ms"],
+        "session_start_to_first_audio_ms": overall["session_start_to_first_audio_ms"],
+        "personas": personas,
         "reply_playback_stall_ms": overall["reply_playback_stall_ms"],
         "replies_that_stalled": overall["replies_that_stalled"],
         "model_load": _model_load(plugin, wall_s, args.sessions),
+        "batch_ticks": _batch_ticks(plugin, wall_s),
         "lanes": _lanes(plugin),
         # the server process's peak allocated, reserved and device footprint (cadence_fx.memory), after the run;
         # a model in a worker process (moshi-full) has its own in plugin_after_run.memory_per_process
@@ -587,6 +662,7 @@ def main() -> None:
         # Per replica: the sessions it served (all ended by now) and its plugin's counters.
         share = -(-args.sessions // args.ray)
         report["model_load"] = None
+        report["batch_ticks"] = None
         report["lanes"] = None
         report["plugin_startup_seconds"] = None
         report["server_memory"] = None

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Hashable
 from contextlib import ExitStack
 from typing import Any
@@ -167,6 +168,9 @@ class PersonaPlexPlugin(ModelPlugin):
         self._joined: dict[int, Any] = {}  # slot -> the prompt state its rows hold
         self._fed: set[int] = set()  # slots whose stream has ticked since it joined
         self.streams = self.listened = self.replied = self.silence = self.rejoins = 0
+        # The batched ticks' time (the masked loop's, joins aside), wall and on the ticking thread's
+        # CPU clock: against the 80 ms a frame lasts, whether the batch can keep real time.
+        self.tick_seconds = self.tick_cpu_seconds = 0.0
         self.queued_at_reply_start: list[int] = []
         self._default = self.prompts.state(NO_VOICE, ())
         mimi, lm = (sum(p.numel() for p in m.parameters()) for m in (self.models.mimi, self.models.lm))
@@ -260,7 +264,10 @@ class PersonaPlexPlugin(ModelPlugin):
                 self._joined[slot] = wanted[slot]
         with self._lock:
             self._fed.update(frames)
+        wall, cpu = time.perf_counter(), time.thread_time()
         outputs = runtime.tick({slot: torch.from_numpy(frame) for slot, frame in frames.items()})
+        self.tick_seconds += time.perf_counter() - wall
+        self.tick_cpu_seconds += time.thread_time() - cpu
         return {slot: None if out is None else (out.pcm.numpy(), int(out.tokens[0])) for slot, out in outputs.items()}
 
     # -- what MoshiStream counts ------------------------------------------------------------------
@@ -302,6 +309,9 @@ class PersonaPlexPlugin(ModelPlugin):
                 "queued_at_reply_start": list(self.queued_at_reply_start),
             },
             "batched_ticks": 0 if scheduler is None else scheduler.ticks,
+            "tick_seconds": round(self.tick_seconds, 3),
+            "tick_cpu_seconds": round(self.tick_cpu_seconds, 3),
+            "torch_threads": torch.get_num_threads(),
             "lm_calls": 0 if self.runtime is None else self.runtime.calls,
             "prompt_states": {"primed": self.prompts.primed, "reused": self.prompts.reused},
             "rejoins": self.rejoins,

@@ -11,6 +11,22 @@ Whether the server keeps real time shows in two figures per reply: the time from
 ended the user's turn to the reply's first audio delta, and the **stall**: how long a client that
 starts playing the reply at its first delta, with no further buffering, would wait for audio it
 should already be playing (0 when every delta arrives before its play time).
+
+Each session also times its start, from the moment it opens its WebSocket (``start``):
+
+- ``session.created`` (``start_to_created_s``);
+- **ready** (``start_to_ready_s``): the ``session.updated`` that answers the session's first
+  ``session.update`` (its turn detection and, if given, its ``persona``: ``instructions`` and
+  ``voice``). The server answers it only once the session's configuration is applied; a model
+  with a persona (PersonaPlex) applies it only once the (voice, role)'s prompt state exists, so
+  this is the wire's "ready": no other event marks the prompt phase done. The session streams no
+  audio before it is ready, as a client that waits for its persona would;
+- its first reply's first audio delta (``start_to_first_audio_s``): ready, plus the user's first
+  turn (the audio up to where the server VAD ends it), plus the reply's latency.
+
+Its synchronisation (``barrier``) is a ``session.update`` that changes nothing (only its
+``type``), answered in order: it never sets ``instructions`` or ``voice``, so it never primes a
+persona again.
 """
 
 from __future__ import annotations
@@ -60,6 +76,10 @@ class SessionLoad:
     # ... of which ended while a reply to an earlier turn was still in progress: with barge-in off
     # the server commits such a turn and opens no response for it (one response at a time).
     turns_ended_during_a_reply: int = 0
+    # From the moment the session opened its WebSocket (module docstring); None: never came.
+    start_to_created_s: float | None = None
+    start_to_ready_s: float | None = None
+    start_to_first_audio_s: float | None = None
 
     @property
     def accounted(self) -> bool:
@@ -77,43 +97,51 @@ def speech_pattern(seconds: float, burst_s: float = 0.8, gap_s: float = 0.7) -> 
 
 
 async def drive_session(
-    url: str, pcm: bytes, chunk_ms: int = 200, realtime: bool = True, patience_s: float = 30.0
+    url: str, pcm: bytes, chunk_ms: int = 200, realtime: bool = True, patience_s: float = 30.0, persona: dict | None = None
 ) -> SessionLoad:
     """``patience_s``: how long the session waits for any one answer of the server before it gives
-    up (a server behind real time answers late, and the run still accounts for everything)."""
+    up (a server behind real time answers late, and the run still accounts for everything).
+    ``persona``: ``session.update`` fields set with the first update (``instructions``, ``voice``)."""
     result = SessionLoad()
     step = PCM24K.rate * chunk_ms // 1000 * 2
     sent_at: list[tuple[int, float]] = []  # (end ms of the append, when it was sent)
     active: dict[str, Reply] = {}
     pending_turns: list[int] = []
     finished = asyncio.Event()
-    synced = asyncio.Event()
+    answered = asyncio.Event()  # set at each answer to a session.update of this session's
+    updates = {"sent": 0, "answered": 0}
 
+    start = time.monotonic()
     sock = await RealtimeSocket.connect(url)
     created = await sock.recv()
     if created.get("type") != "session.created":
         await sock.close()
         raise RuntimeError(f"the server did not open a session: its first event was {created}")
+    result.start_to_created_s = time.monotonic() - start
     result.session_id = created["session"]["id"]
-    await sock.send(
-        {
-            "type": "session.update",
-            "session": {
-                "type": "realtime",
-                "audio": {"input": {"turn_detection": {"type": "server_vad", "interrupt_response": False}}},
-            },
-        }
-    )
+    first = {"type": "realtime", "audio": {"input": {"turn_detection": {"type": "server_vad", "interrupt_response": False}}}}
+    if persona:
+        first["instructions"] = persona.get("instructions", "")
+        first["audio"]["output"] = {"voice": persona.get("voice", "default")}
+
+    async def update(session: dict) -> None:
+        """One ``session.update``; returns once the server has answered it, and with it everything
+        sent before (its mailbox is ordered)."""
+        updates["sent"] += 1
+        await sock.send({"type": "session.update", "event_id": f"loadgen_update_{updates['sent']}", "session": session})
+        while updates["answered"] < updates["sent"]:
+            answered.clear()
+            await asyncio.wait_for(answered.wait(), patience_s)
 
     async def send() -> None:
-        start = time.monotonic()
+        paced_from = time.monotonic()  # once the session is ready
         for offset in range(0, len(pcm), step):
             chunk = pcm[offset : offset + step]
             sent_at.append(((offset + len(chunk)) * 1000 // (2 * PCM24K.rate), time.monotonic()))
             await sock.send({"type": "input_audio_buffer.append", "audio": wire_audio.b64encode(chunk)})
             result.appended_bytes += len(chunk)
             if realtime:
-                await asyncio.sleep(max(0.0, start + (offset + step) / (2 * PCM24K.rate) - time.monotonic()))
+                await asyncio.sleep(max(0.0, paced_from + (offset + step) / (2 * PCM24K.rate) - time.monotonic()))
 
     async def receive() -> None:
         turn_ended_at = 0.0
@@ -136,6 +164,8 @@ async def drive_session(
                 now = time.monotonic()
                 if not reply.audio:
                     result.latencies_s.append(now - turn_ended_at)
+                if result.start_to_first_audio_s is None:
+                    result.start_to_first_audio_s = now - start
                 reply.take(wire_audio.b64decode(event["delta"]), event["audio_offset"], now)
             elif kind == "response.done":
                 reply = active.pop(event["response"]["id"])
@@ -143,20 +173,28 @@ async def drive_session(
                 reply.done_samples = event["playback"]["audio_samples"]
             elif kind == "error":
                 result.errors.append(event["error"])
-            elif kind == "session.updated" and event["session"]["instructions"] == "sync":
-                synced.set()
+                if str(event["error"].get("event_id", "")).startswith("loadgen_update_"):  # an update refused
+                    updates["answered"] += 1
+                    answered.set()
+            elif kind == "session.updated":
+                if result.start_to_ready_s is None:
+                    result.start_to_ready_s = time.monotonic() - start
+                updates["answered"] += 1
+                answered.set()
             elif kind == "session.closed":
                 finished.set()
                 return
 
     async def barrier() -> None:
-        """Returns once the server has handled everything sent so far (its mailbox is ordered)."""
-        synced.clear()
-        await sock.send({"type": "session.update", "session": {"type": "realtime", "instructions": "sync"}})
-        await asyncio.wait_for(synced.wait(), patience_s)
+        """Returns once the server has handled everything sent so far: an update that changes
+        nothing (no persona primed again)."""
+        await update({"type": "realtime"})
 
     receiver = asyncio.create_task(receive())
     try:
+        await update(first)
+        if result.errors:
+            raise RuntimeError(f"the server refused the session's first session.update: {result.errors}")
         await send()
         await barrier()
         while active:
@@ -173,12 +211,31 @@ async def drive_session(
 
 
 async def run_load(
-    url: str, pcm: bytes, sessions: int, realtime: bool = True, patience_s: float = 30.0, chunk_ms: int = 200
+    url: str,
+    pcm: bytes,
+    sessions: int,
+    realtime: bool = True,
+    patience_s: float = 30.0,
+    chunk_ms: int = 200,
+    personas: list[dict] | None = None,
 ) -> list[SessionLoad]:
     """``chunk_ms``: the audio each ``input_audio_buffer.append`` carries (a browser or a telephony
-    bridge sends 20 to 100 ms; 200 ms is the coarse default)."""
+    bridge sends 20 to 100 ms; 200 ms is the coarse default). ``personas``: each session's
+    (``drive_session``), one per session."""
+    if personas is not None and len(personas) != sessions:
+        raise ValueError(f"personas: one per session expected, {sessions} sessions, got {len(personas)}")
     return list(
         await asyncio.gather(
-            *(drive_session(url, pcm, chunk_ms=chunk_ms, realtime=realtime, patience_s=patience_s) for _ in range(sessions))
+            *(
+                drive_session(
+                    url,
+                    pcm,
+                    chunk_ms=chunk_ms,
+                    realtime=realtime,
+                    patience_s=patience_s,
+                    persona=None if personas is None else personas[i],
+                )
+                for i in range(sessions)
+            )
         )
     )
