@@ -78,6 +78,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import subprocess
 import sys
 import time
@@ -578,7 +579,7 @@ def main() -> None:
         "worktree_dirty": bool(
             subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
         ),
-        "command": " ".join(["python", "bench/serve_load.py", *sys.argv[1:]]),
+        "command": shlex.join(["python", "bench/serve_load.py", *sys.argv[1:]]),
         "device": f"CPU: {_cpu_model()}, {os.cpu_count()} cores" + (f"; GPU: {_gpu()}" if _gpu() else ""),
         "python": platform.python_version(),
         "platform": platform.platform(),
