@@ -182,7 +182,14 @@ def _serve_load(r: dict) -> list[str]:
         f"every appended byte committed: {_yes(r.get('all_input_accounted'))}; every reply complete and "
         f"in order: {_yes(r.get('all_output_complete_and_in_order'))}; errors: {r.get('errors')}"
     )
-    return [line, ledger]
+    ready, audio = r.get("session_start_to_ready_ms"), r.get("session_start_to_first_audio_ms")
+    if not (ready and audio):  # records before the loadgen timed each session's start
+        return [line, ledger]
+    start = (
+        f"session start to ready p50 {_ms(ready['p50'])} / p95 {_ms(ready['p95'])} / max {_ms(ready['max'])}; "
+        f"to first audio p50 {_ms(audio['p50'])} / p95 {_ms(audio['p95'])} / max {_ms(audio['max'])}"
+    )
+    return [line, ledger, start]
 
 
 def _gpu_tests(r: dict) -> list[str]:
