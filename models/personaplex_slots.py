@@ -9,11 +9,13 @@ transformer masked per row: `models/personaplex_masked.py`) and PersonaPlex's
 `LMGen.depformer_step`, unchanged. At batch 1 it is bit-identical to PersonaPlex's own loop
 (`vendor_loop`), prompt phase included; `tests/test_personaplex_slots.py` checks both.
 
-- **Mimi runs per slot, at batch 1.** Each slot has its own Mimi streaming state (the vendor's
-  state objects, swapped in with `set_streaming_state` before the slot's encode or decode), so a
-  slot's audio is the vendor's batch-1 Mimi's; only the LM is batched.
+- **Mimi runs batched, a streaming state per row** (`models/personaplex_mimi.py`: Kyutai's 0.2.13
+  Mimi on PersonaPlex's weights, the exec and reset masks Moshi's slots use): one encode per tick
+  for the slots with a user frame (the others masked), one decode for the slots that speak. At
+  batch 1 a slot's audio is PersonaPlex's own Mimi's; at B > 1 it is its row's, which the other
+  rows do not change, and not bit-exact to batch 1 (as the LM's is not; that module says by how much).
 - **A join** resets the slot's rows (`reset_rows`: offsets, ring ends, `provided` flags, as the
-  vendor's `reset_streaming` does for the whole batch), resets its Mimi, and then either copies a
+  vendor's `reset_streaming` does for the whole batch), resets its Mimi row, and then either copies a
   `PromptState` into its rows (`personaplex_prompt`: the state the vendor's priming leaves, the
   fast way) or queues the prompt's steps (`prompt_steps`: a voice's frames, half a second of
   silence, the role's tokens, half a second of silence, as `step_system_prompts` steps them).
@@ -43,6 +45,7 @@ from cadence_fx.transformed import rng_get, rng_seeded, rng_set
 
 from .personaplex import AGENT, FRAME_SIZE, PersonaPlexModels, _vendor, lm_gen
 from .personaplex_masked import mask_transformer, reset_rows, row_states, set_exec
+from .personaplex_mimi import batched_mimi
 from .personaplex_prompt import PromptState, _digest
 
 __all__ = ["PersonaPlexSlots", "PromptStep", "SlotOutput", "prompt_steps", "voice_codes"]
@@ -94,6 +97,17 @@ def voice_codes(models: PersonaPlexModels, wav: str) -> torch.Tensor:
         return torch.cat([codes[0] for codes in gen._encode_voice_prompt_frames(mimi)], dim=-1)
 
 
+def _eager_mimi() -> contextlib.AbstractContextManager:
+    """Kyutai's Mimi eager: its `CUDAGraphed` encoder and decoder wrappers and its lazily compiled
+    functions off, as the rest of this loop runs."""
+    from moshi.utils.compile import no_compile, no_cuda_graph
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(no_cuda_graph())
+    stack.enter_context(no_compile())
+    return stack
+
+
 class PersonaPlexSlots:
     """`slots` sessions over one batched LM (see the module docstring). `join(slot, ...)`,
     `leave(slot)`, `tick(frames)`; `priming(slot)` says how many prompt steps a slot has left."""
@@ -119,10 +133,7 @@ class PersonaPlexSlots:
         self.offsets = torch.zeros(slots, dtype=torch.long, device=self.device)
         self.initial = lm._get_initial_token()  # (1, K, 1)
         self.sine = self.gen._encode_sine_frame()[0]  # (8, 1)
-        self.mimi_states = []
-        for _ in range(slots):
-            mimi._start_streaming(1)
-            self.mimi_states.append(mimi.get_streaming_state())
+        self.mimi = batched_mimi(mimi, self.models.config, slots)
         self.queues: list[list[PromptStep] | None] = [None] * slots  # None: no session in the slot
         self.rng = rng_seeded(self.device, seed)
         self.ticks = 0
@@ -140,13 +151,12 @@ class PersonaPlexSlots:
         self._check_slot(slot)
         if self.queues[slot] is not None:
             raise ValueError(f"slot {slot} holds a session: it leaves before another joins")
-        rows = torch.zeros(self.slots, dtype=torch.bool, device=self.device)
-        rows[slot] = True
+        rows = self._rows([slot])
         with torch.no_grad():
             reset_rows(self.models.lm.transformer, rows)
             self.offsets[slot] = 0
             self.provided[slot] = False
-            self._mimi(slot).reset_streaming()
+            self.mimi.reset_streaming(rows)
             if prompt is not None:
                 self._restore(slot, prompt)
         self.queues[slot] = list(steps)
@@ -162,11 +172,6 @@ class PersonaPlexSlots:
         if self.queues[slot] is None:
             raise ValueError(f"slot {slot} holds no session")
         return len(self.queues[slot])
-
-    def _mimi(self, slot: int) -> Any:
-        mimi = self.models.mimi
-        mimi.set_streaming_state(self.mimi_states[slot])
-        return mimi
 
     # -- prompt states ------------------------------------------------------------------------------
 
@@ -271,22 +276,47 @@ class PersonaPlexSlots:
             raise ValueError("a tick runs at least one slot: no frames, and no slot is priming")
         no_compile = _vendor("utils.compile").no_compile
         outputs: dict[int, SlotOutput | None] = {slot: None for slot in users}
-        with self._generators(), no_compile(), torch.no_grad():
-            codes = {slot: self._mimi(slot).encode(frames[slot].view(1, 1, FRAME_SIZE).to(self.device)) for slot in users}
+        with self._generators(), no_compile(), _eager_mimi(), torch.no_grad():
+            codes = self._encode(frames)
             for call in range(self.prompt_rate):
                 steps = {slot: self.queues[slot][call] for slot in priming if call < len(self.queues[slot])}
                 rows = (users if call == 0 else []) + sorted(steps)
                 if not rows:
                     break
                 out, speaking = self._call(rows, codes if call == 0 else {}, steps)
-                for slot in users if call == 0 else ():
-                    if speaking[slot]:
-                        pcm = self._mimi(slot).decode(out[slot : slot + 1, AGENT])
-                        outputs[slot] = SlotOutput(out[slot, :, 0].clone(), pcm[0, 0].clone())
+                talking = [slot for slot in users if speaking[slot]] if call == 0 else []
+                if talking:
+                    pcm = self._decode(out, talking)
+                    outputs |= {slot: SlotOutput(out[slot, :, 0].clone(), pcm[slot, 0].clone()) for slot in talking}
             for slot in priming:
                 del self.queues[slot][: self.prompt_rate]
         self.ticks += 1
         return outputs
+
+    def _rows(self, slots: Sequence[int]) -> torch.Tensor:
+        rows = torch.zeros(self.slots, dtype=torch.bool, device=self.device)
+        rows[list(slots)] = True
+        return rows
+
+    def _encode(self, frames: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Every user frame Mimi-encoded in one batched call, the other rows masked (zeros, their
+        streams unchanged): each slot's codes, `(1, 8, 1)`."""
+        if not frames:
+            return {}
+        users = sorted(frames)
+        batch = torch.zeros(self.slots, 1, FRAME_SIZE)
+        batch[users, 0] = torch.stack([frames[slot] for slot in users])
+        self.mimi.set_exec_mask(self._rows(users))
+        codes = self.mimi.encode(batch.to(self.device))
+        return {slot: codes[slot : slot + 1] for slot in users}
+
+    def _decode(self, out: torch.Tensor, talking: Sequence[int]) -> torch.Tensor:
+        """The agent's codes of the `talking` rows decoded in one batched call, the other rows
+        masked (code 0 in place of what their rows hold: the ungenerated id, an initial token;
+        their streams unchanged): `(B, 1, FRAME_SIZE)`, only the talking rows outputs."""
+        rows = self._rows(talking)
+        self.mimi.set_exec_mask(rows)
+        return self.mimi.decode(torch.where(rows.view(-1, 1, 1), out[:, AGENT], 0))
 
     def _write(self, ks: slice, values: torch.Tensor, mask: torch.Tensor) -> None:
         """`prepare_step_input`'s writes of provided tokens, per row: codebooks `ks` at each row's
