@@ -396,8 +396,8 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
                 raise BindingError(
                     f"regions[{i}].per_call",
                     f"region {rb.region!r} retains by "
-                    f"{type(regions[rb.region].retention).__name__}: only a "
-                    f"{policies(lambda p: p.fixed)} region (a fixed extent) can "
+                    f"{type(regions[rb.region].retention).__name__}: only a region retained by "
+                    f"{policies(lambda p: p.fixed)} (a fixed extent) can "
                     "be allocated afresh each call",
                 )
             continue
@@ -413,7 +413,8 @@ def check_binding(model: Any, contract: Contract, binding: Binding) -> dict[str,
             raise BindingError(
                 f"regions[{i}].write_before_read",
                 f"region {rb.region!r}: only a region written in place "
-                f"at a fixed extent (a {policies(lambda p: p.fixed)}, no `out`) is written before it is read; it retains by "
+                f"at a fixed extent (retained by {policies(lambda p: p.fixed)}, no `out`) is written before it is read; "
+                "it retains by "
                 f"{type(regions[rb.region].retention).__name__}" + (f" and is returned ({rb.out!r})" if rb.out else ""),
             )
         if not rb.at or not all(isinstance(p, str) and p and all(_segments(p)) for p in rb.at):

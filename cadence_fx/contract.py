@@ -162,8 +162,9 @@ class Retention:
 
 
 def policies(predicate: Callable[[type[Retention]], bool] = lambda policy: True) -> str:
-    """The registered policies that satisfy `predicate`, named for a message ("RingCache or InPlace")."""
-    return " or ".join(name for name, policy in RETENTION_POLICIES.items() if predicate(policy))
+    """The registered policies that satisfy `predicate`, named for a message in the order of their
+    names ("InPlace or RingCache"), whatever order they were imported in."""
+    return " or ".join(sorted(name for name, policy in RETENTION_POLICIES.items() if predicate(policy)))
 
 
 @dataclass(frozen=True)

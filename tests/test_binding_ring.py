@@ -240,6 +240,6 @@ def test_write_before_read_is_refused_where_the_region_is_not_a_ring_written_in_
         transform(RingMixer().eval(), contract(), returned)
     assert str(refused.value) == (
         "binding.regions[0].write_before_read: region 'rings': only a region written in place at a "
-        "fixed extent (a RingCache or InPlace, no `out`) is written before it is read; it retains by "
+        "fixed extent (retained by InPlace or RingCache, no `out`) is written before it is read; it retains by "
         "RingCache and is returned (('return.1',))"
     )
