@@ -326,6 +326,42 @@ def _batch_ticks(plugin: dict | None, wall_s: float) -> dict | None:
     }
 
 
+def _stall_timeline(results, plugin: dict | None, zero: float) -> dict:
+    """When the replies stalled, against what the server's batch was doing then: each stalled
+    reply's first audio and the arrival of the delta that ended its last wait, and, for a plugin
+    that times them (``personaplex-*``, on the same monotonic clock), its ticks longer than a frame
+    and the spans its prompt bank primed a role. Seconds from the start of the load."""
+
+    def at(t: float) -> float:
+        return round(t - zero, 3)
+
+    stalled = sorted(
+        (
+            {
+                "session": i,
+                "first_audio_s": at(reply.first_delta_at),
+                "stall_at_s": at(reply.stall_at),
+                "stall_ms": round(1e3 * reply.stall_s, 1),
+            }
+            for i, r in enumerate(results)
+            for reply in r.replies
+            if reply.stall_s > 0
+        ),
+        key=lambda row: row["stall_at_s"],
+    )
+    timeline: dict = {"stalled_replies": stalled}
+    if plugin and "slow_ticks" in plugin:
+        spans = [[at(a), at(b)] for a, b in plugin["priming_spans"]]
+        timeline["priming_spans_s"] = [span for span in spans if span[1] >= 0]
+        timeline["slow_ticks"] = [dict(tick, at=at(tick["at"])) for tick in plugin["slow_ticks"] if tick["at"] >= zero]
+        timeline["tick_wall_while_priming"] = plugin["tick_wall_while_priming"]
+        # A stall's waits fall between the reply's first audio and its stall_at.
+        timeline["stalled_replies_overlapping_a_priming"] = sum(
+            any(a <= row["stall_at_s"] and b >= row["first_audio_s"] for a, b in spans) for row in stalled
+        )
+    return timeline
+
+
 def _lanes(plugin: dict | None) -> dict | None:
     """For a plugin on replay lanes (``token2wav*``): how many, how many ran a session's chunk, and
     each lane's sessions and chunks, its warm-up and the classes it captured."""
@@ -533,6 +569,7 @@ def main() -> None:
         pcm = speech_pattern(args.seconds)
         server_cpu, load_cpu = _cpu_seconds(server.pid), time.process_time()
         runs = []  # each run's sessions and its wall time
+        load_started = time.monotonic()  # the zero of the stall timeline (``_stall_timeline``)
         schedule = None
         url = f"ws://127.0.0.1:{port}/v1/duplex"
         for run in range(args.runs):
@@ -639,6 +676,7 @@ def main() -> None:
         "personas": personas,
         "reply_playback_stall_ms": overall["reply_playback_stall_ms"],
         "replies_that_stalled": overall["replies_that_stalled"],
+        "stall_timeline": _stall_timeline(results, plugin, load_started),
         "model_load": _model_load(plugin, wall_s, args.sessions),
         "batch_ticks": _batch_ticks(plugin, wall_s),
         "lanes": _lanes(plugin),

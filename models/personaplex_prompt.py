@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,10 +185,17 @@ def prime(
     text_prompt_tokens: Sequence[int],
     voice_prompt: str | None = None,
     voice_prompt_embeddings: str | None = None,
+    checkpoint: Callable[[], None] | None = None,
 ) -> None:
     """The vendor's priming, as `vendor_loop` runs it (`offline.py`): the voice prompt loaded where
     given (a WAV: `load_voice_prompt`; saved embeddings: `load_voice_prompt_embeddings`), the role
-    tokens set, Mimi and the `LMGen` reset, `step_system_prompts`, Mimi reset. Both stream at batch 1."""
+    tokens set, Mimi and the `LMGen` reset, `step_system_prompts`, Mimi reset. Both stream at batch 1.
+
+    `checkpoint`, where given, is called before each prompt step: the vendor's step generators
+    (the `_core`s its `step_system_prompts` and `step_system_prompts_async` both drive, the latter
+    pausing at each to ask whether its client is alive) are driven here, in its order, and paused
+    at each for `checkpoint` (a thread that gives way to another between steps). The steps are
+    the same either way."""
     if voice_prompt is not None and voice_prompt_embeddings is not None:
         raise ValueError("a voice prompt is a WAV (voice_prompt) or saved embeddings (voice_prompt_embeddings), not both")
     gen.voice_prompt = gen.voice_prompt_audio = gen.voice_prompt_cache = gen.voice_prompt_embeddings = None
@@ -199,5 +206,15 @@ def prime(
     gen.text_prompt_tokens = list(text_prompt_tokens)
     mimi.reset_streaming()
     gen.reset_streaming()
-    gen.step_system_prompts(mimi)
+    if checkpoint is None:
+        gen.step_system_prompts(mimi)
+    else:
+        for core in (
+            gen._step_voice_prompt_core(mimi),
+            gen._step_audio_silence_core(),
+            gen._step_text_prompt_core(),
+            gen._step_audio_silence_core(),
+        ):
+            for _ in core:
+                checkpoint()
     mimi.reset_streaming()

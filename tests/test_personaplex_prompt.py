@@ -80,6 +80,27 @@ def test_priming_leaves_the_same_state_whatever_the_generator(kit):
 
 
 @pytest.mark.parametrize("voice", VOICES)
+def test_priming_paused_at_each_step_leaves_the_vendor_s_state(kit, voice):
+    """`prime` with a `checkpoint` drives the vendor's step generators itself, called before each
+    step (and once more after a WAV's frames, where the vendor's generator yields again): the same
+    state, every tensor, and the generator where the vendor's priming leaves it."""
+    models, voices, tokens, user = kit
+    expected, generator, _, _ = primed_vendor(models, voices[voice], tokens, user, sampling=True, seed=4)
+    calls = []
+    no_compile = personaplex._vendor("utils.compile").no_compile
+    gen = lm_gen(models.lm, sampling=True)
+    with no_compile(), models.mimi.streaming(1), gen.streaming(1):
+        torch.manual_seed(4)
+        prime(models.mimi, gen, text_prompt_tokens=tokens, checkpoint=lambda: calls.append(1), **voices[voice])
+        _assert_same_state(state_of(gen), expected)
+        assert torch.equal(torch.get_rng_state(), generator)
+        # One a saved embedding replayed; one a WAV's frame (13), and one after them.
+        voiced = len(gen.voice_prompt_embeddings) if voice == "embeddings" else {"none": 0, "wav": 13 + 1}[voice]
+    assert voiced > 0 or voice == "none"
+    assert len(calls) == 12 + len(tokens) + voiced
+
+
+@pytest.mark.parametrize("voice", VOICES)
 def test_a_restored_prompt_state_is_the_primed_vendor_state(kit, voice):
     models, voices, tokens, user = kit
     expected, generator, snapshot, reference = primed_vendor(models, voices[voice], tokens, user, sampling=True, seed=3)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections import deque
 from collections.abc import Hashable
 from contextlib import ExitStack
 from typing import Any
@@ -50,10 +51,18 @@ from .base import ConfigRefused, ModelPlugin, PluginInfo
 from .moshi import FRAME_SAMPLES, MoshiStream, _require_cuda
 from .moshi_worker import Spoken
 from .personaplex_prompts import NO_VOICE, VOICE_PARAM, PromptBank, VoiceBank, WavLimits, role_tokens, stand_in_tokens
+from .personaplex_turns import TICK, Turns
 
 __all__ = ["PersonaPlexPlugin", "PersonaPlexStream"]
 
 SAMPLE_RATE = 24_000
+FRAME_SECONDS = FRAME_SAMPLES / SAMPLE_RATE  # 80 ms: a tick longer than this falls behind real time
+# torch's threads in this process while the plugin is open (the caller's restored at close): a
+# tick's kernels on one thread cost less than on two at the tiny size (40 ms of CPU a tick at 8
+# sessions against 53), and a team of two, on cores other work shares, waits in its barriers for
+# whichever thread is off its core (80 to 100 ms a tick at a load average of 4).
+TORCH_THREADS = 1
+SLOW_TICKS_KEPT = 1000  # the latest ticks longer than a frame that ``describe`` lists
 DEVICES = {"tiny": "cpu", "full": "cuda"}
 MAX_SLOTS = 64
 DEFAULT_SLOTS = 8
@@ -146,6 +155,8 @@ class PersonaPlexPlugin(ModelPlugin):
         )
         self.voices = VoiceBank(voices, WavLimits())  # refused before anything is built
         self._flags = ExitStack()
+        self._flags.callback(torch.set_num_threads, torch.get_num_threads())
+        torch.set_num_threads(TORCH_THREADS)  # before the ticking and priming threads exist: theirs too
         # The vendor's compile switch is process-wide: held off for as long as the plugin is open,
         # so the ticking thread and the priming thread never race on entering and leaving it.
         self._flags.enter_context(personaplex._vendor("utils.compile").no_compile())
@@ -155,7 +166,8 @@ class PersonaPlexPlugin(ModelPlugin):
                 if self.checkpoint is None
                 else self.checkpoint.load(config, self.device)
             )
-            self.prompts = PromptBank(self.models)
+            self.turns = Turns()  # the ticks' and the priming's, one at a time
+            self.prompts = PromptBank(self.models, self.turns)
         except BaseException:
             self._flags.close()
             self.voices.close()
@@ -171,6 +183,11 @@ class PersonaPlexPlugin(ModelPlugin):
         # The batched ticks' time (the masked loop's, joins aside), wall and on the ticking thread's
         # CPU clock: against the 80 ms a frame lasts, whether the batch can keep real time.
         self.tick_seconds = self.tick_cpu_seconds = 0.0
+        # Ticks (joins included) longer than a frame: (start, wall, CPU, frames, joins, a prompt
+        # priming meanwhile), start on ``time.monotonic`` (the clock a load generator's replies are
+        # timed on); and all ticks' wall time, apart for those that ran while a prompt was primed.
+        self.slow_ticks: deque[tuple[float, float, float, int, int, bool]] = deque(maxlen=SLOW_TICKS_KEPT)
+        self.tick_wall_by_priming = {False: [0, 0.0], True: [0, 0.0]}
         self.queued_at_reply_start: list[int] = []
         self._default = self.prompts.state(NO_VOICE, ())
         mimi, lm = (sum(p.numel() for p in m.parameters()) for m in (self.models.mimi, self.models.lm))
@@ -253,9 +270,26 @@ class PersonaPlexPlugin(ModelPlugin):
     def _tick(self, frames: dict[int, np.ndarray], joins: tuple[int, ...]) -> dict[int, Spoken | None]:
         """One batched tick (the scheduler's thread): each joining slot, and each whose stream asked
         for another prompt, joins with its prompt state first."""
-        runtime = self.runtime
+        began, began_cpu, priming = time.monotonic(), time.thread_time(), self.prompts.priming
         with self._lock:
-            wanted = {slot: self._wanted[slot].result() for slot in frames}
+            wanted = self._wanted.copy()
+        # Awaited before the tick's turn: a state still priming needs turns of its own.
+        wanted = {slot: wanted[slot].result() for slot in frames}
+        with self.turns.turn(TICK):
+            outputs = self._tick_turn(frames, joins, wanted)
+        whole = time.monotonic() - began
+        priming |= self.prompts.priming
+        self.tick_wall_by_priming[priming][0] += 1
+        self.tick_wall_by_priming[priming][1] += whole
+        if whole > FRAME_SECONDS:
+            self.slow_ticks.append((began, whole, time.thread_time() - began_cpu, len(frames), len(joins), priming))
+        return outputs
+
+    def _tick_turn(
+        self, frames: dict[int, np.ndarray], joins: tuple[int, ...], wanted: dict[int, Any]
+    ) -> dict[int, Spoken | None]:
+        """The tick itself, ``wanted``: each slot's prompt state."""
+        runtime = self.runtime
         for slot in frames:
             if slot in joins or self._joined.get(slot) is not wanted[slot]:
                 if runtime.queues[slot] is not None:
@@ -313,7 +347,25 @@ class PersonaPlexPlugin(ModelPlugin):
             "tick_cpu_seconds": round(self.tick_cpu_seconds, 3),
             "torch_threads": torch.get_num_threads(),
             "lm_calls": 0 if self.runtime is None else self.runtime.calls,
+            "tick_wall_while_priming": {
+                name: {"ticks": n, "wall_ms_per_tick": round(1e3 * seconds / n, 2) if n else None}
+                for name, (n, seconds) in (("no", self.tick_wall_by_priming[False]), ("yes", self.tick_wall_by_priming[True]))
+            },
+            "slow_ticks": [
+                {
+                    "at": round(at, 3),
+                    "wall_ms": round(1e3 * wall, 1),
+                    "cpu_ms": round(1e3 * cpu, 1),
+                    "frames": n,
+                    "joins": j,
+                    "priming": p,
+                }
+                for at, wall, cpu, n, j, p in self.slow_ticks
+            ],
+            "priming_spans": [[round(a, 3), round(b, 3)] for a, b in self.prompts.spans],
             "prompt_states": {"primed": self.prompts.primed, "reused": self.prompts.reused},
+            # turns that waited for the other's (personaplex_turns.py): a tick for a prompt step, a step for a tick
+            "turn_waits": dict(self.turns.waits),
             "rejoins": self.rejoins,
             "voices": ["default", *sorted(self.voices.named)],
         }

@@ -16,7 +16,8 @@ become, and the prompt states they are turned into once.
   that someone else uploaded a voice of that name (its name is its content's hash).
 - **Prompt states.** A (voice, role) is primed once, by the vendor's own priming on a batch-1
   ``LMGen`` of its own (greedy: priming draws nothing that stays, `models/personaplex_prompt.py`),
-  on a thread of its own so the batch keeps ticking, and captured; every later session with that
+  on a thread of its own so the batch keeps ticking (the two taking turns, a tick or a prompt
+  step at a time: ``personaplex_turns.py``), and captured; every later session with that
   (voice, role) copies the state into its slot. The cache is keyed by the voice's content hash
   (a named voice's file bytes, an upload's bytes) and the role's tokens.
 """
@@ -31,12 +32,14 @@ import os
 import tempfile
 import threading
 import wave
+from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from .base import ConfigRefused
+from .personaplex_turns import PRIME, Turns
 
 __all__ = ["MAX_ROLE_TOKENS", "PromptBank", "VoiceBank", "WavLimits", "role_tokens"]
 
@@ -187,8 +190,12 @@ class VoiceBank:
 class PromptBank:
     """Prompt states by (voice key, role tokens), each primed once on the bank's own thread."""
 
-    def __init__(self, models: Any) -> None:
+    def __init__(self, models: Any, turns: Turns | None = None) -> None:
+        """``turns``: shared with the batch's ticks (``personaplex_turns.py``), each prompt step a
+        turn; None: priming runs whenever its thread does."""
         from cadence_fx.models.personaplex import lm_gen
+
+        self.turns = turns
 
         weights = {id(t): t for m in (models.mimi, models.lm) for t in itertools.chain(m.parameters(), m.buffers())}
         self.models = copy.deepcopy(models, weights)
@@ -200,6 +207,10 @@ class PromptBank:
         self._lock = threading.Lock()
         self.primed = 0  # prompt states made (cache misses)
         self.reused = 0  # prompt states found made
+        # When each priming ran (``time.monotonic``, start and end): what the batch's ticks shared
+        # the CPU with; ``priming`` says whether one runs now.
+        self.spans: deque[tuple[float, float]] = deque(maxlen=1000)  # the latest
+        self.priming = False
 
     def _enter(self) -> None:
         import torch
@@ -221,12 +232,29 @@ class PromptBank:
         return future
 
     def _prime(self, voice: Voice, role: tuple[int, ...]) -> Any:
+        import time
+
         from cadence_fx.models.personaplex_prompt import capture, prime
 
-        prime(
-            self.models.mimi, self.gen, text_prompt_tokens=role, voice_prompt=voice.wav, voice_prompt_embeddings=voice.embeddings
-        )
-        return capture(self.gen, voice=voice.key, role=role)
+        start, self.priming = time.monotonic(), True
+        turns = self.turns
+        if turns is not None:
+            turns.enter(PRIME)
+        try:
+            prime(
+                self.models.mimi,
+                self.gen,
+                text_prompt_tokens=role,
+                voice_prompt=voice.wav,
+                voice_prompt_embeddings=voice.embeddings,
+                checkpoint=None if turns is None else lambda: turns.step(PRIME),
+            )
+            return capture(self.gen, voice=voice.key, role=role)
+        finally:
+            if turns is not None:
+                turns.leave(PRIME)
+            self.priming = False
+            self.spans.append((start, time.monotonic()))
 
     def close(self) -> None:
         def leave() -> None:

@@ -10,7 +10,8 @@ audio arrived contiguous, in order, and as long as ``response.done`` says.
 Whether the server keeps real time shows in two figures per reply: the time from the append that
 ended the user's turn to the reply's first audio delta, and the **stall**: how long a client that
 starts playing the reply at its first delta, with no further buffering, would wait for audio it
-should already be playing (0 when every delta arrives before its play time).
+should already be playing, all its waits together (0 when every delta arrives before its play
+time), and when the last of those waits ended (``Reply.stall_at``).
 
 Each session also times its start, from the moment it opens its WebSocket (``start``):
 
@@ -51,7 +52,11 @@ class Reply:
     done_samples: int | None = None
     status: str | None = None
     first_delta_at: float | None = None
-    stall_s: float = 0.0  # playback from the first delta on: the longest wait for a late delta
+    # Playback from the first delta on, with no further buffering: how long the client waited in all
+    # (each late delta delays the rest of the playback, so its lateness against the schedule set by
+    # the first delta is every wait so far, summed; the largest such lateness is the reply's total).
+    stall_s: float = 0.0
+    stall_at: float | None = None  # when the delta that made ``stall_s`` arrived (``time.monotonic``)
 
     def take(self, delta: bytes, offset: int, now: float) -> None:
         """One audio delta (PCM16 at 24 kHz) arriving at ``now``."""
@@ -60,7 +65,8 @@ class Reply:
             self.first_delta_at = now
         else:
             due = self.first_delta_at + len(self.audio) // 2 / PCM24K.rate
-            self.stall_s = max(self.stall_s, now - due)
+            if now - due > self.stall_s:
+                self.stall_s, self.stall_at = now - due, now
         self.audio += delta
 
 
