@@ -18,7 +18,8 @@ frame waiting runs it, in one batched LM call, the others masked. A session is a
   prompt state cache is keyed by content hash and may be shared by sessions that each uploaded
   the same WAV: a name, not a state, is what another session cannot reach.
 - ``configure`` returns once the (voice, role)'s prompt state exists: primed once on a thread of
-  its own while the batch ticks, then found in the cache by every later session. So a session is
+  its own while the batch ticks (the two taking turns, a tick or a prompt step at a time:
+  ``personaplex_turns.py``), then found in the cache by every later session. So a session is
   ready for its persona when its ``session.updated`` arrives.
 - A session's first tick joins its slot with its prompt state, copied in: the slot starts where
   the vendor's priming leaves a batch-1 session.
