@@ -204,6 +204,7 @@ def test_default_client_session_append_commit_ack_barge_in_cancel_drop_resume_cl
         (opened, kept, whole, acked, first, barged, cancelled, resumed, after_drop, events, info, connections, left) = (
             asyncio.run(asyncio.wait_for(scenario(server), 60))
         )
+        server.eventually(lambda: server.handle.manager.ended == 1, timeout=30)  # the close, on the server's loop
         ended = server.handle.manager.ended
     assert [e for e in events if e["type"] == "error"] == []
     assert kept == opened and connections == 2 and ended == 1 and left == 0  # one session, resumed, closed
@@ -332,6 +333,8 @@ def test_default_client_against_moshi_tiny_with_a_dropped_connection():
     served = MoshiPlugin(max_reply_frames=8, record=True)
     with background_server(lambda: served, Limits(max_sessions=2)) as handle:
         audio, info, events, connections = asyncio.run(asyncio.wait_for(scenario(Server(handle)), 120))
+        # the client's close reaches the server's loop after the client returns (later under load)
+        Server(handle).eventually(lambda: handle.manager.ended == 1, timeout=30)
         ended = handle.manager.ended
     said = [text for text in spoken(vendor_slot(served)[2][-8:]) if text]  # the reply's text, frame by frame
     assert [e for e in events if e["type"] == "error"] == []
