@@ -90,7 +90,7 @@ import numpy as np
 
 from cadence_fx.report import latency_stats, measured_commit
 from cadence_fx.serve.app import free_port, server_process
-from cadence_fx.serve.cli import plugin_option
+from cadence_fx.serve.commands import plugin_option
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "serve"))  # the load generator: a test kit
 from loadgen import drive_session, run_load, speech_pattern  # noqa: E402

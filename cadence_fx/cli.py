@@ -14,7 +14,7 @@ __all__ = ["SERVICE", "build_parser", "main", "non_negative_int", "positive_int"
 # registry (cadence_fx.families). `commands` adds `serve`, `prompt` and `client` to the parser;
 # `reference` writes the generated blocks of docs/service.md (`python -m cadence_fx.docs`).
 SERVICE = {
-    "commands": "cadence_fx.serve.cli:add_commands",
+    "commands": "cadence_fx.serve.commands:add_commands",
     "reference": "cadence_fx.serve.reference:service_blocks",
 }
 

@@ -3,7 +3,7 @@
 A family is found by name, never imported by the core: each entry point names a `Family`, whose
 parts are "module:attribute" references imported only when used, so listing the families (for the
 CLI's choices) loads no vendor code. cadence-fx's own families are declared in pyproject.toml
-(`models/families.py`); another package adds one by declaring an entry point in the same group.
+(`models/entry_points.py`); another package adds one by declaring an entry point in the same group.
 A model that is no family at all needs none of this: `transform(model, contract, binding)`.
 """
 

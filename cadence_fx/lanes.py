@@ -41,8 +41,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from .multiplex import SessionState, rng_get, rng_set
 from .replay.gate import GATE
-from .transformed import SessionState, rng_get, rng_set
 
 __all__ = ["Lane", "RngSection"]
 

@@ -26,9 +26,9 @@ import torch
 
 from cadence_fx.binding import Binding
 from cadence_fx.contract import Contract
+from cadence_fx.multiplex import Transformed
 from cadence_fx.pipeline import BoundModel
 from cadence_fx.transform import TransformReport, transform
-from cadence_fx.transformed import Transformed
 
 from .moshi import MIMI_BINDING, MOSHI_LM_BINDING
 from .moshi_stream import MoshiModels, StreamOutput, streaming_copy
@@ -113,7 +113,7 @@ class BoundMoshi(Transformed):
     as the vendor's loop (`moshi_stream.stream_reference`) computes them, bit for bit. The depformer
     binds the sampling switch as a mode, so sampled and greedy sessions each run their own graphs.
     Several streams take turns on it through `session_state` / `swap_in` / `swap_out`
-    (`cadence_fx.transformed`): the resident state is every tensor and host counter of the
+    (`cadence_fx.multiplex`): the resident state is every tensor and host counter of the
     modules' streaming state (`OwnedState`), at one address each for the model's life. A fresh
     stream's state is the one a session starts from: take `session_state`s inside a session, before
     its first frame (outside one, the resident state is where the last session left it)."""

@@ -70,9 +70,9 @@ from typing import Any
 import torch
 
 from cadence_fx.contract import Contract
+from cadence_fx.multiplex import rng_get, rng_seeded, rng_set
 from cadence_fx.pipeline import BoundModel
 from cadence_fx.transform import TransformReport
-from cadence_fx.transformed import rng_get, rng_seeded, rng_set
 
 from .moshi import MIMI_SLOTS_BINDING, MOSHI_LM_SLOTS_BINDING
 from .moshi_bound import bind, replays

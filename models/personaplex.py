@@ -649,7 +649,7 @@ class BoundPersonaPlex:
         """A session that starts from a prompt state instead of stepping its prompts: Mimi reset,
         `state` copied into the `LMGen` (`personaplex_prompt.restore`), the device's generator set to
         `generator` (the session's draws start there), then `user_phase` on the bound operators."""
-        from cadence_fx.transformed import rng_set
+        from cadence_fx.multiplex import rng_set
 
         from .personaplex_prompt import restore
 

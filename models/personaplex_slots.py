@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from cadence_fx.transformed import rng_get, rng_seeded, rng_set
+from cadence_fx.multiplex import rng_get, rng_seeded, rng_set
 
 from .personaplex import AGENT, FRAME_SIZE, PersonaPlexModels, _vendor, lm_gen
 from .personaplex_masked import mask_transformer, reset_rows, row_states, set_exec

@@ -35,13 +35,13 @@ import torch
 from cadence_fx.binding import Binding, OperatorBinding, RegionBinding
 from cadence_fx.catalog import Catalog, derive
 from cadence_fx.contract import Contract
+from cadence_fx.multiplex import Transformed
 from cadence_fx.passes.hoist import HostConstantHoist
 from cadence_fx.passes.piecewise import Piecewise
 from cadence_fx.passes.state import Envelope, apply_state_rule, shed_envelopes
 from cadence_fx.pipeline import BoundModel
 from cadence_fx.replay import ExactShapeReplay, ShapeClass, Signature, TensorSpec
 from cadence_fx.transform import TransformReport, transform
-from cadence_fx.transformed import Transformed
 
 from .token2wav_stream import Prompt, StockStream, random_chunks, random_prompt
 
@@ -143,7 +143,7 @@ class TransformedFlow(Transformed):
         cache["conformer_cnn_cache"] = self.base["conformer_cnn_cache"].to(self.device())
         return cache
 
-    # -- several streams over one set of graphs (cadence_fx.transformed) -------------------------
+    # -- several streams over one set of graphs (cadence_fx.multiplex) -------------------------
 
     def device(self) -> torch.device:
         return self.flow.decoder.cnn_cache_buffer.device

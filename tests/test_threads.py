@@ -17,9 +17,9 @@ import torch
 
 from cadence_fx.lanes import Lane, RngSection
 from cadence_fx.memory import DeviceMemory
+from cadence_fx.multiplex import SessionState, rng_seeded
 from cadence_fx.replay import ExactShapeReplay, ReplayError, ShapeClass, Signature
 from cadence_fx.replay.gate import DeviceGate
-from cadence_fx.transformed import SessionState, rng_seeded
 
 
 def _affine() -> tuple[torch.nn.Linear, torch.Tensor]:

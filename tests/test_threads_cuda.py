@@ -20,8 +20,8 @@ import torch
 
 from cadence_fx import determinism
 from cadence_fx.lanes import Lane, RngSection
+from cadence_fx.multiplex import SessionState, rng_seeded
 from cadence_fx.replay import ExactShapeReplay
-from cadence_fx.transformed import SessionState, rng_seeded
 
 pytestmark = [
     pytest.mark.cuda,

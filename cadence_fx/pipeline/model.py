@@ -11,15 +11,15 @@ from ..binding import (
 )
 from ..catalog import Catalog
 from ..contract import Contract
+from ..multiplex import Transformed
 from ..passes.window import CarryCounters, WindowCarry
-from ..transformed import Transformed
 from .operator import BoundOperator
 
 
 class BoundModel(Transformed):
     """A model transformed from its contract and binding: call it as the stock model (its one
     bound operator), or each operator through `operators[name]`. Several streams share its graphs
-    through `session_state` / `swap_in` / `swap_out` (`cadence_fx.transformed`)."""
+    through `session_state` / `swap_in` / `swap_out` (`cadence_fx.multiplex`)."""
 
     def __init__(self, model: Any, operators: dict[str, BoundOperator], report):
         self.model = model

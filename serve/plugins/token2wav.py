@@ -77,7 +77,7 @@ from cadence_fx.models.token2wav_carry import (
     reference_flow,
 )
 from cadence_fx.models.token2wav_stream import Prompt, build_hift, random_chunks, random_prompt
-from cadence_fx.transformed import SessionState
+from cadence_fx.multiplex import SessionState
 
 from .base import ModelPlugin, ModelStream, PluginInfo, SlotsFull, add_counters
 
