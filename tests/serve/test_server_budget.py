@@ -235,7 +235,12 @@ def test_a_slow_consumer_closed_behind_two_of_the_largest_events_resumes_without
         session = server.session(sock.session_id)
         for i in range(0, len(turn), 700_000):  # each append under max_frame_bytes and max_pending_input_bytes
             await sock.send(_append(turn[i : i + 700_000], f"a{i // 700_000}"))
-            assert server.eventually(lambda: session.pending_input_bytes == 0, timeout=10)
+            # The next append only once this one is in the buffer: its 933 kB frame may still be on
+            # its way (nothing pending yet), and two appends pending at once pass 1 MiB.
+            taken = min(i + 700_000, len(turn))
+            assert server.eventually(
+                lambda: session.ledgers.input.received_bytes == taken and session.pending_input_bytes == 0, timeout=10
+            )
         await sock.send({"type": "input_audio_buffer.commit"})
         assert server.eventually(lambda: session.journal.last_seq == 4, timeout=60)  # session.updated and the commit's three
         item_id = session.history[0]["id"]
