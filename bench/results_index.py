@@ -14,15 +14,24 @@ when the committed one differs, so a record added or moved without running this 
 Every record must carry "commit", "command" and "device" (bench/soak.py names the device
 "machine"); one that lacks any is an error naming the record and the field. NOT_RECORDED names the
 records whose script never wrote a field, and the page says "not recorded" for it.
+
+So that a page can cite a current record by a name that outlives the next run, the script refuses
+(naming the file) a top-level file whose name carries a commit hash (7 to 40 hex digits between
+`_`, `-` or `.`), two current records of one key, and a current record whose name is also a record's
+in history/. The key is read from the record's contents (`key`): the benchmark, whether it ran on
+a GPU, and the parts KEYS names for it (model, size, arms, and the load point where a benchmark's
+runs at several are cited side by side: a serve_load record's sessions, a capacity run's streams).
+A record it replaces moves to history/ with its commit in its name (history/moshi_7b5a062.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -327,6 +336,112 @@ def kind(record: dict) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------
+# One current record per key
+
+COMMIT_IN_NAME = re.compile(r"(?:^|[_.-])([0-9a-f]{7,40})(?=[_.-]|$)")
+
+
+def _arms(names: Iterable[str]) -> str:
+    """A record's arms, in its order (a list of names, or a dict of arms by name)."""
+    return ", ".join(names) or "none"
+
+
+def _moshi_key(r: dict) -> dict[str, object]:
+    return {"config": r.get("config"), "arms": _arms(r.get("arms") or [])}
+
+
+def _moshi_slots_key(r: dict) -> dict[str, object]:
+    slots = r.get("slots") or {}
+    arms = dict.fromkeys(arm for size in slots.values() for arm in size.get("arms", {}))
+    return {"config": r.get("config"), "slots": ",".join(slots), "arms": _arms(arms)}
+
+
+def _token2wav_key(r: dict) -> dict[str, object]:
+    """A capacity run's streams and lanes are part of its key: the sweeps are cited side by side."""
+    capacity = r.get("capacity") or {}
+    streams = ",".join(str(x["sessions"]) for x in capacity.get("rounds") or [])
+    return {
+        "depth": r.get("depth"),
+        "arms": _arms(r.get("arms") or []),
+        "capacity": f"{streams} streams on {capacity.get('lanes') or 1} lane(s)" if streams else "none",
+    }
+
+
+def _token2wav_setup_key(r: dict) -> dict[str, object]:
+    return {"depth": r.get("depth"), "lanes": len(r.get("lanes") or [])}
+
+
+def _serve_load_key(r: dict) -> dict[str, object]:
+    """The plugin names model and size (a test double says so in it); sessions, lanes, Ray replicas
+    and staggered arrivals are load points cited side by side. Run options (--runs, --append-ms,
+    --reply-lead, plugin options) are not: a run with another is a variant, kept in history/."""
+    lanes = r.get("lanes")
+    return {
+        "plugin": r.get("plugin"),
+        "sessions": r.get("sessions"),
+        "lanes": lanes.get("lanes", 1) if isinstance(lanes, dict) else 1,
+        "replicas": len(r.get("replicas") or []) or 1,
+        "staggered": bool(r.get("staggered")),
+    }
+
+
+def _soak_key(r: dict) -> dict[str, object]:
+    return {"model": r.get("model"), "sessions": r.get("sessions")}
+
+
+def _config_key(r: dict) -> dict[str, object]:
+    return {"config": r.get("config")}
+
+
+def _model_key(r: dict) -> dict[str, object]:
+    return {"model": r.get("model")}
+
+
+# benchmark -> the parts of its key beyond the benchmark and the device; one not named here has one
+# current record per device (its script takes no model, size or arms)
+KEYS: dict[str, Callable[[dict], dict[str, object]]] = {
+    "moshi": _moshi_key,
+    "moshi_slots": _moshi_slots_key,
+    "personaplex_prompt": _config_key,
+    "pipeline_host": _config_key,
+    "serve_load": _serve_load_key,
+    "soak": _soak_key,
+    "token2wav": _token2wav_key,
+    "token2wav_setup": _token2wav_setup_key,
+    "vllm_omni_bench": _model_key,
+}
+
+
+def key(record: dict) -> tuple[tuple[str, object], ...]:
+    """The (benchmark, model, size, arms) a record is the current one of, read from its contents.
+    Where it ran is part of it (a CPU run and a GPU run are different arms: bench/fuzz.py --device)."""
+    bench = kind(record)
+    device = f"{record.get('device') or ''} {record.get('machine') or ''}"
+    parts = {"benchmark": bench, "on a GPU": bool(re.search(r"nvidia|gpu|cuda", device, re.I))}
+    return tuple({**parts, **(KEYS[bench](record) if bench in KEYS else {})}.items())
+
+
+def describe(k: tuple[tuple[str, object], ...]) -> str:
+    return "; ".join(f"{name} {_yes(value) if isinstance(value, bool) else value}" for name, value in k)
+
+
+def check_name(name: str, results: Path) -> None:
+    """A RecordError naming a top-level file whose name carries a commit, or that a record in
+    history/ has too."""
+    found = COMMIT_IN_NAME.search(Path(name).stem)
+    if found:
+        raise RecordError(
+            f"bench/results/{name}: its name carries the commit {found.group(1)}; name a current record by its "
+            f"benchmark, model, size and arms only (its commit is inside it), and an older one in bench/results/history/"
+        )
+    if (results / "history" / name).exists():
+        raise RecordError(
+            f"bench/results/{name} has the name of bench/results/history/{name}; put the older record's commit in "
+            f"its name (git mv it to history/{Path(name).stem}_<commit>{Path(name).suffix})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
 # Provenance
 
 
@@ -368,6 +483,9 @@ def commit_date(name: str, commit: str, root: Path = ROOT) -> str:
 def entries(results: Path = RESULTS, root: Path = ROOT) -> list[dict]:
     """One entry per current record, sorted by benchmark then name."""
     found = []
+    for path in sorted(p for p in results.iterdir() if p.is_file()):
+        check_name(path.name, results)
+    current: dict[tuple, str] = {}
     for path in sorted(results.glob("*.json")):
         try:
             record = json.loads(path.read_text())
@@ -382,6 +500,13 @@ def entries(results: Path = RESULTS, root: Path = ROOT) -> list[dict]:
                 f"add one to HEADLINES in bench/results_index.py"
             )
         prov = provenance(path.name, record)
+        k = key(record)
+        if k in current:
+            raise RecordError(
+                f"bench/results/{current[k]} and bench/results/{path.name} are both the current record of "
+                f"{describe(k)}; keep the newer one and move the other to bench/results/history/ with its commit in its name"
+            )
+        current[k] = path.name
         try:
             figures = HEADLINES[bench](record)
         except (KeyError, TypeError) as exc:
@@ -393,6 +518,7 @@ def entries(results: Path = RESULTS, root: Path = ROOT) -> list[dict]:
                 **prov,
                 "date": record.get("date") or commit_date(path.name, prov["commit"], root),
                 "figures": figures,
+                "key": describe(k),
             }
         )
     return sorted(found, key=lambda e: (e["benchmark"], e["name"]))
@@ -407,7 +533,8 @@ def render(results: Path = RESULTS, root: Path = ROOT) -> str:
         "<!-- written by bench/results_index.py from bench/results/*.json; do not edit: run `python bench/results_index.py` -->",
         "",
         f"The {len(records)} current benchmark records in [bench/results/](../bench/results/): one per benchmark, "
-        "model, size and arm set, the newest commit of them. Older runs and run variants are kept in "
+        "model, size and arm set (read from the record: each section below names it), the newest commit of "
+        "them, named by that key alone. Older runs and run variants are kept, their commits in their names, in "
         "[bench/results/history/](../bench/results/history/), and the pages that discuss them cite them "
         "there. Every figure below is read from its record by `bench/results_index.py`; the date is the "
         "recorded commit's, from git. [benchmarks.md](benchmarks.md) says how to run each benchmark on "
@@ -430,11 +557,13 @@ def render(results: Path = RESULTS, root: Path = ROOT) -> str:
         lines += [f"- {figure}" for figure in e["figures"]]
         lines += [
             "",
+            f"The current record of {e['key']}.",
+            "",
             f"[Record](../bench/results/{e['name']}); commit `{e['commit']}` ({e['date']}); device: "
             f"{e['device'] or 'not recorded'}; command: " + (f"`{e['command']}`" if e["command"] else "not recorded") + ".",
         ]
     if others:
-        lines += ["", "## Other files", "", "Figures and logs kept beside the records (not records themselves):", ""]
+        lines += ["", "## Other files", "", "Figures the pages show, kept beside the records (not records themselves):", ""]
         lines += [f"- [{name}](../bench/results/{name})" for name in others]
     return "\n".join(lines) + "\n"
 

@@ -56,8 +56,8 @@ speaking mask and calls decode; a join's `reset_streaming` runs eagerly, as the 
 glue between its graphs. Every ring stays where the vendor allocated it. The service runs it
 (`serve/plugins/moshi.py`): at B = 64, full size, on the H200 it answered every turn of the load
 with first audio p95 209 ms and a server start-up of 28.7 s
-(`bench/results/serve_load_moshi_full_64_pipeline_b10a762.json`); its tick took 53.3 ms at B = 64
-(`bench/results/moshi_slots_64_pipeline_host_7b5a062.json`).
+(`bench/results/serve_load_moshi_full_64.json`); its tick took 53.3 ms at B = 64
+(`bench/results/moshi_slots_64.json`).
 """
 
 from __future__ import annotations

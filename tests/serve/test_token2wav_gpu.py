@@ -42,7 +42,7 @@ def test_two_sessions_on_two_lanes_each_hear_the_stock_vendor_stream_of_their_to
         return list(events), [sock.rate_limits for sock in socks], health
 
     # A full-size lane exports its flow's classes at start-up (about 161 s for the first on the H200,
-    # bench/results/token2wav_setup_full_c59a247.json): the server's start waits for both lanes.
+    # bench/results/token2wav_setup_full.json): the server's start waits for both lanes.
     with background_server(build, Limits(max_sessions=2), start_timeout_s=900) as handle:
         events, rate_limits, health = run(scenario(Server(handle)))
         described = plugins[0].describe()
