@@ -4,7 +4,8 @@
 # itself in three groups side by side with the differential fuzzer on CUDA (correctness only); phase
 # 2, the two test files that time themselves, alone, completing the gpu_tests record; phase 3, the
 # speed benchmarks, alone, each in the time left. PHASES picks (default 123). The records land in
-# $OUT; move each to bench/results/ (the one it replaces to history/) and run bench/results_index.py.
+# $OUT; move each to bench/results/ (the record it replaces to history/, its name suffixed with its
+# commit) and run bench/results_index.py.
 #   bash bench/gpu_verify.sh        (from the repository root, on the GPU machine)
 set +e
 START=$(date +%s); END=$((START + ${BUDGET:-585})); PHASES=${PHASES:-123}
