@@ -25,7 +25,7 @@ from .errors import ProtocolError, quoted
 Encoding = Literal["pcm16", "pcmu", "pcma", "f32le"]
 
 _GA_TYPE = {"pcm16": "audio/pcm", "pcmu": "audio/pcmu", "pcma": "audio/pcma", "f32le": "audio/pcm_f32le"}
-_BETA_TYPE = {"pcm16": "pcm16", "g711_ulaw": "pcmu", "g711_alaw": "pcma"}
+_BETA_TYPE: dict[str, Encoding] = {"pcm16": "pcm16", "g711_ulaw": "pcmu", "g711_alaw": "pcma"}
 # The beta-style names of each encoding, as vLLM-Omni's duplex fields spell them.
 BETA_NAME = {"pcm16": "pcm16", "pcmu": "g711_ulaw", "pcma": "g711_alaw", "f32le": "pcm_f32le"}
 _BYTES = {"pcm16": 2, "pcmu": 1, "pcma": 1, "f32le": 4}
@@ -71,7 +71,7 @@ PCMA = AudioFormat("pcma", _G711_RATE)
 def duplex_format(encoding_name: object, rate: object, param: str) -> AudioFormat:
     """vLLM-Omni's spelling of a format (``pcm16`` or ``pcm_f32le`` with ``sample_rate_hz``; the
     G.711 names at 8 kHz), else ``unsupported_audio_format`` naming what is served."""
-    names = {
+    names: dict[str, Encoding] = {
         "pcm16": "pcm16",
         "pcm_s16le": "pcm16",
         "s16le": "pcm16",
@@ -90,7 +90,7 @@ def duplex_format(encoding_name: object, rate: object, param: str) -> AudioForma
     if encoding in ("pcmu", "pcma"):
         if rate not in (None, _G711_RATE):
             raise ProtocolError("unsupported_audio_format", f"G.711 is 8000 Hz only, got {quoted(rate)}", param)
-        return AudioFormat(encoding, _G711_RATE)  # type: ignore[arg-type]
+        return AudioFormat(encoding, _G711_RATE)
     if rate is None:
         rate = PCM_RATE
     if isinstance(rate, bool) or not isinstance(rate, int) or rate not in DUPLEX_PCM_RATES:
@@ -99,7 +99,7 @@ def duplex_format(encoding_name: object, rate: object, param: str) -> AudioForma
             f"sample rate {quoted(rate)} Hz is not served; served rates: {', '.join(map(str, DUPLEX_PCM_RATES))}",
             param,
         )
-    return AudioFormat(encoding, rate)  # type: ignore[arg-type]
+    return AudioFormat(encoding, rate)
 
 
 def parse_format(value: object, param: str, duplex: bool = False) -> AudioFormat:
@@ -109,8 +109,8 @@ def parse_format(value: object, param: str, duplex: bool = False) -> AudioFormat
     if duplex and isinstance(value, str) and value != "pcm16":
         return duplex_format(value, None, param)
     if duplex and isinstance(value, dict) and value.get("type") in ("audio/pcm", "audio/pcm_f32le"):
-        encoding = "pcm16" if value["type"] == "audio/pcm" else "pcm_f32le"
-        return duplex_format(encoding, value.get("rate", PCM_RATE), f"{param}.rate")
+        name = "pcm16" if value["type"] == "audio/pcm" else "pcm_f32le"
+        return duplex_format(name, value.get("rate", PCM_RATE), f"{param}.rate")
     if isinstance(value, str):
         encoding = _BETA_TYPE.get(value)
         if encoding is None:

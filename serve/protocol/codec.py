@@ -59,6 +59,7 @@ def _check(value: Any, kinds: tuple[type, ...], optional: bool, param: str) -> N
     if isinstance(value, int) and not isinstance(value, bool) and value < 0:
         raise ProtocolError("invalid_value", f"{param} must not be negative", param)
     if param.rsplit(".", 1)[-1] in _ID_FIELDS:
+        assert isinstance(value, str), f"{param}: every id field of a command is typed str"
         _check_id(value, param)
 
 
@@ -178,7 +179,8 @@ def command_from_object(obj: dict[str, Any], at: str = "") -> ClientCommand:
     if cls is None:
         raise ProtocolError("unknown_event_type", f"unknown event type {quoted(kind)}", f"{at}type")
     values = {}
-    for name, kinds, optional, required in _field_specs(cls):
+    # A class object is hashable; mypy checks the frozen dataclass's instance __hash__ instead.
+    for name, kinds, optional, required in _field_specs(cls):  # type: ignore[arg-type]
         if name not in obj:
             if required:
                 raise ProtocolError("missing_field", f"{kind} requires field {name!r}", f"{at}{name}")
