@@ -24,6 +24,7 @@ import hmac
 import ipaddress
 import json
 from dataclasses import dataclass, replace
+from typing import TypedDict
 from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -41,6 +42,14 @@ LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 # A server bound to every interface has no one address of its own: its Host is checked against the
 # address each connection came in on.
 _ANY_ADDRESS = frozenset({"", "0.0.0.0", "::"})
+
+
+class DocsRoutes(TypedDict, total=False):
+    """FastAPI's keyword arguments for its documentation routes: none (its own) or all three off."""
+
+    docs_url: None
+    redoc_url: None
+    openapi_url: None
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,12 @@ class Access:
         if not self.trusted_proxies:
             return None
         return "*" if "*" in self.trusted_proxies else ",".join(self.trusted_proxies)
+
+    def docs_routes(self) -> DocsRoutes:
+        """FastAPI's keyword arguments for /docs, /redoc and /openapi.json: its own with ``docs``, else all off."""
+        if self.docs:
+            return {}
+        return {"docs_url": None, "redoc_url": None, "openapi_url": None}
 
     def open_notice(self, host: str, port: int) -> str | None:
         """What the server says at start-up when it has no key, else None."""

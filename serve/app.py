@@ -24,6 +24,7 @@ import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import uvicorn
 from fastapi import FastAPI, WebSocket
@@ -49,6 +50,7 @@ REALTIME_SUBPROTOCOL = "realtime"
 # ``?autostart=`` values that defer a duplex connection's session to its first command (vLLM-Omni's
 # client sends autostart=0 on every connection).
 _FALSE = ("0", "false", "no", "off")
+T = TypeVar("T")  # what a function run on the server's loop (BackgroundServer.call) returns
 
 
 def selected_subprotocol(offered: list[str]) -> str | None:
@@ -98,8 +100,7 @@ def create_app(
             await manager.stop()
             plugin.close()
 
-    docs = {} if access.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="cadence-fx duplex service", lifespan=lifespan, **docs)
+    app = FastAPI(title="cadence-fx duplex service", lifespan=lifespan, **access.docs_routes())
     app.add_middleware(AccessMiddleware, access=access)
 
     async def serve_socket(ws: WebSocket, duplex: bool, session_id: str | None, autostart: str = "1") -> None:
@@ -223,7 +224,8 @@ def uvicorn_config(
         host=host,
         port=port,
         # uvicorn's HTTP protocol, with a deadline for each request to arrive whole (Limits.request_timeout_s).
-        http=functools.partial(RequestTimeoutProtocol, request_timeout_s=limits.request_timeout_s),
+        # uvicorn annotates `http` as a class but only calls it, as asyncio calls any protocol factory.
+        http=functools.partial(RequestTimeoutProtocol, request_timeout_s=limits.request_timeout_s),  # type: ignore[arg-type]
         ws="websockets-sansio",
         ws_max_size=frame_ceiling(limits),
         # No permessage-deflate: the events are mostly base64 audio, which deflates by a quarter at
@@ -321,10 +323,10 @@ class BackgroundServer:
     def manager(self) -> SessionManager:
         return self.server.config.app.state.manager  # type: ignore[union-attr]
 
-    def call(self, fn: Callable[[], object], timeout: float = 5.0) -> object:
+    def call(self, fn: Callable[[], T], timeout: float = 5.0) -> T:
         """Run ``fn`` on the server's event loop (where session state lives) and return its result."""
 
-        async def run() -> object:
+        async def run() -> T:
             return fn()
 
         loop = self.server.config.app.state.loop  # type: ignore[union-attr]

@@ -96,6 +96,7 @@ def _prompt(args: argparse.Namespace) -> int:
 
     found = checkpoint.locate_checkpoint(args.weights, checkpoint.PREPARE_FILES, reference_voice=args.wav is None)
     wav = args.wav or found.reference_voice
+    assert wav is not None, "without a WAV, locate_checkpoint(reference_voice=True) refuses a checkpoint without one"
     print(f"preparing the prompt state of {wav} with {found.assets}...", file=sys.stderr, flush=True)
     prompt = checkpoint.prepare_prompt(found, wav)
     checkpoint.save_prompt(prompt, args.out, source=str(wav))
@@ -153,7 +154,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         type=positive_int,
         metavar="B",
         help="moshi-*: the batch of each tick place, the sessions it ticks in one call; admission "
-        "is a free slot (default: the batch follows --max-sessions)",
+        "is a free slot (default: the batch follows --max-sessions). token2wav*: the sessions as the "
+        "rows of one batch of B under the batch-invariant envelope, instead of replay lanes (default: lanes)",
     )
     serve.add_argument(
         "--lanes",

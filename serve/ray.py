@@ -136,7 +136,7 @@ class SessionReplica:
     async def health(self) -> dict:
         """This server's ``/health``, with where its sockets are (``url``) and its Ray actor."""
         report = await asyncio.to_thread(self.server.call, lambda: health_of(self.server.manager))
-        return {"replica": self.replica, "url": self.server.ws_url, "actor": self.actor, **report}  # type: ignore[dict-item]
+        return {"replica": self.replica, "url": self.server.ws_url, "actor": self.actor, **report}
 
     async def models(self) -> dict:
         plugin = self.server.manager.plugin
@@ -155,7 +155,7 @@ class SessionReplica:
             client = None if session is None else session.client
             return {"live": session is not None, "client": client, "ledgers": ledgers.to_dict()}
 
-        return await asyncio.to_thread(self.server.call, read)  # type: ignore[return-value]
+        return await asyncio.to_thread(self.server.call, read)
 
     def check_health(self) -> None:
         """Ray Serve's probe: the replica is unhealthy once its server thread has ended."""
@@ -388,8 +388,7 @@ def router_app(router: SessionRouter) -> FastAPI:
     the deployment class: Ray ships that class by value, and FastAPI resolves the routes'
     annotations in the globals of the function that defines them."""
     access = router.spec.access
-    docs = {} if access.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="cadence-fx duplex service (Ray Serve)", **docs)
+    app = FastAPI(title="cadence-fx duplex service (Ray Serve)", **access.docs_routes())
     app.add_middleware(AccessMiddleware, access=access)
 
     @app.websocket("/v1/realtime")
@@ -426,10 +425,12 @@ def _named_session(frame: str) -> str:
 def application(spec: RaySpec) -> serve.Application:
     """The Ray Serve application: ``spec.replicas`` deployments ``replica-<i>`` and the ingress."""
     options = {"num_cpus": spec.cpus_per_replica, "num_gpus": spec.gpus_per_replica}
+    # `@serve.deployment` makes each class a Deployment, whose `.options` mypy (seeing the class) cannot see.
     replicas = [
-        SessionReplica.options(name=f"replica-{i}", ray_actor_options=options).bind(i, spec) for i in range(spec.replicas)
+        SessionReplica.options(name=f"replica-{i}", ray_actor_options=options).bind(i, spec)  # type: ignore[attr-defined]
+        for i in range(spec.replicas)
     ]
-    return SessionRouter.options(name="router").bind(replicas, spec)
+    return SessionRouter.options(name="router").bind(replicas, spec)  # type: ignore[attr-defined]
 
 
 def visible_gpus() -> int:

@@ -243,14 +243,19 @@ class ResponseFence(Conversation):
         if stored is not None:
             stored.update(item)
             self._measure(stored)
-        common = {"response_id": resp.id, "item_id": resp.item_id, "output_index": 0, "content_index": 0}
         if self.duplex and not resp.spoke:  # not a sample of audio: the model listened
             listening = {"object": "realtime.response", "id": resp.id, "status": "listening", "metadata": None}
             self.emit(ev.ResponseListen(response_id=resp.id, response=listening))
-        self.emit(ev.ResponseOutputAudioDone(**common, epoch=resp.epoch))
+        rid, iid = resp.id, resp.item_id
+        self.emit(ev.ResponseOutputAudioDone(response_id=rid, item_id=iid, output_index=0, content_index=0, epoch=resp.epoch))
         if self._take_text is not None:
-            self.emit(ev.ResponseOutputAudioTranscriptDone(**common, transcript=resp.transcript))
-        self.emit(ev.ResponseContentPartDone(**common, part={"type": "audio", "transcript": resp.transcript}))
+            self.emit(
+                ev.ResponseOutputAudioTranscriptDone(
+                    response_id=rid, item_id=iid, output_index=0, content_index=0, transcript=resp.transcript
+                )
+            )
+        part = {"type": "audio", "transcript": resp.transcript}
+        self.emit(ev.ResponseContentPartDone(response_id=rid, item_id=iid, output_index=0, content_index=0, part=part))
         self.emit(ev.ResponseOutputItemDone(response_id=resp.id, output_index=0, item=item))
         if resp.params.in_conversation:
             self.emit(ev.ConversationItemDone(item=item, previous_item_id=resp.previous_item_id))

@@ -245,8 +245,10 @@ class Session(Lifetime):
         config = self.config
         if self.settings.ref_audio is not None:  # the client's own voice WAV, the stream's before it is the voice
             (name, wav), self.settings = self.settings.ref_audio, self.settings.handed_over()
+            upload_voice = getattr(self.stream, "upload_voice", None)
+            assert callable(upload_voice), "apply_duplex takes a ref_audio only for a stream with upload_voice"
             try:
-                await self.port.call(self.stream.upload_voice, name, wav)
+                await self.port.call(upload_voice, name, wav)
             except ConfigRefused as refused:
                 self.config, self.settings = old, old_settings
                 raise ProtocolError("invalid_value", str(refused), "session.ref_audio") from None
