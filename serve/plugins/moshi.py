@@ -73,7 +73,7 @@ from cadence_fx.models.moshi_tokenizer import TextPieces, stand_in_tokenizer
 from ..runtime.slots import SlotScheduler, SlotsFull, TickRecord
 from .base import ModelPlugin, PluginInfo, add_counters
 from .moshi_places import _InProcess, _Place, _Worker
-from .moshi_turns import FRAME_SAMPLES, REPLY_AHEAD_FRAMES, SILENCE, MoshiStream
+from .moshi_turns import FRAME_SAMPLES, REPLY_AHEAD_FRAMES, SILENCE, MoshiStream, StreamPlace, scheduler_of
 from .moshi_worker import SIZES, WORKER_OPS
 
 __all__ = [
@@ -218,6 +218,7 @@ class MoshiPlugin(ModelPlugin):
         self._started: list[Future] = []  # each place's batch, being built or built
         self.cores: list[list[int]] = []  # of each worker process, when pinned
         if processes:
+            assert threads is not None, "a worker process's threads default to 1 above"
             available = sorted(os.sched_getaffinity(0))
             if pin and processes * threads <= len(available):
                 self.cores = [available[i * threads : (i + 1) * threads] for i in range(processes)]
@@ -263,12 +264,13 @@ class MoshiPlugin(ModelPlugin):
         """In a free slot of the place with the fewest open streams (the first such); no call to
         it yet. Raises ``SlotsFull`` when every slot of every place is taken."""
         with self._lock:
-            self._start(DEFAULT_SLOTS if self.slots is None else self.slots)
-            open_places = [p for p in self._places if p.scheduler.free]
+            slots = DEFAULT_SLOTS if self.slots is None else self.slots
+            self._start(slots)
+            open_places = [p for p in self._places if scheduler_of(p).free]
             if not open_places:
-                raise SlotsFull(f"{self.name}: all {self._capacity()} are taken; a session needs a free slot")
+                raise SlotsFull(f"{self.name}: all {self._capacity(slots)} are taken; a session needs a free slot")
             place = min(open_places, key=lambda p: p.streams)
-            slot = place.scheduler.acquire()
+            slot = scheduler_of(place).acquire()
             place.streams += 1
             self.streams += 1
         return MoshiStream(self, place, slot)
@@ -278,11 +280,11 @@ class MoshiPlugin(ModelPlugin):
         with self._lock:
             if not self._started:
                 return len(self._places) * (DEFAULT_SLOTS if self.slots is None else self.slots)
-            return sum(place.scheduler.free for place in self._places)
+            return sum(scheduler_of(place).free for place in self._places)
 
-    def _placed_off(self, place: _Place, slot: int) -> None:
+    def _placed_off(self, place: StreamPlace, slot: int) -> None:
         with self._lock:
-            place.scheduler.release(slot)
+            scheduler_of(place).release(slot)
             place.streams -= 1
 
     def _count_reply_start(self, queued: int) -> None:
@@ -307,8 +309,8 @@ class MoshiPlugin(ModelPlugin):
             self._started.append(place.started)
             place.scheduler = SlotScheduler(slots, place.run_tick, name=f"{self.name}[{place.index}]", record=self.record)
 
-    def _capacity(self, slots: int | None = None) -> str:
-        places, slots = len(self._places), self.slots if slots is None else slots
+    def _capacity(self, slots: int) -> str:
+        places = len(self._places)
         return f"{places * slots} slots ({places} place{'s' if places > 1 else ''} x {slots})"
 
     def reserve(self, sessions: int) -> None:
@@ -411,8 +413,13 @@ def measure(frames: int = 100, threads: int = 1, size: str = "tiny", device: str
     included): a turn of ``frames // 2`` fed frames, then its reply of as many steps. On a CPU
     the stream ticks in one worker process with ``threads`` torch threads."""
     on_cpu = (DEVICES[size] if device is None else device) == "cpu"
-    where = {"processes": 1, "threads": threads} if on_cpu else {}
-    plugin = MoshiPlugin(size=size, device=device, max_reply_frames=frames, **where)
+    plugin = MoshiPlugin(
+        size=size,
+        device=device,
+        max_reply_frames=frames,
+        processes=1 if on_cpu else None,
+        threads=threads if on_cpu else None,
+    )
     try:
         plugin.reserve(1)
         stream = plugin.open_stream()

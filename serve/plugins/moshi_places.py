@@ -158,6 +158,7 @@ class _Worker(_Place):
     def run_tick(self, frames: dict[int, np.ndarray], joins: tuple[int, ...]) -> dict[int, Spoken | None]:
         # "start" goes through the other thread: a tick sent straight from here could overtake it.
         # The first tick waits for the batch (and raises what building it raised).
+        assert self.started is not None, f"{self.name}: ticks are scheduled only once its batch was started"
         self.started.result()
         return self._roundtrip("tick", (frames, joins))
 

@@ -43,16 +43,16 @@ from __future__ import annotations
 import logging
 from collections import deque
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from ..runtime.slots import SlotScheduler
 from .base import ModelStream
 from .moshi_worker import Spoken
 
 if TYPE_CHECKING:
-    from .moshi import MoshiPlugin
-    from .moshi_places import _Place
+    from cadence_fx.models.moshi_tokenizer import TextPieces
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,35 @@ FRAME_SAMPLES = 1920  # 80 ms at 24 kHz: one tick
 # How many of a reply's next frames ``step`` keeps ticking ahead on silence when nothing fed brings them.
 REPLY_AHEAD_FRAMES = 2
 SILENCE = np.zeros(FRAME_SAMPLES, dtype=np.float32)
+
+
+class StreamPlace(Protocol):
+    """What a ``MoshiStream`` and its plugin ask of the place whose batch holds the stream's slot
+    (Moshi's places, ``moshi_places.py``; PersonaPlex's one place)."""
+
+    index: int
+    streams: int  # open streams placed here
+    scheduler: SlotScheduler | None  # its slots, once its batch was started
+
+
+class StreamPlugin(Protocol):
+    """What a ``MoshiStream`` asks of its plugin (``MoshiPlugin``, ``PersonaPlexPlugin``)."""
+
+    max_reply_frames: int
+    text: TextPieces
+
+    def _count(self, listened: int = 0, replied: int = 0, silence: int = 0) -> None: ...
+
+    def _count_reply_start(self, queued: int) -> None: ...
+
+    def _placed_off(self, place: StreamPlace, slot: int) -> None: ...
+
+
+def scheduler_of(place: StreamPlace) -> SlotScheduler:
+    """``place``'s slots: a plugin starts a place's batch before it places a stream there."""
+    if place.scheduler is None:
+        raise RuntimeError(f"place {place.index}: its batch is not started, it has no slots yet")
+    return place.scheduler
 
 
 class MoshiStream(ModelStream):
@@ -71,8 +100,9 @@ class MoshiStream(ModelStream):
     between. A tick that failed raises from the first call that takes its outputs. A reply frame
     that a ``feed`` computed is handed out by ``step`` without a request of its own."""
 
-    def __init__(self, plugin: MoshiPlugin, place: _Place, slot: int) -> None:
+    def __init__(self, plugin: StreamPlugin, place: StreamPlace, slot: int) -> None:
         self._plugin, self._place, self.slot = plugin, place, slot
+        self._slots = scheduler_of(place)
         self._pending: deque[Spoken] = deque()  # reply frames computed by ``feed``
         # Frames ticking whose outputs are not taken yet: (their future, how many, the reply they
         # were fed in or ticked ahead for, else None; the reply their last output opens, else None).
@@ -101,7 +131,7 @@ class MoshiStream(ModelStream):
         self._take(wait=False)
         if not frames:
             return
-        future = self._place.scheduler.submit(self.slot, frames, follows=self.follows)
+        future = self._slots.submit(self.slot, frames, follows=self.follows)
         self._inflight.append((future, len(frames), self._reply if self.budget else None, None))
         self.turn_frames += len(frames)
         self.ticks += len(frames)
@@ -121,7 +151,7 @@ class MoshiStream(ModelStream):
                 future, frames, reply, _ = self._inflight[-1]
                 self._inflight[-1] = (future, frames, reply, self._reply)
                 if self.budget > 1:  # ``step`` asks for the reply's next frame once this one is out
-                    self._place.scheduler.follow(self.slot)
+                    self._slots.follow(self.slot)
                 self._opening = "ticking"
             elif self._heard is not None:
                 self._pending.append(self._heard)
@@ -129,7 +159,7 @@ class MoshiStream(ModelStream):
                 self._opening = "done"
         # The reply's first frame is the last of the frames its slot still has to tick, one a tick
         # (or the tick after them, when the turn fed nothing).
-        self._plugin._count_reply_start(self._place.scheduler.queued(self.slot))
+        self._plugin._count_reply_start(self._slots.queued(self.slot))
 
     def step(self) -> np.ndarray | None:
         self._said = None
@@ -148,7 +178,7 @@ class MoshiStream(ModelStream):
         while not self._pending:  # a stream's first tick gives nothing: then one more
             if not self._coming():
                 # The session asks for the reply's next frame at once (``follows``), unless this is the last.
-                future = self._place.scheduler.submit(self.slot, [SILENCE], follows=self.follows and self.budget > 1)
+                future = self._slots.submit(self.slot, [SILENCE], follows=self.follows and self.budget > 1)
                 self._inflight.append((future, 1, self._reply, None))
                 self.ticks += 1
                 self._plugin._count(silence=1)
@@ -170,7 +200,7 @@ class MoshiStream(ModelStream):
         its ``budget``) while ``coming`` frames already are: they ride the slot's next ticks while
         the session hands this one out, instead of waiting for it to ask for them."""
         while coming < min(budget, REPLY_AHEAD_FRAMES):
-            self._inflight.append((self._place.scheduler.submit(self.slot, [SILENCE]), 1, self._reply, None))
+            self._inflight.append((self._slots.submit(self.slot, [SILENCE]), 1, self._reply, None))
             self.ticks += 1
             self._plugin._count(silence=1)
             coming += 1

@@ -50,6 +50,7 @@ from cadence_fx.models.moshi_tokenizer import TextPieces, stand_in_tokenizer
 from ..runtime.slots import SlotScheduler, SlotsFull
 from .base import ConfigRefused, ModelPlugin, PluginInfo
 from .moshi import FRAME_SAMPLES, MoshiStream, _require_cuda
+from .moshi_turns import StreamPlace, scheduler_of
 from .moshi_worker import Spoken
 from .personaplex_prompts import NO_VOICE, VOICE_PARAM, PromptBank, VoiceBank, WavLimits, role_tokens, stand_in_tokens
 from .personaplex_turns import TICK, Turns
@@ -70,7 +71,7 @@ DEFAULT_SLOTS = 8
 
 
 class _Place:
-    """The one place of the plugin's batch: what ``MoshiStream`` asks of a place."""
+    """The one place of the plugin's batch: what ``MoshiStream`` asks of a place (``StreamPlace``)."""
 
     index = 0
 
@@ -81,6 +82,8 @@ class _Place:
 
 class PersonaPlexStream(MoshiStream):
     """Moshi's turn bookkeeping on a PersonaPlex slot, plus its persona (``configure``)."""
+
+    _plugin: PersonaPlexPlugin  # the one plugin whose streams these are (MoshiStream's, narrowed)
 
     def __init__(self, plugin: PersonaPlexPlugin, place: _Place, slot: int, client: Hashable | None) -> None:
         """``client``: who may name this stream's uploads (an in-process caller's name for itself,
@@ -134,11 +137,11 @@ class PersonaPlexPlugin(ModelPlugin):
         self.name, self.size, self.device = f"personaplex-{size}", size, DEVICES[size]
         if self.device == "cuda":
             _require_cuda(self.name)
-        from cadence_fx.models import personaplex
+        from cadence_fx.models import personaplex, personaplex_stream
 
         self.seed, self.sampling, self.slots, self.record = seed, sampling, slots, record
         self.max_reply_frames, self.prompt_rate = max_reply_frames, prompt_rate
-        config = dataclasses.replace(personaplex.TINY if size == "tiny" else personaplex.FULL, seed=seed)
+        config = dataclasses.replace(personaplex_stream.TINY if size == "tiny" else personaplex_stream.FULL, seed=seed)
         if weights is None:
             self.checkpoint, self.tokenize = None, stand_in_tokens
         else:
@@ -163,7 +166,7 @@ class PersonaPlexPlugin(ModelPlugin):
         self._flags.enter_context(personaplex._vendor("utils.compile").no_compile())
         try:
             self.models = (
-                personaplex.build_models(config, self.device)
+                personaplex_stream.build_models(config, self.device)
                 if self.checkpoint is None
                 else self.checkpoint.load(config, self.device)
             )
@@ -234,9 +237,10 @@ class PersonaPlexPlugin(ModelPlugin):
         its own client, as every session of the service is)."""
         with self._lock:
             self._start(DEFAULT_SLOTS if self.slots is None else self.slots)
-            if not self._place.scheduler.free:
+            scheduler = scheduler_of(self._place)
+            if not scheduler.free:
                 raise SlotsFull(f"{self.name}: all {self.slots} slots are taken; a session needs a free slot")
-            slot = self._place.scheduler.acquire()
+            slot = scheduler.acquire()
             self._place.streams += 1
             self.streams += 1
             self._wanted[slot] = self._default
@@ -245,11 +249,13 @@ class PersonaPlexPlugin(ModelPlugin):
 
     def free_slots(self) -> int:
         with self._lock:
-            return (DEFAULT_SLOTS if self.slots is None else self.slots) if self.runtime is None else self._place.scheduler.free
+            if self.runtime is None:  # the batch is not built: every slot it will have is free
+                return DEFAULT_SLOTS if self.slots is None else self.slots
+            return scheduler_of(self._place).free
 
-    def _placed_off(self, place: _Place, slot: int) -> None:
+    def _placed_off(self, place: StreamPlace, slot: int) -> None:
         with self._lock:
-            place.scheduler.release(slot)
+            scheduler_of(place).release(slot)
             place.streams -= 1
             self._wanted.pop(slot, None)
 
