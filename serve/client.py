@@ -21,9 +21,8 @@ from pathlib import Path
 import numpy as np
 import websockets
 
-from .protocol import PCM24K, StreamResampler, encode_command
+from .protocol import PCM24K, StreamResampler, client_commands, encode_command
 from .protocol import audio as wire_audio
-from .protocol import events as ev
 
 
 class RealtimeSocket:
@@ -37,8 +36,8 @@ class RealtimeSocket:
         ws = await websockets.connect(url, max_size=None, open_timeout=open_timeout, ping_interval=None)
         return cls(ws)
 
-    async def send(self, message: ev.ClientCommand | dict | str | bytes) -> None:
-        if isinstance(message, ev.ClientCommand):
+    async def send(self, message: client_commands.ClientCommand | dict | str | bytes) -> None:
+        if isinstance(message, client_commands.ClientCommand):
             message = encode_command(message)
         elif isinstance(message, dict):
             message = json.dumps(message)
@@ -201,7 +200,7 @@ async def stream_wav(
     async def send() -> None:
         start = time.monotonic()
         for offset in range(0, len(pcm), step):
-            await sock.send(ev.InputAudioBufferAppend(audio=wire_audio.b64encode(pcm[offset : offset + step])))
+            await sock.send(client_commands.InputAudioBufferAppend(audio=wire_audio.b64encode(pcm[offset : offset + step])))
             report.sent_s = min(total_s, (offset + step) / 2 / PCM24K.rate)
             show()
             if realtime:
@@ -245,7 +244,7 @@ async def stream_wav(
         report.session_id = created["session"]["id"]
         await asyncio.gather(send(), receive())
         if duplex:
-            await sock.send(ev.SessionClose())
+            await sock.send(client_commands.SessionClose())
             await sock.recv_until("session.closed", timeout=5.0)
     except websockets.ConnectionClosed as exc:
         report.failure = f"the server closed the connection ({exc.rcvd.code if exc.rcvd else 'no close frame'})"

@@ -9,15 +9,15 @@ as one opened over ``/v1/duplex`` (or ``/v1/realtime`` with ``duplex=False``)::
     import asyncio, numpy as np
     from cadence_fx.serve.inprocess import DuplexService
     from cadence_fx.serve.plugins import ToneModel
-    from cadence_fx.serve.protocol import PCM24K, audio, events as ev
+    from cadence_fx.serve.protocol import PCM24K, audio, client_commands, events as ev
 
     async def main() -> bytes:
         pcm = audio.encode_samples(0.1 * np.sin(np.arange(24_000) / 8).astype(np.float32), PCM24K)
         async with DuplexService(ToneModel()) as service:
             session = await service.open_session()
-            await session.submit(ev.SessionUpdate(session={"audio": {"input": {"turn_detection": None}}}))
-            await session.submit(ev.InputAudioBufferAppend(audio=audio.b64encode(pcm)))
-            await session.submit(ev.InputAudioBufferCommit(response_create=True))
+            await session.submit(client_commands.SessionUpdate(session={"audio": {"input": {"turn_detection": None}}}))
+            await session.submit(client_commands.InputAudioBufferAppend(audio=audio.b64encode(pcm)))
+            await session.submit(client_commands.InputAudioBufferCommit(response_create=True))
             reply = b""
             async for event in session.events():
                 if isinstance(event, ev.ResponseOutputAudioDelta):
@@ -45,7 +45,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from .plugins import ModelPlugin
-from .protocol import decode_event, encode_command
+from .protocol import client_commands, decode_event, encode_command
 from .protocol import events as ev
 from .session import Connection, Limits, SessionManager, Transport
 from .session.messages import DATA_COMMANDS
@@ -116,7 +116,7 @@ class SessionHandle:
         self.resume_token: str | None = None
         self.last_server_event_seq = 0  # the newest journaled event read from ``events``
 
-    async def submit(self, command: ev.ClientCommand) -> None:
+    async def submit(self, command: client_commands.ClientCommand) -> None:
         """Hand ``command`` to the session, in order with the ones before it; a refused one is
         answered with an ``ev.Error`` event, as on the wire."""
         await self._connection.submit(command, _frame_bytes(command))
@@ -156,7 +156,7 @@ class SessionHandle:
     async def close(self) -> None:
         """End the session (``session.close``; a plain session ends with its handle)."""
         if self._connection.duplex:
-            await self.submit(ev.SessionClose())
+            await self.submit(client_commands.SessionClose())
         else:
             self.detach()
 
@@ -203,14 +203,16 @@ class DuplexService:
         handle = self._handle(True)
         handle._connection.open(resume=True)
         await handle.submit(
-            ev.SessionResume(session_id=session_id, resume_token=resume_token, last_server_event_seq=last_server_event_seq)
+            client_commands.SessionResume(
+                session_id=session_id, resume_token=resume_token, last_server_event_seq=last_server_event_seq
+            )
         )
         return handle
 
 
-def _frame_bytes(command: ev.ClientCommand) -> int:
+def _frame_bytes(command: client_commands.ClientCommand) -> int:
     """What the command's frame would count against the input budget (``Session.submit``)."""
-    if isinstance(command, ev.InputAudioBufferAppend):
+    if isinstance(command, client_commands.InputAudioBufferAppend):
         return len(command.audio)
     if isinstance(command, DATA_COMMANDS):
         return len(encode_command(command))

@@ -13,11 +13,13 @@ __all__ = ["service_blocks"]
 
 
 def _fields(cls) -> str:
+    from cadence_fx.serve.protocol.tiers import is_tier2
+
     names = []
     for f in dataclasses.fields(cls):
         if f.name in ("event_id", "server_event_seq", "session_id") and f.name not in cls.__annotations__:
             continue  # the fields every command or event has, listed once in the prose
-        names.append(f"`{f.name}`" + (" (tier 2)" if f.metadata.get("tier") == 2 else ""))
+        names.append(f"`{f.name}`" + (" (tier 2)" if is_tier2(f) else ""))
     return ", ".join(names) or "-"
 
 
@@ -35,18 +37,18 @@ def service_blocks() -> dict[str, str]:
     """The generated blocks of docs/service.md, by name."""
     from openai.types.realtime import RealtimeClientEvent, RealtimeServerEvent
 
-    from cadence_fx.serve.protocol import events
+    from cadence_fx.serve.protocol import client_commands, events
     from cadence_fx.serve.protocol.errors import ERROR_CODES
     from cadence_fx.serve.session import Limits
 
     commands = ["| command | tier | fields |", "|---|---|---|"] + [
-        f"| `{name}` | {cls.TIER} | {_fields(cls)} |" for name, cls in events.COMMANDS.items()
+        f"| `{name}` | {cls.TIER} | {_fields(cls)} |" for name, cls in client_commands.COMMANDS.items()
     ]
     served = ["| event | tier | replayed on resume | fields |", "|---|---|---|---|"] + [
         f"| `{name}` | {cls.TIER} | {'yes' if cls.JOURNALED else 'no'} | {_fields(cls)} |" for name, cls in events.EVENTS.items()
     ]
     not_sent = sorted(set(_ga_types(RealtimeServerEvent)) - set(events.EVENTS))
-    not_read = sorted(set(_ga_types(RealtimeClientEvent)) - set(events.COMMANDS))
+    not_read = sorted(set(_ga_types(RealtimeClientEvent)) - set(client_commands.COMMANDS))
     ga = [
         f"GA server events never sent ({len(not_sent)}): " + ", ".join(f"`{t}`" for t in not_sent) + ".",
         "",

@@ -20,9 +20,11 @@ import types
 import typing
 from typing import Any
 
+from .client_commands import COMMANDS, ClientCommand
 from .config import known
 from .errors import ProtocolError, quoted
-from .events import COMMANDS, EVENTS, ClientCommand, ServerEvent
+from .events import EVENTS, ServerEvent
+from .tiers import is_tier2
 
 # Ids a client names: longer ones are refused, so no id a session keeps or echoes is unbounded.
 MAX_ID_CHARS = 256
@@ -274,7 +276,7 @@ def event_to_dict(event: ServerEvent, *, duplex: bool) -> dict[str, Any]:
         if f.name == "event_id":
             continue
         value = getattr(event, f.name)
-        if f.metadata.get("tier") == 2 and (not duplex or value is None):
+        if is_tier2(f) and (not duplex or value is None):
             continue
         out[f.name] = value
     return out

@@ -22,7 +22,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from . import events as ev
+from . import client_commands
 from .audio import BETA_NAME, AudioFormat, duplex_format
 from .codec import command_from_object
 from .config import SessionConfig, typed
@@ -42,14 +42,14 @@ _TOP_LEVEL = (
 _EXTRA_BODY = frozenset({"auto_response", "force_listen_count"})
 # What a turn.signal may name: the commands it is an envelope for (vLLM-Omni's list, less its text input).
 SIGNALLED = (
-    ev.BargeInCommand,
-    ev.InputCancel,
-    ev.ResponseCancel,
-    ev.SessionUpdate,
-    ev.ConversationItemCreate,
-    ev.ConversationItemDelete,
-    ev.ConversationItemTruncate,
-    ev.ConversationItemRetrieve,
+    client_commands.BargeInCommand,
+    client_commands.InputCancel,
+    client_commands.ResponseCancel,
+    client_commands.SessionUpdate,
+    client_commands.ConversationItemCreate,
+    client_commands.ConversationItemDelete,
+    client_commands.ConversationItemTruncate,
+    client_commands.ConversationItemRetrieve,
 )
 
 
@@ -270,7 +270,7 @@ def capabilities(frame_samples: int, input_rate: int, output_rate: int) -> dict[
     }
 
 
-def signalled_command(cmd: ev.TurnSignal) -> ev.ClientCommand:
+def signalled_command(cmd: client_commands.TurnSignal) -> client_commands.ClientCommand:
     """The command a ``turn.signal`` carries: ``event`` with ``payload``'s fields, decoded as a frame
     of its own would be (errors name ``payload.<field>``); one it may not carry is refused by name."""
     inner = command_from_object({**(cmd.payload or {}), "type": cmd.event}, at="payload.")

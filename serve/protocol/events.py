@@ -1,218 +1,18 @@
-"""Typed client commands and server events of the Realtime wire.
+"""The server events of the Realtime wire, typed: a dataclass per event, named by its ``TYPE``, all
+of them in ``EVENTS``. A ``JOURNALED`` event carries a ``server_event_seq`` and is replayed on
+resume; a connection-level one is not.
 
-Tier 1: OpenAI Realtime GA names and fields exactly.  Tier 2: the same names with our extra fields,
-marked ``TIER2`` and sent only on duplex connections.  Tier 3: our own names (``TIER = 3``), duplex
-connections only.  ``codec`` is the only place that turns these into JSON and back.
+Tiers (``tiers.py``): GA events with GA fields, those fields plus ours made with ``tier2()``, and
+our own events (``TIER = 3``). ``codec`` is the only place that turns them into JSON and back; the
+client's side is ``client_commands.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
-TIER2 = {"tier": 2}
-
-
-def _t2(default: Any = None) -> Any:
-    return field(default=default, metadata=TIER2)
-
-
-# ---------------------------------------------------------------- client commands
-
-
-@dataclass(frozen=True, kw_only=True)
-class ClientCommand:
-    TYPE: ClassVar[str]
-    TIER: ClassVar[int] = 1
-    event_id: str | None = None
-    # Tier 2: a command may name its session; one that names another session is refused.
-    session_id: str | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class SessionUpdate(ClientCommand):
-    TYPE = "session.update"
-    session: dict
-
-
-@dataclass(frozen=True, kw_only=True)
-class InputAudioBufferAppend(ClientCommand):
-    """Tier 2 (vLLM-Omni's): the append's own ``format`` and ``sample_rate_hz`` (it is read in
-    them), its ``duration_ms`` (checked against its bytes), ``audio_end_ms`` and ``is_speech``
-    (read, not used: the server keeps its own count and runs its own VAD), ``video_frames``
-    (refused unless empty: the models hear audio only)."""
-
-    TYPE = "input_audio_buffer.append"
-    audio: str
-    format: str | None = _t2()
-    sample_rate_hz: int | None = _t2()
-    duration_ms: int | None = _t2()
-    audio_end_ms: int | None = _t2()
-    is_speech: bool | None = _t2()
-    video_frames: list | None = _t2()
-
-
-@dataclass(frozen=True, kw_only=True)
-class InputAudioBufferCommit(ClientCommand):
-    """Tier 2 (vLLM-Omni's): ``final`` (default true: the turn is over, its partial frame is
-    zero-padded; false: more of the turn follows, the partial frame goes on), ``response_create``
-    (ask for a response after the commit; without it, a final commit asks for one when the
-    session's ``extra_body.auto_response`` is on)."""
-
-    TYPE = "input_audio_buffer.commit"
-    final: bool | None = _t2()
-    response_create: bool | None = _t2()
-
-
-@dataclass(frozen=True, kw_only=True)
-class InputAudioBufferClear(ClientCommand):
-    TYPE = "input_audio_buffer.clear"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ConversationItemCreate(ClientCommand):
-    TYPE = "conversation.item.create"
-    item: dict
-    previous_item_id: str | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class ConversationItemRetrieve(ClientCommand):
-    TYPE = "conversation.item.retrieve"
-    item_id: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class ConversationItemTruncate(ClientCommand):
-    TYPE = "conversation.item.truncate"
-    item_id: str
-    content_index: int
-    audio_end_ms: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class ConversationItemDelete(ClientCommand):
-    TYPE = "conversation.item.delete"
-    item_id: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class ResponseCreate(ClientCommand):
-    TYPE = "response.create"
-    response: dict | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class ResponseCancel(ClientCommand):
-    TYPE = "response.cancel"
-    response_id: str | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class OutputAudioBufferClear(ClientCommand):
-    TYPE = "output_audio_buffer.clear"
-
-
-@dataclass(frozen=True, kw_only=True)
-class SessionResume(ClientCommand):
-    """Reattach this connection to ``session_id``; replays journaled events after the last seen."""
-
-    TYPE = "session.resume"
-    TIER = 3
-    session_id: str = field()  # required here; a bare annotation would inherit the base's None
-    resume_token: str
-    # One of the two is required (``seen``): ours, or vLLM-Omni's name for the same number.
-    last_server_event_seq: int | None = None
-    last_received_server_event_seq: int | None = None
-    generation: int | None = None
-
-    @property
-    def seen(self) -> int:
-        """The last ``server_event_seq`` the client holds, under either name."""
-        ours, theirs = self.last_server_event_seq, self.last_received_server_event_seq
-        assert ours is not None or theirs is not None, "the codec requires one of them"
-        return ours if ours is not None else theirs  # type: ignore[return-value]
-
-
-@dataclass(frozen=True, kw_only=True)
-class SessionEventAck(ClientCommand):
-    """The client holds every event up to ``server_event_seq``: the journal may drop them."""
-
-    TYPE = "session.event_ack"
-    TIER = 3
-    server_event_seq: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlaybackAck(ClientCommand):
-    """The client has played ``audio_end_ms`` (vLLM-Omni: ``played_ms``) of a response's audio;
-    without ``response_id``, of the active response, else of the latest. ``committed_ms``
-    (vLLM-Omni's: how much of it the client counts as heard) is at most the played time;
-    ``item_id``, if given, must name the response's item."""
-
-    TYPE = "playback.ack"
-    TIER = 3
-    response_id: str | None = None
-    audio_end_ms: int | None = None
-    played_ms: int | float | None = None
-    committed_ms: int | float | None = None
-    item_id: str | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class SessionHeartbeat(ClientCommand):
-    TYPE = "session.heartbeat"
-    TIER = 3
-
-
-@dataclass(frozen=True, kw_only=True)
-class InputTextAppend(ClientCommand):
-    """vLLM-Omni's text input: refused by name (``unsupported_feature``), the models hear audio only."""
-
-    TYPE = "input.text.append"
-    TIER = 3
-    text: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class InputCancel(ClientCommand):
-    """vLLM-Omni's: drop the user's uncommitted input (as ``input_audio_buffer.clear``)."""
-
-    TYPE = "input.cancel"
-    TIER = 3
-
-
-@dataclass(frozen=True, kw_only=True)
-class BargeInCommand(ClientCommand):
-    """vLLM-Omni's client barge-in: the user talks over the reply, which is cancelled at once. The
-    server announces it with the ``barge_in`` event, as it does when its VAD hears the speech:
-    one name, one idea (a barge-in happened), whoever noticed it."""
-
-    TYPE = "barge_in"
-    TIER = 3
-
-
-@dataclass(frozen=True, kw_only=True)
-class TurnSignal(ClientCommand):
-    """vLLM-Omni's envelope for a command by name: ``event`` (``barge_in``, ``input.cancel``,
-    ``response.cancel``, ``session.update``, ``conversation.item.*``) with its fields in
-    ``payload``; it is handled as that command. Any other ``event`` is refused by name."""
-
-    TYPE = "turn.signal"
-    TIER = 3
-    event: str
-    payload: dict | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class SessionClose(ClientCommand):
-    """End the session now (a bare disconnect keeps it for the grace period instead)."""
-
-    TYPE = "session.close"
-    TIER = 3
-
-
-# ---------------------------------------------------------------- server events
+from .tiers import tier2
 
 
 @dataclass(kw_only=True)
@@ -223,7 +23,7 @@ class ServerEvent:
     # events (resumed, replaced, resync_required, heartbeat, expired, closed) are not.
     JOURNALED: ClassVar[bool] = True
     event_id: str = ""
-    server_event_seq: int | None = _t2()
+    server_event_seq: int | None = tier2()
 
 
 @dataclass(kw_only=True)
@@ -232,8 +32,8 @@ class SessionCreated(ServerEvent):
     # A client that never saw session.created cannot resume, so there is nothing to replay.
     JOURNALED = False
     session: dict
-    resume_token: str | None = _t2()
-    generation: int | None = _t2()
+    resume_token: str | None = tier2()
+    generation: int | None = tier2()
 
 
 @dataclass(kw_only=True)
@@ -247,14 +47,14 @@ class InputAudioBufferCommitted(ServerEvent):
     TYPE = "input_audio_buffer.committed"
     item_id: str
     previous_item_id: str | None = None
-    turn_id: int | None = _t2()
-    audio_bytes: int | None = _t2()
+    turn_id: int | None = tier2()
+    audio_bytes: int | None = tier2()
 
 
 @dataclass(kw_only=True)
 class InputAudioBufferCleared(ServerEvent):
     TYPE = "input_audio_buffer.cleared"
-    audio_bytes: int | None = _t2()
+    audio_bytes: int | None = tier2()
 
 
 @dataclass(kw_only=True)
@@ -309,21 +109,21 @@ class ConversationItemDeleted(ServerEvent):
 class ResponseCreated(ServerEvent):
     TYPE = "response.created"
     response: dict
-    response_id: str | None = _t2()  # vLLM-Omni's: the id at the top level too
-    epoch: int | None = _t2()
-    turn_id: int | None = _t2()
+    response_id: str | None = tier2()  # vLLM-Omni's: the id at the top level too
+    epoch: int | None = tier2()
+    turn_id: int | None = tier2()
     # The response's own instructions (response.create), which GA's response object has no field for.
-    instructions: str | None = _t2()
+    instructions: str | None = tier2()
 
 
 @dataclass(kw_only=True)
 class ResponseDone(ServerEvent):
     TYPE = "response.done"
     response: dict
-    response_id: str | None = _t2()
-    epoch: int | None = _t2()
-    turn_id: int | None = _t2()
-    playback: dict | None = _t2()
+    response_id: str | None = tier2()
+    epoch: int | None = tier2()
+    turn_id: int | None = tier2()
+    playback: dict | None = tier2()
 
 
 @dataclass(kw_only=True)
@@ -370,13 +170,13 @@ class ResponseOutputAudioDelta(ServerEvent):
     output_index: int
     content_index: int
     delta: str
-    epoch: int | None = _t2()
-    turn_id: int | None = _t2()
+    epoch: int | None = tier2()
+    turn_id: int | None = tier2()
     # Position of this delta's first sample in the response, in output-format samples.
-    audio_offset: int | None = _t2()
+    audio_offset: int | None = tier2()
     # vLLM-Omni's: the delta's own format and rate (what its client decodes and times it by).
-    format: str | None = _t2()
-    sample_rate_hz: int | None = _t2()
+    format: str | None = tier2()
+    sample_rate_hz: int | None = tier2()
 
 
 @dataclass(kw_only=True)
@@ -408,7 +208,7 @@ class ResponseOutputAudioDone(ServerEvent):
     item_id: str
     output_index: int
     content_index: int
-    epoch: int | None = _t2()
+    epoch: int | None = tier2()
 
 
 @dataclass(kw_only=True)
@@ -536,32 +336,6 @@ class ResponseListen(ServerEvent):
     response_id: str
     response: dict
 
-
-COMMANDS: dict[str, type[ClientCommand]] = {
-    c.TYPE: c
-    for c in (
-        SessionUpdate,
-        InputAudioBufferAppend,
-        InputAudioBufferCommit,
-        InputAudioBufferClear,
-        ConversationItemCreate,
-        ConversationItemRetrieve,
-        ConversationItemTruncate,
-        ConversationItemDelete,
-        ResponseCreate,
-        ResponseCancel,
-        OutputAudioBufferClear,
-        SessionResume,
-        SessionEventAck,
-        PlaybackAck,
-        SessionHeartbeat,
-        SessionClose,
-        InputTextAppend,
-        InputCancel,
-        BargeInCommand,
-        TurnSignal,
-    )
-}
 
 EVENTS: dict[str, type[ServerEvent]] = {
     e.TYPE: e

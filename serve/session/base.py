@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..plugins import ModelPlugin
-from ..protocol import ProtocolError, ResponseParams, SessionConfig, encode_event
+from ..protocol import ProtocolError, ResponseParams, SessionConfig, client_commands, encode_event
 from ..protocol import audio as wire_audio
 from ..protocol import events as ev
 from ..protocol.duplex import DuplexSettings, capabilities, duplex_session_fields
@@ -238,8 +238,8 @@ class SessionBase:
             self._user_audio_bytes -= dropped
             self.ledgers.history_audio_dropped_bytes += dropped
 
-    def _refuse(self, command: ev.ClientCommand, why: str) -> None:
-        if isinstance(command, ev.InputAudioBufferAppend):
+    def _refuse(self, command: client_commands.ClientCommand, why: str) -> None:
+        if isinstance(command, client_commands.InputAudioBufferAppend):
             self.ledgers.input.rejected_appends += 1
             self.ledgers.input.rejected_bytes += b64_decoded_len(command.audio)
         self.emit(error_event(ProtocolError("input_backpressure", why, None, command.event_id)))

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ..protocol import ProtocolError, decode_command
-from ..protocol import events as ev
+from ..protocol import ProtocolError, client_commands, decode_command
 from .codes import CLOSE_EXPIRED, CLOSE_POLICY, CLOSE_TRY_AGAIN, error_event
 from .manager import SessionManager
 from .session import Session
@@ -48,7 +47,7 @@ class Connection:
             return True
         return self._create()
 
-    def _create(self, opening: ev.SessionUpdate | None = None) -> bool:
+    def _create(self, opening: client_commands.SessionUpdate | None = None) -> bool:
         try:
             self.session = self.manager.create(self.transport, self.duplex, self.client, opening)
         except ProtocolError as err:
@@ -57,7 +56,7 @@ class Connection:
             return False
         return True
 
-    async def submit(self, command: ev.ClientCommand, frame_bytes: int) -> None:
+    async def submit(self, command: client_commands.ClientCommand, frame_bytes: int) -> None:
         """A command already decoded (an in-process handle's, ``serve/inprocess.py``), its frame
         counted as ``frame_bytes``: routed as ``receive`` routes a frame's."""
         try:
@@ -86,10 +85,10 @@ class Connection:
         if self.session is not None:
             self.session.detach(self.transport)
 
-    async def _route(self, command: ev.ClientCommand, frame_bytes: int) -> None:
+    async def _route(self, command: client_commands.ClientCommand, frame_bytes: int) -> None:
         if command.TIER == 3 and not self.duplex:
             raise ProtocolError("unsupported_in_realtime_mode", f"{command.TYPE} needs a duplex connection (?duplex=1)", "type")
-        if isinstance(command, ev.SessionResume):
+        if isinstance(command, client_commands.SessionResume):
             await self._resume(command)
             return
         if self.session is None and self._deferred:
@@ -98,7 +97,7 @@ class Connection:
                 self._bind_timer.cancel()
             # A session.update opens the session with it (Session.start); another command is
             # handled once the session is there.
-            opening = command if isinstance(command, ev.SessionUpdate) else None
+            opening = command if isinstance(command, client_commands.SessionUpdate) else None
             if not self._create(opening) or opening is not None:
                 return
         if self.session is None:
@@ -107,7 +106,7 @@ class Connection:
             raise ProtocolError("session_mismatch", "command names a session this connection does not hold", "session_id")
         self.session.submit(command, self.transport, frame_bytes)
 
-    async def _resume(self, command: ev.SessionResume) -> None:
+    async def _resume(self, command: client_commands.SessionResume) -> None:
         try:
             target = await self.manager.resume(command, self.transport)
         except ProtocolError as err:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from ..protocol import ProtocolError, quoted
+from ..protocol import ProtocolError, client_commands, quoted
 from ..protocol import audio as wire_audio
 from ..protocol import events as ev
 from .base import SessionBase, new_id
@@ -42,7 +42,7 @@ class Conversation(SessionBase):
             )
         return item
 
-    async def _item_create(self, cmd: ev.ConversationItemCreate) -> None:
+    async def _item_create(self, cmd: client_commands.ConversationItemCreate) -> None:
         item = dict(cmd.item)
         if any(i["id"] == item.get("id") for i in self.history):
             raise ProtocolError("item_create_duplicate_item_id", f"Item with id {quoted(item['id'])} already exists.", "item.id")
@@ -59,14 +59,14 @@ class Conversation(SessionBase):
             previous = None
         self._add_item(item, previous)
 
-    async def _item_retrieve(self, cmd: ev.ConversationItemRetrieve) -> None:
+    async def _item_retrieve(self, cmd: client_commands.ConversationItemRetrieve) -> None:
         item = self._require_item(cmd.item_id, "retrieve")
         if cmd.item_id in self._user_audio:
             audio = wire_audio.b64encode(self._user_audio[cmd.item_id])
             item = {**item, "content": [{"type": "input_audio", "transcript": None, "audio": audio}]}
         self.emit(ev.ConversationItemRetrieved(item=item))
 
-    async def _item_truncate(self, cmd: ev.ConversationItemTruncate) -> None:
+    async def _item_truncate(self, cmd: client_commands.ConversationItemTruncate) -> None:
         self._require_item(cmd.item_id, "truncate")
         response = next((r for r in self.responses.values() if r.item_id == cmd.item_id), None)
         if response is None:
@@ -81,7 +81,7 @@ class Conversation(SessionBase):
         self.ledgers.playback.truncated_ms += played_ms - cmd.audio_end_ms
         self.emit(ev.ConversationItemTruncated(item_id=cmd.item_id, content_index=0, audio_end_ms=cmd.audio_end_ms))
 
-    async def _item_delete(self, cmd: ev.ConversationItemDelete) -> None:
+    async def _item_delete(self, cmd: client_commands.ConversationItemDelete) -> None:
         item = self._require_item(cmd.item_id, "delete")
         self.history.remove(item)
         self._user_audio_bytes -= len(self._user_audio.pop(cmd.item_id, b""))

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 
-from ..protocol import ProtocolError, ResponseParams, StreamResampler, quoted
+from ..protocol import ProtocolError, ResponseParams, StreamResampler, client_commands, quoted
 from ..protocol import audio as wire_audio
 from ..protocol import events as ev
 from .base import Response, new_id
@@ -41,7 +41,7 @@ def assistant_item(item_id: str, status: str, content: list) -> dict:
 
 
 class ResponseFence(Conversation):
-    async def _response_create(self, cmd: ev.ResponseCreate | None = None, *, flush: bool = True) -> None:
+    async def _response_create(self, cmd: client_commands.ResponseCreate | None = None, *, flush: bool = True) -> None:
         params = ResponseParams.parse(None if cmd is None else cmd.response, self.config, self.duplex)
         if self.active is not None:
             raise ProtocolError(
@@ -91,13 +91,13 @@ class ResponseFence(Conversation):
         )
         self._runner = asyncio.get_running_loop().create_task(self._run_reply(resp), name=f"reply {resp.id}")
 
-    async def _response_cancel(self, cmd: ev.ResponseCancel) -> None:
+    async def _response_cancel(self, cmd: client_commands.ResponseCancel) -> None:
         if self.active is None or (cmd.response_id is not None and cmd.response_id != self.active.id):
             # OpenAI's wording: clients match on its prefix ("Cancellation failed").
             raise ProtocolError("response_cancel_not_active", "Cancellation failed: no active response found", "response_id")
         await self._cancel("client_cancelled")
 
-    async def _output_clear(self, cmd: ev.OutputAudioBufferClear) -> None:
+    async def _output_clear(self, cmd: client_commands.OutputAudioBufferClear) -> None:
         if self.active is not None:
             response_id = self.active.id
             await self._cancel("client_cancelled")
@@ -107,7 +107,7 @@ class ResponseFence(Conversation):
             raise ProtocolError("response_cancel_not_active", "no response has produced audio")
         self.emit(ev.OutputAudioBufferCleared(response_id=response_id))
 
-    async def _playback_ack(self, cmd: ev.PlaybackAck) -> None:
+    async def _playback_ack(self, cmd: client_commands.PlaybackAck) -> None:
         response_id = cmd.response_id or (self.active.id if self.active is not None else self.last_response_id)
         response = self.responses.get(response_id) if response_id is not None else None
         if response is None:
@@ -119,7 +119,7 @@ class ResponseFence(Conversation):
             self.ledgers.playback.acked_ms += played - response.acked_ms
             response.acked_ms = played
 
-    async def _barge_in(self, cmd: ev.BargeInCommand) -> None:
+    async def _barge_in(self, cmd: client_commands.BargeInCommand) -> None:
         """The client's barge-in: as the VAD's, the reply is cancelled and ``barge_in`` announces it,
         at the input received so far."""
         if self.active is None:

@@ -16,9 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from ..protocol import ProtocolError, StreamResampler, quoted
+from ..protocol import ProtocolError, StreamResampler, client_commands, quoted
 from ..protocol import audio as wire_audio
-from ..protocol import events as ev
 from .vad import EnergyVad
 
 # How far a declared duration may be from the bytes': vLLM-Omni's client rounds it to the millisecond.
@@ -41,7 +40,7 @@ class InputPath:
             self._resampler = StreamResampler(fmt.rate, self.model_rate)
             self._converters.clear()
 
-    def declared(self, cmd: ev.InputAudioBufferAppend) -> wire_audio.AudioFormat:
+    def declared(self, cmd: client_commands.InputAudioBufferAppend) -> wire_audio.AudioFormat:
         """The format the append is in: its own declaration, else the session's."""
         if cmd.format is None and cmd.sample_rate_hz is None:
             return self.format
@@ -53,7 +52,7 @@ class InputPath:
         return wire_audio.duplex_format(name, rate, "format" if cmd.format is not None else "sample_rate_hz")
 
     def ingest(
-        self, cmd: ev.InputAudioBufferAppend, fmt: wire_audio.AudioFormat, vad: EnergyVad | None
+        self, cmd: client_commands.InputAudioBufferAppend, fmt: wire_audio.AudioFormat, vad: EnergyVad | None
     ) -> tuple[bytes, list[np.ndarray], list[tuple[Any, int, int]], int]:
         """Worker thread: decode (in ``fmt``, then to the session's format), run the VAD, resample
         and cut into native frames. Returns the bytes in the session's format, the frames, each VAD
@@ -90,7 +89,7 @@ class InputPath:
         return data, frames, placed, len(y)
 
     @staticmethod
-    def _check_duration(cmd: ev.InputAudioBufferAppend, fmt: wire_audio.AudioFormat, n_bytes: int) -> None:
+    def _check_duration(cmd: client_commands.InputAudioBufferAppend, fmt: wire_audio.AudioFormat, n_bytes: int) -> None:
         if cmd.duration_ms is None:
             return
         actual = fmt.duration_ms(n_bytes)

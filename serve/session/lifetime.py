@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
-from ..protocol import ProtocolError
+from ..protocol import ProtocolError, client_commands
 from ..protocol import events as ev
 from .codes import CLOSE_EXPIRED, CLOSE_GOING_AWAY, CLOSE_NORMAL, CLOSE_REPLACED
 from .messages import Resume
@@ -89,11 +89,11 @@ class Lifetime(InputTurns):
                 ev.SessionHeartbeatEvent(last_server_event_seq=self.journal.last_seq, server_time_ms=int(time.time() * 1000))
             )
 
-    async def _event_ack(self, cmd: ev.SessionEventAck) -> None:
+    async def _event_ack(self, cmd: client_commands.SessionEventAck) -> None:
         assert self.journal is not None
         self.journal.ack(cmd.server_event_seq)
 
-    async def _heartbeat(self, cmd: ev.SessionHeartbeat) -> None:
+    async def _heartbeat(self, cmd: client_commands.SessionHeartbeat) -> None:
         """A client heartbeat renews the lease (``submit`` already touched it), and is answered
         with ``session.heartbeat_ack`` (not journaled: it says the connection is alive now)."""
         self._deliver_direct(ev.SessionHeartbeatAck(session_id=self.id))

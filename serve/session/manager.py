@@ -9,8 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from ..plugins import ModelPlugin, SlotsFull
-from ..protocol import ProtocolError, quoted
-from ..protocol import events as ev
+from ..protocol import ProtocolError, client_commands, quoted
 from .codes import CLOSE_GOING_AWAY
 from .ledger import Ledgers
 from .limits import Limits
@@ -88,7 +87,9 @@ class SessionManager:
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.model_executor.shutdown(wait=False, cancel_futures=True)
 
-    def create(self, transport: Transport, duplex: bool, client: str, opening: ev.SessionUpdate | None = None) -> Session:
+    def create(
+        self, transport: Transport, duplex: bool, client: str, opening: client_commands.SessionUpdate | None = None
+    ) -> Session:
         """A new session with a server-allocated, unguessable id (``session_prefix`` and 18 random
         bytes), or ``resource_exhausted``; ``opening``: its first command (``Session.start``)."""
         limits = self.limits
@@ -125,7 +126,7 @@ class SessionManager:
         free = self.plugin.free_slots()
         return room if free is None else min(room, free)
 
-    async def resume(self, command: ev.SessionResume, transport: Transport) -> Session:
+    async def resume(self, command: client_commands.SessionResume, transport: Transport) -> Session:
         session = self.sessions.get(command.session_id)
         if session is None or not session.duplex or session.closed:
             raise ProtocolError("session_not_found", "no resumable session with that id", "session_id")

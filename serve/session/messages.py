@@ -10,8 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from ..protocol import ProtocolError
-from ..protocol import events as ev
+from ..protocol import ProtocolError, client_commands
 from .transport import Transport
 
 
@@ -23,7 +22,7 @@ def b64_decoded_len(text: str) -> int:
 
 @dataclass
 class Inbound:
-    command: ev.ClientCommand
+    command: client_commands.ClientCommand
     transport: Transport
     pending_bytes: int = 0  # decoded audio of an append
     budgeted_bytes: int = 0  # the frame of a data command, while queued (the input budget)
@@ -53,7 +52,7 @@ class ReplyEnd:
 
 @dataclass
 class Resume:
-    command: ev.SessionResume
+    command: client_commands.SessionResume
     transport: Transport
     future: asyncio.Future
 
@@ -75,7 +74,7 @@ class Tick:
 
 @dataclass
 class Open:
-    command: ev.SessionUpdate
+    command: client_commands.SessionUpdate
 
 
 @dataclass
@@ -89,4 +88,10 @@ class Lost:
 
 
 # Commands that bring data the session keeps or holds while they wait: the input budget covers them.
-DATA_COMMANDS = (ev.InputAudioBufferAppend, ev.ConversationItemCreate, ev.SessionUpdate, ev.ResponseCreate, ev.TurnSignal)
+DATA_COMMANDS = (
+    client_commands.InputAudioBufferAppend,
+    client_commands.ConversationItemCreate,
+    client_commands.SessionUpdate,
+    client_commands.ResponseCreate,
+    client_commands.TurnSignal,
+)

@@ -7,11 +7,10 @@ requires one of the two names and that they agree (``codec._ONE_OF``).
 
 from __future__ import annotations
 
-from ..protocol import ProtocolError, quoted
-from ..protocol import events as ev
+from ..protocol import ProtocolError, client_commands, quoted
 
 
-def ack_played_ms(cmd: ev.PlaybackAck, response_id: str, item_id: str, delivered_ms: int) -> int:
+def ack_played_ms(cmd: client_commands.PlaybackAck, response_id: str, item_id: str, delivered_ms: int) -> int:
     """The ack's played time for the response ``response_id`` (whose item is ``item_id`` and which
     has sent ``delivered_ms`` of audio), capped at what it sent; ProtocolError naming the field."""
     if cmd.item_id is not None and cmd.item_id != item_id:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..plugins import ConfigRefused
-from ..protocol import ProtocolError
+from ..protocol import ProtocolError, client_commands
 from ..protocol import events as ev
 from ..protocol.duplex import apply_duplex, signalled_command
 from .codes import CLOSE_NORMAL, error_event
@@ -64,7 +64,7 @@ class Session(Lifetime):
 
     # ------------------------------------------------------------ lifecycle
 
-    def start(self, transport: Transport, opening: ev.SessionUpdate | None = None) -> None:
+    def start(self, transport: Transport, opening: client_commands.SessionUpdate | None = None) -> None:
         """Announce the session (``session.created``, ``rate_limits.updated``) and start its owner.
         ``opening``: the connection's first command, a ``session.update`` (``autostart=0``): it is
         applied first, so ``session.created`` already carries it (vLLM-Omni's client keeps the
@@ -122,7 +122,7 @@ class Session(Lifetime):
 
     # ------------------------------------------------------------ called by connections (on the loop)
 
-    def submit(self, command: ev.ClientCommand, transport: Transport, frame_bytes: int) -> None:
+    def submit(self, command: client_commands.ClientCommand, transport: Transport, frame_bytes: int) -> None:
         """Queue a decoded command (its frame had ``frame_bytes``); refuses at once (typed error)
         when the session is saturated."""
         self.lease.touch(time.monotonic())
@@ -143,7 +143,7 @@ class Session(Lifetime):
                 )
                 return
         pending = 0
-        if isinstance(command, ev.InputAudioBufferAppend):
+        if isinstance(command, client_commands.InputAudioBufferAppend):
             pending = b64_decoded_len(command.audio)
             if self.pending_input_bytes + pending > self.limits.max_pending_input_bytes:
                 self._refuse(command, f"{self.pending_input_bytes} bytes of input audio are still queued")
@@ -160,7 +160,7 @@ class Session(Lifetime):
         self.lease.touch(time.monotonic())
         self.mailbox.put_nowait(Reject(error, transport))
 
-    async def resume(self, command: ev.SessionResume, transport: Transport) -> None:
+    async def resume(self, command: client_commands.SessionResume, transport: Transport) -> None:
         future = asyncio.get_running_loop().create_future()
         self.mailbox.put_nowait(Resume(command, transport, future))
         await future
@@ -231,7 +231,7 @@ class Session(Lifetime):
 
     # ------------------------------------------------------------ commands not in a piece
 
-    async def _session_update(self, cmd: ev.SessionUpdate) -> None:
+    async def _session_update(self, cmd: client_commands.SessionUpdate) -> None:
         await self._apply_session(cmd.session)
         self.emit(ev.SessionUpdated(session=self._session_wire()))
 
@@ -265,35 +265,35 @@ class Session(Lifetime):
             self._vad = self._new_vad(self._vad.samples if self._vad is not None else 0)
             self._vad_item_id = None
 
-    async def _input_text(self, cmd: ev.InputTextAppend) -> None:
+    async def _input_text(self, cmd: client_commands.InputTextAppend) -> None:
         raise ProtocolError("unsupported_feature", f"text input is not served: {self.plugin.info.name} hears audio only", "type")
 
-    async def _turn_signal(self, cmd: ev.TurnSignal) -> None:
+    async def _turn_signal(self, cmd: client_commands.TurnSignal) -> None:
         """The command ``cmd.event`` names, with the fields in its ``payload``."""
         inner = signalled_command(cmd)
         await self._HANDLERS[type(inner)](self, inner)
 
-    async def _close(self, cmd: ev.SessionClose) -> None:
+    async def _close(self, cmd: client_commands.SessionClose) -> None:
         await self._shutdown(ev.SessionClosed(session_id=self.id, reason="client_closed"), "client_closed", CLOSE_NORMAL)
 
     _HANDLERS: dict[type, Callable[..., Any]] = {
-        ev.SessionUpdate: _session_update,
-        ev.InputAudioBufferAppend: InputTurns._append,
-        ev.InputAudioBufferCommit: InputTurns._client_commit,
-        ev.InputAudioBufferClear: InputTurns._clear,
-        ev.ConversationItemCreate: Conversation._item_create,
-        ev.ConversationItemRetrieve: Conversation._item_retrieve,
-        ev.ConversationItemTruncate: Conversation._item_truncate,
-        ev.ConversationItemDelete: Conversation._item_delete,
-        ev.ResponseCreate: ResponseFence._response_create,
-        ev.ResponseCancel: ResponseFence._response_cancel,
-        ev.OutputAudioBufferClear: ResponseFence._output_clear,
-        ev.SessionEventAck: Lifetime._event_ack,
-        ev.PlaybackAck: ResponseFence._playback_ack,
-        ev.SessionHeartbeat: Lifetime._heartbeat,
-        ev.SessionClose: _close,
-        ev.InputTextAppend: _input_text,
-        ev.InputCancel: InputTurns._clear,
-        ev.BargeInCommand: ResponseFence._barge_in,
-        ev.TurnSignal: _turn_signal,
+        client_commands.SessionUpdate: _session_update,
+        client_commands.InputAudioBufferAppend: InputTurns._append,
+        client_commands.InputAudioBufferCommit: InputTurns._client_commit,
+        client_commands.InputAudioBufferClear: InputTurns._clear,
+        client_commands.ConversationItemCreate: Conversation._item_create,
+        client_commands.ConversationItemRetrieve: Conversation._item_retrieve,
+        client_commands.ConversationItemTruncate: Conversation._item_truncate,
+        client_commands.ConversationItemDelete: Conversation._item_delete,
+        client_commands.ResponseCreate: ResponseFence._response_create,
+        client_commands.ResponseCancel: ResponseFence._response_cancel,
+        client_commands.OutputAudioBufferClear: ResponseFence._output_clear,
+        client_commands.SessionEventAck: Lifetime._event_ack,
+        client_commands.PlaybackAck: ResponseFence._playback_ack,
+        client_commands.SessionHeartbeat: Lifetime._heartbeat,
+        client_commands.SessionClose: _close,
+        client_commands.InputTextAppend: _input_text,
+        client_commands.InputCancel: InputTurns._clear,
+        client_commands.BargeInCommand: ResponseFence._barge_in,
+        client_commands.TurnSignal: _turn_signal,
     }

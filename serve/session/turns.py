@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from ..protocol import ProtocolError
+from ..protocol import ProtocolError, client_commands
 from ..protocol import events as ev
 from .base import new_id
 from .fence import ResponseFence
@@ -40,7 +40,7 @@ class InputTurns(ResponseFence):
             if td.create_response and self.active is None:
                 await self._response_create(flush=False)
 
-    async def _append(self, cmd: ev.InputAudioBufferAppend) -> None:
+    async def _append(self, cmd: client_commands.InputAudioBufferAppend) -> None:
         loop = asyncio.get_running_loop()
         try:
             if cmd.video_frames:
@@ -71,7 +71,9 @@ class InputTurns(ResponseFence):
         await self._feed(frames[fed:])
         led.pending_samples = len(self.input.frame)
 
-    async def _commit(self, cmd: ev.InputAudioBufferCommit | None = None, *, flush: bool = True, after: int = 0) -> str:
+    async def _commit(
+        self, cmd: client_commands.InputAudioBufferCommit | None = None, *, flush: bool = True, after: int = 0
+    ) -> str:
         """``flush``: close the turn on a whole native frame (a commit of the client's, which says no
         more audio of the turn is coming). A turn the server VAD ended does not: the audio after its
         end keeps coming, and the partial frame goes on into the next one. ``after``: the bytes at
@@ -105,7 +107,7 @@ class InputTurns(ResponseFence):
         self._add_item(item, previous)
         return item_id
 
-    async def _client_commit(self, cmd: ev.InputAudioBufferCommit) -> None:
+    async def _client_commit(self, cmd: client_commands.InputAudioBufferCommit) -> None:
         """The client's commit. ``final`` (the default) closes the turn on a whole frame; a non-final
         one leaves the partial frame for the rest of the turn. A response follows when
         ``response_create`` asks for one, or, without it, after a final commit in a session with
@@ -119,7 +121,7 @@ class InputTurns(ResponseFence):
             return
         await self._response_create(flush=False)
 
-    async def _clear(self, cmd: ev.InputAudioBufferClear | ev.InputCancel) -> None:
+    async def _clear(self, cmd: client_commands.InputAudioBufferClear | client_commands.InputCancel) -> None:
         cleared = len(self._buffer)
         self._buffer.clear()
         led = self.ledgers.input

@@ -14,7 +14,7 @@ from cadence_fx.serve import inprocess
 from cadence_fx.serve.inprocess import DuplexService, SessionClosedError
 from cadence_fx.serve.plugins import ToneModel, tone
 from cadence_fx.serve.protocol import audio as wire_audio
-from cadence_fx.serve.protocol import event_to_dict
+from cadence_fx.serve.protocol import client_commands, event_to_dict
 from cadence_fx.serve.protocol import events as ev
 from cadence_fx.serve.session import Limits
 
@@ -31,15 +31,15 @@ def test_the_documented_example_runs_as_written():
     assert reply == tone_reply_pcm(tone.reply_chunks(16_000))  # 1 s heard at the model's 16 kHz
 
 
-def _turn(question_pcm: bytes) -> list[ev.ClientCommand]:
+def _turn(question_pcm: bytes) -> list[client_commands.ClientCommand]:
     return [
-        ev.SessionUpdate(session={"audio": {"input": {"turn_detection": None}}}),
+        client_commands.SessionUpdate(session={"audio": {"input": {"turn_detection": None}}}),
         *(
-            ev.InputAudioBufferAppend(audio=wire_audio.b64encode(question_pcm[i : i + 9600]))
+            client_commands.InputAudioBufferAppend(audio=wire_audio.b64encode(question_pcm[i : i + 9600]))
             for i in range(0, len(question_pcm), 9600)
         ),
-        ev.InputAudioBufferCommit(),
-        ev.ResponseCreate(),
+        client_commands.InputAudioBufferCommit(),
+        client_commands.ResponseCreate(),
     ]
 
 
@@ -74,7 +74,7 @@ def test_the_same_session_as_over_a_socket(question_pcm):
         for command in _turn(question_pcm):
             await sock.send(command)
         events = await sock.recv_until("response.done")
-        await sock.send(ev.SessionClose())
+        await sock.send(client_commands.SessionClose())
         events += await sock.recv_until("session.closed")
         await sock.close()
         return events
@@ -92,12 +92,12 @@ def test_refusals_are_typed_error_events():
         async with DuplexService(ToneModel()) as service:
             session = await service.open_session()
             await session.next_event(5), await session.next_event(5)
-            await session.submit(ev.InputAudioBufferAppend(audio="not base64!", event_id="a1"))
-            await session.submit(ev.InputAudioBufferCommit(event_id="c1"))
+            await session.submit(client_commands.InputAudioBufferAppend(audio="not base64!", event_id="a1"))
+            await session.submit(client_commands.InputAudioBufferCommit(event_id="c1"))
             errors = [await session.next_event(5), await session.next_event(5)]
             plain = await service.open_session(duplex=False)
             await plain.next_event(5), await plain.next_event(5)
-            await plain.submit(ev.SessionHeartbeat(event_id="h1"))
+            await plain.submit(client_commands.SessionHeartbeat(event_id="h1"))
             errors.append(await plain.next_event(5))
             await session.close()
             plain.detach()

@@ -10,7 +10,7 @@ import pytest
 from openai.types.realtime import RealtimeServerEvent
 from servekit import GA_SCHEMA
 
-from cadence_fx.serve.protocol import ProtocolError, decode_command, decode_event, encode_command, encode_event
+from cadence_fx.serve.protocol import ProtocolError, client_commands, decode_command, decode_event, encode_command, encode_event
 from cadence_fx.serve.protocol import events as ev
 
 
@@ -22,23 +22,23 @@ def _error(frame: str | bytes) -> tuple[str, str | None]:
 
 def test_every_ga_client_event_decodes_to_its_command():
     frames = {
-        '{"type":"session.update","session":{"type":"realtime"}}': ev.SessionUpdate(session={"type": "realtime"}),
-        '{"type":"input_audio_buffer.append","audio":"AAA=","event_id":"c1"}': ev.InputAudioBufferAppend(
+        '{"type":"session.update","session":{"type":"realtime"}}': client_commands.SessionUpdate(session={"type": "realtime"}),
+        '{"type":"input_audio_buffer.append","audio":"AAA=","event_id":"c1"}': client_commands.InputAudioBufferAppend(
             audio="AAA=", event_id="c1"
         ),
-        '{"type":"input_audio_buffer.commit"}': ev.InputAudioBufferCommit(),
-        '{"type":"input_audio_buffer.clear"}': ev.InputAudioBufferClear(),
+        '{"type":"input_audio_buffer.commit"}': client_commands.InputAudioBufferCommit(),
+        '{"type":"input_audio_buffer.clear"}': client_commands.InputAudioBufferClear(),
         '{"type":"conversation.item.create","item":{"type":"message","role":"user","content":[]}}': (
-            ev.ConversationItemCreate(item={"type": "message", "role": "user", "content": []})
+            client_commands.ConversationItemCreate(item={"type": "message", "role": "user", "content": []})
         ),
-        '{"type":"conversation.item.retrieve","item_id":"i"}': ev.ConversationItemRetrieve(item_id="i"),
+        '{"type":"conversation.item.retrieve","item_id":"i"}': client_commands.ConversationItemRetrieve(item_id="i"),
         '{"type":"conversation.item.truncate","item_id":"i","content_index":0,"audio_end_ms":5}': (
-            ev.ConversationItemTruncate(item_id="i", content_index=0, audio_end_ms=5)
+            client_commands.ConversationItemTruncate(item_id="i", content_index=0, audio_end_ms=5)
         ),
-        '{"type":"conversation.item.delete","item_id":"i"}': ev.ConversationItemDelete(item_id="i"),
-        '{"type":"response.create"}': ev.ResponseCreate(),
-        '{"type":"response.cancel","response_id":"r"}': ev.ResponseCancel(response_id="r"),
-        '{"type":"output_audio_buffer.clear"}': ev.OutputAudioBufferClear(),
+        '{"type":"conversation.item.delete","item_id":"i"}': client_commands.ConversationItemDelete(item_id="i"),
+        '{"type":"response.create"}': client_commands.ResponseCreate(),
+        '{"type":"response.cancel","response_id":"r"}': client_commands.ResponseCancel(response_id="r"),
+        '{"type":"output_audio_buffer.clear"}': client_commands.OutputAudioBufferClear(),
     }
     for frame, command in frames.items():
         assert decode_command(frame) == command
@@ -46,13 +46,15 @@ def test_every_ga_client_event_decodes_to_its_command():
 
 def test_tier3_commands_decode():
     resume = '{"type":"session.resume","session_id":"s","resume_token":"t","last_server_event_seq":7}'
-    assert decode_command(resume) == ev.SessionResume(session_id="s", resume_token="t", last_server_event_seq=7)
-    assert decode_command('{"type":"session.event_ack","server_event_seq":3}') == ev.SessionEventAck(server_event_seq=3)
-    assert decode_command('{"type":"playback.ack","response_id":"r","audio_end_ms":40}') == ev.PlaybackAck(
+    assert decode_command(resume) == client_commands.SessionResume(session_id="s", resume_token="t", last_server_event_seq=7)
+    assert decode_command('{"type":"session.event_ack","server_event_seq":3}') == client_commands.SessionEventAck(
+        server_event_seq=3
+    )
+    assert decode_command('{"type":"playback.ack","response_id":"r","audio_end_ms":40}') == client_commands.PlaybackAck(
         response_id="r", audio_end_ms=40
     )
-    assert decode_command('{"type":"session.heartbeat"}') == ev.SessionHeartbeat()
-    assert decode_command('{"type":"session.close"}') == ev.SessionClose()
+    assert decode_command('{"type":"session.heartbeat"}') == client_commands.SessionHeartbeat()
+    assert decode_command('{"type":"session.close"}') == client_commands.SessionClose()
 
 
 @pytest.mark.parametrize(
@@ -206,7 +208,7 @@ def test_events_round_trip_through_the_codec():
 
 
 def test_commands_round_trip_through_the_codec():
-    command = ev.SessionResume(session_id="s", resume_token="t", last_server_event_seq=0, generation=1)
+    command = client_commands.SessionResume(session_id="s", resume_token="t", last_server_event_seq=0, generation=1)
     assert decode_command(encode_command(command)) == command
 
 

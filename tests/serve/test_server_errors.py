@@ -16,8 +16,7 @@ from servekit import ROOMY, Server, check_event, run, running
 
 from cadence_fx.serve.app import background_server, frame_ceiling
 from cadence_fx.serve.plugins import ToneModel
-from cadence_fx.serve.protocol import ERROR_CODES
-from cadence_fx.serve.protocol import events as ev
+from cadence_fx.serve.protocol import ERROR_CODES, client_commands
 from cadence_fx.serve.session import Limits
 
 MAX_FRAME = 64 * 1024
@@ -171,7 +170,7 @@ _JSON = st.recursive(
 # Command types whose required fields, when broken, make the frame invalid.
 _REQUIRED = {
     t: [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    for t, cls in ev.COMMANDS.items()
+    for t, cls in client_commands.COMMANDS.items()
 }
 _WITH_REQUIRED = sorted(t for t, names in _REQUIRED.items() if names)
 
@@ -200,9 +199,11 @@ _MALFORMED = st.one_of(
     st.binary(max_size=40).filter(lambda b: not _is_json_object(b)),
     _JSON.filter(lambda v: not isinstance(v, dict)).map(json.dumps),
     st.dictionaries(st.text(max_size=6), _JSON, max_size=4)
-    .filter(lambda d: not (isinstance(d.get("type"), str) and d["type"] in ev.COMMANDS))
+    .filter(lambda d: not (isinstance(d.get("type"), str) and d["type"] in client_commands.COMMANDS))
     .map(json.dumps),
-    st.text(max_size=30).filter(lambda t: t not in ev.COMMANDS).map(lambda t: json.dumps({"type": t, "audio": "AAAA"})),
+    st.text(max_size=30)
+    .filter(lambda t: t not in client_commands.COMMANDS)
+    .map(lambda t: json.dumps({"type": t, "audio": "AAAA"})),
     _broken_command(),
     st.text(alphabet="!@#$%^&*()~ ", min_size=1, max_size=12).map(
         lambda t: json.dumps({"type": "input_audio_buffer.append", "audio": t})
