@@ -86,20 +86,22 @@ def _complete(state: RowState, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.
     """The vendor's `RingKVCache.complete` per row: every row's keys and values written at its own
     end offset, the positions of its ring computed from its own end offset (`(B, capacity)`); the
     end offset advanced where the row executes."""
+    cache, ends = state.cache, state.end
+    assert cache is not None and ends is not None  # an attention's RowState (`mask_transformer`) holds its ring
     B, H, T, D = k.shape
-    capacity = state.cache.shape[3]
-    indexes = (torch.arange(T, device=k.device, dtype=torch.long).view(1, T) + state.end.view(B, 1)) % capacity
+    capacity = cache.shape[3]
+    indexes = (torch.arange(T, device=k.device, dtype=torch.long).view(1, T) + ends.view(B, 1)) % capacity
     scatter = indexes.view(B, 1, T, 1).expand(B, H, T, D)
-    state.cache[0].scatter_(2, scatter, k)
-    state.cache[1].scatter_(2, scatter, v)
-    end = state.end.view(B, 1) + T
+    cache[0].scatter_(2, scatter, k)
+    cache[1].scatter_(2, scatter, v)
+    end = ends.view(B, 1) + T
     indexes = torch.arange(capacity, device=k.device, dtype=torch.long).view(1, capacity)
     invalid = indexes >= end
     delta = indexes - end % capacity
     positions = torch.where(delta <= 0, end + delta, end + delta - capacity)
     positions = torch.where(invalid, torch.full_like(positions, -1), positions)
-    state.end.copy_(torch.where(state.exec, state.end + T, state.end))
-    return state.cache[0], state.cache[1], positions
+    ends.copy_(torch.where(state.exec, ends + T, ends))
+    return cache[0], cache[1], positions
 
 
 def _attention_forward(self: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

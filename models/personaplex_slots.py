@@ -169,9 +169,10 @@ class PersonaPlexSlots:
 
     def priming(self, slot: int) -> int:
         self._check_slot(slot)
-        if self.queues[slot] is None:
+        queue = self.queues[slot]
+        if queue is None:
             raise ValueError(f"slot {slot} holds no session")
-        return len(self.queues[slot])
+        return len(queue)
 
     # -- prompt states ------------------------------------------------------------------------------
 
@@ -209,7 +210,9 @@ class PersonaPlexSlots:
                 target = getattr(self, field)[slot]
                 saved = saved[0]
             elif field == "cache":
-                target = self.rows[name].cache[:, slot, :, : saved.shape[3]]
+                cache = self.rows[name].cache
+                assert cache is not None  # `_paths` names the rows that have a cache
+                target = cache[:, slot, :, : saved.shape[3]]
                 saved = saved[:, 0]
             else:
                 target = getattr(self.rows["" if name == "transformer" else name], field)[slot]
@@ -233,8 +236,9 @@ class PersonaPlexSlots:
             if name == "":
                 value = self.initial if field == "initial" else getattr(self, field)[slot : slot + 1]
             elif field == "cache":
-                end = min(int(self.rows[name].end[slot]), self.rows[name].cache.shape[3])
-                value = self.rows[name].cache[:, slot : slot + 1, :, :end]
+                cache, ends = self.rows[name].cache, self.rows[name].end
+                assert cache is not None and ends is not None  # `_paths` names the rows that have a ring
+                value = cache[:, slot : slot + 1, :, : min(int(ends[slot]), cache.shape[3])]
             else:
                 value = getattr(self.rows["" if name == "transformer" else name], field)[slot : slot + 1]
             tensors[path] = value.detach().clone()
@@ -260,18 +264,18 @@ class PersonaPlexSlots:
         have not passed (`LMGen.step` returns None)."""
         for slot, frame in frames.items():
             self._check_slot(slot)
-            if self.queues[slot] is None:
+            queue = self.queues[slot]
+            if queue is None:
                 raise ValueError(f"frames[{slot}]: slot {slot} holds no session (join it first)")
-            if self.queues[slot]:
+            if queue:
                 raise ValueError(
-                    f"frames[{slot}]: slot {slot} is priming ({len(self.queues[slot])} prompt steps left); "
-                    "it takes user frames once primed"
+                    f"frames[{slot}]: slot {slot} is priming ({len(queue)} prompt steps left); it takes user frames once primed"
                 )
             if not isinstance(frame, torch.Tensor) or frame.shape != (FRAME_SIZE,) or frame.dtype != torch.float32:
                 got = f"{frame.dtype} {tuple(frame.shape)}" if isinstance(frame, torch.Tensor) else type(frame).__name__
                 raise ValueError(f"frames[{slot}]: a frame is {FRAME_SIZE} float32 samples, shape ({FRAME_SIZE},); got {got}")
         users = sorted(frames)
-        priming = [slot for slot, queue in enumerate(self.queues) if queue]
+        priming = {slot: queue for slot, queue in enumerate(self.queues) if queue}  # the priming slots, with their queues
         if not users and not priming:
             raise ValueError("a tick runs at least one slot: no frames, and no slot is priming")
         no_compile = _vendor("utils.compile").no_compile
@@ -279,7 +283,7 @@ class PersonaPlexSlots:
         with self._generators(), no_compile(), _eager_mimi(), torch.no_grad():
             codes = self._encode(frames)
             for call in range(self.prompt_rate):
-                steps = {slot: self.queues[slot][call] for slot in priming if call < len(self.queues[slot])}
+                steps = {slot: queue[call] for slot, queue in priming.items() if call < len(queue)}
                 rows = (users if call == 0 else []) + sorted(steps)
                 if not rows:
                     break
@@ -288,8 +292,8 @@ class PersonaPlexSlots:
                 if talking:
                     pcm = self._decode(out, talking)
                     outputs |= {slot: SlotOutput(out[slot, :, 0].clone(), pcm[slot, 0].clone()) for slot in talking}
-            for slot in priming:
-                del self.queues[slot][: self.prompt_rate]
+            for queue in priming.values():
+                del queue[: self.prompt_rate]
         self.ticks += 1
         return outputs
 
