@@ -147,7 +147,8 @@ class Access:
         return None
 
     def _key_matches(self, presented: list[str]) -> bool:
-        expected = self.api_key.encode()  # type: ignore[union-attr]
+        assert self.api_key is not None, "asked only of an access with a key"
+        expected = self.api_key.encode()
         # Every presented key is compared, in constant time each, so timing tells nothing.
         return any([hmac.compare_digest(key.encode("utf-8", "surrogatepass"), expected) for key in presented])
 

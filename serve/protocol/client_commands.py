@@ -124,9 +124,10 @@ class SessionResume(ClientCommand):
     @property
     def seen(self) -> int:
         """The last ``server_event_seq`` the client holds, under either name."""
-        ours, theirs = self.last_server_event_seq, self.last_received_server_event_seq
-        assert ours is not None or theirs is not None, "the codec requires one of them"
-        return ours if ours is not None else theirs  # type: ignore[return-value]
+        if self.last_server_event_seq is not None:
+            return self.last_server_event_seq
+        assert self.last_received_server_event_seq is not None, "the codec requires one of them"
+        return self.last_received_server_event_seq
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -289,7 +289,8 @@ def encode_event(event: ServerEvent, *, duplex: bool) -> str:
 def decode_event(text: str | bytes) -> ServerEvent:
     """A server event from JSON (for clients); unknown extra fields are ignored."""
     obj = _parse_object(text)
-    cls = EVENTS.get(obj.get("type"))  # type: ignore[arg-type]
+    kind = obj.get("type")
+    cls = EVENTS.get(kind) if isinstance(kind, str) else None  # a list or an object as the type: no event's
     if cls is None:
         raise ProtocolError("unknown_event_type", f"unknown event type {quoted(obj.get('type'))}", "type")
     names = {f.name for f in dataclasses.fields(cls)}

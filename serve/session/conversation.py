@@ -14,7 +14,11 @@ from .base import SessionBase, new_id
 
 class Conversation(SessionBase):
     def _add_item(self, item: dict, previous: str | None, done: bool = True) -> None:
-        index = 0 if previous is None else self.history.index(self._find(previous)) + 1  # type: ignore[arg-type]
+        index = 0
+        if previous is not None:
+            after = self._find(previous)
+            assert after is not None, f"{previous}: the callers name an item of the history (checked, or its last)"
+            index = self.history.index(after) + 1
         self.history.insert(index, item)
         self._measure(item)
         self.ledgers.history_items = len(self.history)

@@ -207,6 +207,14 @@ def test_events_round_trip_through_the_codec():
     assert decode_event(encode_event(resumed, duplex=True)) == resumed
 
 
+@pytest.mark.parametrize("kind", ['"no.such.event"', "[1]", '{"a": 1}', "null", "3"])
+def test_an_event_of_no_known_type_is_refused_by_its_type(kind):
+    with pytest.raises(ProtocolError) as refused:
+        decode_event(f'{{"type": {kind}}}')
+    assert (refused.value.code, refused.value.param) == ("unknown_event_type", "type")
+    assert str(refused.value) == f"unknown event type {json.loads(kind)!r}"
+
+
 def test_commands_round_trip_through_the_codec():
     command = client_commands.SessionResume(session_id="s", resume_token="t", last_server_event_seq=0, generation=1)
     assert decode_command(encode_command(command)) == command
