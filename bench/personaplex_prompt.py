@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from cadence_fx.models import personaplex
+from cadence_fx.models import personaplex, personaplex_stream
 from cadence_fx.models.personaplex_prompt import capture, prime, restore
 from cadence_fx.report import measured_commit
 
@@ -55,13 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     from cadence_fx.serve.plugins.personaplex_prompts import stand_in_tokens
 
     torch.set_num_threads(1)
-    models = personaplex.build_models(personaplex.TINY)
+    models = personaplex_stream.build_models(personaplex_stream.TINY)
     role = stand_in_tokens(ROLE)
     with tempfile.TemporaryDirectory() as folder:
         wav = str(Path(folder) / "voice.wav")
         t = torch.arange(24_000, dtype=torch.float32) / 24_000
         sphn.write_wav(wav, (0.1 * torch.sin(2 * math.pi * 140 * t))[None].numpy(), 24_000)
-        gen = personaplex.lm_gen(models.lm, sampling=False)
+        gen = personaplex_stream.lm_gen(models.lm, sampling=False)
         no_compile = personaplex._vendor("utils.compile").no_compile
         with no_compile(), torch.no_grad(), models.mimi.streaming(1), gen.streaming(1):
             stepped = _timed(lambda: prime(models.mimi, gen, text_prompt_tokens=role, voice_prompt=wav), args.runs)

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from .personaplex import PersonaPlexConfig, PersonaPlexModels, _vendor, role_prompt
+from .personaplex import _vendor
+from .personaplex_stream import PersonaPlexConfig, PersonaPlexModels, role_prompt
 
 __all__ = ["PersonaPlexCheckpoint"]
 

@@ -2,7 +2,7 @@
 per (voice, role) and copied into a session instead of stepping the prompt again.
 
 The vendor primes every session by stepping the LM over its prompts (`LMGen.step_system_prompts`,
-`models/personaplex.py`'s `vendor_loop`): the voice prompt's frames (Mimi-encoded from a WAV, or
+`models/personaplex_stream.py`'s `vendor_loop`): the voice prompt's frames (Mimi-encoded from a WAV, or
 replayed from saved embeddings), half a second of silence, the role prompt token by token, half a
 second of silence. Every token of those steps is provided (the text, the agent's 8 codebooks and
 the user's 8): what the LM samples at each step is replaced by the provided token before it is

@@ -43,10 +43,11 @@ import torch
 
 from cadence_fx.multiplex import rng_get, rng_seeded, rng_set
 
-from .personaplex import AGENT, FRAME_SIZE, PersonaPlexModels, _vendor, lm_gen
+from .personaplex import AGENT, FRAME_SIZE, _vendor
 from .personaplex_masked import mask_transformer, reset_rows, row_states, set_exec
 from .personaplex_mimi import batched_mimi
 from .personaplex_prompt import PromptState, _digest
+from .personaplex_stream import PersonaPlexModels, lm_gen
 
 __all__ = ["PersonaPlexSlots", "PromptStep", "SlotOutput", "prompt_steps", "voice_codes"]
 

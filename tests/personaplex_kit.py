@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from cadence_fx.models import personaplex
+from cadence_fx.models import personaplex, personaplex_stream
 from cadence_fx.models.personaplex import FRAME_SIZE, SAMPLE_RATE
 
 ROLE = (
@@ -59,7 +59,7 @@ def role_prompt_tokens(role: str = ROLE) -> tuple[list[int], str]:
     return tokens, processor.decode(tokens)
 
 
-def write_checkpoint(folder: Path, models: personaplex.PersonaPlexModels) -> None:
+def write_checkpoint(folder: Path, models: personaplex_stream.PersonaPlexModels) -> None:
     """`models` in the released layout of `nvidia/personaplex-7b-v1`: the LM in bfloat16 in
     `model.safetensors`, Mimi in `tokenizer-e351c8d8-checkpoint125.safetensors`, a SentencePiece
     model trained on the role prompt (padded to the LM's text vocabulary) in `tokenizer_spm_32k_3.model`, and `voices.tgz` holding
@@ -80,7 +80,7 @@ def write_checkpoint(folder: Path, models: personaplex.PersonaPlexModels) -> Non
     )
     text = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter([personaplex.role_prompt(ROLE)] * 4),
+        sentence_iterator=iter([personaplex_stream.role_prompt(ROLE)] * 4),
         model_writer=text,
         vocab_size=120,
         hard_vocab_limit=False,
@@ -90,7 +90,7 @@ def write_checkpoint(folder: Path, models: personaplex.PersonaPlexModels) -> Non
     # The vendor saves a WAV's embeddings next to it while it primes (`save_voice_prompt_embeddings`).
     wav = folder / "ADA.wav"
     sphn.write_wav(str(wav), speechlike(1.0, seed=1).numpy(), 24_000)
-    gen = personaplex.lm_gen(models.lm, sampling=False)
+    gen = personaplex_stream.lm_gen(models.lm, sampling=False)
     gen.save_voice_prompt_embeddings = True
     with personaplex._vendor("utils.compile").no_compile(), models.mimi.streaming(1), gen.streaming(1):
         prime(models.mimi, gen, text_prompt_tokens=[], voice_prompt=str(wav))

@@ -1,4 +1,5 @@
-"""PersonaPlex (NVIDIA's fine-tune of Moshi) bound as data on the one pipeline (`models/personaplex.py`).
+"""PersonaPlex (NVIDIA's fine-tune of Moshi) bound as data on the one pipeline (`models/personaplex.py`,
+`personaplex_stream.py`, `personaplex_bound.py`).
 
 Its package (Kyutai's `moshi` forked from an older release) is installed as `personaplex_moshi`
 beside Kyutai's `moshi` 0.2.13 (`.ci/install`). A tiny random-weight build (`TINY`) streams four
@@ -19,7 +20,7 @@ import pytest
 import torch
 from personaplex_kit import ROLE, SILENCE_FRAMES, VOICE_FRAMES, VOICE_SECONDS, role_prompt_tokens, speechlike
 
-from cadence_fx.models import personaplex
+from cadence_fx.models import personaplex, personaplex_bound, personaplex_stream
 from cadence_fx.models.personaplex import FRAME_SIZE, SAMPLE_RATE
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -40,13 +41,13 @@ def run(tmp_path_factory):
     sphn.write_wav(voice, speechlike(VOICE_SECONDS, seed=1).numpy(), SAMPLE_RATE)
     user = speechlike(USER_FRAMES * FRAME_SIZE / SAMPLE_RATE, seed=2)[None]
     tokens, text = role_prompt_tokens()
-    models = personaplex.build_models(personaplex.TINY)
-    transformed = personaplex.transform_personaplex(models, personaplex.contract_for(personaplex.TINY))
+    models = personaplex_stream.build_models(personaplex_stream.TINY)
+    transformed = personaplex_bound.transform_personaplex(models, personaplex.contract_for(personaplex_stream.TINY))
     outputs = []
     try:
         for seed, (sampling, voiced) in enumerate(SESSIONS):
             kwargs = dict(sampling=sampling, seed=seed, text_prompt_tokens=tokens, voice_prompt=voice if voiced else None)
-            expected = personaplex.stream_reference(models, user, **kwargs)
+            expected = personaplex_stream.stream_reference(models, user, **kwargs)
             outputs.append((transformed.stream(user, **kwargs), expected))
         yield transformed.report, outputs, tokens, text
     finally:
@@ -143,10 +144,11 @@ def test_mimi_encode_and_decode_run_their_graphs_on_every_frame(run):
 
 
 def test_the_contract_is_checked_against_the_models():
-    from cadence_fx.models.personaplex import FULL, TINY, check_models, contract_for, personaplex_contract
+    from cadence_fx.models.personaplex import check_models, contract_for, personaplex_contract
+    from cadence_fx.models.personaplex_stream import FULL, TINY
 
     assert contract_for(FULL) == personaplex_contract()  # the loaders' sizes are the contract's defaults
-    models = personaplex.build_models(TINY)
+    models = personaplex_stream.build_models(TINY)
     check_models(models, contract_for(TINY))
     # Kyutai's 8 depformer codebooks are not PersonaPlex's 16 (`get_moshi_lm` sets dep_q = 16).
     with pytest.raises(ValueError, match=r"contract quantity codebooks=8 but the model has 16: declare codebooks=16"):

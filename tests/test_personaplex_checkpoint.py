@@ -12,7 +12,7 @@ import pytest
 import torch
 from personaplex_kit import ROLE, speechlike, write_checkpoint
 
-from cadence_fx.models import personaplex
+from cadence_fx.models import personaplex, personaplex_stream
 from cadence_fx.models.personaplex_checkpoint import PersonaPlexCheckpoint, _sizes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -21,15 +21,15 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("personaplex-7b-v1")
-    write_checkpoint(folder, personaplex.build_models(personaplex.TINY))
+    write_checkpoint(folder, personaplex_stream.build_models(personaplex_stream.TINY))
     return folder
 
 
 def test_the_released_layout_loads_as_the_vendor_loads_it(checkpoint):
     found = PersonaPlexCheckpoint.locate(checkpoint)
     assert found.voices == checkpoint / "voices" and sorted(p.name for p in found.voices.iterdir()) == ["ADA.pt"]
-    loaded = found.load(personaplex.TINY)
-    with _sizes(personaplex.TINY) as loaders:
+    loaded = found.load(personaplex_stream.TINY)
+    with _sizes(personaplex_stream.TINY) as loaders:
         mimi = loaders.get_mimi(checkpoint / "tokenizer-e351c8d8-checkpoint125.safetensors", "cpu")
         lm = loaders.get_moshi_lm(str(checkpoint / "model.safetensors"), device="cpu", dtype=torch.float32)
     for ours, theirs in ((loaded.mimi, mimi), (loaded.lm, lm)):
@@ -44,13 +44,13 @@ def test_the_released_layout_loads_as_the_vendor_loads_it(checkpoint):
     user = speechlike(4 * 1920 / 24_000, seed=2)[None]
     kwargs = dict(seed=0, text_prompt_tokens=tokens)
     voice = str(found.voices / "ADA.pt")
-    gen = personaplex.lm_gen(loaded.lm, sampling=True)
+    gen = personaplex_stream.lm_gen(loaded.lm, sampling=True)
     with personaplex._vendor("utils.compile").no_compile(), loaded.mimi.streaming(1), gen.streaming(1):
-        ours = personaplex.vendor_loop(loaded.mimi, gen, user, voice_prompt_embeddings=voice, **kwargs)
-    reference = personaplex.PersonaPlexModels(mimi=mimi, lm=lm, config=personaplex.TINY)
-    gen = personaplex.lm_gen(lm, sampling=True)
+        ours = personaplex_stream.vendor_loop(loaded.mimi, gen, user, voice_prompt_embeddings=voice, **kwargs)
+    reference = personaplex_stream.PersonaPlexModels(mimi=mimi, lm=lm, config=personaplex_stream.TINY)
+    gen = personaplex_stream.lm_gen(lm, sampling=True)
     with personaplex._vendor("utils.compile").no_compile(), mimi.streaming(1), gen.streaming(1):
-        theirs = personaplex.vendor_loop(reference.mimi, gen, user, voice_prompt_embeddings=voice, **kwargs)
+        theirs = personaplex_stream.vendor_loop(reference.mimi, gen, user, voice_prompt_embeddings=voice, **kwargs)
     assert torch.equal(ours.tokens, theirs.tokens) and torch.equal(ours.pcm, theirs.pcm)
 
 
@@ -65,9 +65,8 @@ def test_a_checkpoint_that_does_not_fit_is_refused_by_name(checkpoint, tmp_path)
         for name in ("model.safetensors", "tokenizer-e351c8d8-checkpoint125.safetensors"):
             (tmp_path / name).write_bytes((checkpoint / name).read_bytes())
         PersonaPlexCheckpoint.locate(tmp_path)
-    wider = dict(personaplex.TINY.lm_kwargs, dim=64)
-    config = personaplex.PersonaPlexConfig(
-        personaplex.TINY.seanet, personaplex.TINY.quantizer, personaplex.TINY.transformer, wider, torch.float32
-    )
+    tiny = personaplex_stream.TINY
+    wider = dict(tiny.lm_kwargs, dim=64)
+    config = personaplex_stream.PersonaPlexConfig(tiny.seanet, tiny.quantizer, tiny.transformer, wider, torch.float32)
     with pytest.raises(ValueError, match=r"is not at this configuration's sizes: size mismatch for "):
         PersonaPlexCheckpoint.locate(checkpoint).load(config)

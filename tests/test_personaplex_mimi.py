@@ -11,7 +11,7 @@ import pytest
 import torch
 from personaplex_kit import speechlike
 
-from cadence_fx.models import personaplex
+from cadence_fx.models import personaplex_stream
 from cadence_fx.models.personaplex import FRAME_SIZE, SAMPLE_RATE
 from cadence_fx.models.personaplex_mimi import batched_mimi
 
@@ -22,7 +22,7 @@ FRAMES = 5
 
 @pytest.fixture(scope="module")
 def models():
-    return personaplex.build_models(personaplex.TINY)
+    return personaplex_stream.build_models(personaplex_stream.TINY)
 
 
 def frames(seed: int) -> list[torch.Tensor]:
@@ -102,8 +102,8 @@ def test_a_row_is_the_same_row_alone_whatever_the_others_do(models):
 def test_bad_arguments_are_refused_by_name(models):
     with pytest.raises(ValueError, match="batch must be a positive batch size, got 0"):
         batched_mimi(models.mimi, models.config, 0)
-    other = personaplex.TINY.__class__(
-        **{**personaplex.TINY.__dict__, "transformer": {**personaplex.TINY.transformer, "dim_feedforward": 128}}
+    other = personaplex_stream.TINY.__class__(
+        **{**personaplex_stream.TINY.__dict__, "transformer": {**personaplex_stream.TINY.transformer, "dim_feedforward": 128}}
     )
     with pytest.raises(ValueError, match="this Mimi's weights do not fit the configuration's sizes"):
         batched_mimi(models.mimi, other, 1)

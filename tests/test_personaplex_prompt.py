@@ -16,9 +16,10 @@ import sphn
 import torch
 from personaplex_kit import role_prompt_tokens, speechlike
 
-from cadence_fx.models import personaplex
-from cadence_fx.models.personaplex import FRAME_SIZE, SAMPLE_RATE, lm_gen, user_phase
+from cadence_fx.models import personaplex, personaplex_bound, personaplex_stream
+from cadence_fx.models.personaplex import FRAME_SIZE, SAMPLE_RATE
 from cadence_fx.models.personaplex_prompt import capture, prime, restore, state_of
+from cadence_fx.models.personaplex_stream import lm_gen, user_phase
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -44,7 +45,7 @@ def kit(tmp_path_factory):
     folder = tmp_path_factory.mktemp("personaplex_prompt")
     wav = str(folder / "voice.wav")
     sphn.write_wav(wav, speechlike(1.0, seed=1).numpy(), SAMPLE_RATE)
-    models = personaplex.build_models(personaplex.TINY)
+    models = personaplex_stream.build_models(personaplex_stream.TINY)
     no_compile = personaplex._vendor("utils.compile").no_compile
     # The vendor saves a WAV's embeddings and its delayed-token cache next to it while it primes.
     saver = lm_gen(models.lm, sampling=True)
@@ -120,7 +121,7 @@ def test_a_restored_prompt_state_is_the_primed_vendor_state(kit, voice):
 
 def test_sessions_from_prompt_states_on_the_bound_model_equal_the_primed_vendor_streams(kit):
     models, voices, tokens, user = kit
-    transformed = personaplex.transform_personaplex(models, personaplex.contract_for(personaplex.TINY))
+    transformed = personaplex_bound.transform_personaplex(models, personaplex.contract_for(personaplex_stream.TINY))
     try:
         # The WAV turned into a prompt state once, stepped on the bound operators: the vendor's state.
         stepped = transformed.prompt_state(voice="wav", text_prompt_tokens=tokens, **voices["wav"])

@@ -18,7 +18,7 @@ import sphn
 import torch
 from personaplex_kit import role_prompt_tokens, speechlike
 
-from cadence_fx.models import personaplex
+from cadence_fx.models import personaplex, personaplex_stream
 from cadence_fx.models.personaplex import FRAME_SIZE, SAMPLE_RATE
 from cadence_fx.models.personaplex_prompt import capture, prime
 from cadence_fx.models.personaplex_slots import PersonaPlexSlots, prompt_steps, voice_codes
@@ -32,7 +32,7 @@ USER_FRAMES = 4
 def kit(tmp_path_factory):
     wav = str(tmp_path_factory.mktemp("personaplex_slots") / "voice.wav")
     sphn.write_wav(wav, speechlike(1.0, seed=1).numpy(), SAMPLE_RATE)
-    models = personaplex.build_models(personaplex.TINY)
+    models = personaplex_stream.build_models(personaplex_stream.TINY)
     roles = {"ada": role_prompt_tokens("You are Ada. Be kind.")[0], "bo": role_prompt_tokens("You are Bo, a librarian.")[0]}
     return models, wav, voice_codes(models, wav), roles
 
@@ -82,7 +82,7 @@ def test_one_slot_is_personaplex_own_loop(kit, sampling):
     steps = prompt_steps(runtime.gen, voice=voice, role=roles["ada"])
     assert len(steps) == voice.shape[1] + 12 + len(roles["ada"]) == 13 + 12 + len(roles["ada"])
     answers = run_schedule(runtime, [(0, {"steps": steps}, audio(2))], [0])[0]
-    expected = personaplex.stream_reference(
+    expected = personaplex_stream.stream_reference(
         models, audio(2), sampling=sampling, seed=7, text_prompt_tokens=roles["ada"], voice_prompt=wav
     )
     tokens, pcm = stitched(answers)
@@ -112,13 +112,13 @@ def test_slots_with_joins_leaves_and_rejoins_are_each_the_masked_loop_alone(kit,
 
 
 def models_gen(models):
-    return personaplex.lm_gen(models.lm, sampling=False)
+    return personaplex_stream.lm_gen(models.lm, sampling=False)
 
 
 def test_a_slot_joins_from_a_prompt_state_in_place_of_the_vendor_priming(kit):
     models, wav, voice, roles = kit
     no_compile = personaplex._vendor("utils.compile").no_compile
-    gen = personaplex.lm_gen(models.lm, sampling=False)
+    gen = personaplex_stream.lm_gen(models.lm, sampling=False)
     with no_compile(), models.mimi.streaming(1), gen.streaming(1):
         prime(models.mimi, gen, text_prompt_tokens=roles["bo"], voice_prompt=wav)
         vendor = capture(gen, voice="wav", role=roles["bo"])
@@ -142,7 +142,7 @@ def test_a_slot_joins_from_a_prompt_state_in_place_of_the_vendor_priming(kit):
             assert torch.equal(got.tokens, expected.tokens) and torch.equal(got.pcm, expected.pcm), i
     # Restored at batch 1, the vendor's primed stream itself.
     restored = run_schedule(PersonaPlexSlots(models, 1, sampling=False, seed=0), [(0, {"prompt": vendor}, audio(20))], [0])
-    expected = personaplex.stream_reference(
+    expected = personaplex_stream.stream_reference(
         models, audio(20), sampling=False, seed=0, text_prompt_tokens=roles["bo"], voice_prompt=wav
     )
     tokens, pcm = stitched(restored[0])

@@ -54,7 +54,7 @@ def _quoted(name: str) -> str:
 
 def stand_in_tokens(text: str) -> list[int]:
     """Random weights' role tokens: the wrapped text's UTF-8 bytes, each plus 4."""
-    from cadence_fx.models.personaplex import role_prompt
+    from cadence_fx.models.personaplex_stream import role_prompt
 
     return [4 + byte for byte in role_prompt(text).encode("utf-8")]
 
@@ -193,7 +193,7 @@ class PromptBank:
     def __init__(self, models: Any, turns: Turns | None = None) -> None:
         """``turns``: shared with the batch's ticks (``personaplex_turns.py``), each prompt step a
         turn; None: priming runs whenever its thread does."""
-        from cadence_fx.models.personaplex import lm_gen
+        from cadence_fx.models.personaplex_stream import lm_gen
 
         self.turns = turns
 

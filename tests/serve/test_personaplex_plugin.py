@@ -18,7 +18,7 @@ import torch
 from personaplex_kit import speechlike, write_checkpoint
 from servekit import Server, run
 
-from cadence_fx.models import personaplex
+from cadence_fx.models import personaplex_stream
 from cadence_fx.serve.app import background_server
 from cadence_fx.serve.plugins import ConfigRefused, load_plugin
 from cadence_fx.serve.plugins.moshi import FRAME_SAMPLES
@@ -66,7 +66,7 @@ def vendor_reply(plugin, fed, *, instructions: str, voice: str | None) -> list[n
     then the reply's silence ticks: a reply opens with the output of the turn's last frame."""
     budget = min(len(fed), REPLY)
     user = torch.from_numpy(np.concatenate([*fed, np.zeros((budget - 1) * FRAME_SAMPLES, np.float32)]))[None, None]
-    out = personaplex.stream_reference(
+    out = personaplex_stream.stream_reference(
         plugin.models, user, sampling=False, seed=0, text_prompt_tokens=role_tokens(instructions), voice_prompt=voice
     )
     return list(out.pcm[0, 0].numpy().reshape(-1, FRAME_SAMPLES)[-budget:])
@@ -110,7 +110,7 @@ def test_a_barge_in_drops_the_rest_of_the_reply_and_the_clock_goes_on(plugin):
     ticked = [record.frames[0] for record in plugin.history()[start:]]
     assert 0 in plugin.history()[start].joins
     user = torch.from_numpy(np.concatenate(ticked))[None, None]
-    out = personaplex.stream_reference(
+    out = personaplex_stream.stream_reference(
         plugin.models, user, sampling=False, seed=0, text_prompt_tokens=role_tokens("You are Ada.")
     )
     reference = list(out.pcm[0, 0].numpy().reshape(-1, FRAME_SAMPLES))
@@ -202,7 +202,7 @@ def test_a_role_too_long_is_refused_by_name():
 
 
 def test_a_checkpoint_in_the_released_layout_serves_its_voices_and_tokenizer(tmp_path):
-    write_checkpoint(tmp_path, personaplex.build_models(personaplex.TINY))
+    write_checkpoint(tmp_path, personaplex_stream.build_models(personaplex_stream.TINY))
     served = load_plugin("personaplex-tiny", slots=1, sampling=False, max_reply_frames=REPLY, weights=str(tmp_path))
     try:
         assert served.describe()["voices"] == ["default", "ADA"]  # the checkpoint's voices/, extracted from voices.tgz
@@ -213,9 +213,9 @@ def test_a_checkpoint_in_the_released_layout_serves_its_voices_and_tokenizer(tmp
         stream.close()
         tokens = served.checkpoint.tokenize("You are Ada, a bicycle mechanic.")
         user = torch.from_numpy(np.concatenate([*fed, np.zeros((REPLY - 1) * FRAME_SAMPLES, np.float32)]))[None, None]
-        gen = personaplex.lm_gen(served.models.lm, sampling=False)
+        gen = personaplex_stream.lm_gen(served.models.lm, sampling=False)
         with served.models.mimi.streaming(1), gen.streaming(1):
-            out = personaplex.vendor_loop(
+            out = personaplex_stream.vendor_loop(
                 served.models.mimi,
                 gen,
                 user,

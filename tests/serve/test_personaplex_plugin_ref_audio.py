@@ -21,7 +21,7 @@ from test_moshi_plugin_text import spoken
 from test_personaplex_plugin import wav_bytes
 from test_vllm_omni_interop import next_response, play
 
-from cadence_fx.models import personaplex
+from cadence_fx.models import personaplex_stream
 from cadence_fx.serve.app import background_server
 from cadence_fx.serve.plugins import load_plugin
 from cadence_fx.serve.plugins.moshi import FRAME_SAMPLES
@@ -73,7 +73,7 @@ def test_the_personaplex_preset_with_ref_audio_is_personaplex_primed_with_that_w
     )
     (tmp_path / "voice.wav").write_bytes(voice)
     user = torch.from_numpy(np.concatenate([turn, np.zeros((REPLY - 1) * FRAME_SAMPLES, np.float32)]))[None, None]
-    want = personaplex.stream_reference(
+    want = personaplex_stream.stream_reference(
         plugin.models,
         user,
         sampling=False,
