@@ -31,7 +31,7 @@ from .binding import Binding, OperatorBinding, RegionBinding
 from .contract import Admission, Clock, ClockKind, Contract, Interactivity, Lifetime, Operator, Rate, Region
 from .passes.retention import InPlace, RingCache, SlidingWindow
 
-__all__ = ["DeriveError", "derive_transformers", "is_transformers_model"]
+__all__ = ["DeriveError", "derive_transformers", "derived_caches", "is_transformers_model"]
 
 #: Models whose `input_ids` carry a codebook axis after the time axis (a frame of codes a step):
 #: how wide it is, from the config. Their clock is a frame clock, not a token clock.
@@ -113,21 +113,22 @@ def derive_transformers(
     clock = "frame" if codebooks else "token"
     kind = ClockKind.FRAMES if codebooks else ClockKind.TOKENS
     units = "decoder_input_ids" if encoder_decoder else "input_ids"
+    frames = None  # an encoder-decoder model's encoder output length
     if encoder_decoder:
-        encoder_frames = encoder_frames if encoder_frames is not None else getattr(config, "max_source_positions", None)
-        if not isinstance(encoder_frames, int) or encoder_frames < 1:
+        frames = encoder_frames if encoder_frames is not None else getattr(config, "max_source_positions", None)
+        if not isinstance(frames, int) or frames < 1:
             raise DeriveError(
                 f"{name} is an encoder-decoder model whose config gives no encoder length "
                 "(max_source_positions): pass encoder_frames, the frames of the encoder output it decodes against"
             )
-    probed = _probe(model, argument, units, tokens_per_call, codebooks(config) if codebooks else None, encoder_frames)
+    probed = _probe(model, argument, units, tokens_per_call, codebooks(config) if codebooks else None, frames)
 
     layout = _Layout(clock, tokens_per_call, max_tokens, name)
-    if encoder_decoder:
+    if frames is not None:
         layout.add_cache(probed.self_attention_cache, f"{argument}.self_attention_cache.layers", "self_kv")
-        layout.add_cross(probed.cross_attention_cache, f"{argument}.cross_attention_cache.layers", encoder_frames)
+        layout.add_cross(probed.cross_attention_cache, f"{argument}.cross_attention_cache.layers", frames)
         layout.counters += tuple(f"{argument}.is_updated.{i}" for i in probed.is_updated)
-    elif cache == "static":
+    elif cache == "static" and max_tokens is not None:  # (a static cache without max_tokens is refused above)
         # The static layers' shapes are the dynamic ones' with max_cache_len tokens: the probe runs
         # a dynamic cache (a static one reads its length back on the host, which no meta tensor has).
         from transformers import StaticCache
@@ -157,6 +158,16 @@ def derive_transformers(
     return contract, binding
 
 
+def derived_caches(model: Any, binding: Binding, cache: str = "dynamic") -> dict[str, tuple[str, type]]:
+    """By operator of `derive_transformers(model, cache=cache)`'s `binding`: the argument its cache
+    is passed by (the root of its regions' paths) and the cache class its contract was derived for."""
+    from transformers import DynamicCache, EncoderDecoderCache, StaticCache
+
+    encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+    cls = EncoderDecoderCache if encoder_decoder else StaticCache if cache == "static" else DynamicCache
+    return {ob.operator: (binding.regions[0].at[0].split(".")[0], cls) for ob in binding.operators}
+
+
 def _probe(model: Any, argument: str, units: str, step: int, codebooks: int | None, encoder_frames: int | None) -> Any:
     """One call of `step` tokens of a twin of `model` on the meta device, into a fresh dynamic cache
     (an `EncoderDecoderCache` of two for an encoder-decoder model): the cache, its layers
@@ -179,6 +190,7 @@ def _probe(model: Any, argument: str, units: str, step: int, codebooks: int | No
         ) from error
     ids = torch.zeros(1, step, *((codebooks,) if codebooks else ()), dtype=torch.long, device="meta")
     kwargs: dict[str, Any] = {units: ids, "use_cache": True}
+    cache: DynamicCache | EncoderDecoderCache
     if encoder_frames is not None:
         cache = EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
         hidden = torch.zeros(1, encoder_frames, config.d_model, dtype=dtype, device="meta")
@@ -188,12 +200,14 @@ def _probe(model: Any, argument: str, units: str, step: int, codebooks: int | No
     from torch.fx.experimental import _config as fx_config
 
     try:  # a mixture of experts routes with nonzero: on meta, every expert is taken (the shapes are what counts)
-        with torch.no_grad(), fx_config.patch(meta_nonzero_assume_all_nonzero=True), _MetaScalars():
+        # `patch` is set on torch's config modules when they are installed: no stub declares it
+        patch = fx_config.patch(meta_nonzero_assume_all_nonzero=True)  # type: ignore[attr-defined]
+        with torch.no_grad(), patch, _MetaScalars():
             twin(**{argument: cache}, **kwargs)
     except Exception as error:  # noqa: BLE001 - reported with its cause
         # What the call computes after its last cache write (a router reading a value on the host,
         # which no meta tensor has) does not matter here: every layer's state is allocated by then.
-        caches = (cache.self_attention_cache, cache.cross_attention_cache) if encoder_frames is not None else (cache,)
+        caches = (cache.self_attention_cache, cache.cross_attention_cache) if isinstance(cache, EncoderDecoderCache) else (cache,)
         if not all(_allocated(layer) for c in caches for layer in c.layers):
             raise DeriveError(
                 f"{type(model).__name__}: one call of {step} tokens on the meta device failed before every "
@@ -244,7 +258,7 @@ class _Layout:
         self._bounds: dict[str, int] = {}  # region -> the extent it reaches: the operator's is the largest
 
     def operator_region(self) -> str:
-        return max(self._bounds, key=self._bounds.get)
+        return max(self._bounds, key=lambda region: self._bounds[region])
 
     def _region(
         self,
@@ -305,7 +319,7 @@ class _Layout:
                         "derived is one; bind it by hand"
                     )
                 shapes = tuple(None if s[0] is None else tuple(s[0].shape) for s in (layer.conv_states, layer.recurrent_states))
-                key = (kind, shapes, layer.dtype)
+                key: tuple = (kind, shapes, layer.dtype)
             else:
                 window = getattr(layer, "sliding_window", None) if kind == "sliding" else None
                 key = (kind, window, tuple(layer.keys.shape), tuple(layer.values.shape), layer.keys.dtype)
@@ -329,12 +343,14 @@ class _Layout:
     def _kv(
         self, name: str, at: str, count: int, kind: str, window: int | None, keys: tuple, values: tuple, dtype: torch.dtype
     ) -> None:
-        if kind == "sliding":
-            retention, bound = SlidingWindow(window=window - 1), window - 1
-        elif kind == "full":
-            retention, bound = SlidingWindow(window=self.max_tokens), self.max_tokens
-        else:  # static: written in place at its positions, its extent always the capacity
-            retention, bound = RingCache(self.max_tokens), self.max_tokens
+        # a sliding layer keeps its window's last tokens, a full one the longest stream, a static
+        # one its capacity (`add_cache` refused a layer that needs max_tokens without it)
+        bound = window - 1 if kind == "sliding" and window is not None else self.max_tokens
+        if bound is None:
+            raise DeriveError(f"{self.model}: {at} is a {kind} layer with no window and no max_tokens; pass max_tokens")
+        retention: SlidingWindow | RingCache = SlidingWindow(window=bound)
+        if kind == "static":  # written in place at its positions, its extent always the capacity
+            retention = RingCache(bound)
             keys, values = (*keys[:-2], 0, keys[-1]), (*values[:-2], 0, values[-1])
         axis = len(keys) - 2  # (batch, heads, tokens, head_dim): the token axis
 

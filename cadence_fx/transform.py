@@ -18,7 +18,8 @@ from .binding import Binding
 from .catalog import DEFAULT_BUDGET, Catalog, derive
 from .contract import Contract
 from .families import families, load
-from .hf import derive_transformers, is_transformers_model
+from .hf import derive_transformers, derived_caches, is_transformers_model
+from .hf_model import transformed_model
 from .pipeline import transform_bound
 from .report import format_bytes, format_table
 
@@ -140,7 +141,10 @@ def transform(
     Without a contract, a `transformers` model's contract and binding are derived from its config
     and the cache it builds (`cadence_fx.hf.derive_transformers`, which takes the keywords in
     `derive_options`: `tokens_per_call`, `max_tokens`, ...); any other model needs its contract.
+    Such a model is returned as a shallow copy of it whose bound methods are its operators
+    (`cadence_fx.hf_model`): called the stock way, `generate()` included, it runs the graphs.
     """
+    caches = None  # a derived contract's caches, by operator: the model is returned as its shallow copy
     if contract is None:
         if binding is not None:
             raise TypeError("a binding was given without its contract: pass transform(model, contract, binding)")
@@ -150,6 +154,7 @@ def transform(
                 "cadence-fx derives: pass transform(model, contract, binding) (README: Bring your own model)"
             )
         contract, binding = derive_transformers(model, **derive_options)
+        caches = derived_caches(model, binding, derive_options.get("cache", "dynamic"))
     elif derive_options:
         raise TypeError(f"transform() got {sorted(derive_options)}: keywords of a derived contract, but a contract was given")
     if not isinstance(contract, Contract):
@@ -165,7 +170,8 @@ def transform(
         report = TransformReport(family=contract.family, catalog=catalog, auditor=ShadowAuditor() if audit else None)
         report.determinism = determinism.settings()
         report.stamps.append(determinism.envelope())
-        return transform_bound(model, contract, binding, catalog, report, replay=replay and not audit), report
+        bound = transform_bound(model, contract, binding, catalog, report, replay=replay and not audit)
+        return (bound if caches is None else transformed_model(model, bound, caches)), report
     if compose is not None:
         return load(compose)(model, contract, audit=audit, replay=replay, budget=budget)
     having = sorted(name for name, f in families().items() if f.binding or f.compose)
