@@ -54,6 +54,14 @@ LAYER_COUNTERS = {
     "linear": ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state", "conv_kernel_size"),
 }
 OPERATOR = "decoder_step"
+#: Models of `transformers` not derived, by `model_type`, and why (docs/families/byom.md says more).
+NOT_DERIVED = {
+    "mimi": (
+        "its streaming step is two methods, encode (an encoder_cache and a MimiConv1dPaddingCache) and "
+        "decode (a decoder_cache), and the padding cache encode builds keeps each convolution's padding "
+        "as a 0-d tensor that MimiConv1dPaddingCache.update branches on, which torch.export cannot trace"
+    ),
+}
 
 
 class DeriveError(ValueError):
@@ -94,6 +102,11 @@ def derive_transformers(
     if cache not in ("dynamic", "static"):
         raise DeriveError(f"cache must be 'dynamic' or 'static', got {cache!r}")
     name = type(model).__name__
+    if model.config.model_type in NOT_DERIVED:
+        raise DeriveError(
+            f"{name} is not derived: {NOT_DERIVED[model.config.model_type]}; bind it by hand "
+            "(docs/families/byom.md: One line for a transformers model)"
+        )
     parameters = inspect.signature(model.forward).parameters
     argument = next((a for a in ("cache", "past_key_values") if a in parameters), None)
     if argument is None:

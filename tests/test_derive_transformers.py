@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import test_byom_probe as probe
 import torch
 from derive_kit import CASES, comparable, differences
 from torch import nn
@@ -81,8 +82,7 @@ def test_a_sliding_window_static_cache_is_refused_by_name():
 
 
 def test_a_model_whose_forward_takes_no_cache_is_refused_by_name():
-    """transformers' RWKV keeps a `state` list and Mimi three caches of its own (encode and decode):
-    no cache transformers builds for the config."""
+    """transformers' RWKV keeps a `state` list: no cache transformers builds for the config."""
     from transformers import RwkvConfig, RwkvForCausalLM
 
     model = RwkvForCausalLM(
@@ -95,6 +95,20 @@ def test_a_model_whose_forward_takes_no_cache_is_refused_by_name():
     assert str(error.value) == (
         "RwkvForCausalLM.forward takes no cache argument (cache or past_key_values): its state is "
         "no cache transformers builds; bind it by hand (README: Bring your own model)"
+    )
+
+
+def test_mimi_is_refused_saying_what_blocks_it():
+    """Mimi's `encode` and `decode` are bound by hand (tests/test_byom_probe.py), on a padding cache
+    whose paddings are ints: the one `encode` builds keeps them as 0-d tensors."""
+    model, _ = probe.mimi()
+    with pytest.raises(DeriveError) as error:
+        transform(model, tokens_per_call=2)
+    assert str(error.value) == (
+        "MimiModel is not derived: its streaming step is two methods, encode (an encoder_cache and a "
+        "MimiConv1dPaddingCache) and decode (a decoder_cache), and the padding cache encode builds keeps "
+        "each convolution's padding as a 0-d tensor that MimiConv1dPaddingCache.update branches on, which "
+        "torch.export cannot trace; bind it by hand (docs/families/byom.md: One line for a transformers model)"
     )
 
 
