@@ -23,7 +23,8 @@ does it, with the CFG pairs of n rows laid out as the vendor lays out one ([the 
 vendor's are of batch 2, one CFG pair); the caller's trim; HiFT (`HiFTGenerator.forward` takes a
 batch) and the stream's cross-fade and cache update as `Token2wav.stream` does them. A row's turn
 start runs the vendor's `flow.setup_cache` for that row alone under the envelope (its prompt is its
-own length, so it shares no call) and keeps the prompt state for the row's resets.
+own length, so it shares no call) and keeps the prompt state for the row's resets; rows of one
+prompt given to `share_prompt` (a server's voice) start from its state, computed once.
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cadence_fx.models.vendor import token2wav_vendor
+from cadence_fx.models.vendor import VendorFlow, token2wav_vendor
 from cadence_fx.passes.carry import stock_trim
 
 from .token2wav_envelope import StreamRng, batch_invariant
 from .token2wav_precision import FLOAT32, Precision
-from .token2wav_stream import N_TIMESTEPS, SILENCE_TOKEN, ChunkOut, Prompt
+from .token2wav_stream import N_TIMESTEPS, SILENCE_TOKEN, ChunkOut, Prompt, Vocoder
 
 __all__ = ["BatchedStreams", "Row", "row_class"]
 
@@ -101,12 +102,13 @@ class BatchedStreams:
 
     def __init__(
         self,
-        flow: torch.nn.Module,
-        hift: torch.nn.Module,
+        flow: VendorFlow,
+        hift: Vocoder,
         *,
         capacity: int,
         n_timesteps: int = N_TIMESTEPS,
         precision: Precision = FLOAT32,
+        record: bool = True,
     ):
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"capacity must be a positive int (rows a call), got {capacity!r}")
@@ -125,7 +127,11 @@ class BatchedStreams:
         self.depth = len(flow.decoder.estimator.blocks)
         self.window = torch.from_numpy(np.hamming(2 * SOURCE_CACHE)).to(self.device)
         self.fade_in_out = token2wav_vendor().fade_in_out
-        self.calls: list[tuple[tuple, tuple]] = []  # (class, the rows' keys) of every batched call, in order
+        #: (class, the rows' keys) of every batched call, in order, with `record` (a server's runs
+        #: forever: it keeps `call_rows` alone).
+        self.calls: list[tuple[tuple, tuple]] | None = [] if record else None
+        self.call_rows: dict[int, int] = {}  # calls by the rows they held
+        self._shared: dict[int, tuple[Prompt, dict[str, torch.Tensor]]] = {}  # `share_prompt`'s, by id
 
     # -- rows join, leave and reset between steps ---------------------------------------------------
 
@@ -145,9 +151,17 @@ class BatchedStreams:
 
     def reset_turn(self, key: Hashable) -> None:
         """The row's turn boundary: its caches return to its prompt state."""
-        row = self._row(key)
+        self._reset(self._row(key))
+
+    def _reset(self, row: Row) -> None:
+        """The row at its prompt state: its flow caches a copy of `base`, its HiFT caches empty."""
         row.cache = {k: v.to(self.device, copy=True) for k, v in row.base.items()}
-        self._reset_vocoder(row)
+        row.chunks = 0
+        row.hift = dict(
+            mel=torch.zeros(1, row.prompt.mels.shape[2], 0, device=self.device),
+            source=torch.zeros(1, 1, 0, device=self.device),
+            speech=torch.zeros(1, 0, device=self.device),
+        )
 
     def _row(self, key: Hashable) -> Row:
         if key not in self.rows:
@@ -160,25 +174,32 @@ class BatchedStreams:
             return contextlib.nullcontext()
         return torch.amp.autocast("cuda", dtype=self.precision.autocast_dtype)
 
-    def _setup(self, row: Row) -> None:
-        """Token2wav.set_stream_cache for this row alone, under the envelope; the live slots kept."""
-        tokens, mels, spk = row.prompt.tokens, row.prompt.mels, row.prompt.spk
-        pad = torch.full((1, 3), SILENCE_TOKEN, device=tokens.device, dtype=tokens.dtype)
-        with torch.inference_mode(), self._autocast(), batch_invariant(self.capacity, [row.rng], self.device):
-            cache = self.flow.setup_cache(torch.cat([tokens, pad], dim=1), mels, spk, n_timesteps=self.n_timesteps)
-        live = (slice(0, self.n_timesteps), slice(0, self.depth))
-        row.cache = {k: (v[live] if k.startswith("estimator") else v).clone() for k, v in cache.items()}
-        # The prompt state, read once a turn, waits in (pinned) host memory, as TransformedFlow's does.
-        row.base = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=v.is_cuda).copy_(v) for k, v in row.cache.items()}
-        self._reset_vocoder(row)
+    def share_prompt(self, prompt: Prompt) -> None:
+        """Rows that join with `prompt` (this object) start from one prompt state, computed now,
+        instead of each computing it at its join (which holds up every row's next step). The state
+        is the same for every row: the prompt's setup is the row's alone under the envelope, and
+        it draws no noise (checked: a setup that draws is refused)."""
+        self._shared[id(prompt)] = (prompt, self._prompt_state(prompt, StreamRng(0)))
 
-    def _reset_vocoder(self, row: Row) -> None:
-        row.chunks = 0
-        row.hift = dict(
-            mel=torch.zeros(1, row.prompt.mels.shape[2], 0, device=self.device),
-            source=torch.zeros(1, 1, 0, device=self.device),
-            speech=torch.zeros(1, 0, device=self.device),
-        )
+    def _setup(self, row: Row) -> None:
+        """Token2wav.set_stream_cache for this row alone, under the envelope (or its shared prompt's)."""
+        shared = self._shared.get(id(row.prompt))
+        row.base = shared[1] if shared is not None and shared[0] is row.prompt else self._prompt_state(row.prompt, row.rng)
+        self._reset(row)
+
+    def _prompt_state(self, prompt: Prompt, rng: StreamRng) -> dict[str, torch.Tensor]:
+        """The flow caches after `prompt` (the live slots kept), in (pinned) host memory, where it
+        waits for the row's turn starts, as TransformedFlow's does."""
+        tokens, mels, spk = prompt.tokens, prompt.mels, prompt.spk
+        pad = torch.full((1, 3), SILENCE_TOKEN, device=tokens.device, dtype=tokens.dtype)
+        drawn = rng.offset
+        with torch.inference_mode(), self._autocast(), batch_invariant(self.capacity, [rng], self.device):
+            cache = self.flow.setup_cache(torch.cat([tokens, pad], dim=1), mels, spk, n_timesteps=self.n_timesteps)
+        if rng.offset != drawn:
+            raise RuntimeError("the flow's prompt setup drew noise: its state would be the row's, not the prompt's")
+        live = (slice(0, self.n_timesteps), slice(0, self.depth))
+        cache = {k: (v[live] if k.startswith("estimator") else v) for k, v in cache.items()}
+        return {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=v.is_cuda).copy_(v) for k, v in cache.items()}
 
     # -- one chunk for any rows ---------------------------------------------------------------------
 
@@ -205,7 +226,9 @@ class BatchedStreams:
             keys = groups[cls]
             for start in range(0, len(keys), self.capacity):
                 part = keys[start : start + self.capacity]
-                self.calls.append((cls, tuple(part)))
+                if self.calls is not None:
+                    self.calls.append((cls, tuple(part)))
+                self.call_rows[len(part)] = self.call_rows.get(len(part), 0) + 1
                 outs.update(self._call(part, [chunks[k] for k in part], dict(cls)["f"] == 56))
         return outs
 
@@ -224,7 +247,9 @@ class BatchedStreams:
             out[key] = ChunkOut(mel=mel[i : i + 1].clone(), speech=speech[i])
         return out
 
-    def _flow_chunk(self, rows: list[Row], tokens: torch.Tensor, last_chunk: bool):
+    def _flow_chunk(
+        self, rows: list[Row], tokens: torch.Tensor, last_chunk: bool
+    ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
         """`CausalMaskedDiffWithXvec.inference_chunk` for n rows, then the caller's trim."""
         flow, n = self.flow, len(rows)
         cache = {k: _stack([r.cache[k] for r in rows], k) for k in ROW_AXIS}
@@ -256,7 +281,9 @@ class BatchedStreams:
         per_row = {k: _unstack(v, k, n) for k, v in new.items()}
         return mel, [{k: per_row[k][i] for k in ROW_AXIS} for i in range(n)]
 
-    def _cfm(self, mu, spks, cond, cnn_cache, att_cache):
+    def _cfm(
+        self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, cnn_cache: torch.Tensor, att_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`CausalConditionalCFM.forward_chunk` and `solve_euler_chunk` for n rows (n CFG pairs)."""
         cfm, estimator, n = self.flow.decoder, self.flow.decoder.estimator, mu.shape[0]
         offset = att_cache.shape[4]

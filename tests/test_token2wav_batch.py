@@ -77,3 +77,27 @@ def test_rows_of_two_prompt_lengths_at_one_cache_extent_take_two_calls(models):
     got = {"short": [first["short"], second["short"]], "long": [second["long"]]}
     for name, alone in (("short", alone_short), ("long", alone_long)):
         assert all(torch.equal(a.mel, b.mel) and torch.equal(a.speech, b.speech) for a, b in zip(alone, got[name], strict=True))
+
+
+def test_rows_of_a_shared_prompt_start_from_its_state_computed_once(models):
+    """A server's rows share its voice's prompt state (`share_prompt`), computed at start-up: each
+    row is still exact to its stream alone, which computes the state itself; without `record` the
+    calls are counted by their rows, not kept."""
+    flow, hift = models
+    batched = BatchedStreams(flow, hift, capacity=2, n_timesteps=N_TIMESTEPS, record=False)
+    prompt = random_prompt(7, n_tokens=PROMPT_TOKENS)
+    batched.share_prompt(prompt)
+    plans_ = {key: Plan(7, 0, [random_chunks(seed, 2)], set()) for key, seed in (("a", 11), ("b", 12))}
+    for key in plans_:
+        batched.join(key, prompt, 7)
+    assert all(row.base is batched._shared[id(prompt)][1] for row in batched.rows.values())
+    got = {key: [] for key in plans_}
+    for i in range(2):
+        for key, out in batched.step(
+            {key: plan.turns[0][i] for key, plan in plans_.items()}, last={"a", "b"} if i else set()
+        ).items():
+            got[key].append(out)
+    assert batched.calls is None and batched.call_rows == {2: 2}
+    for key, plan in plans_.items():
+        alone = run_alone(flow, hift, plan, capacity=2, prompt_tokens=PROMPT_TOKENS, n_timesteps=N_TIMESTEPS)
+        assert all(torch.equal(a.mel, b.mel) and torch.equal(a.speech, b.speech) for a, b in zip(alone, got[key], strict=True))

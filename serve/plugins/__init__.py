@@ -6,7 +6,8 @@
 ``personaplex-tiny`` (CPU) and ``personaplex-full`` (an NVIDIA GPU) are PersonaPlex's sessions as
 the slots of one batch, each with its own voice and role (``personaplex.py``). ``token2wav-full``
 is MiniCPM-o 4.5's Token2Wav at full size on an NVIDIA GPU as a reply voice on stand-in speech
-tokens (``token2wav.py``), ``token2wav`` the same at reduced depth on the CPU. All of them load
+tokens (``token2wav.py``; with ``slots``, its sessions as the rows of one batch, ``token2wav_rows.py``),
+``token2wav`` the same at reduced depth on the CPU. All of them load
 torch and the vendor only when chosen; what each takes (weights, a prompt, slots, lanes) is
 its record's. What a session's stream does beyond the seam (text, a client's voice) it says
 itself: ``take_text`` (``serve/runtime/text.py``), ``upload_voice`` (the duplex ``ref_audio``). ``tone`` is a test double used
@@ -59,6 +60,13 @@ def _personaplex(size: str) -> PluginFactory:
 
 def _token2wav(depth: str) -> PluginFactory:
     def build(**options: Any) -> ModelPlugin:
+        if options.get("slots") is not None:  # the sessions as the rows of one batch (token2wav_rows.py)
+            if options.get("lanes") is not None:
+                raise ValueError("token2wav: slots (the sessions as the rows of one batch) has no replay lanes: give one")
+            from .token2wav_rows import Token2WavRowsPlugin
+
+            _known_options(Token2WavRowsPlugin, "depth", options)
+            return Token2WavRowsPlugin(depth, **options)
         from .token2wav import Token2WavPlugin
 
         _known_options(Token2WavPlugin, "depth", options)
@@ -86,8 +94,8 @@ SPECS: tuple[PluginSpec, ...] = (
     PluginSpec("tone", ToneModel),
     *(PluginSpec(f"moshi-{size}", _moshi(size), loads_weights=True, has_slots=True) for size in ("tiny", "small", "full")),
     *(PluginSpec(f"personaplex-{size}", _personaplex(size), loads_weights=True, has_slots=True) for size in ("tiny", "full")),
-    PluginSpec("token2wav", _token2wav("reduced"), loads_weights=True, takes_prompt=True, has_lanes=True),
-    PluginSpec("token2wav-full", _token2wav("full"), loads_weights=True, takes_prompt=True, has_lanes=True),
+    PluginSpec("token2wav", _token2wav("reduced"), loads_weights=True, takes_prompt=True, has_slots=True, has_lanes=True),
+    PluginSpec("token2wav-full", _token2wav("full"), loads_weights=True, takes_prompt=True, has_slots=True, has_lanes=True),
 )
 
 _REGISTRY: dict[str, PluginSpec] = {spec.name: spec for spec in SPECS}

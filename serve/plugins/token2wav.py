@@ -77,6 +77,7 @@ from cadence_fx.models.token2wav_carry import (
     reference_flow,
 )
 from cadence_fx.models.token2wav_stream import Prompt, build_hift, random_chunks, random_prompt
+from cadence_fx.models.vendor import VendorFlow
 from cadence_fx.multiplex import SessionState
 
 from .base import ModelPlugin, ModelStream, PluginInfo, SlotsFull, add_counters
@@ -107,6 +108,12 @@ def rng_seed(seed: int, stream: int) -> int:
 def reply_chunks(turn_samples: int, max_reply_chunks: int) -> int:
     """Chunks in the reply to a turn of ``turn_samples`` input samples."""
     return min(max_reply_chunks, max(MIN_REPLY_CHUNKS, turn_samples // INPUT_RATE))
+
+
+def check_frame(frame: np.ndarray) -> None:
+    """A frame of the user's audio as ``feed`` takes it (the plugin only counts its samples)."""
+    if frame.shape != (FRAME_SAMPLES,) or frame.dtype != np.float32:
+        raise ValueError(f"a frame is float32 of shape ({FRAME_SAMPLES},), got {frame.dtype} of shape {frame.shape}")
 
 
 class ReplayLane:
@@ -148,8 +155,7 @@ class Token2WavStream(ModelStream):
         self._closed = False
 
     def feed(self, frame: np.ndarray) -> None:
-        if frame.shape != (FRAME_SAMPLES,) or frame.dtype != np.float32:
-            raise ValueError(f"a frame is float32 of shape ({FRAME_SAMPLES},), got {frame.dtype} of shape {frame.shape}")
+        check_frame(frame)
         self.turn_samples += FRAME_SAMPLES
 
     def clear_input(self) -> None:
@@ -166,7 +172,7 @@ class Token2WavStream(ModelStream):
         plugin, transformed = self._plugin, self.lane.transformed
         self._tokens = random_chunks(token_seed(self.index, turn), n, device=plugin.device)
         self._next = 0
-        if self._state is None:
+        if self._stream is None or self._state is None:
             self._stream, self._state = plugin.session(self.lane, rng_seed(plugin.seed, self.index))
             return  # a new session starts at the prompt state
         transformed.swap_in(self._state, rng=False)
@@ -183,10 +189,12 @@ class Token2WavStream(ModelStream):
 
     def _chunk(self, tokens: torch.Tensor, last_chunk: bool) -> np.ndarray:
         """On the lane's thread: one chunk of the reply, over the lane's graphs."""
-        transformed = self.lane.transformed
-        transformed.swap_in(self._state, rng=False)
-        out = self._stream.step(tokens, last_chunk=last_chunk)
-        transformed.swap_out(self._state, rng=False)
+        transformed, stream, state = self.lane.transformed, self._stream, self._state
+        if stream is None or state is None:
+            raise RuntimeError(f"stream {self.index}: a chunk before its reply began")
+        transformed.swap_in(state, rng=False)
+        out = stream.step(tokens, last_chunk=last_chunk)
+        transformed.swap_out(state, rng=False)
         self.lane.chunks += 1
         return out.speech.float().reshape(-1).cpu().numpy()
 
@@ -209,6 +217,77 @@ def _is_wav(prompt: str | Path | None) -> bool:
     return prompt is not None and Path(prompt).suffix.lower() == ".wav"
 
 
+def check_settings(depth: str, max_reply_chunks: int) -> tuple[str, torch.device]:
+    """The served model's name and device for ``depth``, refusing what cannot run; on CUDA the
+    determinism envelope is pinned for the process's life (a stream is bit-exact against
+    deterministic eager)."""
+    if depth not in DEPTHS:
+        raise ValueError(f"depth must be one of {sorted(DEPTHS)}, got {depth!r}")
+    if max_reply_chunks < MIN_REPLY_CHUNKS:
+        raise ValueError(
+            f"max_reply_chunks must be at least {MIN_REPLY_CHUNKS} (the catalog's first flush), got {max_reply_chunks}"
+        )
+    name = "token2wav-full" if depth == "full" else "token2wav"
+    device = torch.device(DEPTHS[depth])
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{name} runs MiniCPM-o 4.5's Token2Wav at full size on a CUDA device, and "
+            "torch.cuda.is_available() is False here; `token2wav` is the reduced depth on the CPU"
+        )
+    if device.type == "cuda":
+        pin_deterministic()
+    return name, device
+
+
+def build_models(
+    depth: str, device: torch.device, seed: int, weights: str | Path | None, prompt: str | Path | None
+) -> tuple[VendorFlow, torch.nn.Module, Prompt, str]:
+    """The flow, HiFT and speaker prompt the plugin serves (module docstring, Weights), checked
+    to fit, and a few words on what they are."""
+    if weights is None:
+        flow, hift, loaded = _random(depth, device, seed, prompt)
+        what = f"{depth} depth, random weights"
+    else:
+        flow, hift, loaded = _loaded(device, seed, weights, prompt)
+        what = f"weights from {weights}"
+    checkpoint.prompt_frames_fit(loaded, flow.up_rate, str(prompt or "the prompt"))
+    return flow, hift, loaded, what
+
+
+def _random(depth: str, device: torch.device, seed: int, prompt: str | Path | None) -> tuple[VendorFlow, torch.nn.Module, Prompt]:
+    """The reference flow at this depth with random weights; a random prompt unless a prompt
+    file is given (a WAV needs the checkpoint's speech tokenizer and speaker model)."""
+    if _is_wav(prompt):
+        raise ValueError(
+            f"--prompt {prompt} is a WAV; preparing it needs the checkpoint's speech tokenizer "
+            "and speaker model: pass --weights too, or a prompt file written by `cadence-fx prompt`"
+        )
+    loaded = None if prompt is None else checkpoint.load_prompt(prompt, device=device)
+    tokens = None if loaded is None else loaded.tokens.shape[1]
+    flow, _, tokens = reference_flow(depth, prompt_tokens=tokens)
+    if loaded is None:
+        loaded = random_prompt(seed, n_tokens=tokens, device=device)
+    return flow.to(device), build_hift(device=device), loaded
+
+
+def _loaded(
+    device: torch.device, seed: int, weights: str | Path, prompt: str | Path | None
+) -> tuple[VendorFlow, torch.nn.Module, Prompt]:
+    """A published checkpoint's flow and HiFT; the prompt from its file, or prepared from a WAV
+    (the model's reference voice when none is given)."""
+    from_audio = prompt is None or _is_wav(prompt)
+    files = checkpoint.STREAM_FILES + (checkpoint.PROMPT_FILES if from_audio else ())
+    found = checkpoint.locate_checkpoint(weights, files, reference_voice=prompt is None)
+    if prompt is not None and not from_audio:
+        loaded = checkpoint.load_prompt(prompt, device=device)
+    else:
+        voice = prompt if prompt is not None else found.reference_voice
+        assert voice is not None  # locate_checkpoint refuses a checkpoint without it when asked
+        loaded = checkpoint.prepare_prompt(found, voice).to(device)
+    flow = checkpoint.load_flow(found, seed=seed, device=device)
+    return flow, checkpoint.load_hift(found, device=device), loaded
+
+
 class Token2WavPlugin(ModelPlugin):
     def __init__(
         self,
@@ -221,33 +300,13 @@ class Token2WavPlugin(ModelPlugin):
         lanes: int | None = None,
     ) -> None:
         started = time.perf_counter()
-        if depth not in DEPTHS:
-            raise ValueError(f"depth must be one of {sorted(DEPTHS)}, got {depth!r}")
-        if max_reply_chunks < MIN_REPLY_CHUNKS:
-            raise ValueError(
-                f"max_reply_chunks must be at least {MIN_REPLY_CHUNKS} (the catalog's first flush), got {max_reply_chunks}"
-            )
+        name, self.device = check_settings(depth, max_reply_chunks)
         lanes = DEFAULT_LANES[depth] if lanes is None else lanes
         if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
             raise ValueError(f"lanes must be a positive integer (replay lanes, each its own copy of the flow), got {lanes!r}")
-        name = "token2wav-full" if depth == "full" else "token2wav"
-        self.device = torch.device(DEPTHS[depth])
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(
-                f"{name} runs MiniCPM-o 4.5's Token2Wav at full size on a CUDA device, and "
-                "torch.cuda.is_available() is False here; `token2wav` is the reduced depth on the CPU"
-            )
-        if self.device.type == "cuda":
-            pin_deterministic()  # for the process's life: a stream is bit-exact against deterministic eager
         self.depth, self.seed, self.max_reply_chunks = depth, seed, max_reply_chunks
         self.weights = None if weights is None else str(weights)
-        if weights is None:
-            flow, hift, self.prompt = self._random(prompt)
-            what = f"{depth} depth, random weights"
-        else:
-            flow, hift, self.prompt = self._loaded(weights, prompt)
-            what = f"weights from {weights}"
-        checkpoint.prompt_frames_fit(self.prompt, flow.up_rate, str(prompt or "the prompt"))
+        flow, hift, self.prompt, what = build_models(depth, self.device, seed, weights, prompt)
         contract = contract_for_flow(flow, self.prompt.mels.shape[1])
         self.info = PluginInfo(
             name=name,
@@ -286,34 +345,6 @@ class Token2WavPlugin(ModelPlugin):
         self.startup_s = time.perf_counter() - started
         print(f"{name}: {lanes} lane(s) warm; start-up took {self.startup_s:.1f} s", file=sys.stderr, flush=True)
 
-    def _random(self, prompt: str | Path | None) -> tuple[torch.nn.Module, torch.nn.Module, Prompt]:
-        """The reference flow at this depth with random weights; a random prompt unless a prompt
-        file is given (a WAV needs the checkpoint's speech tokenizer and speaker model)."""
-        if _is_wav(prompt):
-            raise ValueError(
-                f"--prompt {prompt} is a WAV; preparing it needs the checkpoint's speech tokenizer "
-                "and speaker model: pass --weights too, or a prompt file written by `cadence-fx prompt`"
-            )
-        loaded = None if prompt is None else checkpoint.load_prompt(prompt, device=self.device)
-        tokens = None if loaded is None else loaded.tokens.shape[1]
-        flow, _, tokens = reference_flow(self.depth, prompt_tokens=tokens)
-        if loaded is None:
-            loaded = random_prompt(self.seed, n_tokens=tokens, device=self.device)
-        return flow.to(self.device), build_hift(device=self.device), loaded
-
-    def _loaded(self, weights: str | Path, prompt: str | Path | None) -> tuple[torch.nn.Module, torch.nn.Module, Prompt]:
-        """A published checkpoint's flow and HiFT; the prompt from its file, or prepared from a WAV
-        (the model's reference voice when none is given)."""
-        from_audio = prompt is None or _is_wav(prompt)
-        files = checkpoint.STREAM_FILES + (checkpoint.PROMPT_FILES if from_audio else ())
-        found = checkpoint.locate_checkpoint(weights, files, reference_voice=prompt is None)
-        if not from_audio:
-            loaded = checkpoint.load_prompt(prompt, device=self.device)
-        else:
-            loaded = checkpoint.prepare_prompt(found, prompt or found.reference_voice).to(self.device)
-        flow = checkpoint.load_flow(found, seed=self.seed, device=self.device)
-        return flow, checkpoint.load_hift(found, device=self.device), loaded
-
     def session(self, lane: ReplayLane, seed: int) -> tuple[CarryStream, SessionState]:
         """On ``lane``'s thread: a stream's carry loop and state at the prompt state (the lane's
         first one computes it), HiFT's draws through the plugin's ``RngSection`` from the state's
@@ -325,6 +356,7 @@ class Token2WavPlugin(ModelPlugin):
         else:
             stream.reset_turn()
         state = transformed.session_state(seed)
+        assert transformed.hift is not None  # transformed with the plugin's HiFT
         stream.hift = functools.partial(self.rng.call, state, transformed.hift)
         return stream, state
 
@@ -361,7 +393,8 @@ class Token2WavPlugin(ModelPlugin):
         """Streams the lanes still have room for (None before ``reserve``: not bounded)."""
         with self._lock:
             free = [lane.free() for lane in self.lanes]
-        return None if None in free else sum(free)
+        bounded = [room for room in free if room is not None]
+        return None if len(bounded) < len(free) else sum(bounded)
 
     def open_stream(self) -> Token2WavStream:
         """On the lane with the fewest open streams (the lowest index among them) that has room;

@@ -106,8 +106,8 @@ def test_one_record_per_served_model_says_what_it_takes():
         "moshi-full": ["loads_weights", "has_slots"],
         "personaplex-tiny": ["loads_weights", "has_slots"],
         "personaplex-full": ["loads_weights", "has_slots"],
-        "token2wav": ["loads_weights", "takes_prompt", "has_lanes"],
-        "token2wav-full": ["loads_weights", "takes_prompt", "has_lanes"],
+        "token2wav": ["loads_weights", "takes_prompt", "has_slots", "has_lanes"],
+        "token2wav-full": ["loads_weights", "takes_prompt", "has_slots", "has_lanes"],
     }
     assert plugin_names() == sorted(takes)
 

@@ -120,14 +120,20 @@ def test_slots_is_the_batch_of_a_slotted_model_and_the_default_session_limit(mon
     assert main(["serve", "--model", "moshi-tiny", "--slots", "4"]) == 0
     assert main(["serve", "--model", "moshi-full", "--slots", "64", "--max-sessions", "32"]) == 0
     assert main(["serve", "--model", "moshi-tiny"]) == 0
-    assert served == [("moshi-tiny", 4, {"slots": 4}), ("moshi-full", 32, {"slots": 64}), ("moshi-tiny", 16, {})]
+    assert main(["serve", "--model", "token2wav", "--slots", "3"]) == 0
+    assert served == [
+        ("moshi-tiny", 4, {"slots": 4}),
+        ("moshi-full", 32, {"slots": 64}),
+        ("moshi-tiny", 16, {}),
+        ("token2wav", 3, {"slots": 3}),
+    ]
 
 
 def test_slots_for_a_model_without_slots_is_one_sentence(capsys):
     assert main(["serve", "--model", "tone", "--slots", "4"]) == 2
     assert capsys.readouterr().err == (
         "cadence-fx serve: error: --slots: tone has no batch of slots; the models that do: moshi-full, moshi-small, "
-        "moshi-tiny, personaplex-full, personaplex-tiny\n"
+        "moshi-tiny, personaplex-full, personaplex-tiny, token2wav, token2wav-full\n"
     )
 
 
