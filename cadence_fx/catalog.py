@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from .contract import DTYPES, Contract, Operator, Region, fixed_extent, rate_between
+from .contract import DTYPES, Contract, Operator, Region, fixed_extent, rate_between, region_clock
 
 __all__ = [
     "Catalog",
@@ -51,7 +51,7 @@ def call_units(contract: Contract, region: Region) -> int:
     if sizes:
         return max(sizes)
     admission = contract.admission
-    return math.floor(rate_between(contract, admission.clock, region.clock) * admission.max_per_call)
+    return math.floor(rate_between(contract, admission.clock, region_clock(region)) * admission.max_per_call)
 
 
 def live_extent(contract: Contract, region: Region) -> sympy.Expr:
@@ -76,6 +76,19 @@ class RegionDerivation:
     stock_shape: tuple[int, ...] | None
     stock_bytes: int | None
     rho: sympy.Rational | None  # prod(stock) / prod(demand)
+
+    def demand(self) -> tuple[tuple[int, ...], int]:
+        """(shape, bytes) of the allocation at the bound; an unbounded region has none: ValueError."""
+        if self.shape is None or self.bytes is None:
+            raise ValueError(f"region {self.name!r} is unbounded: no allocation holds it (its retention policy bounds it)")
+        return self.shape, self.bytes
+
+    def kept(self) -> int:
+        """The most units the region retains between calls, A^- + W; an unbounded region has no such
+        number: ValueError."""
+        if self.window is None:
+            raise ValueError(f"region {self.name!r} is unbounded: it retains without bound (its retention policy bounds it)")
+        return self.lower + self.window
 
     def to_dict(self) -> dict:
         return {
@@ -158,7 +171,7 @@ def _sup(expr: sympy.Expr) -> int | None:
     return None if value.is_infinite else int(value)
 
 
-def _shape(contract: Contract, dims, clock: str, extent: int) -> tuple[int, ...]:
+def _shape(contract: Contract, dims, clock: str | None, extent: int) -> tuple[int, ...]:
     values = {sympy.Symbol(k): v for k, v in contract.symbols().items()}
     if clock is not None:  # a region that advances along no clock (InPlace) names none
         values[sympy.Symbol(clock)] = extent

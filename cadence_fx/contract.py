@@ -12,7 +12,7 @@ import enum
 from collections.abc import Callable, Mapping
 from dataclasses import KW_ONLY, dataclass, field
 from fractions import Fraction
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeGuard
 
 import networkx
 import sympy
@@ -37,6 +37,7 @@ __all__ = [
     "carry_axis",
     "fixed_extent",
     "policies",
+    "region_clock",
 ]
 
 
@@ -144,7 +145,7 @@ class Retention:
     def head(self) -> int:
         return 0
 
-    def check(self, path: str, region: Region, symbols: Mapping[str, int]) -> None:
+    def check(self, path: str, region: Region, symbols: Mapping[str, int | Fraction]) -> None:
         for attr in self.counts:
             value = getattr(self, attr)
             if not _is_count(value) or value < 0:
@@ -269,9 +270,10 @@ class Contract:
                 return region
         raise KeyError(f"contract {self.family!r} declares no region {name!r}")
 
-    def symbols(self) -> dict[str, int]:
-        """Every name a region dimension may use besides its own clock, with its value."""
-        values = dict(self.quantities)
+    def symbols(self) -> dict[str, int | Fraction]:
+        """Every name a region dimension may use besides its own clock, with its value (a named
+        rate's may be a Fraction)."""
+        values: dict[str, int | Fraction] = dict(self.quantities)
         values.update({rate.name: rate.value for rate in self.rates if rate.name})
         return values
 
@@ -285,7 +287,18 @@ def fixed_extent(retention: Retention | None) -> bool:
 def carry_axis(region: Region) -> int:
     """The axis a region's carry measures its extent along: the retention axis, or for an
     `InPlace` region (no axis) its last dim, which never changes."""
-    return region.axis if _clocked(region) else len(region.dims) - 1
+    if not _clocked(region):
+        return len(region.dims) - 1
+    if region.axis is None:
+        raise ContractError(f"{region.name}.axis", "declaration", "a clocked region declares its retention axis")
+    return region.axis
+
+
+def region_clock(region: Region) -> str:
+    """The clock a clocked region advances along (an `InPlace` region names none)."""
+    if region.clock is None:
+        raise ContractError(f"{region.name}.clock", "declaration", "a clocked region declares its clock")
+    return region.clock
 
 
 def _clocked(region: Region) -> bool:
@@ -294,7 +307,7 @@ def _clocked(region: Region) -> bool:
     return not isinstance(region.retention, Retention) or region.retention.clocked
 
 
-def _is_count(value) -> bool:
+def _is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -326,7 +339,7 @@ def _check_clocks(contract: Contract) -> set[str]:
     return set(names)
 
 
-def _check_retention(path: str, region: Region, symbols: Mapping[str, int]) -> None:
+def _check_retention(path: str, region: Region, symbols: Mapping[str, int | Fraction]) -> None:
     retention = region.retention
     if retention is None:
         return
@@ -400,7 +413,7 @@ def _check_operators(contract: Contract) -> None:
         # An operator's units are counted in its region's clock; an InPlace region has none, so
         # in the admission's.
         in_place = not _clocked(region)
-        clock = admission.clock if in_place else region.clock
+        clock = admission.clock if in_place else region_clock(region)
         if not in_place and op.steady != region.stride:
             raise ContractError(
                 f"{path}.steady", "C2", f"steady call of {op.steady} differs from the region stride {region.stride}"
@@ -433,7 +446,7 @@ def _check_operators(contract: Contract) -> None:
 
 def rate_between(contract: Contract, src: str, dst: str, *, path: str = "rates") -> Fraction:
     """Units of `dst` per unit of `src`, multiplied along the declared rates (either direction)."""
-    graph = networkx.DiGraph()
+    graph: networkx.DiGraph[str] = networkx.DiGraph()
     graph.add_nodes_from(clock.name for clock in contract.clocks)
     for rate in contract.rates:
         graph.add_edge(rate.per, rate.clock, factor=Fraction(rate.value))

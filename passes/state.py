@@ -37,12 +37,16 @@ class Resize:
     demand_bytes: int
 
 
-def _owner(module: torch.nn.Module, path: str) -> tuple[torch.nn.Module, str]:
+def _owner(module: torch.nn.Module, path: str) -> tuple[torch.nn.Module, str, torch.Tensor]:
+    """The module that holds the buffer at `path`, the buffer's name there, and the buffer."""
     owner_path, _, name = path.rpartition(".")
     owner = module.get_submodule(owner_path) if owner_path else module
     if name not in owner._buffers:  # noqa: SLF001 - buffers are what the rule replaces
         raise ValueError(f"{path!r} is not a buffer of {type(owner).__name__}; buffers: {sorted(owner._buffers)}")
-    return owner, name
+    stock = owner._buffers[name]  # noqa: SLF001
+    if stock is None:
+        raise ValueError(f"{path!r} is a buffer of {type(owner).__name__} set to None; the rule resizes a tensor")
+    return owner, name, stock
 
 
 def shed_envelopes(module: torch.nn.Module, envelopes: tuple[Envelope, ...]) -> dict[int, torch.Tensor]:
@@ -50,8 +54,7 @@ def shed_envelopes(module: torch.nn.Module, envelopes: tuple[Envelope, ...]) -> 
     copying a model never duplicates the envelopes the state rule is about to replace."""
     memo = {}
     for envelope in envelopes:
-        owner, name = _owner(module, envelope.path)
-        stock = owner._buffers[name]  # noqa: SLF001
+        _, _, stock = _owner(module, envelope.path)
         memo[id(stock)] = torch.empty(stock.shape, dtype=stock.dtype, device="meta")
     return memo
 
@@ -64,30 +67,26 @@ def apply_state_rule(module: torch.nn.Module, envelopes: tuple[Envelope, ...], c
     resizes = []
     for envelope in envelopes:
         region = catalog.region(envelope.region)
-        if region.shape is None:
-            raise ValueError(f"region {region.name!r} is unbounded: the state rule cannot size {envelope.path!r}")
-        owner, name = _owner(module, envelope.path)
-        stock = owner._buffers[name]  # noqa: SLF001
-        if stock.dim() != len(region.shape):
+        shape, demand_bytes = region.demand()
+        owner, name, stock = _owner(module, envelope.path)
+        if stock.dim() != len(shape):
+            raise ValueError(f"{envelope.path!r} has shape {tuple(stock.shape)}, region {region.name!r} has rank {len(shape)}")
+        if any(d > s for d, s in zip(shape, stock.shape)):
             raise ValueError(
-                f"{envelope.path!r} has shape {tuple(stock.shape)}, region {region.name!r} has rank {len(region.shape)}"
-            )
-        if any(d > s for d, s in zip(region.shape, stock.shape)):
-            raise ValueError(
-                f"{envelope.path!r}: demand {region.shape} exceeds the stock envelope {tuple(stock.shape)}; "
+                f"{envelope.path!r}: demand {shape} exceeds the stock envelope {tuple(stock.shape)}; "
                 "the contract and the model disagree"
             )
         if stock.dtype != DTYPES[region.dtype]:
             raise ValueError(f"{envelope.path!r} is {stock.dtype}, region {region.name!r} declares {region.dtype}")
-        owner._buffers[name] = torch.zeros(region.shape, dtype=stock.dtype, device=device)  # noqa: SLF001
+        owner._buffers[name] = torch.zeros(shape, dtype=stock.dtype, device=device)  # noqa: SLF001
         resizes.append(
             Resize(
                 envelope.path,
                 region.name,
                 tuple(stock.shape),
                 stock.numel() * stock.element_size(),
-                region.shape,
-                region.bytes,
+                shape,
+                demand_bytes,
             )
         )
     took = (time.perf_counter() - started) * 1e3

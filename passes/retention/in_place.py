@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import ClassVar
 
 import sympy
@@ -23,7 +24,7 @@ class InPlace(Retention):
     fixed: ClassVar[bool] = True
     clocked: ClassVar[bool] = False
 
-    def check(self, path: str, region: Region, symbols: Mapping[str, int]) -> None:
+    def check(self, path: str, region: Region, symbols: Mapping[str, int | Fraction]) -> None:
         """One fixed shape over the contract's quantities, no clock to advance."""
         for attr, unset in (("clock", None), ("axis", None), ("stride", 0)):
             if getattr(region, attr) != unset:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import ClassVar
 
 import sympy
@@ -23,7 +24,7 @@ class SlidingWindow(Retention):
     counts: ClassVar[tuple[str, ...]] = ("window", "initial")
     caller_trims: ClassVar[bool] = True
 
-    def check(self, path: str, region: Region, symbols: Mapping[str, int]) -> None:
+    def check(self, path: str, region: Region, symbols: Mapping[str, int | Fraction]) -> None:
         super().check(path, region, symbols)
         # A sliding window may keep less than a chunk (a convolution's left context, a vocoder's overlap).
         if self.initial > self.window:
