@@ -41,6 +41,8 @@ class Carry(torch.nn.Module):
     state, a view of the buffer starting at offset 0. A module, so graphs can own it.
     """
 
+    buffer: torch.Tensor  # registered as a (non-persistent) buffer in `__init__`
+
     def __init__(self, region: str, buffer: torch.Tensor, axis: int):
         super().__init__()
         self.region = region
@@ -64,6 +66,8 @@ class Carry(torch.nn.Module):
         """`t` is the retained state as `view()` gives it: at the buffer's address, with its dtype
         and strides, `extent` units along the axis and the buffer's size on every other dim."""
         buffer = self._buffers["buffer"]  # straight from the table: `Module.__getattr__` is Python, every call
+        if buffer is None:
+            raise CarryError(f"{self.region}: the carry's buffer was set to None; a carry always holds its buffer")
         held = self.__dict__.get("_held")
         if (
             held is not None
@@ -90,9 +94,9 @@ class Carry(torch.nn.Module):
         is copied in. Used when the stock code keeps the whole tensor."""
         return self.keep(full, ((0, full.shape[self.axis]),))
 
-    def keep(self, full: torch.Tensor, segments: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    def keep(self, full: torch.Tensor, segments: tuple[tuple[int, int | None], ...]) -> torch.Tensor:
         """Write the `segments` (start, stop) of `full` along the axis, in order, to the carry's
-        front, in place; return the retained view.
+        front, in place; return the retained view. A stop of None is the axis's end, as in a slice.
 
         `full` is either a view of the carry at offset 0 (the stock code wrote into the carry
         itself: the kept units are compacted leftwards, piece by piece so no copy overlaps) or a
@@ -171,11 +175,17 @@ _VIEWS = {
 
 
 def _cat_parts(node: torch.fx.Node) -> tuple[list[torch.fx.Node], int] | None:
+    """The concatenated nodes and the dim of a concat node; None for any other node, or a concat
+    whose operands are not all graph nodes or whose dim is not a plain int (not a site the pass
+    can reason about)."""
     if node.op != "call_function" or node.target not in _CATS:
         return None
     tensors = node.args[0] if node.args else node.kwargs["tensors"]
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    return list(tensors), dim
+    if not isinstance(tensors, (list, tuple)) or not isinstance(dim, int):
+        return None
+    parts = [t for t in tensors if isinstance(t, torch.fx.Node)]
+    return (parts, dim) if len(parts) == len(tensors) else None
 
 
 def _source(node, inputs: dict[str, str]) -> str | None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ _COPY_REASON = "host data: a per-call CPU tensor copied to the device"
 
 
 def _site() -> str:
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename
         if not (filename.startswith(_TORCH_DIR) or filename in _SKIP_FILES or "contextlib" in filename):
@@ -87,7 +88,7 @@ def _aten_target(func: torch._ops.OpOverload, args: tuple, kwargs: dict[str, Any
 def _transfer(func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any] | None:
     """(CPU source, hashable description of the target) if this call copies a CPU tensor off the
     host, else None."""
-    if func in _ATEN_TO and args and isinstance(args[0], torch.Tensor):
+    if func in _ATEN_TO and isinstance(func, torch._ops.OpOverload) and args and isinstance(args[0], torch.Tensor):
         src = args[0]
         device, target = _aten_target(func, args, kwargs)
         if src.device.type == "cpu" and device is not None and device.type != "cpu":

@@ -61,7 +61,8 @@ class Piecewise:
 
     def __init__(self, cuts: Sequence[CutPoint] = DEFAULT_CUTS):
         self.cuts = tuple(cuts)
-        self._by_target = {c.target: c for c in self.cuts}
+        # keyed by torch functions and by aten operator packets alike
+        self._by_target: dict[object, CutPoint] = {c.target: c for c in self.cuts}
         self._by_target.update({c.aten: c for c in self.cuts if c.aten is not None})
 
     def intercept(self, ctx: CaptureContext, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:

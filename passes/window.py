@@ -93,6 +93,11 @@ class WindowCarry(Carry):
         self.retentions += 1
         self._stock_operand = None
         if self.auditor is not None:
+            if expected is None:
+                raise CarryError(
+                    f"{self.site}: auditing, but the stock retention of call {self.retentions} was not recorded "
+                    "(a retention with no `window_append` before it on a held site)"
+                )
             self.auditor.check(self.site, self.retentions, expected, self.view(), evicted=evicted, address=self.address)
 
     def _check_retained(self, retained: torch.Tensor) -> None:
@@ -234,12 +239,27 @@ def _extent(node: torch.fx.Node, axis: int) -> int:
     return int(node.meta["val"].shape[axis])
 
 
+def _concat_pair(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, int] | None:
+    """(first, second, dim) if `node` is an aten ``cat([first, second], dim)`` of two graph nodes, else None."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.cat.default:
+        return None
+    parts, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
+    if not isinstance(parts, (list, tuple)) or len(parts) != 2 or not isinstance(dim, int):
+        return None
+    first, second = parts
+    if not isinstance(first, torch.fx.Node) or not isinstance(second, torch.fx.Node):
+        return None
+    return first, second, dim
+
+
 def _tail_slice(node: torch.fx.Node) -> tuple[torch.fx.Node, int, int] | None:
     """(source, axis, units) if `node` is ``source[..., -units:]`` along one axis, else None."""
     if node.op != "call_function" or node.target is not _SLICE:
         return None
     source, dim, start, end, step = (*node.args, *(None,) * (5 - len(node.args)))[:5]
     dim, step = dim if dim is not None else 0, step if step is not None else 1
+    if not isinstance(source, torch.fx.Node) or not isinstance(dim, int):
+        return None
     if not isinstance(start, int) or start >= 0 or step != 1 or end not in (None, _END):
         return None
     return source, _axis(source, dim), -start
@@ -247,24 +267,28 @@ def _tail_slice(node: torch.fx.Node) -> tuple[torch.fx.Node, int, int] | None:
 
 def _head_and_tail(node: torch.fx.Node) -> tuple[torch.fx.Node, int, int, int] | None:
     """(source, axis, head, tail) if `node` is ``cat([source[..., :head], source[..., -tail:]])``."""
-    if node.op != "call_function" or node.target is not torch.ops.aten.cat.default or len(node.args[0]) != 2:
+    pair = _concat_pair(node)
+    if pair is None:
         return None
-    first, second = node.args[0]
-    if not (isinstance(first, torch.fx.Node) and first.op == "call_function" and first.target is _SLICE):
+    first, second, cat_dim = pair
+    if not (first.op == "call_function" and first.target is _SLICE):
         return None
     last = _tail_slice(second)
     source, dim, start, end, step = (*first.args, *(None,) * (5 - len(first.args)))[:5]
+    dim = dim if dim is not None else 0
     if (
         last is None
         or last[0] is not source
+        or not isinstance(source, torch.fx.Node)
+        or not isinstance(dim, int)
         or start not in (None, 0)
         or step not in (None, 1)
         or not isinstance(end, int)
         or not 0 < end < _END
     ):
         return None
-    axis = _axis(source, dim if dim is not None else 0)
-    if last[1] != axis or _axis(node, node.args[1] if len(node.args) > 1 else 0) != axis:
+    axis = _axis(source, dim)
+    if last[1] != axis or _axis(node, cat_dim) != axis:
         return None
     return source, axis, end, last[2]
 
@@ -285,7 +309,8 @@ def _erase_trim(gm: torch.fx.GraphModule, leaf: torch.fx.Node) -> None:
     """Erase a retention trim nothing reads any more, and the slices only it read."""
     if leaf.users:
         return
-    parts = list(leaf.args[0]) if leaf.target is torch.ops.aten.cat.default else []
+    pair = _concat_pair(leaf)
+    parts = [] if pair is None else list(pair[:2])
     gm.graph.erase_node(leaf)
     for part in parts:
         if isinstance(part, torch.fx.Node) and not part.users:
@@ -385,7 +410,10 @@ def rewrite_windows(gm: torch.fx.GraphModule, windows: tuple[Window, ...], carri
 
 def carry_node_strides(gm: torch.fx.GraphModule, carry: torch.fx.Node, extent: int) -> tuple[int, ...]:
     """Strides of the carry view of `extent` units that a `get_attr` carry node stands for."""
-    return tuple(gm.get_submodule(carry.target).view(extent).stride())
+    module = gm.get_submodule(carry.target) if isinstance(carry.target, str) else None
+    if not isinstance(module, Carry):
+        raise WindowError(f"{carry.name} is not a get_attr of a carry (target {carry.target!r}, found {type(module).__name__})")
+    return tuple(module.view(extent).stride())
 
 
 def _rewrite_concat(gm, graph, w: Window, carry, leaf, cat, tail, retained_input, output):
