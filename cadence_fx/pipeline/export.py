@@ -106,7 +106,9 @@ def keep_export(key: tuple | None, gm: torch.fx.GraphModule) -> None:
 
 
 def reused_export(key: tuple | None, model: torch.nn.Module) -> torch.fx.GraphModule | None:
-    kept = EXPORTS.get(key) if key is not None else None
+    if key is None:
+        return None
+    kept = EXPORTS.get(key)
     if kept is None:
         return None
     EXPORTS.move_to_end(key)

@@ -27,7 +27,8 @@ class Hosts:
     __slots__ = ("arguments", "paths", "values", "_joined")
 
     def __init__(self, arguments: dict[str, Any], paths: tuple[str, ...], values: list) -> None:
-        self.arguments, self.paths, self.values, self._joined = arguments, paths, values, None
+        self.arguments, self.paths, self.values = arguments, paths, values
+        self._joined: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         if self._joined is None:
@@ -133,7 +134,7 @@ def nearest_guard(
     op: BoundOperator, variants: list[OperatorClass], hosts: dict[str, Any], regimes: dict[str, Regime], signature
 ) -> tuple[str, str]:
     """The path by which this call differs from the captured variant nearest to it, and how."""
-    best = None
+    best: tuple[OperatorClass, list[str]] | None = None
     for cls in variants:
         differing = [
             p
@@ -142,6 +143,8 @@ def nearest_guard(
         ]
         if best is None or len(differing) < len(best[1]):
             best = (cls, sorted(differing))
+    if best is None:
+        raise ValueError(f"{op.ob.operator}: no captured variant to compare the call with")
     cls, differing = best
     if not differing:
         return "signature", f"its inputs, layouts or modes ({signature.describe()})"

@@ -138,6 +138,7 @@ class BoundOperator:
         call = self._catalog_class(units, extent)
         if call is None:
             return self._stock(roots, inputs, "not_in_catalog")
+        extent = call.extent  # the class's, which `region_extent` found: an int
         state = [carry_view(self, place, site, value) for place, site, value in zip(places, self.sites, values)]
         staged = staged_inputs(inputs)
         try:
@@ -178,6 +179,8 @@ class BoundOperator:
             return self._stock(roots, inputs, "refused")
         if cls.verify_left > 0 or unseen_value(self, cls, hosts, roots):
             return verify_class(self, cls, roots, inputs, staged, state, hosts.as_dict())
+        if cls.graph is None or cls.effects is None:
+            raise RuntimeError(f"{cls.name}: run before its verification recorded its graph and effects")
         self._current = cls
         # The class's name keys the engine's call: each class its own graphs, whatever its signature.
         outputs, new_state = self.replay(staged, state, modes, cls.name) if self.replay is not None else cls.graph(staged, state)
@@ -275,6 +278,8 @@ class BoundOperator:
         return out
 
     def _rebuild(self, cls: OperatorClass, tensors: list, roots: dict[str, Any]) -> Any:
+        if cls.outputs is None:
+            raise RuntimeError(f"{cls.name}: its output structure was never recorded (a class is verified first)")
         spec, others = cls.outputs
         leaves, it = [], iter(tensors)
         for i in range(spec.num_leaves):

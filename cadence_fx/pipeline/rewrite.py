@@ -36,7 +36,9 @@ def viewed_base(node: Any) -> Any:
     return node
 
 
-def ring_site(gm: torch.fx.GraphModule, graph: str, site: Site, axis: int, output: int, placeholder: str | None) -> RetentionSite:
+def ring_site(
+    gm: torch.fx.GraphModule, graph: str, site: Site, region: str, axis: int, output: int, placeholder: str | None
+) -> RetentionSite:
     """A ring region's site needs no rewrite when the step writes it in place (its output is its
     input, through in-place ops): the carry is then the ring, one address for the stream. A step
     that returns a new tensor instead still runs exact: its result is copied into the carry."""
@@ -50,7 +52,7 @@ def ring_site(gm: torch.fx.GraphModule, graph: str, site: Site, axis: int, outpu
             return RetentionSite(
                 graph,
                 leaf.name,
-                site.region,
+                region,
                 axis,
                 "ring",
                 False,
@@ -60,7 +62,7 @@ def ring_site(gm: torch.fx.GraphModule, graph: str, site: Site, axis: int, outpu
         return RetentionSite(
             graph,
             writer.name,
-            site.region,
+            region,
             axis,
             "ring",
             False,
@@ -69,7 +71,7 @@ def ring_site(gm: torch.fx.GraphModule, graph: str, site: Site, axis: int, outpu
     return RetentionSite(
         graph,
         leaf.name,
-        site.region,
+        region,
         axis,
         "ring",
         False,
@@ -93,7 +95,10 @@ def rewrite_class(
     positions = {}
     for i, (path, _) in enumerate(pytree.tree_flatten_with_path(((inputs, example), {}))[0]):
         positions[pytree.keystr(path)] = placeholders[i]
-    out_leaves = pytree.tree_unflatten(list(range(gm._out_spec.num_leaves)), gm._out_spec)[1]
+    out_spec = gm._out_spec
+    if out_spec is None:
+        raise ValueError(f"{name}: the exported step has no output spec; an exported program's module always has one")
+    out_leaves = pytree.tree_unflatten(list(range(out_spec.num_leaves)), out_spec)[1]
     returned = pytree.tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args)
     windows, rings = [], []
     for i, site in enumerate(op.sites):
@@ -106,9 +111,13 @@ def rewrite_class(
             raise ValueError(f"{op.ob.operator}: after the call {error}")
         region, derived = op.contract.region(site.region), op.catalog.region(site.region)
         if fixed_extent(region.retention):
-            rings.append(ring_site(gm, name, site, op.carries[site.path].axis, out_leaves[i], positions.get(f"[0][1][{i}]")))
+            axis = op.carries[site.path].axis
+            rings.append(ring_site(gm, name, site, site.region, axis, out_leaves[i], positions.get(f"[0][1][{i}]")))
             continue
-        keep = derived.lower + derived.window
+        retention = region.retention
+        if retention is None:
+            raise ValueError(f"region {site.region!r} declares no retention: nothing bounds its carry")
+        keep = derived.kept()
         # Another region's extent is its own (a sliding window still filling beside a growing
         # cache): what this call brings, not its bound.
         retained = (
@@ -128,11 +137,14 @@ def rewrite_class(
                 # another region's stride on that one (a downsampled path beside the main one).
                 live=retained + (call.call if site.region == op.op.region else region.stride),
                 held=region.holds_call,
-                head=region.retention.head,
+                head=retention.head,
                 copy=site.out is not None,
             )
         )
-    if call.extent == max(op.op_catalog.grid) and not call.flush:
+    grid = op.op_catalog.grid
+    if grid is None:
+        raise ValueError(f"{op.ob.operator}: its catalog enumerates no classes ({op.op_catalog.verdict}): nothing to rewrite")
+    if call.extent == max(grid) and not call.flush:
         account_pinned(op, windows)
     try:
         after, found, stamp = rewrite_windows(gm, tuple(windows), op.carries, graph=name)
@@ -160,14 +172,15 @@ def account_pinned(op: BoundOperator, windows: list[Window]) -> None:
         if rb.region in done or len(live) != 1:
             continue
         region, derived = op.contract.region(rb.region), op.catalog.region(rb.region)
-        stock = tuple(live.pop() if i == carry_axis(region) else d for i, d in enumerate(derived.shape))
+        shape, demand_bytes = derived.demand()
+        stock = tuple(live.pop() if i == carry_axis(region) else d for i, d in enumerate(shape))
         op.report.resizes.append(
             Resize(
                 " + ".join(rb.at),
                 rb.region,
                 stock,
                 DTYPES[region.dtype].itemsize * math.prod(stock),
-                derived.shape,
-                derived.bytes,
+                shape,
+                demand_bytes,
             )
         )

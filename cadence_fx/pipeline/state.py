@@ -91,9 +91,10 @@ def allocate(op: BoundOperator, roots: dict[str, Any]) -> None:
     device = op._device()
     for rb in op.regions:
         region, derived = op.contract.region(rb.region), op.catalog.region(rb.region)
+        shape, _ = derived.demand()
         found = sites(rb, roots)
         lead = len(found[0].index) if found else 0
-        leading = derived.shape[:lead]
+        leading = shape[:lead]
         if not found or [s.index for s in found] != list(itertools.product(*map(range, leading))):
             raise ValueError(
                 f"region {rb.region!r}: the binding's paths {rb.at} reach {len(found)} tensors "
@@ -110,14 +111,12 @@ def allocate(op: BoundOperator, roots: dict[str, Any]) -> None:
         values = [get_path(roots, site.path) for site in found]
         # A region written before it is read that the model already holds at its derived shape
         # stays where it is: a new buffer and a copy would cost its size again (a batch's rings).
-        by_reference = (
-            not allocated and rb.write_before_read and holds_region(values, derived.shape[lead:], DTYPES[region.dtype], device)
-        )
+        by_reference = not allocated and rb.write_before_read and holds_region(values, shape[lead:], DTYPES[region.dtype], device)
         if not allocated and not by_reference:
             # Never an inference tensor (a first call under a vendor's `torch.inference_mode()`):
             # the carry is written in place outside it too (a turn reset, a swap).
             with torch.inference_mode(False):
-                buffer = torch.zeros(derived.shape, dtype=DTYPES[region.dtype], device=device)
+                buffer = torch.zeros(shape, dtype=DTYPES[region.dtype], device=device)
             op.report.carries[rb.region] = WindowCarry(rb.region, rb.region, buffer, axis)
         for site, value in zip(found, values):
             key = (rb.region, site.index)
@@ -131,8 +130,9 @@ def allocate(op: BoundOperator, roots: dict[str, Any]) -> None:
             op._holder.add_module(f"carry{len(op.sites)}", carry)
             if rb.caller_trims:
                 retention = region.retention
+                assert retention is not None  # the binding refuses `caller_trims` without a policy that allows it
                 head = retention.head
-                op.trims[len(op.sites)] = (carry.axis, derived.lower + derived.window, head)
+                op.trims[len(op.sites)] = (carry.axis, derived.kept(), head)
             op.sites.append(site)
         op.region_tensors[rb.region] = (
             [op.report.carries[rb.region].buffer]
@@ -146,7 +146,7 @@ def allocate(op: BoundOperator, roots: dict[str, Any]) -> None:
                 else f"{len(found)} sites at one address each"
             )
             op.report.stamps.append(
-                f"state rule: {rb.region} at {'x'.join(map(str, derived.shape))} ({format_bytes(derived.bytes)}), {where}"
+                f"state rule: {rb.region} at {'x'.join(map(str, shape))} ({format_bytes(derived.bytes)}), {where}"
                 + (
                     "; written before read (the binding says so): never copied, verified through the outputs it feeds"
                     if rb.write_before_read

@@ -60,7 +60,9 @@ def caller_trimmed(out: Any, sites: list[Site], trims: dict[int, tuple[int, int,
         return out
     holder = {RETURN: out}
     for i, (axis, keep, head) in trims.items():
-        set_path(holder, sites[i].out, caller_trim(get_path(holder, sites[i].out), axis, keep, head))
+        out = sites[i].out
+        assert out is not None  # the binding refuses `caller_trims` on a region that is not returned (`out`)
+        set_path(holder, out, caller_trim(get_path(holder, out), axis, keep, head))
     return holder[RETURN]
 
 

@@ -74,6 +74,8 @@ def verify_class(op: BoundOperator, cls: OperatorClass, roots, inputs, staged, s
     bits (else the stock call does not repeat itself). Then the stock call runs untraced on
     the stream's own state objects, and the rewritten graph (on the staged inputs, on the
     carries) must give its outputs, retained state and host values bit for bit."""
+    if cls.exported is None or cls.graph is None:
+        raise RuntimeError(f"{cls.name}: verified before its step was exported and rewritten")
     counters_before = {p: get_path(roots, p) for p in host_counter_paths(op, roots)}
     hosts_before = host_values(root_arguments(roots))
     spanned = spanned_values(op, cls, hosts, roots)
