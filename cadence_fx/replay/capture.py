@@ -171,6 +171,8 @@ class _Recorder:
     def end(self) -> None:
         torch.cuda.set_sync_debug_mode(0)
         graph, self._graph = self._graph, None
+        if graph is None:
+            raise RuntimeError("capture end without a capture begun: `begin` starts every graph segment")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
             graph.capture_end()

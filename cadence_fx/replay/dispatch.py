@@ -86,6 +86,7 @@ class Dispatcher:
             return st
         if sig in self.misses:
             return None
+        sc: ShapeClass | None
         if self.predicate is not None:
             verdict = self.predicate(sig)
             if isinstance(verdict, ShapeClass):

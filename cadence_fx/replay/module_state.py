@@ -19,7 +19,7 @@ class ModuleState:
         self.ptrs: list[int] = []
         self.tables: list[dict] = []  # the places, split for C-level passes
         self.names: list[str] = []
-        self.tensors: list[torch.Tensor | None] = []
+        self.tensors: list[torch.Tensor] = []  # the tensor last seen at each place
 
     @property
     def remembered(self) -> bool:
@@ -49,7 +49,7 @@ class ModuleState:
         self.ptrs = self.now()
         self.tables = [table for table, _, _ in self.places]
         self.names = [name for _, name, _ in self.places]
-        self.tensors = list(map(dict.get, self.tables, self.names))
+        self.tensors = [table[name] for table, name, _ in self.places]  # `find` keeps only tensors
 
     def unmoved(self) -> bool:
         """Every place holds a tensor at the address it held at the first capture. It runs on every
@@ -60,10 +60,12 @@ class ModuleState:
         next call takes the C-level passes again."""
         now = list(map(dict.get, self.tables, self.names))
         if all(map(operator.is_, now, self.tensors)):
-            return list(map(torch.Tensor.data_ptr, now)) == self.ptrs
+            return list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
         if self.now() != self.ptrs:
             return False
-        self.tensors = now
+        held = [t for t in now if t is not None]
+        if len(held) == len(now):  # a place now empty (address 0, as an empty tensor's) is checked by address again
+            self.tensors = held
         return True
 
     def first_moved(self) -> str | None:

@@ -8,7 +8,7 @@ import contextlib
 import gc
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,7 +52,7 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _shares_module_state(
-    names: list[str], leaves: list[Any], aliased: frozenset[int], buffers: list[tuple[str, torch.Tensor]]
+    names: list[str], leaves: list[Any], aliased: Collection[int], buffers: list[tuple[str, torch.Tensor]]
 ) -> list[str]:
     """Copied arguments that are views of a module buffer: staging them would feed the graph a
     snapshot while the callable updates the buffer itself (the stock Token2Wav cache is a view of
@@ -112,7 +112,7 @@ def certify_and_capture(
     if st.aliased:
         checks.append("aliased data_ptr")
     if device is not None:
-        stream = side_stream(engine, device)
+        stream = side_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         stream_ctx: Any = torch.cuda.stream(stream)
     else:
@@ -149,7 +149,7 @@ def certify_and_capture(
         torch.cuda.current_stream(device).wait_stream(stream)
     host_rng = rng.host_readers(after)
     copied = [names[i] for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and i not in st.aliased]
-    base = dict(
+    base: dict[str, Any] = dict(
         shape_class=st.shape_class.name,
         signature=sig,
         host_rng=host_rng,

@@ -8,7 +8,7 @@ import enum
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils import _pytree as pytree
@@ -154,7 +154,7 @@ def _flatten(args: tuple, kwargs: Mapping[str, Any]) -> tuple[list[Any], tuple]:
     Keyword arguments are flattened in sorted order, so their order at the call site is no key.
     """
     leaves: list[Any] = []
-    spec = []
+    spec: list[tuple[int | str, pytree.TreeSpec | None]] = []
     for i, a in enumerate(args):
         if _is_leaf(a):
             leaves.append(a)
@@ -242,7 +242,7 @@ class Signature:
         if None in keys:  # the leaves' names only for the message: building them costs more than the keys
             name, x = next((n, x) for n, x, k in zip(_leaf_names(spec), leaves, keys) if k is None)
             raise TypeError(f"{name}: cannot key on {type(x).__name__}")
-        return cls(tuple(keys), spec, _context())
+        return cls(tuple(cast("list[tuple]", keys)), spec, _context())  # no None: refused above
 
     @property
     def catalog_key(self) -> tuple:
