@@ -172,7 +172,10 @@ def _is_pattern(segment: str) -> bool:
 def _selected(segment: str, length: int) -> range:
     if segment == WILDCARD:
         return range(length)
-    start, stop, step = (int(x) if x else None for x in _SLICE.match(segment).groups())
+    match = _SLICE.match(segment)
+    if match is None:
+        raise ValueError(f"path segment {segment!r} is neither {WILDCARD!r} nor a slice like '[2:]' or '[::2]'")
+    start, stop, step = (int(x) if x else None for x in match.groups())
     return range(length)[slice(start, stop, step)]
 
 
@@ -261,6 +264,7 @@ class Place:
             # A tuple cannot be written: a new one, the element replaced, takes its place in its own
             # parent (a legacy `past_key_values`, an LSTM's `(h, c)`); the caller's tuple stays as it was.
             # Read afresh: a write through a sibling's place may have replaced the tuple since.
+            assert self.parent_path is not None  # only the roots (a dict) have no parent path
             parent = get_path(self.roots, self.parent_path)
             items = list(parent)
             items[int(last)] = value

@@ -134,9 +134,13 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from cadence_fx.families import family, load
+    from cadence_fx.families import families, family, load
 
-    return 0 if load(family(args.family).demo)(args.depth, args.blocks, args.chunks) else 1
+    declared = family(args.family).demo
+    if declared is None:
+        having = sorted(n for n, f in families().items() if f.demo)
+        raise ValueError(f"the demo streams families with a demo only ({having}), got {args.family!r}")
+    return 0 if load(declared)(args.depth, args.blocks, args.chunks) else 1
 
 
 def _bench(args: argparse.Namespace) -> int:

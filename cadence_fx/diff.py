@@ -82,7 +82,7 @@ def _arg(arg) -> str:
 
 
 def as_networkx(gm: torch.fx.GraphModule) -> networkx.DiGraph:
-    graph = networkx.DiGraph()
+    graph: networkx.DiGraph[str] = networkx.DiGraph()
     for node in gm.graph.nodes:
         graph.add_node(node.name, op=node_op(node))
         for user in node.users:

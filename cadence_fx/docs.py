@@ -39,14 +39,17 @@ def _accepts(action: argparse.Action) -> str:
         return "text"
     if action.type in (int, float):
         return "an integer" if action.type is int else "a number"
-    doc = action.type.__doc__.strip().rstrip(".")  # a type function's docstring names what it takes
+    doc = (action.type.__doc__ or "").strip().rstrip(".")  # a type function's docstring names what it takes
+    if not doc:
+        raise ValueError(f"argument {action.dest!r}: its type {action.type!r} has no docstring to say what it accepts")
     return doc[0].lower() + doc[1:]
 
 
 def _name(action: argparse.Action) -> str:
     if not action.option_strings:
         return f"`{action.dest}`"
-    metavar = "" if action.nargs == 0 else " " + (action.metavar or action.dest.upper())
+    named = action.metavar or action.dest.upper()
+    metavar = "" if action.nargs == 0 else " " + (named if isinstance(named, str) else " ".join(named))
     return ", ".join(f"`{option}{metavar}`" for option in action.option_strings)
 
 
@@ -78,7 +81,11 @@ def cli_reference() -> str:
     """docs/cli.md: every command of `cadence-fx`, its usage, and every argument."""
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
-    helps = {a.dest: a.help for a in commands._choices_actions}  # noqa: SLF001
+    helps = {}
+    for choice in commands._choices_actions:  # noqa: SLF001
+        if not choice.help:
+            raise ValueError(f"command {choice.dest!r} has no help: the reference describes every command by it")
+        helps[choice.dest] = choice.help
     out = [
         "# CLI reference",
         "",

@@ -63,15 +63,15 @@ class DeviceMemory:
 
     def footprint(self) -> int | None:
         """Device bytes in use now beyond those in use at the start."""
-        if not self.cuda:
+        if self.used_at_start is None:  # set exactly when CUDA is measured
             return None
         return _used(self.device) - self.used_at_start
 
     def sample(self) -> None:
         """Fold the current reserved and device-used bytes into the maxima (call between steps)."""
-        if self.cuda:
+        if self.used_at_start is not None:  # set exactly when CUDA is measured
             self.reserved_max = max(self.reserved_max, torch.cuda.memory_reserved(self.device))
-            self.footprint_max = max(self.footprint_max, self.footprint())
+            self.footprint_max = max(self.footprint_max, _used(self.device) - self.used_at_start)
 
     def record(self) -> dict[str, Any]:
         """The figures now, as a benchmark record's fields."""

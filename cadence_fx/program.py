@@ -53,7 +53,7 @@ _SMALL = 8
 
 def _leaf(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        described = ("tensor", tuple(x.shape), tuple(x.stride()), x.dtype, str(x.device), x.storage_offset())
+        described: tuple[Any, ...] = ("tensor", tuple(x.shape), tuple(x.stride()), x.dtype, str(x.device), x.storage_offset())
         if x.device.type == "cpu" and x.numel() <= _SMALL and x.layout == torch.strided:
             described += (tuple(x.reshape(-1).tolist()),)
         return described
