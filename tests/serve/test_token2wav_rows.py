@@ -43,8 +43,8 @@ class StockAlone(StockStream):
         self.computed: dict[str, torch.Tensor] | None = None
 
     def setup_cache(self, tokens: torch.Tensor, mels: torch.Tensor, spk: torch.Tensor) -> dict[str, torch.Tensor]:
-        if self.computed is None:
-            self.computed = super().setup_cache(tokens, mels, spk)
+        if self.computed is None:  # copied: the DiT's caches are views of buffers the next call writes
+            self.computed = {k: v.clone() for k, v in super().setup_cache(tokens, mels, spk).items()}
         return {k: v.clone() for k, v in self.computed.items()}
 
 
