@@ -373,15 +373,19 @@ def _token2wav_setup_key(r: dict) -> dict[str, object]:
 
 def _serve_load_key(r: dict) -> dict[str, object]:
     """The plugin names model and size (a test double says so in it); sessions, lanes, Ray replicas
-    and staggered arrivals are load points cited side by side. Run options (--runs, --append-ms,
-    --reply-lead, plugin options) are not: a run with another is a variant, kept in history/."""
+    and staggered arrivals are load points cited side by side, and so is a Token2Wav plugin's batched
+    mode (its ``slots``: the sessions as the rows of one batch instead of lanes). Run options (--runs,
+    --append-ms, --reply-lead, other plugin options) are not: a run with another is a variant, kept in
+    history/."""
     lanes = r.get("lanes")
+    slots = (r.get("plugin_options") or {}).get("slots") if str(r.get("plugin")).startswith("token2wav") else None
     return {
         "plugin": r.get("plugin"),
         "sessions": r.get("sessions"),
         "lanes": lanes.get("lanes", 1) if isinstance(lanes, dict) else 1,
         "replicas": len(r.get("replicas") or []) or 1,
         "staggered": bool(r.get("staggered")),
+        **({"rows of one batch of": slots} if slots is not None else {}),
     }
 
 
