@@ -121,8 +121,10 @@ class RowStream(ModelStream):
         if not self._closed:
             self._closed = True
             self._tokens = []
-            self._plugin.request(self, Leave(self.index))
-            self._plugin.release(self.slot)
+            try:
+                self._plugin.request(self, Leave(self.index))
+            finally:  # the slot is free for the next session even if the batch failed
+                self._plugin.release(self.slot)
 
 
 class Token2WavRowsPlugin(ModelPlugin):
