@@ -13,7 +13,8 @@ untouched) to learn each layer's shapes, and returns the `(Contract, Binding)` p
 its units the token axis of `input_ids`) and every host value the layers move (their first-call
 flags and lengths) as counters. What it cannot derive it refuses by name (`DeriveError`): a cache
 class or layer class it does not know, a full-attention layer without `max_tokens`, a model whose
-`forward` takes no cache.
+`forward` takes no cache. Mimi, whose streaming step is two methods, is derived apart
+(`cadence_fx/hf_mimi.py`).
 
 `transformers` is imported here only, and only when a model is derived: the core does not need it.
 """
@@ -54,14 +55,6 @@ LAYER_COUNTERS = {
     "linear": ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state", "conv_kernel_size"),
 }
 OPERATOR = "decoder_step"
-#: Models of `transformers` not derived, by `model_type`, and why (docs/families/byom.md says more).
-NOT_DERIVED = {
-    "mimi": (
-        "its streaming step is two methods, encode (an encoder_cache and a MimiConv1dPaddingCache) and "
-        "decode (a decoder_cache), and the padding cache encode builds keeps each convolution's padding "
-        "as a 0-d tensor that MimiConv1dPaddingCache.update branches on, which torch.export cannot trace"
-    ),
-}
 
 
 class DeriveError(ValueError):
@@ -102,11 +95,12 @@ def derive_transformers(
     if cache not in ("dynamic", "static"):
         raise DeriveError(f"cache must be 'dynamic' or 'static', got {cache!r}")
     name = type(model).__name__
-    if model.config.model_type in NOT_DERIVED:
-        raise DeriveError(
-            f"{name} is not derived: {NOT_DERIVED[model.config.model_type]}; bind it by hand "
-            "(docs/families/byom.md: One line for a transformers model)"
-        )
+    if model.config.model_type == "mimi":  # two operators, encode and decode (cadence_fx/hf_mimi.py)
+        if (max_tokens, cache, encoder_frames) != (None, "dynamic", None):
+            raise DeriveError(f"{name}: Mimi's bounds are its config's; pass tokens_per_call (and verify) only")
+        from .hf_mimi import derive_mimi
+
+        return derive_mimi(model, tokens_per_call=tokens_per_call, verify=verify)
     parameters = inspect.signature(model.forward).parameters
     argument = next((a for a in ("cache", "past_key_values") if a in parameters), None)
     if argument is None:
@@ -176,6 +170,10 @@ def derived_caches(model: Any, binding: Binding, cache: str = "dynamic") -> dict
     is passed by (the root of its regions' paths) and the cache class its contract was derived for."""
     from transformers import DynamicCache, EncoderDecoderCache, StaticCache
 
+    if model.config.model_type == "mimi":
+        from .hf_mimi import mimi_caches
+
+        return mimi_caches()
     encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
     cls = EncoderDecoderCache if encoder_decoder else StaticCache if cache == "static" else DynamicCache
     return {ob.operator: (binding.regions[0].at[0].split(".")[0], cls) for ob in binding.operators}

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from .hf_mimi import int_paddings
 from .multiplex import SessionState
 from .pipeline import BoundModel, BoundOperator
 
@@ -51,6 +53,8 @@ ADDED = (
     "swap_out",
 )
 _SUBCLASSES: dict[type, type] = {}
+#: What an operator's entry does to its call's arguments first, by (model_type, operator).
+BEFORE: dict[tuple[str, str], Callable[[dict[str, Any]], None]] = {("mimi", "encode"): int_paddings}
 
 
 def transformed_model(
@@ -76,7 +80,9 @@ def transformed_model(
                 copied[at] = _shallow(child, type(child))
                 setattr(holder, part, copied[at])
             holder = copied[at]
-        object.__setattr__(holder, method, _entry(op, *(caches or {}).get(name, (None, None))))
+        argument, cache = (caches or {}).get(name, (None, None))
+        before = BEFORE.get((getattr(getattr(model, "config", None), "model_type", ""), name))
+        object.__setattr__(holder, method, _entry(op, argument, cache, before))
     return twin
 
 
@@ -89,13 +95,17 @@ def _shallow(module: torch.nn.Module, cls: type[torch.nn.Module]) -> torch.nn.Mo
     return twin
 
 
-def _entry(op: BoundOperator, argument: str | None, cache: type | None):
+def _entry(op: BoundOperator, argument: str | None, cache: type | None, before: Callable[[dict[str, Any]], None] | None):
     """The method the operator replaces, as the model's code calls it: the stock method's name,
     docstring and signature (`generate` reads which arguments `forward` takes), the call the
-    operator's. A cache of another class than `cache` runs the stock method, counted."""
+    operator's. A cache of another class than `cache` runs the stock method, counted. `before`
+    sees the call's arguments first (`BEFORE`)."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        state = None if argument is None else op.signature.bind_partial(*args, **kwargs).arguments.get(argument)
+        arguments = op.signature.bind_partial(*args, **kwargs).arguments if argument or before else {}
+        if before is not None:
+            before(arguments)
+        state = None if argument is None else arguments.get(argument)
         if cache is not None and state is not None and type(state) is not cache:
             if CACHE_CLASS not in op.counters.stock_by_reason:
                 op.report.stamps.append(

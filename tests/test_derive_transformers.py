@@ -12,10 +12,10 @@ import sys
 import pytest
 import test_byom_probe as probe
 import torch
-from derive_kit import CASES, comparable, differences
+from derive_kit import CASES, _expand, comparable, differences
 from torch import nn
 
-from cadence_fx import DeriveError, derive_transformers, transform
+from cadence_fx import DeriveError, derive, derive_transformers, transform
 from cadence_fx.guards import ModuleSettings
 
 VERIFY = "verify: 1 -> 2"  # the probes verify each class once; the derived binding keeps the default, two visits
@@ -98,18 +98,76 @@ def test_a_model_whose_forward_takes_no_cache_is_refused_by_name():
     )
 
 
-def test_mimi_is_refused_saying_what_blocks_it():
-    """Mimi's `encode` and `decode` are bound by hand (tests/test_byom_probe.py), on a padding cache
-    whose paddings are ints: the one `encode` builds keeps them as 0-d tensors."""
+def _declared(contract, binding) -> dict:
+    """What a contract and binding of several operators declare, names left out (labels a person
+    picks): each region by its concrete paths, with its derived shape, bound, retention, stride,
+    axis, dtype and clock kind; each operator's method, units, counters and catalog classes; the
+    rates by value (their clocks' kinds)."""
+    catalog = derive(contract)
+    counts = {"encoder_cache.layers": 2, "decoder_cache.layers": 2, "padding_cache.padding_cache": 9}
+    kinds = {c.name: c.kind for c in contract.clocks}
+    regions = {}
+    for rb in binding.regions:
+        region, derived = contract.region(rb.region), catalog.region(rb.region)
+        paths = frozenset().union(*(_expand(p, counts) for p in rb.at))
+        regions[paths] = (
+            derived.shape,
+            derived.bound,
+            region.retention,
+            region.stride,
+            region.axis,
+            region.dtype,
+            region.holds_call,
+            kinds.get(region.clock),
+        )
+    operators = {
+        ob.operator: (
+            ob.method,
+            ob.units,
+            ob.counters,
+            frozenset().union(*(_expand(p, counts) for p in binding.region(op.region).at)),
+            tuple((c.call, c.extent) for c in catalog.operator(op.name).classes),
+        )
+        for ob, op in zip(binding.operators, contract.operators, strict=True)
+    }
+    rates = sorted(((kinds[r.clock], kinds[r.per], r.value) for r in contract.rates), key=repr)
+    return dict(regions=regions, operators=operators, rates=rates, admission=contract.admission.max_per_call)
+
+
+def test_mimi_derives_the_hand_written_contract_and_binding_of_its_two_operators():
+    """transformers' Mimi, derived (cadence_fx/hf_mimi.py): `encode` and `decode`, the two sliding
+    windows of its transformers and each convolution's left context (its `padding_total`, at the
+    rate the convolution runs at), equal to the pair written by hand in tests/test_byom_probe.py
+    but in the names (regions', clocks') and the verification depth (the default two visits)."""
+    model, config = probe.mimi()
+    hand = (probe.mimi_contract(config), probe.mimi_binding(verify=2))
+    contract, binding = derive_transformers(model, tokens_per_call=2)
+    assert binding.verify == 2 and _declared(*hand) == _declared(contract, binding)
+    assert [r.name for r in contract.regions] == [
+        "encoder_kv",
+        "decoder_kv",
+        "conv_1_sample",
+        "conv_4_sample",
+        "conv_8_sample_2",
+        "conv_16_token",
+    ]
+
+
+@pytest.mark.parametrize(
+    "keywords, message",
+    [
+        (dict(tokens_per_call=3), "MimiModel: a call brings whole frames of 2 tokens; tokens_per_call is 3"),
+        (
+            dict(tokens_per_call=2, max_tokens=8),
+            "MimiModel: Mimi's bounds are its config's; pass tokens_per_call (and verify) only",
+        ),
+    ],
+)
+def test_mimi_refuses_what_it_cannot_take_by_name(keywords, message):
     model, _ = probe.mimi()
     with pytest.raises(DeriveError) as error:
-        transform(model, tokens_per_call=2)
-    assert str(error.value) == (
-        "MimiModel is not derived: its streaming step is two methods, encode (an encoder_cache and a "
-        "MimiConv1dPaddingCache) and decode (a decoder_cache), and the padding cache encode builds keeps "
-        "each convolution's padding as a 0-d tensor that MimiConv1dPaddingCache.update branches on, which "
-        "torch.export cannot trace; bind it by hand (docs/families/byom.md: One line for a transformers model)"
-    )
+        derive_transformers(model, **keywords)
+    assert str(error.value) == message
 
 
 def test_an_encoder_decoder_model_without_its_encoder_length_is_refused_by_name():

@@ -149,3 +149,61 @@ def test_a_model_of_two_operators_runs_both_when_called_the_stock_way():
             assert torch.equal(ours.audio_codes, theirs.audio_codes) and torch.equal(ours.audio_values, theirs.audio_values)
     assert report.operators["encode"].counters.stock_by_reason == {"verification": 1, "no_state_yet": 6}
     assert report.operators["decode"].counters.stock_by_reason == {"verification": 1, "units": 6}
+
+
+def test_mimi_transformed_from_its_config_alone_streams_both_operators_the_stock_way():
+    """Mimi with no contract (cadence_fx/hf_mimi.py): two operators, `encode` and `decode`, on the
+    transformed model's own methods. Streamed the stock way, two streams of 6 frames: `encode`
+    with `use_streaming=True` and no padding cache at its first call (it builds one, whose paddings
+    are 0-d tensors: read as ints by the transformed `encode`), its codes through `decode`.
+    Codes, audio and every retained tensor bit-identical to the stock model; the sites at one
+    address from each stream's second call on. Each stream's first `encode` runs the stock code (no
+    padding cache yet); the first `decode` is refused at verification (its export takes another
+    position path); every other class runs its graph, verified at its two visits (one a stream);
+    the steady class is a variant at each `cumulative_length` (L=4, #2 to #4)."""
+    model, config = probe.mimi()
+    stream = probe.mimi_stream(config, probe.mimi_audio(config), lambda: None, positions=True)
+    expected, _ = stream(model)
+    fast, report = transform(model, tokens_per_call=2)
+    assert type(fast).__name__ == "TransformedMimiModel" and not {"encode", "decode"} & set(vars(model))
+    for _ in range(2):
+        actual, addresses = stream(fast)
+        assert probe.exact(actual, expected)
+        assert addresses[1:] == [{path: carry.address for path, carry in fast.carries.items()}] * (probe.MIMI_CALLS - 1)
+    assert report.operators["encode"].counters.as_dict() == {
+        "calls": 12,
+        "graph_calls": 10,
+        "verified": 10,
+        "stock": 2,
+        "adopted": 22,  # each stream's first (stock) call's 11 sites: 4 keys and values, 7 left contexts
+        "stock_by_reason": {"no_state_yet": 2},
+    }
+    assert report.operators["decode"].counters.as_dict() == {
+        "calls": 12,
+        "graph_calls": 11,
+        "verified": 10,
+        "stock": 2,
+        "adopted": 8,
+        "evicted": 4,
+        "stock_by_reason": {"verification": 1, "refused": 1},
+    }
+    steady = [f"[n=2,L=4]{variant}" for variant in ("", "#2", "#3", "#4")]
+    assert fast.calls == {
+        **{f"encode{c}": 2 for c in ["[n=2,L=2]", *steady]},
+        "decode[n=2,L=0]": 1,
+        **{f"decode{c}": 2 for c in ["[n=2,L=2]", *steady]},
+    }
+    why = ran(8, "_to_copy.default")
+    assert {c.name: c.refused[: len(why)] for op in report.operators.values() for c in op.classes.values() if c.refused} == {
+        "decode[n=2,L=0]": why
+    }
+    # its forward calls both operators; it passes no padding cache, so `encode` has no state to bind
+    audio = probe.mimi_audio(config)
+    caches = [(DynamicCache(config=config), DynamicCache(config=config)) for _ in range(2)]
+    with torch.no_grad():
+        for i in range(probe.MIMI_CALLS):
+            frame = audio[..., i * config.frame_size : (i + 1) * config.frame_size]
+            ours, theirs = (m(frame, encoder_cache=e, decoder_cache=d) for m, (e, d) in zip((fast, model), caches))
+            assert torch.equal(ours.audio_codes, theirs.audio_codes) and torch.equal(ours.audio_values, theirs.audio_values)
+    assert report.operators["encode"].counters.stock_by_reason == {"no_state_yet": 8}
+    assert report.operators["decode"].counters.stock_by_reason == {"verification": 1, "refused": 1, "units": 6}
