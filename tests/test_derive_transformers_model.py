@@ -1,16 +1,19 @@
 """The transformed model of a `transformers` model (cadence_fx/hf_model.py): a shallow copy of the
-input model whose bound methods are its operators, so `generate()` (which calls `self(...)`) and a
-model of several operators called the stock way go through the pipeline, and the input model stays
-as it was. What each layout's `generate()` does, counted
-exactly: Mamba's decoding steps run their graphs; an attention model's decoding steps reach the
-operator and are refused at verification (transformers derives the positions from the cache
-another way when exported; the stock result is kept); a cache of another class than the derived
-one runs the stock code, counted as `cache_class`."""
+input model whose bound methods are its operators, so `generate()` (which calls `self(...)`), a
+model of several operators (Mimi's `encode` and `decode`) and an operator on a nested module, each
+called the stock way, go through the pipeline, and the input model stays as it was.
+
+What each layout's `generate()` does, counted exactly: Mamba's decoding steps run their graphs;
+an attention model's decoding steps reach the operator and are refused at verification
+(transformers derives the positions from the cache another way when exported; the stock result is
+kept); a cache of another class than the derived one runs the stock code, counted as `cache_class`."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
+import byom_example
 import test_byom_probe as probe
 import torch
 from derive_kit import CASES
@@ -207,3 +210,35 @@ def test_mimi_transformed_from_its_config_alone_streams_both_operators_the_stock
             assert torch.equal(ours.audio_codes, theirs.audio_codes) and torch.equal(ours.audio_values, theirs.audio_values)
     assert report.operators["encode"].counters.stock_by_reason == {"no_state_yet": 8}
     assert report.operators["decode"].counters.stock_by_reason == {"verification": 1, "refused": 1, "units": 6}
+
+
+def test_an_operator_bound_on_a_nested_module_runs_when_the_model_is_called_the_stock_way():
+    """The README's Mistral bound at its inner `model.forward` (the decoder without its head): the
+    transformed model's `model` is a shallow copy of the input's whose `forward` is the operator,
+    so calling the transformed model the stock way (its own `forward`, then its head) reaches it.
+    The input model's inner module is untouched; the head and the weights are shared."""
+    model, config = byom_example.build_model()
+    stock = copy.deepcopy(model)
+    binding = byom_example.binding()
+    binding = dataclasses.replace(binding, operators=(dataclasses.replace(binding.operators[0], method="model.forward"),))
+    bound, report = transform(model, byom_example.contract(), binding)
+    fast = transformed_model(model, bound)
+    assert fast.model is not model.model and "forward" in vars(fast.model) and "forward" not in vars(model.model)
+    assert fast.lm_head is model.lm_head and all(a is b for a, b in zip(fast.parameters(), model.parameters(), strict=True))
+    tokens = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    ours, theirs = DynamicCache(config=config), DynamicCache(config=config)
+    with torch.no_grad():
+        for t in range(0, 12, 2):
+            chunk = tokens[:, t : t + 2]
+            assert torch.equal(
+                fast(input_ids=chunk, cache=ours, use_cache=True).logits,
+                stock(input_ids=chunk, cache=theirs, use_cache=True).logits,
+            )
+    assert report.operators[binding.operators[0].operator].counters.as_dict() == {
+        "calls": 6,
+        "graph_calls": 6,
+        "verified": 5,
+        "stock": 1,
+        "adopted": 4,
+        "stock_by_reason": {"verification": 1},  # the first call, refused at verification
+    }
