@@ -57,7 +57,7 @@ def freeze_omni_contract(
 ) -> Contract:
     """`chunk_frames` is the chunk in encoder frames (16 fbank frames through 4x subsampling);
     `lorder` the conv feed-forward's left context, None for the linear feed-forward (no region)."""
-    regions = (
+    regions: tuple[Region, ...] = (
         Region(
             "attention_kv",
             dims=("blocks", 2, 1, "heads", "encoder_frame", "head_dim"),
@@ -139,15 +139,16 @@ def freeze_omni_binding(encoder: FreezeOmniEncoder, contract: Contract) -> Bindi
         )
     catalog = derive(contract)
     for region, actual in retained.items():
-        derived = catalog.region(region)
-        declared = derived.lower + derived.window  # the units it retains between calls in steady state
+        declared = catalog.region(region).kept()  # the units it retains between calls in steady state
         if declared != actual:
             raise ValueError(f"region {region!r} retains {declared} frames but the encoder keeps {actual}")
     kv, cnn = ("[0::2]", "[1::2]") if c.conv_feed_forward else ("*", None)
-    regions = (RegionBinding(KV, at=(f"buffer.{kv}.0", f"buffer.{kv}.1"), out=(f"return.1.{kv}.0", f"return.1.{kv}.1")),)
+    bindings: tuple[RegionBinding, ...] = (
+        RegionBinding(KV, at=(f"buffer.{kv}.0", f"buffer.{kv}.1"), out=(f"return.1.{kv}.0", f"return.1.{kv}.1")),
+    )
     if cnn is not None:
-        regions += (RegionBinding(CONV, at=(f"buffer.{cnn}",), out=(f"return.1.{cnn}",)),)
-    return Binding(regions=regions, operators=(OperatorBinding(OPERATOR, method="infer", units=c.chunk_size),))
+        bindings += (RegionBinding(CONV, at=(f"buffer.{cnn}",), out=(f"return.1.{cnn}",)),)
+    return Binding(regions=bindings, operators=(OperatorBinding(OPERATOR, method="infer", units=c.chunk_size),))
 
 
 def reference_encoder(depth: str = "reduced", device: str = "cpu"):

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 from torch import nn
@@ -159,6 +160,9 @@ class FreezeOmniEncoderConfig:
 
 
 class GlobalCMVN(nn.Module):
+    mean: torch.Tensor  # buffers, declared for the checker
+    istd: torch.Tensor
+
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.register_buffer("mean", torch.zeros(dim))
@@ -190,6 +194,9 @@ class Subsampling(nn.Module):
 
 
 class RelPositionalEncoding(nn.Module):
+    div_term: torch.Tensor  # buffers, declared for the checker
+    pe: torch.Tensor
+
     def __init__(self, d_model: int, chunk_size: int, left_chunks: int, max_len: int) -> None:
         super().__init__()
         self.d_model = d_model
@@ -431,7 +438,8 @@ class Transformer(nn.Module):
         xs, pos_emb, pe_index = self.pe.infer(xs, pe_index, pe_length)
         buffer_index = 0
         for layer in self.encoders:
-            xs, buffer, buffer_index = layer.infer(xs, pos_emb, buffer, buffer_index)
+            # nn.ModuleList is not generic: its items are typed Module, these are TransformerLayers.
+            xs, buffer, buffer_index = cast(TransformerLayer, layer).infer(xs, pos_emb, buffer, buffer_index)
         return (self.after_norm(xs) if self.normalize_before else xs), buffer, pe_index
 
 
@@ -471,7 +479,7 @@ class FreezeOmniEncoder(nn.Module):
         """One chunk `(1, 19, 80)` -> `(1, 4, D)`, the next buffer list and the next `pe_index`."""
         buffer = list(buffer)
         xs = self.enc[0](self.global_cmvn(chunk))
-        return self.enc[1].infer(xs, buffer, pe_index)
+        return cast(Transformer, self.enc[1]).infer(xs, buffer, pe_index)  # nn.ModuleList items are typed Module
 
 
 class InferStep(nn.Module):
