@@ -18,9 +18,7 @@ batched runtime runs (`serve/plugins/moshi.py`).
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any, cast
 
 from cadence_fx.binding import Binding, OperatorBinding, RegionBinding
 from cadence_fx.contract import (
@@ -38,6 +36,9 @@ from cadence_fx.contract import (
 )
 from cadence_fx.guards import Unread
 from cadence_fx.passes.retention import RingCache
+
+if TYPE_CHECKING:
+    from moshi.quantization.core_vq import EuclideanCodebook
 
 __all__ = [
     "MIMI_BINDING",
@@ -117,7 +118,7 @@ def _mimi_counters(*parts: str, masked: bool) -> tuple[str, ...]:
     """The per-stream state of Mimi's `parts` besides their rings, at any depth (`**`): the streaming
     convolutions' buffers and first-call flags, the transformers' offsets and ring ends (and, at a
     batch of slots, every module's exec mask)."""
-    state = ("previous", "first", "partial", "offset", "offsets", "offset_cpu", "kv_cache.end_offset")
+    state: tuple[str, ...] = ("previous", "first", "partial", "offset", "offsets", "offset_cpu", "kv_cache.end_offset")
     state += (_MASK,) if masked else ()
     return tuple(f"self.{part}.**._streaming_state.{name}" for part in parts for name in state)
 
@@ -344,14 +345,15 @@ def check_models(models: Any, contract: Contract) -> None:
             )
 
 
-def used_codebooks(mimi: Any) -> list[torch.nn.Module]:
+def used_codebooks(mimi: Any) -> list[EuclideanCodebook]:
     """The codebooks Mimi's calls read: the first `n_q` levels of each residual quantizer (Mimi
     ships 32 levels and streams 8). A transform fills their lazily derived caches first, as the
     vendor's first call would; filling the others would hold caches the vendor never makes."""
+    from moshi.quantization.core_vq import VectorQuantization
     from moshi.quantization.vq import ResidualVectorQuantizer
 
     return [
-        layer._codebook
+        cast(VectorQuantization, layer)._codebook  # nn.ModuleList is not generic: its items are typed Module
         for module in mimi.quantizer.modules()
         if isinstance(module, ResidualVectorQuantizer)
         for layer in module.vq.layers[: module.n_q]

@@ -66,7 +66,8 @@ class OwnedState:
     @classmethod
     def of(cls, states: dict[str, dict[str, Any]]) -> OwnedState:
         """Every tensor and host integer reachable from `states` (module path -> its `get_streaming_state()`)."""
-        owned, seen = cls(), set()
+        owned = cls()
+        seen: set[int] = set()
         for entries in states.values():
             for state in entries.values():
                 owned._walk(state, seen)

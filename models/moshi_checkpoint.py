@@ -104,7 +104,9 @@ class MoshiCheckpoint:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> MoshiCheckpoint:
-        fields = {key: Path(value) if key in _PATH_FIELDS and value is not None else value for key, value in data["info"].items()}
+        fields: dict[str, Any] = {
+            key: Path(value) if key in _PATH_FIELDS and value is not None else value for key, value in data["info"].items()
+        }
         return cls(data["source"], loaders.CheckpointInfo(**fields))
 
 
@@ -206,7 +208,15 @@ def _from_directory(source: str, directory: Path) -> MoshiCheckpoint:
         # What from_hf_repo builds for a repository without config.json (it would ask the hub for one).
         return MoshiCheckpoint(source, loaders.CheckpointInfo(paths["moshi_weights"], paths["mimi_weights"], paths["tokenizer"]))
     # Every file is given as a local path, so from_hf_repo never uses the repo argument.
-    return MoshiCheckpoint(source, loaders.CheckpointInfo.from_hf_repo(str(directory), config_path=config_path, **paths))
+    info = loaders.CheckpointInfo.from_hf_repo(
+        str(directory),
+        moshi_weights=paths["moshi_weights"],
+        mimi_weights=paths["mimi_weights"],
+        tokenizer=paths["tokenizer"],
+        config_path=config_path,
+        mimi_config_path=paths.get("mimi_config_path"),
+    )
+    return MoshiCheckpoint(source, info)
 
 
 def _from_hub(repo: str) -> MoshiCheckpoint:
@@ -215,11 +225,12 @@ def _from_hub(repo: str) -> MoshiCheckpoint:
 
     where = f"Moshi checkpoint {repo!r}"
     try:
+        config_path: str | None
         try:
             config_path = hf_hub_download(repo, CONFIG_NAME)
         except EntryNotFoundError:  # none (or, offline, none cached): from_hf_repo then assumes the 7B layout
             config_path = None
-        else:  # checked before the weights are downloaded
+        if config_path is not None:  # checked before the weights are downloaded
             _check_supported(_read_config(Path(config_path), where), where)
         info = loaders.CheckpointInfo.from_hf_repo(repo, config_path=config_path)
     except LocalEntryNotFoundError as error:

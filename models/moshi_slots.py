@@ -186,6 +186,7 @@ def vendor_ticks(
             lm_gen.set_exec_mask(live)
             codes = mimi.encode(_frames(slots, mimi.frame_size, tick.frames, device))
             tokens = lm_gen.step(codes)
+            assert tokens is not None  # support_out_of_sync: LMGen.step returns a frame on every call
             speaking = (tokens[:, :, 0] >= 0).all(dim=1)
             mimi.set_exec_mask(speaking)
             pcm = mimi.decode(tokens[:, 1:].clamp(min=0))
@@ -242,6 +243,8 @@ class MoshiSlots:
     @contextlib.contextmanager
     def _generators(self) -> Iterator[None]:
         """The batch's generator state swapped in for a tick; the caller's put back after it."""
+        if self.rng is None:
+            raise RuntimeError("these slots have no generator state: build them with transform_slots, which seeds it")
         caller = rng_get(self.device)
         rng_set(self.device, self.rng)
         try:

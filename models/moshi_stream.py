@@ -75,6 +75,7 @@ import torch
 from moshi.models import LMGen, loaders
 from moshi.models.compression import MimiModel
 from moshi.models.lm import LMModel
+from moshi.quantization.core_vq import EuclideanCodebook
 from moshi.utils.compile import no_compile
 
 __all__ = [
@@ -107,7 +108,7 @@ class MoshiConfig:
 
 
 def _small_mimi() -> dict[str, Any]:
-    mimi = {key: dict(value) if isinstance(value, dict) else value for key, value in loaders._mimi_config.items()}
+    mimi: dict[str, Any] = {key: dict(value) if isinstance(value, dict) else value for key, value in loaders._mimi_config.items()}
     mimi["seanet"].update(n_filters=8, dimension=128)
     mimi["quantizer"].update(dimension=64, input_dimension=128, output_dimension=128)
     mimi["transformer"].update(
@@ -176,10 +177,10 @@ def build_models(config: MoshiConfig = SMALL, device: str | torch.device = "cpu"
 
 def _draw_codebooks(mimi: MimiModel) -> None:
     for module in mimi.quantizer.modules():
-        if hasattr(module, "embedding_sum"):
+        if isinstance(module, EuclideanCodebook):
             module.embedding_sum.normal_(0.0, 1.0)
             module._initialized.fill_(1.0)
-            module._embedding = None
+            module.register_buffer("_embedding", None, persistent=False)  # derived from the sum: recomputed on use
 
 
 def streaming_copy(models: MoshiModels, contract: Any, batch: int, **lm_gen_options: Any) -> tuple[MoshiModels, LMGen, ExitStack]:
