@@ -38,12 +38,14 @@ from cadence_fx.contract import Contract
 from cadence_fx.multiplex import Transformed
 from cadence_fx.passes.hoist import HostConstantHoist
 from cadence_fx.passes.piecewise import Piecewise
+from cadence_fx.passes.retention import PromptPlusHistory
 from cadence_fx.passes.state import Envelope, apply_state_rule, shed_envelopes
 from cadence_fx.pipeline import BoundModel
 from cadence_fx.replay import ExactShapeReplay, ShapeClass, Signature, TensorSpec
 from cadence_fx.transform import TransformReport, transform
 
-from .token2wav_stream import Prompt, StockStream, random_chunks, random_prompt
+from .token2wav_stream import Prompt, StockStream, Vocoder, random_chunks, random_prompt
+from .vendor import VendorFlow
 
 __all__ = [
     "ENVELOPES",
@@ -106,10 +108,13 @@ def warm_up_chunks(device: torch.device | str) -> int:
 class TransformedFlow(Transformed):
     """The flow with its envelopes at demand and its hot operators bound (`bound`); HiFT replayed."""
 
-    def __init__(self, flow: torch.nn.Module, hift, bound: BoundModel, contract: Contract, report: TransformReport):
+    def __init__(self, flow: VendorFlow, hift: Vocoder | None, bound: BoundModel, contract: Contract, report: TransformReport):
         self.flow, self.hift, self.bound, self.contract, self.report = flow, hift, bound, contract, report
         self.auditor = report.auditor
-        self.prompt_frames = contract.region("estimator_att_cache").retention.prompt
+        retention = contract.region("estimator_att_cache").retention
+        if not isinstance(retention, PromptPlusHistory):
+            raise ValueError(f"the contract's estimator_att_cache must keep the prompt (PromptPlusHistory), got {retention!r}")
+        self.prompt_frames = retention.prompt
         self.base: dict[str, torch.Tensor] | None = None
 
     @property
@@ -191,7 +196,7 @@ def hift_classes(hift: torch.nn.Module, catalog: Catalog, source_window: int) ->
     return classes
 
 
-def _check_model(flow: torch.nn.Module, contract: Contract) -> None:
+def _check_model(flow: VendorFlow, contract: Contract) -> None:
     """The contract must describe this flow: fail before touching anything if it does not."""
     symbols = contract.symbols()
     found = {
@@ -221,13 +226,20 @@ def transform_flow(
     report.stamps.append(stamp)
     flow.decoder.forward_chunk = bound.operators["cfm_loop"]
     flow.encoder.forward_chunk = bound.operators["conformer_encoder"]
-    hift = None
+    hift: Vocoder | None = None
     if stock_hift is not None:
-        hift = copy.deepcopy(stock_hift)
+        vocoder: torch.nn.Module = copy.deepcopy(stock_hift)
+        hift = vocoder
         if replay and not audit:
             window = catalog.region("hift_source_cache").bound
+            if window is None:
+                raise ValueError("the contract's hift_source_cache has no bound: HiFT's replay needs its source window")
             hift = ExactShapeReplay(
-                hift, hift_classes(hift, catalog, window), name="hift", hooks=[Piecewise(), HostConstantHoist()], inference=True
+                vocoder,
+                hift_classes(vocoder, catalog, window),
+                name="hift",
+                hooks=[Piecewise(), HostConstantHoist()],
+                inference=True,
             )
             report.replays["hift"] = hift
     transformed = TransformedFlow(flow, hift, bound, contract, report)
@@ -251,7 +263,7 @@ def _warm_up(transformed: TransformedFlow) -> None:
     transformed.base = None
 
 
-def contract_for_flow(flow: torch.nn.Module, prompt_frames: int) -> Contract:
+def contract_for_flow(flow: VendorFlow, prompt_frames: int) -> Contract:
     """The Token2Wav contract of this flow (its DiT and conformer depths) for a prompt of
     ``prompt_frames`` mel frames, at the vendor's streaming operating point otherwise."""
     from .token2wav import token2wav_contract
@@ -322,6 +334,7 @@ def demo(depth: str, blocks: int, chunks: int) -> bool:
             mels = [stream.flow_chunk(tokens, last_chunk=i == len(turn) - 1) for stream in (stock, carried)]
             same = torch.equal(*mels)
             exact &= same
+            assert carried.stream_cache is not None  # set by setup(), kept by every flow_chunk
             address = carried.stream_cache["estimator_att_cache"].data_ptr()
             print(f"block {block} chunk {i}: mel {tuple(mels[1].shape)} bit-identical={same} carry at {address:#x}", flush=True)
     print()

@@ -60,14 +60,14 @@ the vendor's does, so one flow serves one stream at a time.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from cadence_fx.models.vendor import token2wav_vendor
+from cadence_fx.models.vendor import VendorDiT, VendorFlow, token2wav_vendor
 from cadence_fx.passes.carry import stock_trim
 
 __all__ = [
@@ -79,6 +79,7 @@ __all__ = [
     "REDUCED_HIFT_CHANNELS",
     "Prompt",
     "StockStream",
+    "Vocoder",
     "build_flow",
     "build_hift",
     "random_chunks",
@@ -91,6 +92,10 @@ VOCAB_SIZE = 6561
 PROMPT_TOKENS = 151
 CHUNK_TOKENS = 28
 N_TIMESTEPS = 10
+
+#: HiFT as the stream calls it: (mel, cached source) -> (speech, source). The vendor's
+#: HiFTGenerator, its exact-shape replay, or a wrapper that seeds its RNG around the call.
+Vocoder = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,7 @@ def build_flow(
     seed: int = 0,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-) -> torch.nn.Module:
+) -> VendorFlow:
     """CausalMaskedDiffWithXvec at the MiniCPM-o 4.5 flow.yaml config, random weights, eval mode.
 
     Built on the CPU under ``seed`` (which also fixes ``CFM.rand_noise``, drawn at construction),
@@ -251,6 +256,7 @@ class StockStream:
     Mirrors ``stepaudio2/token2wav.py`` (minicpmo-utils 1.0.6): :meth:`setup` is
     ``Token2wav.set_stream_cache``, :meth:`step` is ``Token2wav.stream(..., return_waveform=True)``
     with its cache trim split out as :meth:`retain`, the one step a retention pass replaces.
+    Without a vocoder (``hift=None``) it streams the flow alone (:meth:`flow_chunk`).
     """
 
     mel_cache_len = 8
@@ -259,8 +265,8 @@ class StockStream:
 
     def __init__(
         self,
-        flow: torch.nn.Module,
-        hift: torch.nn.Module,
+        flow: VendorFlow,
+        hift: Vocoder | None,
         prompt: Prompt,
         *,
         n_timesteps: int = N_TIMESTEPS,
@@ -331,6 +337,8 @@ class StockStream:
 
     def step(self, tokens: torch.Tensor, last_chunk: bool = False) -> ChunkOut:
         """Token2wav.stream for one chunk of (1, 28) tokens."""
+        if self.hift is None:
+            raise ValueError("this stream has no vocoder (hift=None): flow_chunk() streams the flow alone, step() needs HiFT")
         chunk_mel = self.flow_chunk(tokens, last_chunk)
 
         hift_cache_mel = self.hift_cache_dict["mel"]
@@ -376,7 +384,7 @@ class StockStream:
             return [self.step(chunk, last_chunk=i == final) for i, chunk in enumerate(chunks)]
 
 
-def rebucket_vendor_graphs(estimator: torch.nn.Module, buckets: dict[int, int]) -> None:
+def rebucket_vendor_graphs(estimator: VendorDiT, buckets: dict[int, int]) -> None:
     """The vendor's own CUDA-graph branch of the DiT, with its chunk buckets re-chosen.
 
     ``DiT._init_cuda_graph_chunk`` (decoder_dit.py:433) captures one graph per chunk size in

@@ -33,7 +33,7 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 __all__ = [
     "MINICPMO_UTILS",
@@ -41,6 +41,8 @@ __all__ = [
     "PlaceholderUsed",
     "PromptOnlyImport",
     "Token2WavVendor",
+    "VendorDiT",
+    "VendorFlow",
     "VendorMissing",
     "VendorPackage",
     "hift_generator_class",
@@ -201,6 +203,15 @@ def require(package: VendorPackage) -> None:
         )
 
 
+# stepaudio2 ships no type information, so an instance of its classes is checked as Any: these
+# names say which class a value is, and the attributes the code reads on it are the vendor's.
+#: ``stepaudio2.cosyvoice2.flow.flow.CausalMaskedDiffWithXvec``: its ``setup_cache`` and
+#: ``inference_chunk``, ``up_rate``, ``encoder`` and ``decoder`` (the CFM, whose ``estimator`` is a DiT).
+VendorFlow: TypeAlias = Any
+#: ``stepaudio2.cosyvoice2.flow.decoder_dit.DiT``: its blocks, cache buffers and CUDA-graph tables.
+VendorDiT: TypeAlias = Any
+
+
 @dataclass(frozen=True)
 class Token2WavVendor:
     """The vendor classes and helpers MiniCPM-o 4.5 Token2Wav streaming is built from."""
@@ -244,6 +255,7 @@ def token2wav_vendor() -> Token2WavVendor:
         ) from error
     finally:
         dynamo_config.suppress_errors, dynamo_config.cache_size_limit = saved
+    assert token2wav.__file__ is not None  # a module imported from its .py file
     return Token2WavVendor(
         version=MINICPMO_UTILS.version,
         root=Path(token2wav.__file__).parent,

@@ -224,3 +224,15 @@ def test_two_runs_from_one_seed_are_bit_identical(reduced: Run) -> None:
     for (_, first), (_, second) in pairs:
         assert torch.equal(first.estimator, second.estimator)
         assert torch.equal(first.conformer, second.conformer)
+
+
+def test_a_stream_without_a_vocoder_streams_the_flow_and_refuses_a_waveform_step(reduced: Run) -> None:
+    stream = StockStream(build_flow(REDUCED_DEPTH, seed=0), None, random_prompt(0))
+    chunk = random_chunks(0, 3)[0]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # as `run(rng_seed=0)` seeds the fixture's stream
+        stream.setup()
+        with pytest.raises(ValueError, match=r"this stream has no vocoder \(hift=None\): flow_chunk\(\) streams the flow alone"):
+            stream.step(chunk)
+        mel = stream.flow_chunk(chunk)
+    assert torch.equal(mel, reduced.outs[0].mel)
