@@ -45,7 +45,7 @@ import torch
 import yaml
 
 from .token2wav_stream import Prompt
-from .vendor import placeholders, token2wav_vendor
+from .vendor import VendorFlow, placeholders, token2wav_vendor
 
 __all__ = [
     "ASSET_DIR",
@@ -236,7 +236,14 @@ class _FlowConfigLoader(yaml.SafeLoader):
 def _construct(tag: str, loader: _FlowConfigLoader, node: yaml.Node) -> FlowConfig:
     if not isinstance(node, yaml.MappingNode):
         raise yaml.constructor.ConstructorError(None, None, f"{tag} must be a mapping of arguments", node.start_mark)
-    return FlowConfig(tag, loader.construct_mapping(node, deep=True))
+    arguments = loader.construct_mapping(node, deep=True)
+    kwargs = {name: value for name, value in arguments.items() if isinstance(name, str)}
+    if len(kwargs) != len(arguments):
+        odd = next(name for name in arguments if not isinstance(name, str))
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{tag}'s argument names must be strings, got {odd!r}", node.start_mark
+        )
+    return FlowConfig(tag, kwargs)
 
 
 for _tag in FLOW_CLASSES:
@@ -262,7 +269,7 @@ def read_flow_config(path: str | Path) -> FlowConfig:
 # -- weights ---------------------------------------------------------------------------------------
 
 
-def load_flow(checkpoint: Token2WavCheckpoint, *, seed: int = 0, device: str | torch.device = "cpu") -> torch.nn.Module:
+def load_flow(checkpoint: Token2WavCheckpoint, *, seed: int = 0, device: str | torch.device = "cpu") -> VendorFlow:
     """The flow of flow.yaml with flow.pt's weights (strict, as Token2wav.__init__ loads them), in
     eval mode on ``device``; ``CFM.rand_noise`` drawn under ``seed``. The caller's RNG is untouched."""
     config = read_flow_config(checkpoint.file(FLOW_CONFIG))

@@ -210,6 +210,14 @@ def test_flow_yaml_may_name_the_four_vendor_classes_only(tmp_path):
         checkpoint.read_flow_config(tmp_path / "flow.yaml")
 
 
+def test_flow_yaml_argument_names_must_be_strings(tmp_path):
+    (tmp_path / "flow.yaml").write_text(
+        "flow: !new:cosyvoice2.flow.flow.CausalMaskedDiffWithXvec\n    input_size: 512\n    3: 80\n"
+    )
+    with pytest.raises(checkpoint.CheckpointError, match=r"CausalMaskedDiffWithXvec's argument names must be strings, got 3"):
+        checkpoint.read_flow_config(tmp_path / "flow.yaml")
+
+
 def test_weights_that_do_not_fit_the_config_name_both_files(model_dir, tmp_path):
     assets = tmp_path / "assets" / "token2wav"
     shutil.copytree(model_dir / "assets" / "token2wav", assets)
