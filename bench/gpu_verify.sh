@@ -11,10 +11,24 @@ set +e
 START=$(date +%s); END=$((START + ${BUDGET:-585})); PHASES=${PHASES:-123}
 left() { echo $((END - $(date +%s))); }
 # On a machine with no package index, the wheels this needs beside its CUDA torch travel in .whl/
+# (every pure-Python dependency: openai 3.57 imports httpx2 and httpcore2, fastapi 0.165 opentelemetry)
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
 fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-bench/results/gpu_run}
+# cadence-fx as it installs, from this checkout, which Python puts first on its path: its
+# sub-packages (top-level folders here) linked into cadence_fx/, and its entry points in /tmp/pkg
+for sub in passes models serve; do [ -e cadence_fx/$sub ] || ln -s ../$sub cadence_fx/$sub; done
+python3 - <<'PY' || exit 4
+import pathlib, tomllib
+project = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
+info = pathlib.Path("/tmp/pkg") / f"cadence_fx-{project['version']}.dist-info"
+info.mkdir(parents=True, exist_ok=True)
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: cadence-fx\nVersion: {project['version']}\n")
+groups = project["entry-points"] | {"console_scripts": project["scripts"]}
+(info / "entry_points.txt").write_text("".join(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in t.items()) for g, t in groups.items()))
+PY
+export PYTHONPATH=/tmp/site:/tmp/pkg:$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-bench/results/gpu_run}
+python3 -c "import cadence_fx.passes, cadence_fx.families as f; print('families:', sorted(f.families()))" || exit 5
 mkdir -p $OUT
 nvidia-smi -L; python3 -c "import torch, sys; print(sys.version, torch.__version__, torch.cuda.get_device_name())"
 L=$OUT/logs; mkdir -p $L

@@ -298,7 +298,12 @@ class StockStream:
         self.reset_vocoder()
 
     def setup_cache(self, tokens: torch.Tensor, mels: torch.Tensor, spk: torch.Tensor) -> dict[str, torch.Tensor]:
-        return self.flow.setup_cache(tokens, mels, spk, n_timesteps=self.n_timesteps)
+        # Token2wav.set_stream_cache runs the flow with no autocast, which fails in its own float16
+        # configuration (the halved speaker projection meets the float32 speaker embedding: "mat1 and
+        # mat2 must have the same dtype", seen on an H100). In float16 the setup runs under the
+        # stream's autocast, as BatchedStreams runs it; in float32 as the vendor runs it.
+        with self._autocast() if self.float16 else contextlib.nullcontext():
+            return self.flow.setup_cache(tokens, mels, spk, n_timesteps=self.n_timesteps)
 
     def reset_turn(self) -> None:
         """A turn boundary: the caches return to the prompt state, as a fresh setup computes it."""
