@@ -20,7 +20,15 @@ PACKAGES = {
 }
 #: The core's modules that stand above the pipeline: the transform, what reports on it, and the
 #: derivation of a `transformers` model's contract and binding (it names the retention policies).
-TRANSFORM = {"cadence_fx.transform", "cadence_fx.diff", "cadence_fx.diff_page", "cadence_fx.diff_svg", "cadence_fx.hf"}
+TRANSFORM = {
+    "cadence_fx.transform",
+    "cadence_fx.diff",
+    "cadence_fx.diff_page",
+    "cadence_fx.diff_svg",
+    "cadence_fx.hf",
+    "cadence_fx.hf_mimi",
+    "cadence_fx.hf_model",
+}
 APPLICATIONS = {ROOT / "cadence_fx" / "cli.py", ROOT / "cadence_fx" / "docs.py", ROOT / "cadence_fx" / "__init__.py"}
 
 
