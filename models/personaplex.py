@@ -1,7 +1,7 @@
 """PersonaPlex (NVIDIA): its contract, and its Mimi and its LM bound as data on the one pipeline.
 
 PersonaPlex is NVIDIA's fine-tune of Moshi with a voice prompt and a text role prompt
-(github.com/NVIDIA/personaplex, commit 3428dfd; DESIGN.md section 4). Its package is Kyutai's
+(github.com/NVIDIA/personaplex, commit 3428dfd). Its package is Kyutai's
 `moshi` forked from an older release, installed here under its own import name,
 `personaplex_moshi` (`.ci/install`), beside Kyutai's `moshi` 0.2.13. Nothing here imports it at
 module import: the contract and the bindings are data.
