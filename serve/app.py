@@ -65,6 +65,19 @@ def selected_subprotocol(offered: list[str]) -> str | None:
     return None
 
 
+@dataclass
+class _Started:
+    """What the app's lifespan builds at startup (its device memory baseline, the plugin, the
+    session manager), which its routes use."""
+
+    parts: tuple[DeviceMemory, ModelPlugin, SessionManager] | None = None
+
+    def get(self) -> tuple[DeviceMemory, ModelPlugin, SessionManager]:
+        if self.parts is None:
+            raise RuntimeError("the service's lifespan has not started: serve the app through uvicorn (run_server)")
+        return self.parts
+
+
 def create_app(
     plugin_factory: Callable[[], ModelPlugin],
     limits: Limits | None = None,
@@ -78,12 +91,12 @@ def create_app(
     is loaded, everything then alive is left out of later garbage collections (``runtime.heap.settle``)."""
     limits = limits or Limits()
     access = access or Access()
-    state: dict[str, object] = {}
+    state = _Started()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Started before the model loads: the device footprint it reports is the service's own.
-        state["memory"] = DeviceMemory.of_process()
+        memory = DeviceMemory.of_process()
         plugin = plugin_factory()
         plugin.reserve(limits.max_sessions)  # before the first session, which then never waits for it
         if settle_heap:
@@ -91,7 +104,7 @@ def create_app(
         PAUSES.watch()  # the collections while it serves
         manager = SessionManager(plugin, limits, session_prefix)
         await manager.start()
-        state["plugin"], state["manager"] = plugin, manager
+        state.parts = (memory, plugin, manager)
         app.state.manager = manager
         app.state.loop = asyncio.get_running_loop()
         try:
@@ -104,7 +117,7 @@ def create_app(
     app.add_middleware(AccessMiddleware, access=access)
 
     async def serve_socket(ws: WebSocket, duplex: bool, session_id: str | None, autostart: str = "1") -> None:
-        manager: SessionManager = state["manager"]  # type: ignore[assignment]
+        _, _, manager = state.get()
         await ws.accept(subprotocol=selected_subprotocol(ws.scope.get("subprotocols", [])))
         transport = Transport(limits.outbound_bytes)
         writer = asyncio.create_task(transport.pump(ws.send_text, ws.close))
@@ -135,8 +148,8 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict:
-        plugin: ModelPlugin = state["plugin"]  # type: ignore[assignment]
-        return model_list(plugin, await asyncio.to_thread(plugin.describe), state["memory"].record())  # type: ignore[attr-defined]
+        memory, plugin, _ = state.get()
+        return model_list(plugin, await asyncio.to_thread(plugin.describe), memory.record())
 
     @app.get("/", include_in_schema=False)
     async def page() -> FileResponse:
@@ -146,7 +159,7 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict:
-        return health_of(state["manager"])  # type: ignore[arg-type]
+        return health_of(state.get()[2])
 
     return app
 

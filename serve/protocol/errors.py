@@ -54,6 +54,9 @@ class ProtocolError(Exception):
         self.message = message
         self.param = param
         self.event_id = event_id
+        # An append refused after its audio was decoded: how many bytes it carried (the input ledger's
+        # rejected_bytes). Zero for any other error.
+        self.audio_bytes = 0
 
     @property
     def type(self) -> str:

@@ -153,8 +153,11 @@ class SessionBase:
 
     def _deliver_direct(self, event: ev.ServerEvent, transport: Transport | None = None) -> None:
         """A connection-level event: not journaled, only to this transport."""
+        target = transport or self.transport
+        if target is None:  # detached: a connection-level event has no connection to go to
+            return
         self._stamp(event)
-        self._send(transport or self.transport, event)  # type: ignore[arg-type]
+        self._send(target, event)
 
     def _send(self, transport: Transport, event: ev.ServerEvent, text: str | None = None) -> None:
         """``text``: the event's encoding, when the journal already made it."""

@@ -63,7 +63,7 @@ class InputPath:
             x = wire_audio.decode_samples(data, fmt)
             self._check_duration(cmd, fmt, len(data))
         except ProtocolError as err:
-            err.audio_bytes = len(data)  # type: ignore[attr-defined]
+            err.audio_bytes = len(data)
             raise
         if fmt != self.format:
             converter = self._converters.get(fmt)

@@ -53,7 +53,7 @@ class InputTurns(ResponseFence):
             data, frames, edges, resampled = await loop.run_in_executor(self.executor, self.input.ingest, cmd, fmt, self._vad)
         except ProtocolError as err:
             self.ledgers.input.rejected_appends += 1
-            self.ledgers.input.rejected_bytes += getattr(err, "audio_bytes", 0)
+            self.ledgers.input.rejected_bytes += err.audio_bytes
             raise
         led = self.ledgers.input
         led.received_bytes += len(data)
