@@ -146,14 +146,15 @@ class RngState:
         )
 
     def restore(self) -> None:
-        torch.set_rng_state(torch.tensor(list(self.torch_cpu), dtype=torch.uint8))
+        # Generator states are CPU byte tensors, whatever the default device (torch.set_default_device)
+        torch.set_rng_state(torch.tensor(list(self.torch_cpu), dtype=torch.uint8, device="cpu"))
         random.setstate(self.python)
         np = sys.modules.get("numpy")
         if self.numpy is not None and np is not None:
             np.random.set_state(self.numpy)
         for device, (seed, offset) in enumerate(self.cuda):
             raw = seed.to_bytes(8, "little") + offset.to_bytes(8, "little", signed=True)
-            torch.cuda.set_rng_state(torch.tensor(list(raw), dtype=torch.uint8), device)
+            torch.cuda.set_rng_state(torch.tensor(list(raw), dtype=torch.uint8, device="cpu"), device)
 
     def host_readers(self, after: RngState) -> tuple[str, ...]:
         """Which host RNGs changed between `self` and `after`."""

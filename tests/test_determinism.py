@@ -51,3 +51,14 @@ def test_the_envelope_line_follows_the_switches(autotuned):
     assert not determinism.pinned() and determinism.envelope() == NOT_PINNED
     with determinism.deterministic():
         assert determinism.pinned() and determinism.envelope() == PINNED
+
+
+def test_a_saved_rng_state_restores_under_another_default_device():
+    """A generator state is a CPU byte tensor whatever the default device: restoring one under
+    `torch.set_default_device` (here the meta device, as cuda would be) used to build it on that
+    device and fail ("RNG state must be a torch.ByteTensor")."""
+    saved = determinism.RngState.capture()
+    first = torch.rand(4)
+    with torch.device("meta"):
+        saved.restore()
+    assert torch.equal(torch.rand(4), first)
