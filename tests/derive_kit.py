@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from cadence_fx import Binding, Contract, derive
+from cadence_fx.hf_mimi import PADDINGS
 
 
 class _Captured(Exception):
@@ -64,6 +65,11 @@ def _static() -> tuple[Any, Contract, Binding]:
     return model, static_cache.CONTRACT, static_cache.BINDING
 
 
+def _mimi() -> tuple[Any, Contract, Binding]:
+    model, config = probe.mimi()
+    return model, probe.mimi_contract(config), probe.mimi_binding(verify=1)
+
+
 def _mistral() -> tuple[Any, Contract, Binding]:
     import byom_example
 
@@ -74,8 +80,9 @@ def _mistral() -> tuple[Any, Contract, Binding]:
 @dataclass(frozen=True)
 class Case:
     """A hand-written pair and what derives the same: `derive` the keywords of `derive_transformers`,
-    `stream` how the fuzzer streams it (`decoder`, `encoder_decoder`, `static`), `ids` the width of a
-    frame of codes (None: one token a position) and the id range."""
+    `stream` how the fuzzer streams it (`decoder`, `encoder_decoder`, `static`; `mimi`: a frame of
+    audio through `encode`, its codes through `decode`), `ids` the width of a frame of codes (None:
+    one token a position) and the id range."""
 
     build: Callable[[], tuple[Any, Contract, Binding]]
     derive: dict
@@ -134,6 +141,7 @@ CASES: dict[str, Case] = {
         codebooks=(2,),
         vocab=16,
     ),
+    "mimi": Case(_mimi, dict(tokens_per_call=STEP), stream="mimi"),
     "llama_static": Case(
         _static, dict(tokens_per_call=static_cache.STEP, max_tokens=static_cache.CAPACITY, cache="static"), stream="static"
     ),
@@ -162,18 +170,22 @@ def _layer_counts(model: Any, binding: Binding) -> dict[str, int]:
     config = model.config
     layers = len(DynamicCache(config=config).layers)
     counts = {}
-    for path in [p for b in binding.regions for p in b.at] + list(binding.operators[0].counters):
+    for path in [p for b in binding.regions for p in b.at] + [p for ob in binding.operators for p in ob.counters]:
         head = path.split(".layers.")[0] + ".layers" if ".layers." in path else None
         if head is not None:
             counts[head] = layers
+    if hasattr(model, "encoder") and hasattr(model.encoder, "encoder_seanet"):
+        # Mimi's padding cache: an entry for each convolution of its encoder, and one for its downsampling
+        counts[PADDINGS] = len(model.encoder.encoder_seanet._conv1d_layer_names) + 1
     return counts
 
 
 def comparable(model: Any, contract: Contract, binding: Binding) -> dict[str, Any]:
     """What a contract and binding declare, names left out (the family, the regions', clocks' and
     quantities' names, the stages: labels a person picks): each region by the concrete paths that
-    hold it, with its derived shape, bound, retention, stride and dtype; the operator's method, units,
-    catalog classes and concrete counters; the verification depth."""
+    hold it, with its derived shape, bound, retention, stride and dtype; each operator, by the method
+    it is bound on, with its units, catalog classes, regimes and modes; the concrete counters of them
+    all; the verification depth."""
     catalog = derive(contract)
     counts = _layer_counts(model, binding)
     regions = {}
@@ -191,19 +203,21 @@ def comparable(model: Any, contract: Contract, binding: Binding) -> dict[str, An
             holds_call=region.holds_call,
             clock_kind=None if region.clock is None else next(c.kind for c in contract.clocks if c.name == region.clock),
         )
-    (ob,) = binding.operators
-    (op,) = contract.operators
-    operator = dict(
-        method=ob.method,
-        units=ob.units,
-        steady=op.steady,
-        flush=op.flush,
-        admission=contract.admission.max_per_call,
-        classes=tuple((c.call, c.extent, c.flush) for c in catalog.operator(op.name).classes),
-        region=frozenset().union(*(_expand(p, counts) for p in binding.region(op.region).at)),
-    )
-    counters = frozenset().union(*(_expand(p, counts) for p in ob.counters)) if ob.counters else frozenset()
-    return dict(regions=regions, operator=operator, counters=counters, regimes=ob.regimes, modes=ob.modes, verify=binding.verify)
+    operators, counters = {}, frozenset()
+    for ob in binding.operators:
+        op = next(o for o in contract.operators if o.name == ob.operator)
+        operators[ob.method] = dict(
+            units=ob.units,
+            steady=op.steady,
+            flush=op.flush,
+            admission=contract.admission.max_per_call,
+            classes=tuple((c.call, c.extent, c.flush) for c in catalog.operator(op.name).classes),
+            region=frozenset().union(*(_expand(p, counts) for p in binding.region(op.region).at)),
+            regimes=ob.regimes,
+            modes=ob.modes,
+        )
+        counters |= frozenset().union(*(_expand(p, counts) for p in ob.counters)) if ob.counters else frozenset()
+    return dict(regions=regions, operators=operators, counters=counters, verify=binding.verify)
 
 
 def differences(hand: dict[str, Any], derived: dict[str, Any]) -> list[str]:
@@ -216,14 +230,14 @@ def differences(hand: dict[str, Any], derived: dict[str, Any]) -> list[str]:
             lines.append(f"{name}: {'only derived' if h is None else 'only hand-written'}")
             continue
         lines += [f"{name}.{key}: {h[key]!r} -> {d[key]!r}" for key in h if h[key] != d[key]]
-    lines += [
-        f"operator.{key}: {hand['operator'][key]!r} -> {derived['operator'][key]!r}"
-        for key in hand["operator"]
-        if hand["operator"][key] != derived["operator"][key]
-    ]
+    for method in sorted(hand["operators"].keys() | derived["operators"].keys()):
+        h, d = hand["operators"].get(method), derived["operators"].get(method)
+        if h is None or d is None:
+            lines.append(f"operator {method}: {'only derived' if h is None else 'only hand-written'}")
+            continue
+        lines += [f"operator {method}.{key}: {h[key]!r} -> {d[key]!r}" for key in h if h[key] != d[key]]
     lines += [f"counter only hand-written: {p}" for p in sorted(hand["counters"] - derived["counters"])]
     lines += [f"counter only derived: {p}" for p in sorted(derived["counters"] - hand["counters"])]
-    for key in ("regimes", "modes", "verify"):
-        if hand[key] != derived[key]:
-            lines.append(f"{key}: {hand[key]!r} -> {derived[key]!r}")
+    if hand["verify"] != derived["verify"]:
+        lines.append(f"verify: {hand['verify']!r} -> {derived['verify']!r}")
     return lines

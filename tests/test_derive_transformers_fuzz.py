@@ -2,7 +2,9 @@
 derives, transformed with no hand-written contract or binding (`transform(model, **keywords)`),
 streamed beside a stock copy over the differential fuzzer's schedules (tests/fuzzkit.py): every
 output, every retained tensor and every host value the cache holds bit-identical, and what the
-counters say about each (which classes run their graphs, which are refused and why) exact.
+counters say about each (which classes run their graphs, which are refused and why) exact. Mimi,
+derived as two operators, is streamed through both the stock way (`encode` a frame of audio,
+`decode` its codes).
 
 The other `transformers` models of tests/test_byom_probe.py are streamed the same way over a shorter
 schedule in tests/test_derive_transformers_more.py."""
@@ -30,6 +32,8 @@ def subject(name: str, **derive) -> Subject:
     its probe streams it (positions passed where the probe passes them)."""
     case = CASES[name]
     case = dataclasses.replace(case, derive={**case.derive, **derive})
+    if case.stream == "mimi":
+        return _mimi(name, case)
     model, _, _ = case.build()
     config = model.config
     stock = copy.deepcopy(model)
@@ -84,6 +88,70 @@ def subject(name: str, **derive) -> Subject:
         odd=(3, 1) if step == 2 else (2,),
         takes_none=case.stream != "static",
         limit=case.derive["max_tokens"] if case.stream == "static" else LIMIT,
+    )
+
+
+class _Codec:
+    """A Mimi stream's state: its encoder's and decoder's caches, the padding cache `encode` returns
+    (None before the first call: `encode` builds one) and the tokens seen (the positions passed)."""
+
+    def __init__(self, config):
+        self.encoder_cache, self.decoder_cache = DynamicCache(config=config), DynamicCache(config=config)
+        self.padding_cache, self.seen = None, 0
+
+
+def _codec_state(state: _Codec) -> dict:
+    """What of a Mimi stream to compare: both caches and the padding cache, its paddings as ints.
+    The transformed `encode` reads the paddings of the cache it is passed as ints, where `encode`
+    stores each as its convolution's 0-d buffer (cadence_fx/hf_mimi.py: why): the same values, of
+    another type; every tensor the cache retains is compared bit for bit."""
+    padding = state.padding_cache
+    if padding is not None:
+        padding = {**vars(padding), "per_layer_padding": [int(p) for p in padding.per_layer_padding]}
+    return dict(encoder_cache=state.encoder_cache, decoder_cache=state.decoder_cache, padding_cache=padding)
+
+
+def _mimi(name: str, case) -> Subject:
+    """Mimi transformed from its config alone beside a stock copy, streamed the stock way: `units`
+    tokens of audio (whole frames) through `encode` with `use_streaming=True`, its codes through
+    `decode`; the output is both. A `None` state is a call with no caches (nothing streamed)."""
+    model, _, _ = case.build()
+    config = model.config
+    stock = copy.deepcopy(model)
+    bound, report = transform(model, **case.derive)
+    per_frame = round(config.encodec_frame_rate / config.frame_rate)  # tokens a frame of `frame_size` samples
+
+    def call(m, state, units, generator):
+        audio = torch.randn(1, 1, units // per_frame * config.frame_size, generator=generator)
+        if state is None:
+            codes = m.encode(audio, return_dict=True).audio_codes
+            return codes, m.decode(codes, return_dict=True).audio_values
+        at = dict(position_ids=torch.arange(state.seen, state.seen + units)[None])
+        encoded = m.encode(
+            audio,
+            encoder_cache=state.encoder_cache,
+            padding_cache=state.padding_cache,
+            use_streaming=True,
+            return_dict=True,
+            **at,
+        )
+        state.padding_cache, state.seen = encoded.padding_cache, state.seen + units
+        decoded = m.decode(encoded.audio_codes, decoder_cache=state.decoder_cache, return_dict=True, **at)
+        return encoded.audio_codes, decoded.audio_values
+
+    step = case.derive["tokens_per_call"]
+    return Subject(
+        name,
+        stock,
+        bound,
+        report,
+        lambda m: _Codec(config),
+        call,
+        _codec_state,
+        units=step,
+        odd=(2 * step,),  # two frames a call: outside the catalog (one a call)
+        takes_none=True,
+        limit=LIMIT,
     )
 
 
@@ -169,6 +237,23 @@ EXPECTED = {
             "pow.Tensor_Scalar",
         ),
     ),
+    # two operators: a frame of audio through `encode`, its codes through `decode`. Each stream's
+    # first `encode` has no padding cache yet (stock); the first `decode` is refused (traced, another
+    # position path); the sliding window's `cumulative_length`, a guarded host counter, makes a
+    # variant of the steady class at each value, 4 at most: the long stream's later calls run stock
+    "mimi": (
+        {},
+        {
+            "guard:decoder_cache.layers.0.cumulative_length": 5,
+            "guard:encoder_cache.layers.0.cumulative_length": 5,
+            "no_state_yet": 3,
+            "refused": 2,
+            "verification": 1,
+        },
+        11,
+        15,
+        refused(["decode[n=2,L=0]"], 8, "_to_copy.default"),
+    ),
     "csm": (
         dict(max_tokens=4),
         {"not_in_catalog": 6, "refused": 4, "verification": 5},
@@ -190,3 +275,29 @@ def test_a_model_transformed_from_its_config_alone_streams_bit_identically(name)
     assert (outcome.calls, outcome.stock_by_reason, outcome.classes) == (calls, stock_by_reason, classes)
     assert {cls: reason[: len(why.get(cls, ""))] for cls, reason in outcome.refused.items()} == why
     assert sum(op.counters.graph_calls for op in fuzzed.report.operators.values()) == graph_calls
+
+
+def test_mimi_streams_two_frames_a_call_and_no_cache_bit_identically():
+    """Mimi over a schedule of every kind of step (seed 24): a stream opening with two frames a
+    call (outside the catalog), a call with no caches, resets, two streams interleaved. Every
+    output and retained tensor bit-identical. The opening two frames reach `decode` first: its class
+    at L=0 is captured on them and refused (the extent is 4 tokens, the catalog's 2), and from then on
+    a frame of codes differs from the inputs that class was captured on: `decode` runs the stock
+    code (`units`). `encode`'s opening call has no padding cache yet (stock), so its classes are
+    captured on one frame a call and run their graphs."""
+    fuzzed = subject("mimi")
+    steps = schedule(24, 12, odd=True, none=fuzzed.takes_none)
+    assert {kind for kind, _ in steps} == {"odd", "call", "none", "reset"} and {int(s) for _, s in steps} == {0, 1}
+    outcome = run(fuzzed, steps, 24)
+    assert (outcome.wrong, outcome.first_wrong) == (0, None), outcome.as_dict()
+    encode, decode = (fuzzed.report.operators[name].counters for name in ("encode", "decode"))
+    assert (encode.calls, encode.graph_calls, encode.stock_by_reason) == (
+        10,
+        5,
+        {"no_state_yet": 4, "guard:encoder_cache.layers.0.cumulative_length": 1},
+    )
+    assert (decode.calls, decode.graph_calls, decode.stock_by_reason) == (10, 0, {"refused": 1, "units": 8, "no_state_yet": 1})
+    assert outcome.refused == {
+        "decode[n=2,L=0]": "retention rewrite: decode[n=2,L=0]: decoder_cache.layers.0.keys: slice_8 has extent 4, "
+        "the catalog class declares 2"
+    }
