@@ -143,13 +143,7 @@ def test_a_model_of_two_operators_runs_both_when_called_the_stock_way():
     steady = {"calls": 6, "graph_calls": 6, "verified": 5, "stock": 1}  # the first call refused at verification
     assert report.operators["encode"].counters.as_dict() == {**steady, "adopted": 11, "stock_by_reason": {"verification": 1}}
     assert report.operators["decode"].counters.as_dict() == {**steady, "adopted": 4, "stock_by_reason": {"verification": 1}}
-    audio = probe.mimi_audio(config)
-    caches = [(DynamicCache(config=config), DynamicCache(config=config)) for _ in range(2)]
-    with torch.no_grad():
-        for i in range(probe.MIMI_CALLS):
-            frame = audio[..., i * config.frame_size : (i + 1) * config.frame_size]
-            ours, theirs = (m(frame, encoder_cache=e, decoder_cache=d) for m, (e, d) in zip((fast, model), caches))
-            assert torch.equal(ours.audio_codes, theirs.audio_codes) and torch.equal(ours.audio_values, theirs.audio_values)
+    _forward_equal(fast, model, config)
     assert report.operators["encode"].counters.stock_by_reason == {"verification": 1, "no_state_yet": 6}
     assert report.operators["decode"].counters.stock_by_reason == {"verification": 1, "units": 6}
 
@@ -201,13 +195,7 @@ def test_mimi_transformed_from_its_config_alone_streams_both_operators_the_stock
         "decode[n=2,L=0]": why
     }
     # its forward calls both operators; it passes no padding cache, so `encode` has no state to bind
-    audio = probe.mimi_audio(config)
-    caches = [(DynamicCache(config=config), DynamicCache(config=config)) for _ in range(2)]
-    with torch.no_grad():
-        for i in range(probe.MIMI_CALLS):
-            frame = audio[..., i * config.frame_size : (i + 1) * config.frame_size]
-            ours, theirs = (m(frame, encoder_cache=e, decoder_cache=d) for m, (e, d) in zip((fast, model), caches))
-            assert torch.equal(ours.audio_codes, theirs.audio_codes) and torch.equal(ours.audio_values, theirs.audio_values)
+    _forward_equal(fast, model, config)
     assert report.operators["encode"].counters.stock_by_reason == {"no_state_yet": 8}
     assert report.operators["decode"].counters.stock_by_reason == {"verification": 1, "refused": 1, "units": 6}
 
@@ -242,3 +230,15 @@ def test_an_operator_bound_on_a_nested_module_runs_when_the_model_is_called_the_
         "adopted": 4,
         "stock_by_reason": {"verification": 1},  # the first call, refused at verification
     }
+
+
+def _forward_equal(fast, model, config) -> None:
+    """Mimi's stock call (`forward`: both operators), frame by frame with its caches, on the transformed
+    model and the stock one: equal codes and audio at every frame."""
+    audio = probe.mimi_audio(config)
+    caches = [(DynamicCache(config=config), DynamicCache(config=config)) for _ in range(2)]
+    with torch.no_grad():
+        for i in range(probe.MIMI_CALLS):
+            frame = audio[..., i * config.frame_size : (i + 1) * config.frame_size]
+            ours, theirs = (m(frame, encoder_cache=e, decoder_cache=d) for m, (e, d) in zip((fast, model), caches))
+            assert torch.equal(ours.audio_codes, theirs.audio_codes) and torch.equal(ours.audio_values, theirs.audio_values)

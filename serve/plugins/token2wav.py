@@ -110,10 +110,26 @@ def reply_chunks(turn_samples: int, max_reply_chunks: int) -> int:
     return min(max_reply_chunks, max(MIN_REPLY_CHUNKS, turn_samples // INPUT_RATE))
 
 
-def check_frame(frame: np.ndarray) -> None:
-    """A frame of the user's audio as ``feed`` takes it (the plugin only counts its samples)."""
-    if frame.shape != (FRAME_SAMPLES,) or frame.dtype != np.float32:
-        raise ValueError(f"a frame is float32 of shape ({FRAME_SAMPLES},), got {frame.dtype} of shape {frame.shape}")
+class TurnInput:
+    """The user's side of a stream, which both of the plugin's streams (a lane's, a row's) keep: the
+    samples of the turn so far, which set the length of its reply (the plugin only counts them)."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+
+    def feed(self, frame: np.ndarray) -> None:
+        if frame.shape != (FRAME_SAMPLES,) or frame.dtype != np.float32:
+            raise ValueError(f"a frame is float32 of shape ({FRAME_SAMPLES},), got {frame.dtype} of shape {frame.shape}")
+        self.samples += FRAME_SAMPLES
+
+    def clear(self) -> None:
+        self.samples = 0
+
+    def take_reply_chunks(self, max_reply_chunks: int) -> int:
+        """The reply's length in chunks; the next turn counts from zero."""
+        n = reply_chunks(self.samples, max_reply_chunks)
+        self.samples = 0
+        return n
 
 
 class ReplayLane:
@@ -147,7 +163,7 @@ class Token2WavStream(ModelStream):
         self.index = index
         self.lane = lane
         self.turn = 0
-        self.turn_samples = 0
+        self.input = TurnInput()
         self._stream: CarryStream | None = None  # made on the lane's thread, at the first reply
         self._state: SessionState | None = None
         self._tokens: list[torch.Tensor] = []
@@ -155,15 +171,13 @@ class Token2WavStream(ModelStream):
         self._closed = False
 
     def feed(self, frame: np.ndarray) -> None:
-        check_frame(frame)
-        self.turn_samples += FRAME_SAMPLES
+        self.input.feed(frame)
 
     def clear_input(self) -> None:
-        self.turn_samples = 0
+        self.input.clear()
 
     def begin_response(self) -> None:
-        n = reply_chunks(self.turn_samples, self._plugin.max_reply_chunks)
-        self.turn_samples = 0
+        n = self.input.take_reply_chunks(self._plugin.max_reply_chunks)
         self.lane.run(self._begin, n, self.turn)
         self.turn += 1
 

@@ -42,10 +42,9 @@ from .token2wav import (
     FRAME_SAMPLES,
     INPUT_RATE,
     OUTPUT_RATE,
+    TurnInput,
     build_models,
-    check_frame,
     check_settings,
-    reply_chunks,
     rng_seed,
     token_seed,
 )
@@ -84,21 +83,19 @@ class RowStream(ModelStream):
         self.index = index  # the row's key, and the stream's seeds
         self.slot = slot
         self.turn = 0
-        self.turn_samples = 0
+        self.input = TurnInput()
         self._tokens: list[torch.Tensor] = []
         self._next = 0
         self._closed = False
 
     def feed(self, frame: np.ndarray) -> None:
-        check_frame(frame)
-        self.turn_samples += FRAME_SAMPLES
+        self.input.feed(frame)
 
     def clear_input(self) -> None:
-        self.turn_samples = 0
+        self.input.clear()
 
     def begin_response(self) -> None:
-        n = reply_chunks(self.turn_samples, self._plugin.max_reply_chunks)
-        self.turn_samples = 0
+        n = self.input.take_reply_chunks(self._plugin.max_reply_chunks)
         self._tokens = random_chunks(token_seed(self.index, self.turn), n, device=self._plugin.device)
         self._next = 0
         self._plugin.request(self, TurnStart(self.index))
